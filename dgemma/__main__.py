@@ -1,0 +1,3 @@
+from dgemma.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""Hugging Face checkpoint I/O: `load_model(dir)` and `save_pretrained(model, dir)`.
+
+Layout (what transformers 5.23 writes for `DiffusionGemmaForBlockDiffusion`): `config.json`,
+`generation_config.json`, and `model.safetensors` or shards with `model.safetensors.index.json`. Text weights live
+under `model.decoder.*`; the encoder shares them (tied) except its own `layer_scalar` buffers under
+`model.encoder.language_model.layers.N.layer_scalar`. The head is tied to the embedding and not saved. Vision
+tensors (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`) are skipped: dgemma is text-only.
+
+dgemma's parameter names are the checkpoint's without the `model.decoder.` prefix, so the key table is:
+
+    model.decoder.<name>                                   <-> <name>
+    model.encoder.language_model.layers.N.layer_scalar     <-> layers.N.encoder_layer_scalar
+
+Loading reads tensors lazily and casts them one at a time into a model allocated once in the target dtype, so
+peak host memory stays near one copy of the weights. Pickle files are never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dgemma.config import ConfigError, GenerationConfig, ModelConfig, read_json
+from dgemma.model import DiffusionGemma, Impl
+
+DECODER = "model.decoder."
+ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+IGNORED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.encoder.language_model.", "lm_head.")
+PICKLE_GLOBS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed or does not match its config; the message names file, key and shapes."""
+
+
+def to_checkpoint_key(name: str) -> str:
+    """dgemma state-dict name -> checkpoint key."""
+    if name.endswith(".encoder_layer_scalar"):
+        return "model.encoder.language_model." + name.removesuffix(".encoder_layer_scalar") + ".layer_scalar"
+    return DECODER + name
+
+
+def from_checkpoint_key(key: str) -> str | None:
+    """Checkpoint key -> dgemma state-dict name, or None for tensors dgemma does not use."""
+    m = ENCODER_SCALAR.match(key)
+    if m:
+        return f"layers.{m.group(1)}.encoder_layer_scalar"
+    if key.startswith(DECODER):
+        return key[len(DECODER):]
+    return None
+
+
+def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
+    """(checkpoint key -> the safetensors file that holds it, the file that lists the keys: the index or the single
+    file). Only `model.safetensors` and the shards its index names are read: temporary files of an interrupted save
+    (`.model.safetensors.*.tmp`) and pickle files never are."""
+    index, single = path / INDEX, path / SINGLE
+    if index.exists():
+        try:
+            weight_map = read_json(index).get("weight_map")
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to shard files")
+        files = {}
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(f"{index}: weight_map[{key!r}] must be a shard file name, got {shard!r}")
+            f = path / shard
+            if not f.is_file():
+                raise CheckpointError(f"{index}: shard {shard!r} (holding {key!r}) does not exist in {path}")
+            files[key] = f
+        return files, index
+    if single.exists():
+        with _open(single) as f:
+            return {key: single for key in f.keys()}, single  # noqa: SIM118 (safe_open is not a Mapping)
+    pickles = sorted({p.name for pattern in PICKLE_GLOBS for p in path.glob(pattern)})
+    if pickles:
+        raise CheckpointError(f"{path}: only pickle weights ({', '.join(pickles)}); dgemma never unpickles files. "
+                              "Convert them to safetensors first (for example with transformers' save_pretrained).")
+    leftovers = sorted(p.name for p in path.glob(".model*.tmp"))
+    hint = f" (only temporary files of an interrupted save, never loaded: {', '.join(leftovers)})" if leftovers else ""
+    raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}{hint}")
+
+
+def _open(file: Path) -> Any:
+    """safe_open, which checks the header and that the file is exactly as long as it says (so a truncated file fails
+    here, not at the first read)."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:  # truncated, not safetensors, unreadable
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _is_float(st_dtype: str) -> bool:
+    """safetensors dtype names: F16, BF16, F32, F64, F8_E4M3, ... are floating; I*, U*, BOOL, C64 are not."""
+    return st_dtype.startswith("F") or st_dtype == "BF16"
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
+    """Load a Hugging Face-format DiffusionGemma directory. `dtype` defaults to the checkpoint's (that of
+    `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises `CheckpointError`."""
+    path = Path(path)
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (does not exist)"))
+    config_path, gen_path = path / "config.json", path / "generation_config.json"
+    try:
+        config = ModelConfig.from_hf(read_json(config_path), source=str(config_path))
+        generation_config = (GenerationConfig.from_hf(read_json(gen_path), source=str(gen_path))
+                             if gen_path.exists() else GenerationConfig())
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    V = config.vocab_size
+    for source, cfg, names in ((config_path, config, ("pad_token_id", "bos_token_id", "eos_token_id")),
+                               (gen_path, generation_config, ("pad_token_id", "bos_token_id", "eos_token_id"))):
+        for name in names:
+            v = getattr(cfg, name)
+            ids = v if isinstance(v, tuple) else () if v is None else (v,)
+            bad = [i for i in ids if i >= V]
+            if bad:
+                raise CheckpointError(f"{source}: {name}={v} is outside the vocabulary (token ids {bad} >= "
+                                      f"vocab_size={V} in {config_path.name})")
+
+    files, listing = _weight_files(path)
+    with torch.device("meta"):
+        model = DiffusionGemma(config, impl=impl)
+    expected = model.state_dict()
+    wanted = {to_checkpoint_key(n): n for n in expected}
+    unexpected = sorted(k for k in files if k not in wanted and not k.startswith(IGNORED))
+    missing = sorted(k for k in wanted if k not in files)
+
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files.values()))}
+        if listing == path / INDEX:
+            held = {f: set(h.keys()) for f, h in handles.items()}
+            for key, f in files.items():
+                if key not in held[f]:
+                    raise CheckpointError(f"{listing}: maps {key!r} to {f.name}, which does not contain it")
+        wrong_shape, wrong_dtype = [], []
+        for key, name in wanted.items():
+            if key not in files:
+                continue
+            info = handles[files[key]].get_slice(key)
+            shape, st_dtype = tuple(info.get_shape()), info.get_dtype()
+            if shape != tuple(expected[name].shape):
+                wrong_shape.append(f"{key} in {files[key].name} has shape {shape} but {config_path.name} implies "
+                                   f"{tuple(expected[name].shape)}")
+            if not _is_float(st_dtype):
+                wrong_dtype.append(f"{key} in {files[key].name} is {st_dtype}, not floating point")
+        problems = (_describe(missing, "missing key(s)") + _describe(unexpected, "unexpected key(s)")
+                    + _describe(wrong_shape, "shape mismatch(es)") + _describe(wrong_dtype, "non-floating tensor(s)"))
+        if problems:
+            raise CheckpointError(f"{listing}: does not match {config_path}: " + "; ".join(problems))
+        if dtype is None:
+            embed = to_checkpoint_key("embed_tokens.weight")
+            dtype = _SAFETENSORS_DTYPES.get(handles[files[embed]].get_slice(embed).get_dtype(), torch.float32)
+        # Allocated once, in the target dtype; each checkpoint tensor is read, cast into place and released before
+        # the next is read, so peak host memory is the model plus its largest tensor.
+        model = model.to(dtype=dtype).to_empty(device=device or "cpu")
+        target = model.state_dict()
+        for key, name in wanted.items():
+            try:
+                tensor = handles[files[key]].get_tensor(key)
+            except (SafetensorError, OSError, RuntimeError, TypeError) as e:
+                raise CheckpointError(f"{files[key]}: cannot read {key!r} ({e})") from None
+            target[name].copy_(tensor)  # casts to the model dtype and moves to its device
+            del tensor
+    model.generation_config = generation_config
+    return model.eval()
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _describe(items: list[str], label: str, limit: int = 5) -> list[str]:
+    """"2 missing keys: a, b" (at most `limit` items named)."""
+    if not items:
+        return []
+    more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
+    return [f"{len(items)} {label}: {', '.join(items[:limit])}{more}"]
+
+
+def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint keys (contiguous, on the CPU)."""
+    return {to_checkpoint_key(n): t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
+
+
+def save_pretrained(model: DiffusionGemma, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 2**30,
+                    generation_config: GenerationConfig | None = None) -> None:
+    """Write the transformers layout (config.json, generation_config.json, safetensors, sharded above
+    `max_shard_bytes`). Every file is written to a temporary name, flushed to disk and renamed, so an interrupted
+    save never leaves a file that looks complete. The vision tower is not written (text-only).
+
+    Weights are written before the configs. A save interrupted part-way leaves the earlier weights loadable (or, when
+    it was overwriting the shards of an earlier sharded save, no index at all, so nothing half-old half-new loads)."""
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+    state = checkpoint_state(model)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    metadata = {"format": "pt"}
+    stale = [path / SINGLE, path / INDEX, *path.glob("model-*-of-*.safetensors")]
+    if len(shards) == 1:
+        written = [SINGLE]
+        _atomic(path / SINGLE, lambda tmp: save_file(shards[0], tmp, metadata=metadata))
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        if any((path / n).exists() for n in names):  # the old index must not point at a mix of old and new shards
+            (path / INDEX).unlink(missing_ok=True)
+        for name, shard in zip(names, shards, strict=True):
+            _atomic(path / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata=metadata))
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {k: name for name, shard in zip(names, shards, strict=True) for k in shard}}
+        _atomic_text(path / INDEX, json.dumps(index, indent=2))
+        written = [*names, INDEX]
+    for f in stale:  # weights of an earlier save in another layout would shadow or contradict these
+        if f.name not in written and f.exists():
+            f.unlink()
+    _atomic_text(path / "config.json", json.dumps(model.config.to_hf(), indent=2))
+    _atomic_text(path / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2))
+    _fsync_dir(path)
+
+
+def _atomic(dest: Path, write: Any) -> None:
+    """`write(tmp)` to a hidden temporary file next to `dest`, fsync it, rename it over `dest`; on any failure the
+    temporary file is removed and `dest` is untouched. The file gets the usual permissions (0o666 less the umask)."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        mode = tmp.stat().st_mode & 0o777  # 0o666 less the umask
+        write(str(tmp))
+        os.chmod(tmp, mode)  # safetensors' save_file recreates the file owner-only (0o600)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _atomic_text(dest: Path, text: str) -> None:
+    _atomic(dest, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames durable (POSIX); a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def iter_checkpoint_keys(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Every tensor key in a checkpoint directory (without reading tensors)."""
+    yield from _weight_files(Path(path))[0]

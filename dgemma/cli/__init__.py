@@ -1,0 +1,32 @@
+"""`dgemma` command line: argparse subcommands, each a thin module with `register(subparsers)` that parses
+arguments and calls one library function."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dgemma.cli import inspect as inspect_cmd
+
+COMMANDS = (inspect_cmd,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dgemma", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. Errors a user can fix (bad paths, bad configs, bad checkpoints) print one line and exit 2."""
+    from dgemma.checkpoint import CheckpointError
+    from dgemma.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(f"dgemma {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,87 @@
+"""`dgemma inspect`: a model's geometry, parameter counts, KV-cache size and FLOPs, from a config alone (no weights)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from dgemma import costs
+from dgemma.config import ModelConfig, preset, read_json
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("inspect", help="geometry, parameter counts, KV-cache bytes and FLOPs of a model",
+                              description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("path", nargs="?", type=Path, help="checkpoint directory (reads PATH/config.json only)")
+    src.add_argument("--preset", help="a named preset from dgemma.config.PRESETS")
+    p.add_argument("--context", type=int, default=4096, help="committed tokens in the cache, for FLOPs (default 4096)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def load_config(path: Path | None, preset_name: str | None) -> ModelConfig:
+    if preset_name is not None:
+        return preset(preset_name)
+    assert path is not None
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    config_path = path if path.is_file() else path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: no config.json in the checkpoint directory")
+    return ModelConfig.from_hf(read_json(config_path), source=str(config_path))
+
+
+def report(cfg: ModelConfig, context: int) -> dict[str, Any]:
+    return {"config": cfg.to_hf()["text_config"] | {"canvas_length": cfg.canvas_length},
+            "parameters": costs.parameter_counts(cfg), "layers": costs.per_layer_table(cfg),
+            "kv_cache_bytes_per_token_bf16": costs.kv_cache_bytes_breakdown(cfg, 2), "context": context,
+            "kv_cache_bytes_at_context_bf16": costs.kv_cache_bytes(cfg, context, 2),
+            "kv_cache_bytes_at_context_bf16_dgemma": costs.kv_cache_bytes_per_token(cfg, 2) * context,
+            "flops_per_denoise_step": costs.flops_per_denoise_step(cfg, context),
+            "flops_per_committed_token": costs.flops_per_committed_token(cfg, context)}
+
+
+def human(n: float, units: str = "KMBT") -> str:
+    """1234567 -> '1.23M' (two decimals, powers of 1000; units name each power)."""
+    for power in range(len(units), 0, -1):
+        if abs(n) >= 1000**power:
+            return f"{n / 1000**power:.2f}{units[power - 1]}"
+    return f"{n:g}"
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    cols = list(rows[0])
+    cells = [cols] + [["-" if r[c] is None else f"{r[c]:,}" if c.endswith("params") else str(r[c]) for c in cols]
+                      for r in rows]
+    widths = [max(len(line[j]) for line in cells) for j in range(len(cols))]
+    return ["  ".join(s.rjust(w) for s, w in zip(line, widths, strict=True)) for line in cells]
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.path, args.preset)
+    r = report(cfg, args.context)
+    if args.json:
+        print(json.dumps(r, indent=None))
+        return 0
+    c, p, kv = cfg, r["parameters"], r["kv_cache_bytes_per_token_bf16"]
+    moe = f"{c.num_experts} experts, top-{c.top_k_experts}, width {c.moe_intermediate_size}" if c.is_moe else "dense"
+    print(f"model {args.preset or args.path}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+          f"vocab {c.vocab_size:,}, canvas {c.canvas_length}, sliding window {c.sliding_window}")
+    print(f"  MLP width {c.intermediate_size}; MoE: {moe}; softcap {c.final_logit_softcapping}")
+    print(*_table(r["layers"]), sep="\n")
+    for name in ("total", "active"):
+        print(f"{name + ' parameters:':19}{p[name]:>16,}  ({human(p[name])})")
+    print("  breakdown: " + ", ".join(f"{k} {v:,}" for k, v in p["breakdown"].items()))
+    print(f"  buffers: {p['buffers']['layer_scalars']} layer_scalars (encoder + decoder)")
+    print(f"KV cache per token (bf16): {kv['total']:,} bytes (sliding layers {kv['sliding']:,}, full {kv['full']:,})")
+    print(f"  at context {args.context:,}: {r['kv_cache_bytes_at_context_bf16_dgemma']:,} bytes in dgemma's KVCache "
+          f"(every position kept); {r['kv_cache_bytes_at_context_bf16']:,} if sliding layers kept only their last "
+          f"{c.sliding_window - 1} tokens")
+    print(f"FLOPs per denoise step at context {args.context:,}: {r['flops_per_denoise_step']:,} "
+          f"({human(r['flops_per_denoise_step'], 'KMGTP')})")
+    print(f"FLOPs per committed token at context {args.context:,}: {r['flops_per_committed_token']:,} "
+          f"({human(r['flops_per_committed_token'], 'KMGTP')})")
+    return 0

@@ -1,0 +1,490 @@
+"""Configs: frozen dataclasses whose field names are the checkpoint's JSON names.
+
+`ModelConfig.from_hf(config_json)` reads a Hugging Face `config.json` (a top-level `diffusion_gemma` config
+with a `text_config`, or a bare text config); `GenerationConfig.from_hf(generation_config_json)` reads
+`generation_config.json`. Both write the same layout back with `to_hf()`. Invalid values fail at
+construction with the field's name. Named presets live in `PRESETS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LayerType = Literal["sliding_attention", "full_attention"]
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field (and the file, when read from one)."""
+
+
+def _check(ok: bool, where: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}: {msg}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """One layer type's rotary embedding. `proportional` rotates the first `partial_rotary_factor` of the
+    frequency pairs of an ordinary `head_dim` RoPE and leaves the rest unrotated (Gemma 4 full layers)."""
+
+    rope_type: Literal["default", "proportional"] = "default"
+    rope_theta: float = 10_000.0
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.rope_type in ("default", "proportional"), "rope_type",
+               f"must be 'default' or 'proportional', got {self.rope_type!r}")
+        _check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta!r}")
+        _check(0.0 <= self.partial_rotary_factor <= 1.0, "partial_rotary_factor",
+               f"must be in [0, 1], got {self.partial_rotary_factor!r}")
+        _check(self.factor > 0, "factor", f"must be > 0, got {self.factor!r}")
+        if self.rope_type == "default":
+            # transformers sizes a default RoPE's cos/sin by the partial width but applies it to the whole head,
+            # which fails for any factor < 1; only proportional RoPE is partial.
+            _check(self.partial_rotary_factor == 1.0, "partial_rotary_factor",
+                   "must be 1.0 for rope_type 'default' (use 'proportional' for partial RoPE)")
+            _check(self.factor == 1.0, "factor", "must be 1.0 for rope_type 'default'")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], where: str) -> RopeConfig:
+        known = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
+        extra = set(d) - known
+        _check(not extra, where, f"unsupported RoPE keys {sorted(extra)} (supported: {sorted(known)})")
+        try:
+            return cls(**{k: d[k] for k in known if k in d})
+        except ConfigError as e:
+            raise ConfigError(f"{where}.{e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_type == "proportional":
+            d["partial_rotary_factor"] = self.partial_rotary_factor
+            if self.factor != 1.0:
+                d["factor"] = self.factor
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Geometry of a DiffusionGemma text model. Per-layer geometry comes from `layer_types`: full-attention
+    layers use `global_head_dim` and `num_global_key_value_heads`, sliding layers `head_dim` and
+    `num_key_value_heads` (see `layer_head_dim` / `layer_num_kv_heads`)."""
+
+    vocab_size: int = 262_144
+    hidden_size: int = 2816
+    intermediate_size: int = 2112
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 256
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = 2
+    layer_types: tuple[LayerType, ...] = ()
+    sliding_window: int = 1024
+    sliding_rope: RopeConfig = RopeConfig("default", 10_000.0)
+    full_rope: RopeConfig = RopeConfig("proportional", 1_000_000.0, 0.25)
+    num_experts: int = 128  # 0 = dense feed-forward only (a dgemma extension for small from-scratch models)
+    top_k_experts: int = 8
+    moe_intermediate_size: int = 704
+    rms_norm_eps: float = 1e-6
+    final_logit_softcapping: float | None = 30.0
+    canvas_length: int = 256
+    max_position_embeddings: int = 262_144
+    hidden_activation: str = "gelu_pytorch_tanh"
+    use_bidirectional_attention: str | None = None
+    pad_token_id: int | None = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+    bos_token_id: int | None = 2
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:  # transformers' default: every 6th layer full, and the last layer always full
+            types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_hidden_layers)]
+            if types:
+                types[-1] = FULL
+            object.__setattr__(self, "layer_types", tuple(types))
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "global_head_dim", "sliding_window", "canvas_length",
+                     "max_position_embeddings"):
+            v = getattr(self, name)
+            _check(_is_int(v) and v > 0, name, f"must be a positive int, got {v!r}")
+        for name in ("head_dim", "global_head_dim"):
+            _check(getattr(self, name) % 2 == 0, name, f"must be even for rotate-half RoPE, got {getattr(self, name)}")
+        _check(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+               f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        bad = [t for t in self.layer_types if t not in (SLIDING, FULL)]
+        _check(not bad, "layer_types", f"entries must be {SLIDING!r} or {FULL!r}, got {bad[0]!r}" if bad else "")
+        _check(self.layer_types[-1] == FULL, "layer_types",
+               "the last layer must be 'full_attention' (transformers forces it; a checkpoint saying otherwise is "
+               "inconsistent)")
+        if self.num_global_key_value_heads is None:  # transformers: full layers then keep num_key_value_heads
+            object.__setattr__(self, "num_global_key_value_heads", self.num_key_value_heads)
+        nkv_full = self.num_global_key_value_heads
+        _check(nkv_full is None or (_is_int(nkv_full) and nkv_full > 0), "num_global_key_value_heads",
+               f"must be a positive int or None, got {nkv_full!r}")
+        for name, nkv in (("num_key_value_heads", self.num_key_value_heads),
+                          ("num_global_key_value_heads", self.num_global_key_value_heads)):
+            if nkv is not None:
+                _check(self.num_attention_heads % nkv == 0, name,
+                       f"{nkv} must divide num_attention_heads={self.num_attention_heads} (grouped-query attention)")
+        _check(_is_int(self.num_experts) and self.num_experts >= 0, "num_experts",
+               f"must be an int >= 0, got {self.num_experts!r}")
+        if self.num_experts:
+            _check(_is_int(self.top_k_experts) and 0 < self.top_k_experts <= self.num_experts, "top_k_experts",
+                   f"must be in [1, num_experts={self.num_experts}], got {self.top_k_experts!r}")
+            _check(_is_int(self.moe_intermediate_size) and self.moe_intermediate_size > 0, "moe_intermediate_size",
+                   f"must be a positive int, got {self.moe_intermediate_size!r}")
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps!r}")
+        sc = self.final_logit_softcapping
+        _check(sc is None or sc > 0, "final_logit_softcapping", f"must be > 0 or None, got {sc!r}")
+        _check(self.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh"), "hidden_activation",
+               f"only 'gelu_pytorch_tanh' (alias 'gelu_tanh') is supported, got {self.hidden_activation!r}")
+        _check(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
+               f"only None or 'vision' (a causal encoder for text) are supported, got "
+               f"{self.use_bidirectional_attention!r}")
+        _check(isinstance(self.sliding_rope, RopeConfig) and isinstance(self.full_rope, RopeConfig),
+               "rope", "sliding_rope and full_rope must be RopeConfig")
+
+    # --- derived per-layer geometry -------------------------------------------------------------------------
+    def is_sliding(self, i: int) -> bool:
+        return self.layer_types[i] == SLIDING
+
+    def layer_head_dim(self, i: int) -> int:
+        return self.head_dim if self.is_sliding(i) else self.global_head_dim
+
+    def layer_num_kv_heads(self, i: int) -> int:
+        return self.num_key_value_heads if self.is_sliding(i) else self.num_global_key_value_heads  # type: ignore
+
+    def layer_rope(self, i: int) -> RopeConfig:
+        return self.sliding_rope if self.is_sliding(i) else self.full_rope
+
+    def rotary_dims(self, i: int) -> int:
+        """How many of the layer's head dims are rotated (the rest pass through unchanged)."""
+        rope, hd = self.layer_rope(i), self.layer_head_dim(i)
+        return hd if rope.rope_type == "default" else 2 * int(rope.partial_rotary_factor * hd // 2)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # --- Hugging Face config.json ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Read a `diffusion_gemma` config (with `text_config`) or a bare `diffusion_gemma_text` config."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+        top: dict[str, Any] = {}
+        text = cfg
+        if "text_config" in cfg:
+            top, text = cfg, cfg["text_config"]
+            if not isinstance(text, dict):
+                raise ConfigError(f"{source}: text_config must be an object, got {type(text).__name__}")
+        mt = text.get("model_type")
+        if mt is not None and mt not in ("diffusion_gemma_text", "diffusion_gemma"):
+            raise ConfigError(f"{source}: model_type {mt!r} is not a DiffusionGemma text config")
+        if top.get("tie_word_embeddings", True) is False or text.get("tie_word_embeddings", True) is False:
+            raise ConfigError(f"{source}: tie_word_embeddings=false (separate encoder/decoder/head weights) is not "
+                              "supported; DiffusionGemma ties them")
+        kw: dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)} - {"sliding_rope", "full_rope", "canvas_length"}
+        for name in names:
+            if name in text and text[name] is not None:
+                kw[name] = text[name]
+        if "layer_types" in kw:
+            kw["layer_types"] = tuple(kw["layer_types"])
+        if "eos_token_id" in kw and isinstance(kw["eos_token_id"], list):
+            kw["eos_token_id"] = tuple(kw["eos_token_id"])
+        for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            if name in text and text[name] is None:
+                kw[name] = 0 if name == "num_experts" else 1
+        kw.setdefault("final_logit_softcapping", 30.0)  # a class attribute in transformers: never in config.json
+        canvas = top.get("canvas_length", text.get("canvas_length"))
+        if canvas is not None:
+            kw["canvas_length"] = canvas
+        # Full-attention geometry comes either as global_head_dim / num_global_key_value_heads (Google's
+        # config.json) or as per_layer_config overrides (what transformers' save_pretrained writes).
+        plc = text.get("per_layer_config")
+        if plc is not None:  # {} too: transformers writes {} when full layers share the sliding geometry
+            kw.update(_geometry_from_per_layer_config(plc, text, source))
+        else:
+            kw.setdefault("global_head_dim", 512)
+            kw.setdefault("num_global_key_value_heads", None)
+        rope = text.get("rope_parameters")
+        if rope is not None:
+            if not isinstance(rope, dict) or not set(rope) <= {SLIDING, FULL}:
+                raise ConfigError(f"{source}: rope_parameters must map {SLIDING!r}/{FULL!r} to RoPE settings, "
+                                  f"got {rope!r}")
+            if SLIDING in rope:
+                kw["sliding_rope"] = RopeConfig.from_hf(rope[SLIDING], f"{source}: rope_parameters.{SLIDING}")
+            if FULL in rope:
+                kw["full_rope"] = RopeConfig.from_hf(rope[FULL], f"{source}: rope_parameters.{FULL}")
+        else:
+            kw["sliding_rope"] = RopeConfig("default", 10_000.0)
+            kw["full_rope"] = RopeConfig("proportional", 1_000_000.0, 0.25)
+        if not text.get("layer_types"):
+            n = kw.get("num_hidden_layers", cls.num_hidden_layers)
+            kw["layer_types"] = tuple(FULL if (i + 1) % 6 == 0 or i == n - 1 else SLIDING for i in range(n))
+        # transformers' class defaults for keys a config.json may omit (they differ from the 26B values).
+        defaults = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
+                    "max_position_embeddings": 131_072, "num_experts": 0, "canvas_length": 256}
+        for k, v in defaults.items():
+            kw.setdefault(k, v)
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `config.json` that transformers 5.23's `save_pretrained` writes (text part; the vision tower of a
+        text-only model is a minimal placeholder that transformers can build)."""
+        text: dict[str, Any] = {
+            "model_type": "diffusion_gemma_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_activation": self.hidden_activation,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "pad_token_id": self.pad_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "bos_token_id": self.bos_token_id,
+            "tie_word_embeddings": True,
+            "rope_parameters": {SLIDING: self.sliding_rope.to_hf(), FULL: self.full_rope.to_hf()},
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types),
+            "use_bidirectional_attention": self.use_bidirectional_attention,
+            "num_experts": self.num_experts or None,
+            "top_k_experts": self.top_k_experts if self.num_experts else None,
+            "moe_intermediate_size": self.moe_intermediate_size if self.num_experts else None,
+            "per_layer_config": self._per_layer_config(),
+        }
+        if self.final_logit_softcapping != 30.0:
+            text["final_logit_softcapping"] = self.final_logit_softcapping
+        return {
+            "architectures": ["DiffusionGemmaForBlockDiffusion"],
+            "model_type": "diffusion_gemma",
+            "canvas_length": self.canvas_length,
+            "tie_word_embeddings": True,
+            "text_config": text,
+            "vision_config": _MINIMAL_VISION_CONFIG,
+        }
+
+    def _per_layer_config(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        width = len(str(self.num_hidden_layers - 1))
+        for i, t in enumerate(self.layer_types):
+            if t != FULL:
+                continue
+            o: dict[str, int] = {}
+            if self.global_head_dim != self.head_dim:
+                o["head_dim"] = self.global_head_dim
+            nkv = self.layer_num_kv_heads(i)
+            if nkv != self.num_key_value_heads:
+                o["num_key_value_heads"] = nkv
+            if o:
+                out[str(i).zfill(width)] = o
+        return out
+
+
+def _geometry_from_per_layer_config(plc: Any, text: dict[str, Any], source: str) -> dict[str, Any]:
+    if not isinstance(plc, dict):
+        raise ConfigError(f"{source}: per_layer_config must be an object keyed by layer index, got {plc!r}")
+    types = text.get("layer_types") or []
+    head_dim = text.get("head_dim", 256)
+    nkv = text.get("num_key_value_heads", 4)
+    full_geoms: set[tuple[int, int]] = set()
+    for key, over in plc.items():
+        try:
+            i = int(key)
+        except ValueError:
+            raise ConfigError(f"{source}: per_layer_config key {key!r} is not a layer index") from None
+        extra = set(over) - {"head_dim", "num_key_value_heads"}
+        if extra:
+            raise ConfigError(f"{source}: per_layer_config[{key!r}] overrides {sorted(extra)}; dgemma supports "
+                              "only head_dim and num_key_value_heads on full-attention layers")
+        if types and (i >= len(types) or types[i] != FULL):
+            raise ConfigError(f"{source}: per_layer_config[{key!r}] overrides a layer that is not full_attention")
+        full_geoms.add((over.get("head_dim", head_dim), over.get("num_key_value_heads", nkv)))
+    n_full = sum(t == FULL for t in types) if types else len(plc)
+    if len(full_geoms) > 1 or (full_geoms and len(plc) != n_full):
+        raise ConfigError(f"{source}: per_layer_config gives full-attention layers different geometries "
+                          f"({sorted(full_geoms)}); every full layer must share one head_dim and kv-head count")
+    ghd, gnkv = full_geoms.pop() if full_geoms else (head_dim, nkv)
+    return {"global_head_dim": ghd, "num_global_key_value_heads": gnkv}
+
+
+# A vision tower transformers can build for a text-only checkpoint (dgemma never runs it).
+_MINIMAL_VISION_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "position_embedding_size": 64,
+    "patch_size": 4, "pooling_kernel_size": 2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    """Sampler settings, read from `generation_config.json` (`entropy_bound` sits under `sampler_config`).
+    Defaults are transformers' global defaults for DiffusionGemma."""
+
+    max_new_tokens: int = 256
+    max_length: int | None = None
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        eos = self.eos_token_id
+        if eos is None:
+            eos = ()
+        elif _is_int(eos):
+            eos = (eos,)
+        object.__setattr__(self, "eos_token_id", tuple(eos))  # type: ignore[arg-type]
+        _check(all(_is_int(e) and e >= 0 for e in self.eos_token_id), "eos_token_id",
+               f"must be an int >= 0 or a list of them, got {self.eos_token_id!r}")
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
+               f"must be a positive int, got {self.max_new_tokens!r}")
+        _check(self.max_length is None or (_is_int(self.max_length) and self.max_length > 0), "max_length",
+               f"must be a positive int or None, got {self.max_length!r}")
+        _check(_is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
+               f"must be a positive int, got {self.max_denoising_steps!r}")
+        _check(isinstance(self.entropy_bound, (int, float)) and not isinstance(self.entropy_bound, bool)
+               and self.entropy_bound > 0, "entropy_bound", f"must be a number > 0, got {self.entropy_bound!r}")
+        _check(isinstance(self.t_min, (int, float)) and self.t_min >= 0, "t_min", f"must be >= 0, got {self.t_min!r}")
+        _check(isinstance(self.t_max, (int, float)) and self.t_max > self.t_min, "t_max",
+               f"must be > t_min={self.t_min!r}, got {self.t_max!r}")
+        _check(_is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
+               f"must be an int >= 0, got {self.stability_threshold!r}")
+        _check(isinstance(self.confidence_threshold, (int, float)) and self.confidence_threshold > 0,
+               "confidence_threshold", f"must be > 0, got {self.confidence_threshold!r}")
+        for name in ("pad_token_id", "bos_token_id"):
+            v = getattr(self, name)
+            _check(v is None or (_is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name != "entropy_bound" and d.get(f.name) is not None:
+                kw[f.name] = d[f.name]
+        sc = d.get("sampler_config")
+        if sc is not None:
+            if not isinstance(sc, dict) or "entropy_bound" not in sc:
+                raise ConfigError(f"{source}: sampler_config must be an object with 'entropy_bound', got {sc!r}")
+            kw["entropy_bound"] = sc["entropy_bound"]
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = tuple(kw["eos_token_id"])
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        eos: int | list[int] | None = list(self.eos_token_id) or None
+        if eos is not None and len(eos) == 1:
+            eos = eos[0]
+        d: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "max_denoising_steps": self.max_denoising_steps,
+            "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": float(self.entropy_bound)},
+            "t_min": self.t_min,
+            "t_max": self.t_max,
+            "stability_threshold": self.stability_threshold,
+            "confidence_threshold": self.confidence_threshold,
+            "return_dict_in_generate": True,
+        }
+        for k, v in (("max_length", self.max_length), ("eos_token_id", eos), ("pad_token_id", self.pad_token_id),
+                     ("bos_token_id", self.bos_token_id)):
+            if v is not None:
+                d[k] = v
+        return d
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """Read a JSON object, with an error that names the file on any failure."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+# --- presets ---------------------------------------------------------------------------------------------------
+
+PRESETS: dict[str, ModelConfig] = {
+    # Every code path on a model that runs in milliseconds: sliding and full layers with different head dims and
+    # kv-head counts, partial RoPE, MoE with top-2 of 8, a window (8) shorter than the canvas (16).
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=48, num_global_key_value_heads=1,
+        layer_types=(SLIDING, FULL, SLIDING, FULL), sliding_window=8, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=32, canvas_length=16, max_position_embeddings=4096,
+    ),
+    # The released google/diffusiongemma-26B-A4B-it text geometry (spec section 1.4).
+    "diffusiongemma-26b-a4b": ModelConfig(),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}") from None
+
+
+__all__ = [
+    "FULL",
+    "PRESETS",
+    "SLIDING",
+    "ConfigError",
+    "GenerationConfig",
+    "ModelConfig",
+    "RopeConfig",
+    "preset",
+    "read_json",
+]

@@ -1,0 +1,120 @@
+"""A preallocated KV cache for committed tokens.
+
+Each layer owns a (B, K, max_length, Dh) key and value tensor; slot p holds the token at position p. `commit`
+writes a span [start, start + S) and sets `length = start + S`, so re-committing an earlier span discards what
+came after it. `denoise` only reads. Which slots a layer sees:
+
+    full layers      every committed slot [0, end)
+    sliding layers   the last `sliding_window - 1` slots [end - sliding_window + 1, end): what transformers'
+                     DynamicSlidingWindowLayer retains, so a canvas sees that many prefix tokens, and an encoder
+                     query (with itself) sees `sliding_window` keys.
+
+Sliding layers store every position too (not a ring buffer): rewinding then costs nothing, at the price of
+memory on long contexts (see `dgemma inspect` for bytes per token).
+
+`key_padding` (B, max_length) marks real tokens (True) against left padding (False); masks exclude padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dgemma.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, batch_size: int, max_length: int, *, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        if batch_size <= 0 or max_length <= 0:
+            raise ValueError(f"KVCache needs batch_size > 0 and max_length > 0, got {batch_size} and {max_length}")
+        self.batch_size, self.max_length = batch_size, max_length
+        self.sliding_window = config.sliding_window
+        self.is_sliding = [config.is_sliding(i) for i in range(config.num_hidden_layers)]
+        shapes = [(batch_size, config.layer_num_kv_heads(i), max_length, config.layer_head_dim(i))
+                  for i in range(config.num_hidden_layers)]
+        self.keys = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        self.values = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
+        self.key_padding = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
+        self.length = 0  # number of committed positions; slots >= length are stale
+
+    def __repr__(self) -> str:
+        return f"KVCache(batch_size={self.batch_size}, length={self.length}, max_length={self.max_length})"
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def visible_start(self, layer: int, end: int) -> int:
+        """First slot that layer `layer` sees when the committed prefix ends at `end`."""
+        return max(0, end - (self.sliding_window - 1)) if self.is_sliding[layer] else 0
+
+    def visible(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, K, T, Dh) that layer `layer` sees of the prefix [.., end)."""
+        lo = self.visible_start(layer, end)
+        return self.keys[layer][:, :, lo:end], self.values[layer][:, :, lo:end]
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        self.keys[layer][:, :, start:start + k.shape[2]] = k
+        self.values[layer][:, :, start:start + v.shape[2]] = v
+
+    def truncate(self, length: int) -> None:
+        """Forget everything from position `length` on."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    def check_batch(self, ids: Tensor, name: str) -> None:
+        if ids.ndim != 2 or ids.shape[0] != self.batch_size:
+            raise ValueError(f"{name} must have shape (batch_size={self.batch_size}, length), got {tuple(ids.shape)}")
+
+    def prepare_write(self, input_ids: Tensor, start: int | None, attention_mask: Tensor | None) -> int:
+        """Validate a commit of `input_ids` (B, S) at `start`; drop everything from `start` on and record the
+        span's padding. Returns the resolved start."""
+        self.check_batch(input_ids, "input_ids")
+        start = self.length if start is None else start
+        S = input_ids.shape[1]
+        if not 0 <= start <= self.length:
+            raise ValueError(f"commit start={start} is outside the committed prefix [0, {self.length}]: commits "
+                             "append at the end or overwrite an earlier span")
+        if start + S > self.max_length:
+            raise ValueError(f"cache overflow: committing {S} tokens at position {start} needs {start + S} slots but "
+                             f"the cache holds {self.max_length}; allocate a larger one with "
+                             f"model.new_cache(batch_size, max_length)")
+        if attention_mask is None:
+            padding = torch.ones(input_ids.shape, dtype=torch.bool, device=self.key_padding.device)
+        else:
+            if tuple(attention_mask.shape) != tuple(input_ids.shape):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                                 f"{tuple(input_ids.shape)}")
+            if not torch.isin(attention_mask, torch.tensor([0, 1], device=attention_mask.device)).all():
+                raise ValueError("attention_mask must contain only 0/1 (or False/True)")
+            padding = attention_mask.to(device=self.key_padding.device, dtype=torch.bool)
+        self.length = start
+        self.key_padding[:, start:start + S] = padding
+        return start
+
+    def finish_write(self, end: int) -> None:
+        self.length = end
+
+    def mask(self, start: int, num_new: int, *, causal: bool, window: int | None,
+             new_keep: Tensor | None = None) -> Tensor | None:
+        """Boolean attention mask (B, 1, S, T), True = may attend, for `num_new` queries at positions
+        start..start+S-1 over the keys a layer sees: the visible committed prefix before `start`, then the S new
+        tokens (`new_keep` (B, S) marks which are real; None = all). `window` selects sliding-layer visibility;
+        with `causal` it is also a per-query window (query p sees keys p - window < k <= p). None when nothing
+        is masked."""
+        lo = max(0, start - (window - 1)) if window is not None else 0
+        device = self.key_padding.device
+        if new_keep is None:
+            new_keep = torch.ones(self.batch_size, num_new, dtype=torch.bool, device=device)
+        keep = torch.cat([self.key_padding[:, lo:start], new_keep.to(device=device, dtype=torch.bool)], dim=1)
+        allowed = keep[:, None, None, :].expand(-1, -1, num_new, -1)  # (B, 1, S, T)
+        if causal:
+            q = torch.arange(start, start + num_new, device=device)[:, None]
+            k = torch.arange(lo, start + num_new, device=device)[None, :]
+            rule = k <= q
+            if window is not None:
+                rule = rule & (q - k < window)
+            allowed = allowed & rule
+        return None if bool(allowed.all()) else allowed

@@ -1,0 +1,422 @@
+"""DiffusionGemma: a uniform-state block-diffusion LM on a Gemma 4 (MoE) backbone, in one readable file.
+
+One set of weights runs two ways over a shared KV cache:
+
+    commit(ids, cache)         causal *encoder* pass over clean tokens (a prompt, or a finished canvas);
+                               writes their K/V into the cache. The cache is the only thing it produces.
+    denoise(canvas, cache)     bidirectional *decoder* pass over a noisy canvas of `canvas_length` tokens that
+                               attends to the committed prefix; returns fp32 logits (B, L, V). Never writes.
+
+The code is in forward order: norms, RoPE, attention, feed-forward (dense MLP + routed experts), block,
+self-conditioning, model. Every departure from a vanilla Llama-style block is marked `# Gemma:`.
+The op order mirrors `transformers` 5.23 (`DiffusionGemmaForBlockDiffusion`) so that the reference path is
+bit-identical to it, in fp32 and in bf16, when transformers runs eager attention and eager experts.
+
+Precision policy: weights and activations in the model dtype (fp32 or bf16). In fp32: RMSNorm, the attention
+softmax, the router softmax and its top-k weights, each expert output times its weight (cast back before the sum),
+the self-conditioning softmax, and the logit softcap. RoPE angles in fp32, cos/sin cast to the model dtype.
+
+Shapes: B batch, S new tokens, T visible keys, L canvas, D hidden, H query heads, K kv heads, Dh head dim,
+V vocabulary, E experts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dgemma.config import FULL, SLIDING, ModelConfig, RopeConfig
+from dgemma.kv_cache import KVCache
+
+Impl = Literal["reference", "fast"]
+IMPLS = ("reference", "fast")
+
+
+# --- norms ------------------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back. `with_scale=False` is the weightless variant."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        # torch.pow(., -0.5), not rsqrt: the reference does this to match JAX's rounding.
+        y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            y = y * self.weight.float()  # Gemma: x * w (Gemma 4), not x * (1 + w) as in Gemma 1-3
+        return y.type_as(x)
+
+
+# --- rotary embeddings ------------------------------------------------------------------------------------------
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int, device: torch.device | None = None) -> Tensor:
+    """Inverse frequencies, (Dh/2,) fp32."""
+    if rope.rope_type == "default":
+        return 1.0 / (rope.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    # Gemma: proportional (partial) RoPE on full layers. The exponent divides by the FULL head_dim, so these are the
+    # first frequencies of an ordinary head_dim RoPE; the remaining pairs get frequency 0 (cos=1, sin=0).
+    num_rotated = int(rope.partial_rotary_factor * head_dim // 2)
+    exponent = torch.arange(0, 2 * num_rotated, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv = 1.0 / (rope.rope_theta ** exponent)
+    inv = torch.cat([inv, torch.zeros(head_dim // 2 - num_rotated, dtype=torch.float32, device=device)])
+    return inv / rope.factor
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (B or 1, S, Dh) for integer positions (B or 1, S); angles in fp32."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, S, heads, Dh). Rotate-half (NeoX) layout: dim i pairs with i + Dh/2."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+# --- attention --------------------------------------------------------------------------------------------------
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Explicit softmax(q k^T) v with grouped-query heads. q: (B, H, S, Dh); k, v: (B, K, T, Dh);
+    mask: bool (B, 1, S, T), True = may attend, or None. Returns (B, S, H, Dh)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # each kv head serves `groups` consecutive query heads
+        B, K, T, Dh = k.shape
+        k = k[:, :, None].expand(B, K, groups, T, Dh).reshape(B, K * groups, T, Dh)
+        v = v[:, :, None].expand(B, K, groups, T, Dh).reshape(B, K * groups, T, Dh)
+    scores = torch.matmul(q, k.transpose(2, 3))  # Gemma: scale 1.0, no 1/sqrt(Dh); q_norm/k_norm set the temperature
+    if mask is not None:  # finfo.min rather than -inf: a fully masked row (a padding query) stays finite
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).contiguous()
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """`scaled_dot_product_attention` twin of `reference_attention` (pinned to it by tests)."""
+    if mask is not None:  # additive form, so that a fully masked (padding) query row gives no NaN
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, torch.finfo(q.dtype).min)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.head_dim = Dh = config.layer_head_dim(layer_idx)
+        K = config.layer_num_kv_heads(layer_idx)
+        self.q_proj = nn.Linear(D, H * Dh, bias=False)
+        self.k_proj = nn.Linear(D, K * Dh, bias=False)
+        # Gemma: K=V on full-attention layers: no v_proj, the value is the raw k_proj output.
+        self.v_proj = nn.Linear(D, K * Dh, bias=False) if config.is_sliding(layer_idx) else None
+        self.o_proj = nn.Linear(H * Dh, D, bias=False)
+        self.q_norm = RMSNorm(Dh, config.rms_norm_eps)  # Gemma: QK norm, a learned per-dim scale shared by heads
+        self.k_norm = RMSNorm(Dh, config.rms_norm_eps)
+        self.v_norm = RMSNorm(Dh, config.rms_norm_eps, with_scale=False)  # Gemma: weightless V norm
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor | None,
+                impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
+        """x: (B, S, D); past_k/v: (B, K, T0, Dh), the visible cached keys. Returns the output (B, S, D) and this
+        pass's new k, v (B, K, S, Dh), which `commit` writes to the cache."""
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, -1, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)  # (B, H, S, Dh)
+        k = self.k_proj(x).view(B, S, -1, self.head_dim)
+        v = self.v_proj(x).view(B, S, -1, self.head_dim) if self.v_proj is not None else k
+        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # (B, K, S, Dh): normed, then rotated
+        v = self.v_norm(v).transpose(1, 2)  # (B, K, S, Dh): normed, never rotated
+        keys, values = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)  # (B, K, T0 + S, Dh)
+        attend = reference_attention if impl == "reference" else sdpa_attention
+        out = attend(q, keys, values, mask).reshape(B, S, -1)
+        return self.o_proj(out), k, v
+
+
+# --- feed-forward: a dense MLP beside routed experts --------------------------------------------------------------
+
+class MLP(nn.Module):
+    """Gated MLP: down(gelu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))  # Gemma: GELU, not SiLU
+
+
+class Router(nn.Module):
+    """Top-k routing: softmax over all experts in fp32, keep the top k, renormalise, then per-expert scale."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        D, E = config.hidden_size, config.num_experts
+        self.top_k = config.top_k_experts
+        self.norm = RMSNorm(D, config.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(D, E, bias=False)
+        self.scale = nn.Parameter(torch.ones(D))
+        self.per_expert_scale = nn.Parameter(torch.ones(E))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x: (N, D), the un-normed residual stream. Returns weights (N, k) fp32 and expert ids (N, k)."""
+        x = self.norm(x) * self.scale * x.shape[-1] ** -0.5  # Gemma: weightless norm, learned scale, 1/sqrt(D)
+        probs = F.softmax(self.proj(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts  # Gemma: per-expert scale after renormalising
+
+
+class Experts(nn.Module):
+    """E gated-GELU experts stored as 3-D tensors (the checkpoint layout): gate_up_proj (E, 2*Ie, D) with the gate
+    in the first half, down_proj (E, D, Ie)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        D, E, Ie = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * Ie, D))
+        self.down_proj = nn.Parameter(torch.zeros(E, D, Ie))
+
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """x: (N, D); weights, experts: (N, k). Loops over experts in ascending id and accumulates in the model
+        dtype, token rows in (slot, token) order: exactly transformers' eager experts."""
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            slot, token = torch.where(experts.T == e)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+# --- the block ----------------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """One transformer layer. Encoder (commit) and decoder (denoise) share its weights but not `layer_scalar`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.is_sliding = config.is_sliding(layer_idx)
+        self.self_attn = Attention(config, layer_idx)
+        # Gemma: "sandwich" norms: every sub-block's input is normed, and so is its output before the residual add.
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.pre_feedforward_layernorm = RMSNorm(D, eps)
+        self.post_feedforward_layernorm = RMSNorm(D, eps)
+        self.mlp = MLP(D, config.intermediate_size)
+        self.is_moe = config.is_moe
+        if self.is_moe:  # Gemma: routed experts run beside the dense MLP, each with its own pre/post norms
+            self.router = Router(config)
+            self.experts = Experts(config)
+            self.pre_feedforward_layernorm_2 = RMSNorm(D, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(D, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(D, eps)
+        # Gemma: a learned scalar multiplies the whole residual stream after the block; DiffusionGemma keeps one
+        # for the decoder (checkpoint: model.decoder.layers.N.layer_scalar) and one for the encoder
+        # (model.encoder.language_model.layers.N.layer_scalar). Buffers, untied, possibly different.
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor | None,
+                *, encoder: bool, impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask, impl)
+        x = x + self.post_attention_layernorm(attn)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.is_moe:
+            h = self.post_feedforward_layernorm_1(h)
+            flat = x.reshape(-1, x.shape[-1])  # (B*S, D)
+            weights, experts = self.router(flat)  # Gemma: the router reads the residual stream before any norm
+            moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).reshape(x.shape)
+            h = h + self.post_feedforward_layernorm_2(moe)
+        x = x + self.post_feedforward_layernorm(h)
+        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar), k, v
+
+
+# --- self-conditioning --------------------------------------------------------------------------------------------
+
+class SelfConditioning(nn.Module):
+    """Feeds the previous denoising step's beliefs back in: a gated MLP over the soft embedding p @ E, added to the
+    canvas embedding, then a weightless RMSNorm of the sum (the decoder stream starts at unit RMS)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        D = config.hidden_size
+        self.pre_norm = RMSNorm(D, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(D, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(D, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, D, bias=False)
+        self.post_norm = RMSNorm(D, config.rms_norm_eps, with_scale=False)
+
+    def forward(self, x: Tensor, soft: Tensor | None) -> Tensor:
+        """x: canvas embeddings (B, L, D); soft: soft embeddings (B, L, D), or None on a canvas's first step."""
+        if soft is None:  # the MLP maps a zero signal to exactly zero (the reference adds it; `+ 0.0` turns any
+            return self.post_norm(x + 0.0)  # -0.0 into +0.0 just as that addition does)
+        s = self.pre_norm(soft)
+        return self.post_norm(x + self.down_proj(F.gelu(self.gate_proj(s), approximate="tanh") * self.up_proj(s)))
+
+
+# --- the model ----------------------------------------------------------------------------------------------------
+
+class DiffusionGemma(nn.Module):
+    """The text model. Parameter names mirror the checkpoint under `model.decoder.` (see dgemma/checkpoint.py)."""
+
+    def __init__(self, config: ModelConfig, impl: Impl = "reference"):
+        super().__init__()
+        self.config = config
+        self.impl: Impl = impl
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """A preallocated cache for `max_length` committed tokens, in the model's dtype and device."""
+        return KVCache(self.config, batch_size, max_length, dtype=self.dtype, device=self.device)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        # Gemma: embeddings scaled by sqrt(D), the scale rounded to the weight dtype first (53.0, not 53.07, in bf16)
+        return self.embed_tokens(ids) * torch.tensor(self.config.hidden_size**0.5).to(self.dtype)
+
+    def _run_layers(self, x: Tensor, cache: KVCache, start: int, masks: dict[str, Tensor | None], *,
+                    encoder: bool) -> Tensor:
+        """Run every block over x (B, S, D) at positions start.. against the cache's keys before `start`; the
+        encoder also writes each block's new K/V at `start`."""
+        positions = torch.arange(start, start + x.shape[1], device=x.device)[None]
+        cos_sin = {
+            t: rope_cos_sin(rope_inv_freq(self.config.layer_rope(i), self.config.layer_head_dim(i), x.device),
+                            positions, x.dtype)
+            for t, i in _first_layer_of_each_type(self.config).items()
+        }
+        for i, block in enumerate(self.layers):
+            kind = self.config.layer_types[i]
+            past_k, past_v = cache.visible(i, start)
+            x, k, v = block(x, *cos_sin[kind], past_k, past_v, masks[kind], encoder=encoder, impl=self.impl)
+            if encoder:
+                cache.write(i, start, k, v)
+        return x
+
+    @torch.no_grad()
+    def commit(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,
+               attention_mask: Tensor | None = None) -> None:
+        """Causal encoder pass over `input_ids` (B, S): writes their K/V to the cache at `start` (default: the end of
+        what is committed). Committing at an earlier `start` overwrites that span and discards everything after it.
+        `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to."""
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        start = cache.prepare_write(input_ids, start, attention_mask)
+        S, window = input_ids.shape[1], self.config.sliding_window
+        if S == 0:  # nothing to encode; still truncates at `start`
+            return
+        keep = cache.key_padding[:, start:start + S]
+        masks = {
+            FULL: cache.mask(start, S, causal=True, window=None, new_keep=keep),
+            # Gemma: sliding layers see `sliding_window` keys including themselves
+            SLIDING: cache.mask(start, S, causal=True, window=window, new_keep=keep),
+        }
+        self._run_layers(self.embed(input_ids), cache, start, masks, encoder=True)
+        cache.finish_write(start + S)
+
+    @torch.no_grad()
+    def denoise(self, canvas: Tensor, cache: KVCache, *, self_conditioning_logits: Tensor | None = None,
+                self_conditioning_mask: Tensor | None = None) -> Tensor:
+        """Bidirectional decoder pass over `canvas` (B, L) against everything committed; returns fp32 logits
+        (B, L, V). Never writes the cache, so several canvases can be tried at the same position.
+        `self_conditioning_logits` (B, L, V): the previous step's (temperature-scaled) logits; None on the first
+        step of a canvas; its softmax runs in fp32 whatever their dtype (transformers' sampler passes them in the
+        model dtype, so cast them to reproduce it in bf16). `self_conditioning_mask` (B,) bool zeroes the signal
+        per row."""
+        return self.logits(self._denoise_hidden(canvas, cache, self_conditioning_logits, self_conditioning_mask))
+
+    def _denoise_hidden(self, canvas: Tensor, cache: KVCache, sc_logits: Tensor | None,
+                        sc_mask: Tensor | None) -> Tensor:
+        cache.check_batch(canvas, "canvas")
+        x = self.embed(canvas)
+        soft = None
+        if sc_logits is not None:
+            if sc_logits.shape != (*canvas.shape, self.config.vocab_size):
+                raise ValueError(f"self_conditioning_logits has shape {tuple(sc_logits.shape)}, expected "
+                                 f"{(*canvas.shape, self.config.vocab_size)}")
+            E = self.embed_tokens.weight
+            probs = F.softmax(sc_logits, dim=-1, dtype=torch.float32).to(E.dtype)
+            soft = (probs @ E) * torch.tensor(self.config.hidden_size**0.5).to(E.dtype)  # same scale as embed()
+            if sc_mask is not None:
+                soft = soft * sc_mask.to(soft.dtype)[:, None, None]
+        x = self.self_conditioning(x, soft)  # Gemma: self-conditioning MLP + weightless post-norm on the input
+        end = cache.length
+        masks = {
+            FULL: cache.mask(end, canvas.shape[1], causal=False, window=None),
+            # Gemma: decoder sliding layers see the last `sliding_window - 1` committed tokens plus the whole canvas
+            SLIDING: cache.mask(end, canvas.shape[1], causal=False, window=self.config.sliding_window),
+        }
+        return self._run_layers(x, cache, end, masks, encoder=False)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm, tied head, fp32 softcap: (B, L, D) -> (B, L, V) fp32."""
+        logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()  # Gemma: tied input/output embedding
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap  # Gemma: logit softcap, 30 * tanh(x / 30), in fp32
+        return logits
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, decoder_input_ids: Tensor | None = None,
+                self_conditioning_logits: Tensor | None = None, attention_mask: Tensor | None = None,
+                self_conditioning_mask: Tensor | None = None) -> Tensor:
+        """The transformers-compatible forward: commit `input_ids` (B, T) into a fresh cache, denoise
+        `decoder_input_ids` (B, L) against it, return fp32 logits (B, L, V), which equal
+        `DiffusionGemmaForBlockDiffusion(...).logits` for the same inputs. With `attention_mask`, padded prompt
+        positions are hidden from the canvas too (transformers needs `decoder_attention_mask` for that)."""
+        if decoder_input_ids is None:  # as transformers: a uniformly random canvas from the global generator
+            decoder_input_ids = torch.randint(0, self.config.vocab_size, (input_ids.shape[0],
+                                              self.config.canvas_length), device=input_ids.device)
+        cache = self.new_cache(input_ids.shape[0], max(1, input_ids.shape[1]))
+        self.commit(input_ids, cache, attention_mask=attention_mask)
+        return self.denoise(decoder_input_ids, cache, self_conditioning_logits=self_conditioning_logits,
+                            self_conditioning_mask=self_conditioning_mask)
+
+
+def _first_layer_of_each_type(config: ModelConfig) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for i, t in enumerate(config.layer_types):
+        first.setdefault(t, i)
+    return first
+
+
+def init_weights(model: DiffusionGemma, seed: int = 0, std: float = 0.02) -> DiffusionGemma:
+    """Random initialisation for from-scratch models and tests: normal(0, std) linears and embeddings, unit norms,
+    experts scaled by fan-in. Deterministic in `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("gate_up_proj", "down_proj")) and p.ndim == 3:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model

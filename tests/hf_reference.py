@@ -1,0 +1,178 @@
+"""Tiny random Hugging Face DiffusionGemma models, used as the numerical reference in tests.
+
+Builds `DiffusionGemmaForBlockDiffusion` from `transformers==5.23.0` with the tiny geometry of the spec
+(shared/reference/hf-diffusiongemma-spec.md, section 5) or a variant of it, and randomises every tensor a checkpoint
+holds (vision tower included) so that no parity bug can hide behind an init value of 0 or 1:
+
+- matrices and expert stacks: N(0, 1) / sqrt(fan_in); the router projection N(0, 1) so that routing is decisive;
+- the token embedding (tied to the LM head): N(0, 0.3), which gives logits of a few units;
+- RMSNorm weights, `router.scale` and `router.per_expert_scale`: 1 + 0.2 N(0, 1);
+- the `layer_scalar` buffers: U(0.5, 1.5), drawn separately for the decoder and the encoder (they are not tied).
+
+Encoder text parameters are the same tensors as the decoder's (HF ties them); only the buffers differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+S, F = "sliding_attention", "full_attention"
+
+# fmt: off
+TINY_TEXT: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, global_head_dim=48, num_global_key_value_heads=1, sliding_window=8,
+    layer_types=[S, F, S, F], num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+    max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+)
+TINY_VISION: dict[str, Any] = dict(
+    model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=8, position_embedding_size=64, patch_size=4, pooling_kernel_size=2,
+)
+# Generation settings of spec section 5 (plus sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1)).
+GENERATION: dict[str, Any] = dict(
+    max_new_tokens=48, max_denoising_steps=12, t_min=0.4, t_max=0.8, stability_threshold=1,
+    confidence_threshold=0.005, eos_token_id=1, pad_token_id=0,
+)
+
+GEOMETRIES: dict[str, dict[str, Any]] = {
+    # Spec section 5: sliding window 8 < the 11-token test prompt, head_dim 16 / 48, kv heads 2 / 1, 8 experts top-2.
+    "tiny": {},
+    # No num_global_key_value_heads: full layers fall back to num_key_value_heads, which equals the head count (MHA).
+    "mha-default-kv": dict(num_key_value_heads=4, num_global_key_value_heads=None),
+    # Top-1 routing; a window wider than the test prompt (crossed in generate after the first commit); S, S, F.
+    "top1-wide-window": dict(top_k_experts=1, sliding_window=24, num_hidden_layers=3, layer_types=[S, S, F]),
+    # 16 experts top-8, six layers with the default 5:1 layer pattern, custom RoPE thetas, full-layer partial 0.5.
+    "k8-of-16": dict(
+        num_experts=16, top_k_experts=8, num_hidden_layers=6, layer_types=None,
+        rope_parameters={
+            S: {"rope_type": "default", "rope_theta": 5_000.0},
+            F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 200_000.0},
+        },
+    ),
+    # Full layers keep head_dim 16, so per_layer_config only overrides their kv-head count.
+    "same-head-dim": dict(global_head_dim=16),
+}
+# fmt: on
+
+
+def _randomize_(model: DiffusionGemmaForBlockDiffusion, generator: torch.Generator) -> None:
+    """Overwrite every parameter and persistent buffer in place (tied parameters once, through the shared tensor)."""
+
+    def normal(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=generator, dtype=torch.float32)
+
+    for name, p in model.named_parameters():  # deduplicated: each tied tensor appears once
+        if p.ndim == 1:  # RMSNorm weights, router.scale, router.per_expert_scale
+            value = 1 + 0.2 * normal(p)
+        elif name.endswith("embed_tokens.weight"):
+            value = 0.3 * normal(p)
+        elif name.endswith("router.proj.weight"):
+            value = normal(p)
+        else:  # nn.Linear (out, in) and expert stacks (E, out, in)
+            value = normal(p) / math.sqrt(p.shape[-1])
+        p.data.copy_(value)
+
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name, b in model.state_dict(keep_vars=True).items():
+        if name in params:
+            continue
+        if not name.endswith("layer_scalar"):
+            raise AssertionError(f"no randomisation rule for buffer {name} {tuple(b.shape)}")
+        b.data.copy_(0.5 + torch.rand(b.shape, generator=generator, dtype=torch.float32))
+
+
+def _check_ties(model: DiffusionGemmaForBlockDiffusion) -> None:
+    """The encoder's text parameters and the LM head must be the decoder's tensors; the layer scalars must not."""
+    text = model.model.encoder.language_model
+    decoder = dict(model.model.decoder.named_parameters())
+    for name, p in text.named_parameters():
+        assert p is decoder[name], f"encoder parameter {name} is not tied to the decoder"
+    assert model.lm_head.weight is decoder["embed_tokens.weight"], "lm_head is not tied to the embedding"
+    for enc, dec in zip(text.layers, model.model.decoder.layers, strict=True):
+        assert enc.layer_scalar.data_ptr() != dec.layer_scalar.data_ptr(), "layer_scalar buffers are shared"
+
+
+def build_hf_model(
+    geometry: str = "tiny",
+    *,
+    seed: int = 0,
+    canvas_length: int = 16,
+    dtype: torch.dtype = torch.float32,
+    text_overrides: dict[str, Any] | None = None,
+) -> DiffusionGemmaForBlockDiffusion:
+    """A randomised HF model of the named geometry (plus `text_overrides`), in eval mode, deterministic in `seed`.
+
+    It runs HF's default kernels (sdpa, grouped_mm). `model.set_attn_implementation("eager")` plus
+    `model.set_experts_implementation("eager")` make it compute bit for bit what `load_hf_model(eager=True)` does.
+    """
+    text = copy.deepcopy({**TINY_TEXT, **GEOMETRIES[geometry], **(text_overrides or {})})
+    vision = copy.deepcopy(TINY_VISION)
+    config = DiffusionGemmaConfig(
+        text_config=text, vision_config=vision, canvas_length=canvas_length,
+        image_token_id=509, boi_token_id=510, eoi_token_id=511,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG; keep the caller's stream
+        # Constructed like from_pretrained(dtype=...): RoPE inv_freq stays fp32 (model.to(bf16) would round it).
+        model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
+    with torch.no_grad():
+        _randomize_(model, torch.Generator().manual_seed(seed))  # drawn in fp32, rounded to dtype by copy_
+    _check_ties(model)
+    model.generation_config.update(sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), **GENERATION)
+    return model.eval()
+
+
+def save_hf_model(model: DiffusionGemmaForBlockDiffusion, path: str | os.PathLike) -> None:
+    """Write config.json (with `per_layer_config`), generation_config.json and model.safetensors to `path`."""
+    model.save_pretrained(path)  # also writes model.generation_config
+
+
+def load_hf_model(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, eager: bool = True
+) -> DiffusionGemmaForBlockDiffusion:
+    """Load a saved model in eval mode; `eager=True` selects the bit-exact eager attention and experts kernels.
+
+    The loaded tensors are views into the safetensors buffer, at whatever 4-byte offsets the file layout gives them.
+    CPU matmuls depend on the weights' address alignment (an expert slice `gate_up_proj[e]` at a 4-byte offset gives
+    logits ~4e-6 off the same weights 64-byte aligned), so every tensor is copied into fresh, aligned storage. The
+    loaded model then computes exactly what the built one does. Ties survive: each shared tensor is copied once.
+    """
+    kernels = dict(attn_implementation="eager", experts_implementation="eager") if eager else {}
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kernels)
+    for tensor in (*model.parameters(), *model.buffers()):
+        tensor.data = tensor.data.clone()
+    _check_ties(model)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(
+    model: DiffusionGemmaForBlockDiffusion,
+    input_ids: torch.Tensor | None,
+    decoder_input_ids: torch.Tensor,
+    *,
+    self_conditioning_logits: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    decoder_attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+) -> tuple[torch.Tensor, Any]:
+    """One HF forward: encode `input_ids` into the cache (if given), denoise the canvas; fp32 logits and the cache."""
+    out = model(
+        input_ids=input_ids,
+        decoder_input_ids=decoder_input_ids,
+        self_conditioning_logits=self_conditioning_logits,
+        attention_mask=attention_mask,
+        decoder_attention_mask=decoder_attention_mask,
+        past_key_values=past_key_values,
+    )
+    return out.logits.float(), out.past_key_values
