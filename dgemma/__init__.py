@@ -2,10 +2,25 @@
 
 from dgemma.checkpoint import CheckpointError, load_model, save_pretrained
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig, RopeConfig, preset
+from dgemma.generate import GenerationResult, generate
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, init_weights
 
 __version__ = "0.1.0"
 
-__all__ = ["PRESETS", "CheckpointError", "ConfigError", "DiffusionGemma", "GenerationConfig", "KVCache",
-           "ModelConfig", "RopeConfig", "init_weights", "load_model", "preset", "save_pretrained"]
+__all__ = [
+    "PRESETS",
+    "CheckpointError",
+    "ConfigError",
+    "DiffusionGemma",
+    "GenerationConfig",
+    "GenerationResult",
+    "KVCache",
+    "ModelConfig",
+    "RopeConfig",
+    "generate",
+    "init_weights",
+    "load_model",
+    "preset",
+    "save_pretrained",
+]

@@ -187,7 +187,7 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 
 
 def _describe(items: list[str], label: str, limit: int = 5) -> list[str]:
-    """"2 missing keys: a, b" (at most `limit` items named)."""
+    """One problem line, like `2 missing key(s): a, b`, naming at most `limit` items."""
     if not items:
         return []
     more = f" (and {len(items) - limit} more)" if len(items) > limit else ""

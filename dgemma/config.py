@@ -363,6 +363,15 @@ class GenerationConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     bos_token_id: int | None = None
+    # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
+    # generation_config.json.
+    sampler: str = "entropy-bound"  # or "lite" (seed 003: monotone unchanged-or-stronger commits)
+    commit: str = "argmax"  # what a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (JAX)
+    stop_rule: str = "hf"  # "hf": argmax stable over history + confident; "jax": argmax == input canvas + confident
+    sliding_prefix: str = "hf"  # committed tokens a canvas sees in sliding layers: "hf" sw - 1, "jax" sw
+    truncate: bool = False  # cut the output to max_new_tokens (transformers keeps whole canvases)
+    adaptive: bool = True  # lite: stop once mean entropy < confidence_threshold for `stability_steps` steps
+    stability_steps: int = 2  # lite
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
@@ -391,8 +400,19 @@ class GenerationConfig:
         for name in ("pad_token_id", "bos_token_id"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
+        for name, choices in (("sampler", SAMPLERS), ("commit", ("argmax", "sample")), ("stop_rule", ("hf", "jax")),
+                              ("sliding_prefix", ("hf", "jax"))):
+            v = getattr(self, name)
+            _check(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
+        _check(_is_int(self.stability_steps) and self.stability_steps >= 1, "stability_steps",
+               f"must be an int >= 1, got {self.stability_steps!r}")
 
     def replace(self, **changes: Any) -> GenerationConfig:
+        """A copy with `changes`; unknown names raise a ConfigError listing the valid ones."""
+        valid = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - valid)
+        if unknown:
+            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -401,7 +421,7 @@ class GenerationConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name != "entropy_bound" and d.get(f.name) is not None:
+            if f.name in _HF_GENERATION_KEYS and d.get(f.name) is not None:
                 kw[f.name] = d[f.name]
         sc = d.get("sampler_config")
         if sc is not None:
@@ -434,6 +454,11 @@ class GenerationConfig:
             if v is not None:
                 d[k] = v
         return d
+
+
+SAMPLERS = ("entropy-bound", "lite")
+_HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
+                       "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

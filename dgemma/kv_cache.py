@@ -45,18 +45,33 @@ class KVCache:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def visible_start(self, layer: int, end: int) -> int:
-        """First slot that layer `layer` sees when the committed prefix ends at `end`."""
-        return max(0, end - (self.sliding_window - 1)) if self.is_sliding[layer] else 0
+    def visible_start(self, end: int, prefix: int | None) -> int:
+        """First visible slot when the committed prefix ends at `end` and a layer sees its last `prefix` tokens
+        (None: all of them)."""
+        return 0 if prefix is None else max(0, end - prefix)
 
-    def visible(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        """Keys and values (B, K, T, Dh) that layer `layer` sees of the prefix [.., end)."""
-        lo = self.visible_start(layer, end)
+    def visible(self, layer: int, end: int, prefix: int | None) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, K, T, Dh) of the last `prefix` committed tokens before `end` (None: all)."""
+        lo = self.visible_start(end, prefix)
         return self.keys[layer][:, :, lo:end], self.values[layer][:, :, lo:end]
 
     def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
         self.keys[layer][:, :, start:start + k.shape[2]] = k
         self.values[layer][:, :, start:start + v.shape[2]] = v
+
+    def ensure_capacity(self, max_length: int) -> None:
+        """Grow the preallocated storage to hold `max_length` positions, keeping what is committed."""
+        if max_length <= self.max_length:
+            return
+        grow = max_length - self.max_length
+
+        def extend(t: Tensor) -> Tensor:
+            return torch.cat([t, t.new_zeros(*t.shape[:2], grow, *t.shape[3:])], dim=2)
+
+        self.keys = [extend(t) for t in self.keys]
+        self.values = [extend(t) for t in self.values]
+        self.key_padding = torch.cat([self.key_padding, self.key_padding.new_ones(self.batch_size, grow)], dim=1)
+        self.max_length = max_length
 
     def truncate(self, length: int) -> None:
         """Forget everything from position `length` on."""
@@ -97,14 +112,13 @@ class KVCache:
     def finish_write(self, end: int) -> None:
         self.length = end
 
-    def mask(self, start: int, num_new: int, *, causal: bool, window: int | None,
+    def mask(self, start: int, num_new: int, *, prefix: int | None, causal: bool, window: int | None = None,
              new_keep: Tensor | None = None) -> Tensor | None:
         """Boolean attention mask (B, 1, S, T), True = may attend, for `num_new` queries at positions
-        start..start+S-1 over the keys a layer sees: the visible committed prefix before `start`, then the S new
-        tokens (`new_keep` (B, S) marks which are real; None = all). `window` selects sliding-layer visibility;
-        with `causal` it is also a per-query window (query p sees keys p - window < k <= p). None when nothing
-        is masked."""
-        lo = max(0, start - (window - 1)) if window is not None else 0
+        start..start+S-1 over the keys a layer sees: its last `prefix` committed tokens before `start` (None: all),
+        then the S new tokens (`new_keep` (B, S) marks which are real; None = all). With `causal`, query p sees
+        keys k <= p, and with a `window` also only p - window < k. None when nothing is masked."""
+        lo = self.visible_start(start, prefix)
         device = self.key_padding.device
         if new_keep is None:
             new_keep = torch.ones(self.batch_size, num_new, dtype=torch.bool, device=device)

@@ -301,10 +301,10 @@ class DiffusionGemma(nn.Module):
         # Gemma: embeddings scaled by sqrt(D), the scale rounded to the weight dtype first (53.0, not 53.07, in bf16)
         return self.embed_tokens(ids) * torch.tensor(self.config.hidden_size**0.5).to(self.dtype)
 
-    def _run_layers(self, x: Tensor, cache: KVCache, start: int, masks: dict[str, Tensor | None], *,
-                    encoder: bool) -> Tensor:
-        """Run every block over x (B, S, D) at positions start.. against the cache's keys before `start`; the
-        encoder also writes each block's new K/V at `start`."""
+    def _run_layers(self, x: Tensor, cache: KVCache, start: int, masks: dict[str, Tensor | None],
+                    prefixes: dict[str, int | None], *, encoder: bool) -> Tensor:
+        """Run every block over x (B, S, D) at positions start.. against the last `prefixes[layer_type]` cached
+        tokens before `start` (None: all); the encoder also writes each block's new K/V at `start`."""
         positions = torch.arange(start, start + x.shape[1], device=x.device)[None]
         cos_sin = {
             t: rope_cos_sin(rope_inv_freq(self.config.layer_rope(i), self.config.layer_head_dim(i), x.device),
@@ -313,7 +313,7 @@ class DiffusionGemma(nn.Module):
         }
         for i, block in enumerate(self.layers):
             kind = self.config.layer_types[i]
-            past_k, past_v = cache.visible(i, start)
+            past_k, past_v = cache.visible(i, start, prefixes[kind])
             x, k, v = block(x, *cos_sin[kind], past_k, past_v, masks[kind], encoder=encoder, impl=self.impl)
             if encoder:
                 cache.write(i, start, k, v)
@@ -333,27 +333,30 @@ class DiffusionGemma(nn.Module):
         if S == 0:  # nothing to encode; still truncates at `start`
             return
         keep = cache.key_padding[:, start:start + S]
+        # Gemma: encoder sliding layers see a causal window of `sliding_window` keys including themselves
+        prefixes = {FULL: None, SLIDING: window - 1}
         masks = {
-            FULL: cache.mask(start, S, causal=True, window=None, new_keep=keep),
-            # Gemma: sliding layers see `sliding_window` keys including themselves
-            SLIDING: cache.mask(start, S, causal=True, window=window, new_keep=keep),
+            FULL: cache.mask(start, S, prefix=None, causal=True, new_keep=keep),
+            SLIDING: cache.mask(start, S, prefix=window - 1, causal=True, window=window, new_keep=keep),
         }
-        self._run_layers(self.embed(input_ids), cache, start, masks, encoder=True)
+        self._run_layers(self.embed(input_ids), cache, start, masks, prefixes, encoder=True)
         cache.finish_write(start + S)
 
     @torch.no_grad()
     def denoise(self, canvas: Tensor, cache: KVCache, *, self_conditioning_logits: Tensor | None = None,
-                self_conditioning_mask: Tensor | None = None) -> Tensor:
+                self_conditioning_mask: Tensor | None = None, sliding_prefix: int | None = None) -> Tensor:
         """Bidirectional decoder pass over `canvas` (B, L) against everything committed; returns fp32 logits
         (B, L, V). Never writes the cache, so several canvases can be tried at the same position.
         `self_conditioning_logits` (B, L, V): the previous step's (temperature-scaled) logits; None on the first
         step of a canvas; its softmax runs in fp32 whatever their dtype (transformers' sampler passes them in the
         model dtype, so cast them to reproduce it in bf16). `self_conditioning_mask` (B,) bool zeroes the signal
-        per row."""
-        return self.logits(self._denoise_hidden(canvas, cache, self_conditioning_logits, self_conditioning_mask))
+        per row. `sliding_prefix`: how many committed tokens sliding layers see; default `sliding_window - 1`
+        (transformers); the JAX reference uses `sliding_window`."""
+        return self.logits(self._denoise_hidden(canvas, cache, self_conditioning_logits, self_conditioning_mask,
+                                                sliding_prefix))
 
     def _denoise_hidden(self, canvas: Tensor, cache: KVCache, sc_logits: Tensor | None,
-                        sc_mask: Tensor | None) -> Tensor:
+                        sc_mask: Tensor | None, sliding_prefix: int | None = None) -> Tensor:
         cache.check_batch(canvas, "canvas")
         x = self.embed(canvas)
         soft = None
@@ -368,12 +371,11 @@ class DiffusionGemma(nn.Module):
                 soft = soft * sc_mask.to(soft.dtype)[:, None, None]
         x = self.self_conditioning(x, soft)  # Gemma: self-conditioning MLP + weightless post-norm on the input
         end = cache.length
-        masks = {
-            FULL: cache.mask(end, canvas.shape[1], causal=False, window=None),
-            # Gemma: decoder sliding layers see the last `sliding_window - 1` committed tokens plus the whole canvas
-            SLIDING: cache.mask(end, canvas.shape[1], causal=False, window=self.config.sliding_window),
-        }
-        return self._run_layers(x, cache, end, masks, encoder=False)
+        # Gemma: decoder sliding layers see the last `sliding_window - 1` committed tokens plus the whole canvas,
+        # whatever the query's offset in the canvas (transformers' DynamicSlidingWindowLayer keeps that many)
+        prefixes = {FULL: None, SLIDING: self.config.sliding_window - 1 if sliding_prefix is None else sliding_prefix}
+        masks = {t: cache.mask(end, canvas.shape[1], prefix=p, causal=False) for t, p in prefixes.items()}
+        return self._run_layers(x, cache, end, masks, prefixes, encoder=False)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm, tied head, fp32 softcap: (B, L, D) -> (B, L, V) fp32."""

@@ -124,18 +124,18 @@ def test_masks_follow_the_reference_rules(model):
     sw, start, S = cfg.sliding_window, 13, 5
     cache = model.new_cache(1, 30)
     model.commit(_ids(1, start), cache)
-    for window, causal in [(None, True), (sw, True), (None, False), (sw, False)]:
-        mask = cache.mask(start, S, causal=causal, window=window)
-        lo = 0 if window is None else start - (sw - 1)
+    for prefix, window, causal in [(None, None, True), (sw - 1, sw, True), (None, None, False), (sw - 1, None, False)]:
+        mask = cache.mask(start, S, prefix=prefix, causal=causal, window=window)
+        lo = 0 if prefix is None else start - prefix
         keys = list(range(lo, start + S))
-        want = torch.tensor([[(k <= q and (window is None or q - k < sw)) if causal else True for k in keys]
+        want = torch.tensor([[(k <= q and (window is None or q - k < window)) if causal else True for k in keys]
                              for q in range(start, start + S)])
         if want.all():
             assert mask is None
         else:
             assert mask is not None and torch.equal(mask[0, 0], want)
     # The encoder's sliding queries see exactly `sliding_window` keys including themselves.
-    enc = cache.mask(start, S, causal=True, window=sw)
+    enc = cache.mask(start, S, prefix=sw - 1, causal=True, window=sw)
     assert enc is not None and (enc[0, 0].sum(-1) == sw).all()
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dgemma.cli import chat as chat_cmd
+from dgemma.cli import generate as generate_cmd
 from dgemma.cli import inspect as inspect_cmd
 
-COMMANDS = (inspect_cmd,)
+COMMANDS = (generate_cmd, chat_cmd, inspect_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,13 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Errors a user can fix (bad paths, bad configs, bad checkpoints) print one line and exit 2."""
+    """Entry point. Errors a user can fix (bad paths, configs, checkpoints, inputs) print one line and exit 2."""
     from dgemma.checkpoint import CheckpointError
     from dgemma.config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:  # input a user can fix
         print(f"dgemma {args.command}: error: {e}", file=sys.stderr)
         return 2

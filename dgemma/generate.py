@@ -1,0 +1,365 @@
+"""Block-diffusion generation: prefill, then per canvas [denoise x N -> accept / renoise -> stop] -> commit.
+
+    commit(prompt)
+    for each canvas:
+        x = uniform noise (B, L)                      the canvas starts as pure noise
+        repeat up to N times:                         `denoise_canvas`: reads the cache, never writes it
+            logits = denoise(x, cache, self-conditioning = last step's tempered logits)
+            accept / renoise / stop                   dgemma.sampling
+        tokens = argmax of the last step              staged; EOS and padding applied
+        commit(tokens)                                (the last canvas is left uncommitted, as in transformers)
+
+With the default settings and the same seed this reproduces transformers' `DiffusionGemmaForBlockDiffusion.generate`
+token for token on CPU (same random draws in the same order: one randint for the initial canvas, then per step a
+multinomial and a randint). The switches in `GenerationConfig` (`commit`, `stop_rule`, `sliding_prefix`,
+`truncate`, `sampler`) select the documented behaviours of other implementations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dgemma import sampling
+from dgemma.config import ConfigError, GenerationConfig
+from dgemma.kv_cache import KVCache
+from dgemma.model import DiffusionGemma
+
+
+@dataclass
+class StepInfo:
+    """What one denoising step did, for `on_step` callbacks and traces. Tensors are (B, L) or (B,)."""
+
+    canvas: int
+    step: int  # 1-based
+    num_steps: int
+    temperature: float
+    input_canvas: Tensor
+    argmax: Tensor
+    accepted: Tensor
+    entropy: Tensor  # (B, L) nats, of the tempered distribution
+    mean_entropy: Tensor
+    done: Tensor  # rows whose canvas has stopped (after this step)
+    active: Tensor  # rows that spent this step (not stopped before it, not finished)
+    seconds: float
+
+
+@dataclass
+class StagedCanvas:
+    """A denoised canvas that has not touched the cache: `tokens` is what `commit` would write."""
+
+    tokens: Tensor  # (B, L)
+    argmax: Tensor  # (B, L) argmax of the last step's tempered logits
+    sample: Tensor  # (B, L) the last step's accepted/renoised canvas
+    steps: Tensor  # (B,) denoising passes spent by each row
+    passes: Tensor  # (B,) passes counted like transformers (rows already finished excluded)
+    stop_reasons: list[str]
+    mean_entropy: Tensor  # (B,) at the last step
+    trace: list[StepInfo] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    """Per-step records of a generation, without full-vocabulary tensors. `save(path)` writes path.npz (arrays
+    stacked over all steps) and path.json (a summary)."""
+
+    steps: list[StepInfo]
+    summary: dict[str, Any]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        s = self.steps
+        stack = lambda name, dtype: np.stack([getattr(x, name).cpu().numpy().astype(dtype) for x in s])
+        return {
+            "canvas": np.array([x.canvas for x in s], dtype=np.int32),
+            "step": np.array([x.step for x in s], dtype=np.int32),
+            "temperature": np.array([x.temperature for x in s], dtype=np.float32),
+            "seconds": np.array([x.seconds for x in s], dtype=np.float64),
+            "input_canvas": stack("input_canvas", np.int32),
+            "argmax": stack("argmax", np.int32),
+            "accepted": stack("accepted", np.bool_),
+            "entropy": stack("entropy", np.float16),
+            "mean_entropy": stack("mean_entropy", np.float32),
+            "done": stack("done", np.bool_),
+            "active": stack("active", np.bool_),
+        }
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        path = Path(path)
+        npz, js = path.with_suffix(".npz"), path.with_suffix(".json")
+        npz.parent.mkdir(parents=True, exist_ok=True)
+        tmp = npz.with_name(npz.name + ".tmp.npz")
+        np.savez_compressed(tmp, **self.arrays())
+        tmp.replace(npz)
+        tmp_js = js.with_name(js.name + ".tmp")
+        tmp_js.write_text(json.dumps(self.summary, indent=2) + "\n")
+        tmp_js.replace(js)
+        return npz, js
+
+
+@dataclass
+class GenerationResult:
+    sequences: Tensor  # (B, T + generated): prompt and whole canvases, pad after EOS (as transformers)
+    prompt_length: int
+    tokens_per_forward: Tensor  # (B,) useful tokens per denoising pass (pad excluded)
+    steps_per_canvas: list[list[int]]  # [canvas][row]
+    stop_reasons: list[list[str]]  # [canvas][row]
+    cache: KVCache  # everything committed; the last canvas is not (re-feed it to continue)
+    trace: Trace | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def new_tokens(self) -> list[list[int]]:
+        """Generated ids per row, up to and including the first EOS, padding removed."""
+        out = []
+        for row in self.sequences[:, self.prompt_length:].tolist():
+            kept = []
+            for t in row:
+                if self.pad_token_id is not None and t == self.pad_token_id and t not in self.eos_token_id:
+                    continue
+                kept.append(t)
+                if t in self.eos_token_id:
+                    break
+            out.append(kept)
+        return out
+
+
+def resolve_config(model: DiffusionGemma, generation_config: GenerationConfig | None,
+                   overrides: dict[str, Any]) -> GenerationConfig:
+    """Precedence: `overrides` > `generation_config` > the model's generation_config.json > defaults."""
+    base = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+    return base.replace(**overrides) if overrides else base
+
+
+def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConfig, *,
+                   generator: torch.Generator | None = None, canvas: Tensor | None = None,
+                   self_conditioning_logits: Tensor | None = None, finished: Tensor | None = None,
+                   canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None,
+                   trace: bool = False) -> StagedCanvas:
+    """Denoise one canvas against what the cache holds, without writing it (stage; `model.commit` writes).
+
+    `canvas` (B, L) replaces the initial noise (which is still drawn, keeping the random stream aligned);
+    `finished` (B,) marks rows whose sequence already ended (they run along but are not counted)."""
+    B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
+    device = model.device
+    noise = sampling.uniform_tokens((B, L), V, device, generator)  # drawn even when `canvas` is given
+    x = noise if canvas is None else canvas.to(device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device) if finished is None else finished
+    sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
+    lite, N = config.sampler == "lite", config.max_denoising_steps
+    sc = self_conditioning_logits
+    state = _StopState()
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    steps = torch.zeros(B, dtype=torch.long, device=device)
+    passes = torch.zeros(B, dtype=torch.long, device=device)
+    reasons = ["max_steps"] * B
+    argmax, draw, mean_entropy = x, x, torch.zeros(B, device=device)
+    # Lite state: the committed set, and the previous step's mode and confidence (+inf: nothing commits at step 1).
+    committed = torch.zeros(B, L, dtype=torch.bool, device=device)
+    prev_argmax = torch.full((B, L), -1, dtype=torch.long, device=device)
+    prev_confidence = torch.full((B, L), math.inf, device=device)
+    records: list[StepInfo] = []
+    for n in range(N, 0, -1):  # n = steps remaining
+        started = time.perf_counter()
+        was_done = done
+        active = ~(was_done | finished)
+        passes += active
+        steps += ~was_done
+        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix)
+        temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
+        z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
+        probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+        new_draw = sampling.draw_tokens(probs, generator)
+        confidence = probs.amax(-1) if lite else None
+        del probs
+        new_argmax = torch.argmax(z, dim=-1)
+        entropy = sampling.token_entropy(z)
+        if lite:
+            new_commits = sampling.lite_commit(new_argmax, confidence, prev_argmax, prev_confidence, committed)
+            new_x = torch.where(new_commits, new_draw, sampling.renoise(x, committed, V, generator))
+            accepted = committed | new_commits
+            prev_argmax, prev_confidence = new_argmax, confidence
+        else:
+            accepted = sampling.accept_by_entropy(entropy, config.entropy_bound)
+            new_x = sampling.renoise(new_draw, accepted, V, generator)
+        if was_done.any():  # rows that already stopped keep everything; they only ride along in the batch
+            keep = was_done[:, None]
+            new_argmax = torch.where(keep, argmax, new_argmax)
+            new_x = torch.where(keep, x, new_x)
+            new_draw = torch.where(keep, draw, new_draw)
+            accepted = torch.where(keep, committed if lite else accepted, accepted)
+            z[was_done] = sc[was_done].to(z.dtype)
+            entropy[was_done] = sampling.token_entropy(z[was_done])
+        committed = accepted if lite else committed
+        mean_entropy = entropy.mean(-1)
+        stopped = _stop(config, state, new_argmax, x, mean_entropy)
+        for b in (stopped & ~was_done).nonzero().flatten().tolist():
+            reasons[b] = "adaptive" if lite else "stable+confident"
+        done = was_done | stopped
+        sc = z.to(model.dtype)  # self-conditioning reads the tempered logits, in the embedding dtype
+        info = StepInfo(canvas_index, N - n + 1, N, float(temp), x, new_argmax, accepted, entropy, mean_entropy,
+                        done, active, time.perf_counter() - started)
+        x, argmax, draw = new_x, new_argmax, new_draw
+        if trace:
+            records.append(info)
+        if on_step is not None:
+            on_step(info)
+        if bool(done.all()):
+            break
+    # Lite ends every position on its best guess: the committed token, else the last draw (seed 003, 4.2 rule 5).
+    sample = torch.where(committed, x, draw) if lite else x
+    tokens = argmax if config.commit == "argmax" else sample
+    return StagedCanvas(tokens, argmax, sample, steps, passes, reasons, mean_entropy, records)
+
+
+@dataclass
+class _StopState:
+    history: Tensor | None = None  # entropy-bound/hf: the last `stability_threshold` argmax canvases
+    calm_steps: Tensor | None = None  # lite: consecutive steps with mean entropy under the threshold
+
+
+def _stop(config: GenerationConfig, state: _StopState, argmax: Tensor, input_canvas: Tensor,
+          mean_entropy: Tensor) -> Tensor:
+    """Which rows stop after this step (B,) bool; updates `state`."""
+    if config.sampler == "lite":
+        if not config.adaptive:  # the fixed schedule: entropy is never consulted
+            return torch.zeros_like(mean_entropy, dtype=torch.bool)
+        calm = mean_entropy < config.confidence_threshold
+        prev = state.calm_steps if state.calm_steps is not None else torch.zeros_like(calm, dtype=torch.long)
+        state.calm_steps = torch.where(calm, prev + 1, 0)
+        return state.calm_steps >= config.stability_steps
+    if config.stop_rule == "jax":  # the prediction reproduces the canvas it was given, and is confident
+        return (argmax == input_canvas).all(-1) & (mean_entropy <= config.confidence_threshold)
+    stable, state.history = sampling.is_stable(state.history, argmax, config.stability_threshold)
+    return stable & (mean_entropy < config.confidence_threshold)
+
+
+def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: GenerationConfig | None = None,
+             attention_mask: Tensor | None = None, seed: int | None = None, generator: torch.Generator | None = None,
+             on_step: Callable[[StepInfo], None] | None = None,
+             on_canvas: Callable[[int, Tensor], None] | None = None, trace: bool = False,
+             cache: KVCache | None = None, decoder_input_ids: Tensor | None = None,
+             **overrides: Any) -> GenerationResult:
+    """Generate whole canvases after `input_ids` (B, T).
+
+    Settings come from `overrides` (any GenerationConfig field), then `generation_config`, then the checkpoint's
+    generation_config.json. Randomness: `generator`, else a generator seeded with `seed`, else torch's global
+    generator (what transformers uses: seeding it with torch.manual_seed(s) and passing seed=s draw the same
+    numbers on CPU). `attention_mask` (B, T) marks left padding. `cache`: continue from a cache (multi-turn);
+    `input_ids` are then only the tokens not yet committed. `decoder_input_ids` replaces the first canvas's
+    initial noise. `on_step(StepInfo)` runs after every denoising step, `on_canvas(index, tokens)` after each
+    canvas is finalised (EOS/padding applied)."""
+    config = resolve_config(model, generation_config, overrides)
+    _check_inputs(model, input_ids, cache, config)
+    B, T = input_ids.shape
+    L, device = model.config.canvas_length, model.device
+    input_ids = input_ids.to(device)
+    past = cache.length if cache is not None else 0
+    cur_len = past + T
+    if config.max_length is not None and config.max_new_tokens == 256:  # transformers' rule, literal 256 included
+        max_new = config.max_length - cur_len
+        if max_new <= 0:
+            raise ConfigError(f"max_length={config.max_length} leaves no room after {cur_len} context tokens")
+    else:
+        max_new = config.max_new_tokens
+    num_canvases = math.ceil(max_new / L)
+    end = cur_len + num_canvases * L
+    if end > model.config.max_position_embeddings:
+        raise ValueError(f"{cur_len} context tokens + {num_canvases} canvases of {L} = {end} positions exceed the "
+                         f"model's context (max_position_embeddings={model.config.max_position_embeddings})")
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    if cache is None:
+        cache = model.new_cache(B, end - L)  # the last canvas is never committed
+    else:
+        cache.ensure_capacity(end - L)
+
+    model.commit(input_ids, cache, attention_mask=attention_mask)  # prefill
+    eos = torch.tensor(config.eos_token_id, dtype=torch.long, device=device) if config.eos_token_id else None
+    sequences = input_ids
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    passes = torch.zeros(B, dtype=torch.long, device=device)
+    steps_per_canvas, stop_reasons, records = [], [], []
+    for c in range(num_canvases):
+        if c > 0:
+            model.commit(sequences[:, -L:], cache)  # the previous canvas, as finalised
+        staged = denoise_canvas(model, cache, config, generator=generator, finished=finished, canvas_index=c,
+                                canvas=decoder_input_ids if c == 0 else None, on_step=on_step, trace=trace)
+        passes += staged.passes
+        steps_per_canvas.append(staged.steps.tolist())
+        stop_reasons.append(["finished" if f else r for f, r in zip(finished.tolist(), staged.stop_reasons,
+                                                                      strict=True)])
+        records.extend(staged.trace)
+        sequences = torch.cat([sequences, staged.tokens], dim=-1)
+        finished = _finalize_canvas(sequences, finished, config, eos, L)
+        if on_canvas is not None:
+            on_canvas(c, sequences[:, -L:])
+        if bool(finished.all()):
+            break
+
+    new = sequences[:, T:]
+    valid = (new != config.pad_token_id).sum(-1) if config.pad_token_id is not None else \
+        torch.full((B,), new.shape[1], device=device)
+    tokens_per_forward = valid / passes
+    if config.truncate:
+        sequences = sequences[:, : T + max_new]
+    result = GenerationResult(sequences, T, tokens_per_forward, steps_per_canvas, stop_reasons, cache,
+                              eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+    if trace:
+        result.trace = Trace(records, {
+            "batch_size": B, "prompt_length": T, "canvas_length": L, "num_canvases": len(steps_per_canvas),
+            "steps_per_canvas": steps_per_canvas, "stop_reasons": stop_reasons,
+            "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.to_hf() | {
+                k: getattr(config, k) for k in ("sampler", "commit", "stop_rule", "sliding_prefix", "truncate")},
+            "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
+                      "(S, B, L); mean_entropy, done, active (S, B)",
+        })
+    return result
+
+
+def _finalize_canvas(sequences: Tensor, finished: Tensor, config: GenerationConfig, eos: Tensor | None,
+                     L: int) -> Tensor:
+    """EOS and length bookkeeping after a canvas, in place on `sequences` (as transformers): a row is finished once
+    its canvas holds an EOS (or the sequence reaches max_length). With a pad id, the canvases of rows finished
+    earlier become padding, and tokens after the first EOS of this canvas too. Returns the finished mask."""
+    new = sequences[:, -L:]
+    this = torch.zeros_like(finished)
+    if config.max_length is not None and sequences.shape[1] >= config.max_length:
+        this |= True
+    if eos is not None:
+        this |= torch.isin(new, eos).any(-1)
+    before, finished = finished, finished | this
+    if config.pad_token_id is not None and bool(finished.any()):
+        new[before] = config.pad_token_id
+        if eos is not None and bool(this.any()):
+            is_eos = torch.isin(new, eos)
+            seen = is_eos.cumsum(-1)
+            new[(seen > 0) & ~((seen == 1) & is_eos)] = config.pad_token_id
+    return finished
+
+
+def _check_inputs(model: DiffusionGemma, input_ids: Tensor, cache: KVCache | None, config: GenerationConfig) -> None:
+    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int32):
+        got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, Tensor) else type(input_ids)
+        raise ValueError(f"input_ids must be an integer tensor of shape (batch, length), got {got}")
+    if input_ids.shape[1] == 0 and (cache is None or cache.length == 0):
+        raise ValueError("empty prompt: input_ids has no tokens and there is no committed context to continue from")
+    V = model.config.vocab_size
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
+                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    if cache is not None and cache.batch_size != input_ids.shape[0]:
+        raise ValueError(f"cache holds batch size {cache.batch_size} but input_ids has {input_ids.shape[0]} rows")
+    if config.pad_token_id is not None and config.pad_token_id >= V:
+        raise ValueError(f"pad_token_id={config.pad_token_id} is outside the vocabulary (vocab_size={V})")
+    bad = [e for e in config.eos_token_id if e >= V]
+    if bad:
+        raise ValueError(f"eos_token_id {bad} outside the vocabulary (vocab_size={V})")

@@ -1,0 +1,94 @@
+"""The sampler's rules as pure functions on logits and canvases (no model, no cache).
+
+The entropy-bound sampler (DiffusionGemma, transformers' `EntropyBoundSampler`), one denoising step:
+
+    T      = t_min + (t_max - t_min) * n / N          n = steps remaining: N at the first step, 1 at the last
+    z      = logits / T                               the "processed" logits: everything below reads these
+    x_hat  ~ softmax(z)                               one draw per position
+    H_i    = entropy(softmax(z_i))
+    accept the lowest-entropy positions while  sum(accepted H) - max(accepted H) <= entropy_bound
+    canvas = where(accepted, x_hat, uniform)          every other position is redrawn uniformly (memoryless)
+    stop   when argmax(z) is unchanged for `stability_threshold` steps and mean(H) < confidence_threshold
+
+The Lite sampler (seed 003, section 4) shares the step but commits positions monotonically: a position freezes the
+first time its posterior mode is unchanged or its confidence did not drop, and is never redrawn after that.
+
+Bit-exactness with transformers rests on doing the same float operations in the same order (temperature as a
+0-d fp32 tensor, Categorical's entropy formula) and drawing random numbers in the same order: per step one
+multinomial over the (B*L, V) probabilities, then one (B, L) randint.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ENTROPY_CHUNK_ROWS = 4096  # rows of (V,) logits per entropy chunk: bounds the extra memory to 2 x chunk x V fp32
+
+
+def temperature(steps_remaining: int, num_steps: int, t_min: float, t_max: float, device: torch.device | None = None
+                ) -> Tensor:
+    """Linear schedule from t_max (first step) towards t_min, as a 0-d fp32 tensor. The last step uses
+    t_min + (t_max - t_min) / N: the schedule never reaches t_min itself (as in the reference)."""
+    n = torch.tensor(steps_remaining, dtype=torch.int32, device=device)
+    return t_min + (t_max - t_min) * (n / num_steps)
+
+
+def token_entropy(logits: Tensor, chunk_rows: int = ENTROPY_CHUNK_ROWS) -> Tensor:
+    """Entropy (nats) of softmax(logits) per position: (..., V) -> (...) fp32, computed in row chunks so that only
+    a chunk of log-probabilities is alive at a time. Same formula as torch.distributions.Categorical."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for lo in range(0, flat.shape[0], chunk_rows):
+        z = flat[lo:lo + chunk_rows]
+        logp = z - z.logsumexp(dim=-1, keepdim=True)
+        p = torch.softmax(logp, dim=-1)
+        out[lo:lo + chunk_rows] = -(torch.clamp(logp, min=torch.finfo(logp.dtype).min) * p).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+def accept_by_entropy(entropy: Tensor, entropy_bound: float) -> Tensor:
+    """Accept the k lowest-entropy positions with sum(H_1..H_k) - H_k <= entropy_bound (H sorted ascending), an
+    upper bound on the accepted tokens' joint mutual information (arXiv:2505.24857). (B, L) -> bool (B, L); the
+    lowest-entropy position is always accepted."""
+    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
+    keep_sorted = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= entropy_bound
+    return torch.scatter(torch.zeros_like(keep_sorted), -1, order, keep_sorted)
+
+
+def draw_tokens(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One categorical draw per position: (B, L, V) probabilities -> (B, L) token ids."""
+    B, L, V = probs.shape
+    return torch.multinomial(probs.view(-1, V), 1, generator=generator).view(B, L)
+
+
+def uniform_tokens(shape: tuple[int, int], vocab_size: int, device: torch.device,
+                   generator: torch.Generator | None = None) -> Tensor:
+    """Uniform noise over the whole vocabulary: the uniform-state prior (no mask token)."""
+    return torch.randint(0, vocab_size, shape, device=device, generator=generator)
+
+
+def renoise(canvas: Tensor, keep: Tensor, vocab_size: int, generator: torch.Generator | None = None) -> Tensor:
+    """Keep `canvas` where `keep`, draw every other position uniformly afresh."""
+    return torch.where(keep, canvas, uniform_tokens(canvas.shape, vocab_size, canvas.device, generator))
+
+
+def is_stable(history: Tensor | None, argmax: Tensor, threshold: int) -> tuple[Tensor, Tensor | None]:
+    """Whether `argmax` (B, L) equals each of the last `threshold` argmax canvases, and the updated history
+    (threshold, B, L). The history starts at -1, so the first step of a canvas is never stable."""
+    if threshold == 0:
+        return torch.ones(argmax.shape[0], dtype=torch.bool, device=argmax.device), None
+    if history is None:
+        history = torch.full((threshold, *argmax.shape), -1, dtype=argmax.dtype, device=argmax.device)
+    stable = (history == argmax[None]).all(dim=-1).all(dim=0)
+    history = torch.roll(history, shifts=-1, dims=0)
+    history[-1] = argmax
+    return stable, history
+
+
+def lite_commit(argmax: Tensor, confidence: Tensor, prev_argmax: Tensor, prev_confidence: Tensor,
+                committed: Tensor) -> Tensor:
+    """Seed 003's unchanged-or-stronger rule: positions that commit at this step, (B, L) bool. A position commits
+    when its posterior mode is unchanged from the previous step or its confidence did not drop, and only if it
+    is not committed yet, so the committed set only grows."""
+    return ((argmax == prev_argmax) | (confidence >= prev_confidence)) & ~committed

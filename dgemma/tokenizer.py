@@ -1,0 +1,172 @@
+"""Tokenizers and the Gemma chat template.
+
+`load_tokenizer(path)` reads a Hugging Face `tokenizer.json` (the released checkpoints ship one) with the
+`tokenizers` library; `Tokenizer` is a thin wrapper with the few methods dgemma needs. `format_chat` renders
+the Gemma 4 turn template, which DiffusionGemma inherits:
+
+    <bos><|turn>system\\n{system}<turn|>\\n        (only when the first message is a system message)
+    <|turn>user\\n{content}<turn|>\\n
+    <|turn>model\\n{content}<turn|>\\n              (earlier model turns)
+    <|turn>model\\n                                (add_generation_prompt)
+
+`build_test_tokenizer(vocab_size, path)` trains a small byte-level BPE on built-in English sentences, so toy
+models (vocab 512) can be driven with text, offline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+BOS, TURN_START, TURN_END = "<bos>", "<|turn>", "<turn|>"
+TEST_SPECIAL_TOKENS = ("<pad>", "<eos>", BOS, TURN_START, TURN_END)  # ids 0..4, as Gemma's pad=0, eos=1, bos=2
+ROLES = {"user": "user", "model": "model", "assistant": "model", "system": "system"}
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with dgemma's small interface."""
+
+    def __init__(self, backend: _HFTokenizer, source: str = "<memory>"):
+        self.backend, self.source = backend, source
+        # The largest id + 1, not get_vocab_size(): added tokens may leave gaps, and what must fit the model's
+        # embedding table is the largest id.
+        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.bos_id = backend.token_to_id(BOS)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. With `add_special_tokens`, the tokenizer's post-processor runs (Gemma's and the
+        test tokenizer's prepend <bos>)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of `ids`. Ids the tokenizer does not know (a model vocabulary larger than the tokenizer's) are
+        dropped; incomplete UTF-8 byte sequences become U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Load `path` (a tokenizer.json, or a directory holding one). Missing: FileNotFoundError; unreadable or
+    not a tokenizer: ValueError. Both name the file."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        where = f"{path} has no tokenizer.json" if path.is_dir() else f"{file}: no such tokenizer file"
+        raise FileNotFoundError(where)
+    try:
+        backend = _HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON or an unknown model type
+        raise ValueError(f"{file}: not a readable tokenizer.json ({str(e).splitlines()[0][:200]})") from None
+    return Tokenizer(backend, source=str(file))
+
+
+def check_vocab(tokenizer: Tokenizer, model_config: Any) -> None:
+    """Raise ValueError if the tokenizer can produce ids the model has no embedding for. A smaller tokenizer is
+    fine: Gemma pads its embedding table beyond the tokenizer's vocabulary."""
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer.source} has {tokenizer.vocab_size:,} ids but the model's vocab_size "
+                         f"is {model_config.vocab_size:,}: ids >= {model_config.vocab_size:,} have no embedding "
+                         "(wrong tokenizer for this model?)")
+
+
+def format_chat(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """Render `messages` ({"role": "user"|"model"|"assistant"|"system", "content": str}) with the Gemma 4 template
+    (see the module docstring). As Gemma's Jinja template: content is stripped, "assistant" is written "model",
+    and a system message is allowed only first."""
+    out = [BOS]
+    for i, m in enumerate(messages):
+        role = ROLES.get(m.get("role", ""))
+        if role is None:
+            raise ValueError(f"message {i}: unknown role {m.get('role')!r}; use one of {', '.join(ROLES)}")
+        if role == "system" and i != 0:
+            raise ValueError(f"message {i}: a system message must come first")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"message {i}: content must be a string, got {type(content).__name__}")
+        out.append(f"{TURN_START}{role}\n{content.strip()}{TURN_END}\n")
+    if add_generation_prompt:
+        out.append(f"{TURN_START}model\n")
+    return "".join(out)
+
+
+def encode_template(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Encode template text whose control tokens are written out (<bos>, <|turn>, <turn|>). The post-processor is
+    off so <bos> is not added twice; control tokens the tokenizer lacks are left as plain text, except <bos>,
+    which is dropped (a tokenizer without one, such as GPT-2's, has no beginning-of-sequence token)."""
+    if tokenizer.bos_id is None and text.startswith(BOS):
+        text = text[len(BOS):]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_token_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+                   ) -> list[int]:
+    """Token ids of `format_chat(messages)`: one <bos>, each control token one id where the tokenizer has it."""
+    return encode_template(tokenizer, format_chat(messages, add_generation_prompt))
+
+
+# --- a tiny offline tokenizer for toy models and tests ---------------------------------------------------------
+
+_SUBJECTS = ("The cat", "A dog", "My friend", "The teacher", "Our team", "The old man", "A small bird", "The river",
+             "Every student", "The farmer", "Her brother", "The little girl", "A tired traveler", "The doctor",
+             "The young king", "Our neighbor", "The quiet child", "A clever fox", "The captain", "My grandmother")
+_VERBS = ("sees", "likes", "finds", "carries", "watches", "remembers", "paints", "opens", "follows", "builds",
+          "cleans", "writes about", "talks about", "walks toward", "looks for", "thinks about", "dreams of", "answers")
+_OBJECTS = ("the red ball", "a quiet garden", "the long road home", "an open window", "the morning light",
+            "a warm cup of tea", "the blue sky", "a heavy wooden box", "the northern mountains", "a new bicycle",
+            "the kitchen table", "an important letter", "the green field", "a bright yellow flower", "the busy market",
+            "a simple question", "the evening train", "an old photograph", "the cold water", "a difficult problem")
+_TAILS = ("", " today", " every morning", " after lunch", " in the rain", " with great care", " before dinner",
+          " at night", " once again", " without a word", " near the sea", " for a long time")
+_EXTRA = ("Hello! How are you today?", "I am fine, thank you. And you?", "What is the capital of France?",
+          "The capital of France is Paris.", "Can you help me with my homework?", "Yes, of course. What do you need?",
+          "One, two, three, four, five, six, seven, eight, nine, ten.", "0 1 2 3 4 5 6 7 8 9 10 11 12 100 2024",
+          "Please write a short poem about the sea.", "Why is the sky blue? Because of scattered sunlight.",
+          "user\n", "model\n", "system\n", "Thanks for your help.")
+
+
+def toy_corpus(n: int = 400) -> list[str]:
+    """`n` + 14 deterministic English sentences (subject, verb, object, adverbial, cycled with coprime strides)."""
+    out = list(_EXTRA)
+    for i in range(n):
+        out.append(f"{_SUBJECTS[i % len(_SUBJECTS)]} {_VERBS[(i * 7) % len(_VERBS)]} "
+                   f"{_OBJECTS[(i * 11 + i // 20) % len(_OBJECTS)]}{_TAILS[(i * 5) % len(_TAILS)]}.")
+    return out
+
+
+def build_test_tokenizer(vocab_size: int, path: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style pre-tokenizer, every byte representable) on `toy_corpus()`, with
+    <pad>=0, <eos>=1, <bos>=2, <|turn>=3, <turn|>=4 and a post-processor that prepends <bos>, as Gemma's does.
+    Deterministic. The corpus supports about 720 ids; a larger `vocab_size` yields that many. Writes `path`
+    (a .json file, or a directory that gets a tokenizer.json) when given."""
+    minimum = len(TEST_SPECIAL_TOKENS) + 256
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum} (5 special tokens + 256 bytes), got {vocab_size}")
+    backend = _HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TEST_SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(toy_corpus(), trainer=trainer)
+    bos = backend.token_to_id(BOS)
+    backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                           special_tokens=[(BOS, bos)])
+    source = "<test tokenizer>"
+    if path is not None:
+        file = Path(path) if Path(path).suffix == ".json" else Path(path) / "tokenizer.json"
+        file.parent.mkdir(parents=True, exist_ok=True)
+        backend.save(str(file))
+        source = str(file)
+    return Tokenizer(backend, source=source)
+
+
+__all__ = ["Tokenizer", "build_test_tokenizer", "chat_token_ids", "check_vocab", "encode_template", "format_chat",
+           "load_tokenizer"]
