@@ -234,7 +234,9 @@ class Block(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor | None,
-                *, encoder: bool, impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
+                scalar: Tensor, impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
+        """`scalar`: `encoder_layer_scalar` (commit), `layer_scalar` (denoise), or a per-token mix (1, S, 1) when
+        one training sequence holds both roles."""
         attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask, impl)
         x = x + self.post_attention_layernorm(attn)
         h = self.mlp(self.pre_feedforward_layernorm(x))
@@ -245,7 +247,7 @@ class Block(nn.Module):
             moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).reshape(x.shape)
             h = h + self.post_feedforward_layernorm_2(moe)
         x = x + self.post_feedforward_layernorm(h)
-        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar), k, v
+        return x * scalar, k, v
 
 
 # --- self-conditioning --------------------------------------------------------------------------------------------
@@ -301,22 +303,48 @@ class DiffusionGemma(nn.Module):
         # Gemma: embeddings scaled by sqrt(D), the scale rounded to the weight dtype first (53.0, not 53.07, in bf16)
         return self.embed_tokens(ids) * torch.tensor(self.config.hidden_size**0.5).to(self.dtype)
 
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+        """cos, sin per layer type for integer positions (B or 1, S)."""
+        return {t: rope_cos_sin(rope_inv_freq(self.config.layer_rope(i), self.config.layer_head_dim(i),
+                                              positions.device), positions, dtype)
+                for t, i in _first_layer_of_each_type(self.config).items()}
+
     def _run_layers(self, x: Tensor, cache: KVCache, start: int, masks: dict[str, Tensor | None],
                     prefixes: dict[str, int | None], *, encoder: bool) -> Tensor:
         """Run every block over x (B, S, D) at positions start.. against the last `prefixes[layer_type]` cached
         tokens before `start` (None: all); the encoder also writes each block's new K/V at `start`."""
-        positions = torch.arange(start, start + x.shape[1], device=x.device)[None]
-        cos_sin = {
-            t: rope_cos_sin(rope_inv_freq(self.config.layer_rope(i), self.config.layer_head_dim(i), x.device),
-                            positions, x.dtype)
-            for t, i in _first_layer_of_each_type(self.config).items()
-        }
+        cos_sin = self._rope(torch.arange(start, start + x.shape[1], device=x.device)[None], x.dtype)
         for i, block in enumerate(self.layers):
             kind = self.config.layer_types[i]
             past_k, past_v = cache.visible(i, start, prefixes[kind])
-            x, k, v = block(x, *cos_sin[kind], past_k, past_v, masks[kind], encoder=encoder, impl=self.impl)
+            scalar = block.encoder_layer_scalar if encoder else block.layer_scalar
+            x, k, v = block(x, *cos_sin[kind], past_k, past_v, masks[kind], scalar, self.impl)
             if encoder:
                 cache.write(i, start, k, v)
+        return x
+
+    def sequence_hidden(self, tokens: Tensor, positions: Tensor, masks: dict[str, Tensor], *, num_clean: int,
+                        soft: Tensor | None = None, soft_mask: Tensor | None = None) -> Tensor:
+        """The training forward: one pass over a whole sequence (B, S) without a cache. Tokens [0, num_clean) run in
+        the encoder role (what `commit` does: plain embedding, encoder layer scalars); the rest are canvas tokens
+        in the decoder role (self-conditioning on `soft` (B, S - num_clean, D), post-norm, decoder scalars).
+        `masks[layer_type]` (B or 1, 1, S, S) bool says who attends to whom (dgemma/diffusion.py builds them).
+        Returns hidden states (B, S, D) before the final norm; differentiable."""
+        B, S = tokens.shape
+        x = self.embed(tokens)
+        if num_clean < S:
+            canvas = self.self_conditioning(x[:, num_clean:], soft if soft_mask is None or soft is None
+                                            else soft * soft_mask.to(soft.dtype)[:, None, None])
+            x = torch.cat([x[:, :num_clean], canvas], dim=1)
+        cos_sin = self._rope(positions, x.dtype)
+        is_canvas = (torch.arange(S, device=x.device) >= num_clean)[None, :, None]  # (1, S, 1)
+        empty = x.new_zeros(B, 1, 0, 1)
+        for i, block in enumerate(self.layers):
+            kind = self.config.layer_types[i]
+            scalar = torch.where(is_canvas, block.layer_scalar, block.encoder_layer_scalar)
+            K, Dh = self.config.layer_num_kv_heads(i), self.config.layer_head_dim(i)
+            past = empty.expand(B, K, 0, Dh)
+            x, _, _ = block(x, *cos_sin[kind], past, past, masks[kind], scalar, self.impl)
         return x
 
     @torch.no_grad()

@@ -1,0 +1,197 @@
+"""The training side of uniform-state block diffusion (seed 003): forward process, masks, losses.
+
+Forward process (D3PM, uniform state). A clean canvas x0 at noise level t in {1..T} is corrupted in one shot:
+
+    alpha_bar(t) = cos^2(pi/2 * t/T)                 1 at t=0 (clean) -> 0 at t=T (pure noise)
+    q(x_t | x0): keep x0 with probability alpha_bar(t), else a uniform random token (any of the V, x0 included)
+
+Every canvas of a training sequence draws its own t. The model predicts x0 (cross-entropy against the clean
+tokens at every canvas position).
+
+Objectives, all one forward pass through `DiffusionGemma.sequence_hidden` with a mask per layer type:
+
+    clean-context   [x0 ; x_t]: the clean copy runs in the encoder role (causal, what `commit` does) and each
+                    noisy canvas b attends to the clean canvases before it plus itself (what `denoise` does):
+                    exactly the sampling-time situation, in one pass (as Block Diffusion trains).
+    noisy-context   x_t alone: canvas b attends to the (noisy) canvases before it and itself; block-causal
+                    (seed 003 section 2.1).
+    ar              x0 alone, causal, next-token loss: the autoregressive baseline on the same backbone.
+
+Sliding-window layers keep their sampling-time visibility in every mask: an encoder query sees `sliding_window`
+keys including itself; a canvas sees the last `sliding_window - 1` tokens before it plus itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from dgemma.config import FULL, SLIDING
+from dgemma.model import DiffusionGemma
+
+Objective = Literal["clean-context", "noisy-context", "ar"]
+OBJECTIVES = ("clean-context", "noisy-context", "ar")
+
+
+# --- forward process ------------------------------------------------------------------------------------------
+
+def alpha_bar(t: Tensor, num_steps: int) -> Tensor:
+    """Probability that a token is still clean at noise level t (cosine schedule)."""
+    return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).float()
+
+
+def sample_canvas_t(batch: int, num_canvases: int, num_steps: int, generator: torch.Generator | None = None,
+                    device: torch.device | None = None) -> Tensor:
+    """One noise level per canvas, uniform on {1..T}: (B, num_canvases) int64."""
+    return torch.randint(1, num_steps + 1, (batch, num_canvases), generator=generator, device=device)
+
+
+def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_size: int,
+             generator: torch.Generator | None = None) -> Tensor:
+    """Corrupt x0 (B, S) with per-canvas levels t (B, S / canvas_length) in one step of q(x_t | x0)."""
+    keep_prob = alpha_bar(t, num_steps).repeat_interleave(canvas_length, dim=1)  # (B, S)
+    keep = torch.rand(x0.shape, generator=generator, device=x0.device) < keep_prob
+    noise = torch.randint(0, vocab_size, x0.shape, generator=generator, device=x0.device)
+    return torch.where(keep, x0, noise)
+
+
+# --- masks ------------------------------------------------------------------------------------------------------
+
+def clean_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None
+                        ) -> dict[str, Tensor]:
+    """Masks (1, 1, 2T, 2T) over [clean ; noisy] for both layer types (True = may attend)."""
+    T = length
+    idx = torch.arange(2 * T, device=device)
+    pos, noisy = idx % T, idx >= T
+    block = pos // canvas_length
+    q_pos, k_pos = pos[:, None], pos[None, :]
+    q_noisy, k_noisy = noisy[:, None], noisy[None, :]
+    causal = ~q_noisy & ~k_noisy & (k_pos <= q_pos)  # the encoder role: clean attends causally to clean
+    prefix = q_noisy & ~k_noisy & (k_pos < block[:, None] * canvas_length)  # a canvas sees clean canvases before it
+    own = q_noisy & k_noisy & (block[:, None] == block[None, :])  # ...and itself, bidirectionally
+    full = causal | prefix | own
+    start = block[:, None] * canvas_length
+    sliding = (causal & (q_pos - k_pos < window)) | (prefix & (k_pos >= start - (window - 1))) | own
+    return {FULL: full[None, None], SLIDING: sliding[None, None]}
+
+
+def noisy_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None
+                        ) -> dict[str, Tensor]:
+    """Block-causal masks (1, 1, T, T): canvas b sees canvases < b and itself."""
+    pos = torch.arange(length, device=device)
+    block = pos // canvas_length
+    start = (block * canvas_length)[:, None]
+    earlier, own = pos[None, :] < start, block[:, None] == block[None, :]
+    return {FULL: (earlier | own)[None, None],
+            SLIDING: ((earlier & (pos[None, :] >= start - (window - 1))) | own)[None, None]}
+
+
+def causal_masks(length: int, window: int, device: torch.device | None = None) -> dict[str, Tensor]:
+    """Causal masks (1, 1, T, T), sliding layers with a window of `window` keys including self."""
+    pos = torch.arange(length, device=device)
+    causal = pos[None, :] <= pos[:, None]
+    return {FULL: causal[None, None], SLIDING: (causal & (pos[:, None] - pos[None, :] < window))[None, None]}
+
+
+# --- losses -----------------------------------------------------------------------------------------------------
+
+def head_logits(model: DiffusionGemma, normed: Tensor) -> Tensor:
+    """Tied head and softcap in fp32 on already-normed hidden states: (N, D) -> (N, V)."""
+    logits = F.linear(normed, model.embed_tokens.weight).float()
+    cap = model.config.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+
+def x0_cross_entropy(model: DiffusionGemma, hidden: Tensor, targets: Tensor, chunk_rows: int | None = 1024
+                     ) -> Tensor:
+    """Mean cross-entropy of the model's head on `hidden` (N, D, before the final norm) against `targets` (N,).
+
+    With `chunk_rows`, rows go through the head a chunk at a time under activation checkpointing, so at most
+    (chunk_rows, V) fp32 logits are alive, forward or backward, instead of (N, V); the per-row math is the
+    eager loss's (chunk_rows=None), so loss and gradients agree to rounding."""
+    normed = model.norm(hidden)
+    if chunk_rows is None or normed.shape[0] <= chunk_rows:
+        return F.cross_entropy(head_logits(model, normed), targets)
+
+    def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(head_logits(model, h), y, reduction="sum")
+
+    total = normed.new_zeros((), dtype=torch.float32)
+    for lo in range(0, normed.shape[0], chunk_rows):
+        total = total + checkpoint(chunk_loss, normed[lo:lo + chunk_rows], targets[lo:lo + chunk_rows],
+                                   use_reentrant=False)
+    return total / normed.shape[0]
+
+
+@torch.no_grad()
+def soft_embedding(model: DiffusionGemma, hidden: Tensor, chunk_rows: int = 1024) -> Tensor:
+    """Self-conditioning input from a pre-pass: softmax(head(hidden)) @ E * sqrt(D), (B, L, D), in row chunks so
+    only (chunk_rows, V) probabilities exist at a time (the full-vocabulary product is the memory hazard)."""
+    E = model.embed_tokens.weight
+    normed = model.norm(hidden).reshape(-1, hidden.shape[-1])
+    scale = torch.tensor(model.config.hidden_size**0.5).to(E.dtype)
+    out = torch.cat([torch.softmax(head_logits(model, normed[lo:lo + chunk_rows]), dim=-1).to(E.dtype) @ E
+                     for lo in range(0, normed.shape[0], chunk_rows)])
+    return (out * scale).view(hidden.shape)
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # what backward runs on
+    x0_loss: Tensor  # diffusion x0 cross-entropy (nats/token), or the AR loss for `ar`
+    ar_loss: Tensor | None  # next-token loss on the clean stream (clean-context with ar_weight > 0)
+    tokens: int  # target tokens in the loss
+    self_conditioned: bool
+
+
+def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "clean-context", num_steps: int = 16,
+                  self_conditioning_prob: float = 0.5, ar_weight: float = 0.0, chunk_rows: int | None = 1024,
+                  generator: torch.Generator | None = None) -> LossOutput:
+    """One training loss on clean token windows x0 (B, S); for `ar`, x0 holds S = seq_len + 1 tokens.
+
+    Every random draw (noise levels, corruption, the self-conditioning coin) comes from `generator`, so a step is
+    reproducible from its seed."""
+    cfg = model.config
+    L, W, V = cfg.canvas_length, cfg.sliding_window, cfg.vocab_size
+    device = x0.device
+    if objective == "ar":
+        inputs, targets = x0[:, :-1], x0[:, 1:]
+        T = inputs.shape[1]
+        pos = torch.arange(T, device=device)[None]
+        hidden = model.sequence_hidden(inputs, pos, causal_masks(T, W, device), num_clean=T)
+        loss = x0_cross_entropy(model, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), chunk_rows)
+        return LossOutput(loss, loss.detach(), None, targets.numel(), False)
+    B, T = x0.shape
+    if T % L:
+        raise ValueError(f"training windows of {T} tokens are not a whole number of canvases of {L}")
+    t = sample_canvas_t(B, T // L, num_steps, generator, device)
+    xt = q_sample(x0, t, num_steps, L, V, generator)
+    use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
+    pos = torch.arange(T, device=device)
+    if objective == "clean-context":
+        tokens, positions, num_clean = torch.cat([x0, xt], 1), torch.cat([pos, pos])[None], T
+        masks = clean_context_masks(T, L, W, device)
+    elif objective == "noisy-context":
+        tokens, positions, num_clean = xt, pos[None], 0
+        masks = noisy_context_masks(T, L, W, device)
+    else:
+        raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    soft = None
+    if use_sc:  # pre-pass without gradient; its re-embedded posterior conditions the real pass (detached)
+        with torch.no_grad():
+            pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean)
+            soft = soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
+    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft)
+    D = hidden.shape[-1]
+    x0_loss = x0_cross_entropy(model, hidden[:, num_clean:].reshape(-1, D), x0.reshape(-1), chunk_rows)
+    loss, ar_loss = x0_loss, None
+    if objective == "clean-context" and ar_weight > 0:  # the clean stream is a causal LM too
+        ar_loss = x0_cross_entropy(model, hidden[:, : T - 1].reshape(-1, D), x0[:, 1:].reshape(-1), chunk_rows)
+        loss = loss + ar_weight * ar_loss
+    return LossOutput(loss, x0_loss.detach(), None if ar_loss is None else ar_loss.detach(), x0.numel(), use_sc)
