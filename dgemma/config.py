@@ -106,6 +106,10 @@ class ModelConfig:
     pad_token_id: int | None = 0
     eos_token_id: int | tuple[int, ...] | None = 1
     bos_token_id: int | None = 2
+    # dgemma extensions for models trained from scratch (seed 003's Lite); defaults = DiffusionGemma.
+    attention_k_eq_v: bool = True  # full-attention layers use the raw k_proj output as V (no v_proj)
+    self_conditioning: str = "mlp"  # "mlp": gated MLP on the canvas input; "linear": zero-init proj on the output
+    time_embedding: bool = False  # add a per-canvas sinusoidal embedding of the noise level t/T to each token
 
     def __post_init__(self) -> None:
         if not self.layer_types:  # transformers' default: every 6th layer full, and the last layer always full
@@ -143,6 +147,9 @@ class ModelConfig:
                        f"{nkv} must divide num_attention_heads={self.num_attention_heads} (grouped-query attention)")
         _check(_is_int(self.num_experts) and self.num_experts >= 0, "num_experts",
                f"must be an int >= 0, got {self.num_experts!r}")
+        if not self.num_experts:  # dense: the MoE sizes mean nothing; one canonical form keeps configs comparable
+            object.__setattr__(self, "top_k_experts", 0)
+            object.__setattr__(self, "moe_intermediate_size", 0)
         if self.num_experts:
             _check(_is_int(self.top_k_experts) and 0 < self.top_k_experts <= self.num_experts, "top_k_experts",
                    f"must be in [1, num_experts={self.num_experts}], got {self.top_k_experts!r}")
@@ -156,6 +163,8 @@ class ModelConfig:
         _check(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
                f"only None or 'vision' (a causal encoder for text) are supported, got "
                f"{self.use_bidirectional_attention!r}")
+        _check(self.self_conditioning in ("mlp", "linear"), "self_conditioning",
+               f"must be 'mlp' or 'linear', got {self.self_conditioning!r}")
         _check(isinstance(self.sliding_rope, RopeConfig) and isinstance(self.full_rope, RopeConfig),
                "rope", "sliding_rope and full_rope must be RopeConfig")
 
@@ -168,6 +177,10 @@ class ModelConfig:
 
     def layer_num_kv_heads(self, i: int) -> int:
         return self.num_key_value_heads if self.is_sliding(i) else self.num_global_key_value_heads  # type: ignore
+
+    def shares_kv(self, i: int) -> bool:
+        """Whether layer i takes its values from k_proj (K=V) instead of a v_proj."""
+        return self.attention_k_eq_v and not self.is_sliding(i)
 
     def layer_rope(self, i: int) -> RopeConfig:
         return self.sliding_rope if self.is_sliding(i) else self.full_rope
@@ -205,15 +218,15 @@ class ModelConfig:
         kw: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)} - {"sliding_rope", "full_rope", "canvas_length"}
         for name in names:
-            if name in text and text[name] is not None:
+            if name in text and (text[name] is not None or name.endswith("token_id")):  # None: "no such token"
                 kw[name] = text[name]
         if "layer_types" in kw:
             kw["layer_types"] = tuple(kw["layer_types"])
         if "eos_token_id" in kw and isinstance(kw["eos_token_id"], list):
             kw["eos_token_id"] = tuple(kw["eos_token_id"])
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
-            if name in text and text[name] is None:
-                kw[name] = 0 if name == "num_experts" else 1
+            if name in text and text[name] is None:  # transformers writes None for "no MoE"
+                kw[name] = 0
         kw.setdefault("final_logit_softcapping", 30.0)  # a class attribute in transformers: never in config.json
         canvas = top.get("canvas_length", text.get("canvas_length"))
         if canvas is not None:
@@ -286,6 +299,10 @@ class ModelConfig:
         }
         if self.final_logit_softcapping != 30.0:
             text["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.self_conditioning != "mlp" or self.time_embedding or not self.attention_k_eq_v:  # dgemma-only
+            text["self_conditioning"] = self.self_conditioning
+            text["time_embedding"] = self.time_embedding
+            text["attention_k_eq_v"] = self.attention_k_eq_v
         return {
             "architectures": ["DiffusionGemmaForBlockDiffusion"],
             "model_type": "diffusion_gemma",
@@ -492,6 +509,25 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # The released google/diffusiongemma-26B-A4B-it text geometry (spec section 1.4).
     "diffusiongemma-26b-a4b": ModelConfig(),
+    # Seed 003's DiffusionGemma-Lite on the dgemma block: dense, GQA 16/4, head_dim 64, full attention, tied GPT-2
+    # vocabulary, per-canvas time embedding, zero-init linear self-conditioning, canvas 256. 342,284,288 parameters
+    # (the seed states 343,516,160 for its block, which differs in norms; `dgemma inspect` prints ours).
+    "lite-380m": ModelConfig(
+        vocab_size=50_257, hidden_size=1024, intermediate_size=3072, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, global_head_dim=64, num_global_key_value_heads=4,
+        layer_types=(FULL,) * 24, sliding_window=4096, full_rope=RopeConfig("default", 10_000.0), num_experts=0,
+        canvas_length=256, max_position_embeddings=8192, attention_k_eq_v=False, self_conditioning="linear",
+        time_embedding=True,
+        pad_token_id=None, eos_token_id=50_256, bos_token_id=None,
+    ),
+    # The Lite architecture at test size.
+    "lite-tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=16, num_global_key_value_heads=2,
+        layer_types=(FULL, FULL), sliding_window=256, full_rope=RopeConfig("default", 10_000.0), num_experts=0,
+        canvas_length=16, max_position_embeddings=1024, attention_k_eq_v=False, self_conditioning="linear",
+        time_embedding=True,
+    ),
 }
 
 

@@ -14,11 +14,13 @@ from typing import Any
 
 from dgemma.config import ModelConfig
 
+TIME_FEATURES = 256  # dgemma.model.TIME_FEATURES (not imported: costs needs no torch)
+
 
 def _attention_params(cfg: ModelConfig, i: int) -> int:
-    """q_proj + k_proj (+ v_proj on sliding layers) + o_proj: (2·H·Dh + (1 or 2)·K·Dh)·D."""
+    """q_proj + k_proj (+ v_proj unless K=V) + o_proj: (2·H·Dh + (1 or 2)·K·Dh)·D."""
     hd, nkv = cfg.layer_head_dim(i), cfg.layer_num_kv_heads(i)
-    kv_projs = 2 if cfg.is_sliding(i) else 1  # full layers reuse the raw k_proj output as V
+    kv_projs = 1 if cfg.shares_kv(i) else 2  # K=V layers reuse the raw k_proj output as V
     return (2 * cfg.num_attention_heads * hd + kv_projs * nkv * hd) * cfg.hidden_size
 
 
@@ -54,9 +56,18 @@ def _breakdown(cfg: ModelConfig, active: bool) -> dict[str, int]:
     for i in range(cfg.num_hidden_layers):
         for k, v in _layer_params(cfg, i, active).items():
             out[k] += v
-    # pre_norm (D,) + gate_proj, up_proj (I, D) + down_proj (D, I); decoder only, runs on every denoise step
-    out["self_conditioning"] = cfg.hidden_size + 3 * cfg.intermediate_size * cfg.hidden_size
+    out["self_conditioning"] = _self_conditioning_params(cfg)
+    if cfg.time_embedding:  # Lite: Linear(TIME_FEATURES -> D) with bias
+        out["time_embedding"] = TIME_FEATURES * cfg.hidden_size + cfg.hidden_size
     return out
+
+
+def _self_conditioning_params(cfg: ModelConfig) -> int:
+    """"mlp": pre_norm (D,) + gate_proj, up_proj (I, D) + down_proj (D, I); "linear": proj (D, D). Decoder only,
+    runs on every denoise step."""
+    if cfg.self_conditioning == "linear":
+        return cfg.hidden_size * cfg.hidden_size
+    return cfg.hidden_size + 3 * cfg.intermediate_size * cfg.hidden_size
 
 
 def parameter_counts(cfg: ModelConfig) -> dict[str, Any]:
@@ -79,7 +90,7 @@ def per_layer_table(cfg: ModelConfig) -> list[dict[str, Any]]:
         rows.append({
             "layer": i, "type": "sliding" if sliding else "full", "heads": cfg.num_attention_heads,
             "head_dim": cfg.layer_head_dim(i), "kv_heads": cfg.layer_num_kv_heads(i), "rotary_dims": cfg.rotary_dims(i),
-            "window": cfg.sliding_window if sliding else None, "k_eq_v": not sliding,
+            "window": cfg.sliding_window if sliding else None, "k_eq_v": cfg.shares_kv(i),
             "params": sum(_layer_params(cfg, i, active=False).values()),
             "active_params": sum(_layer_params(cfg, i, active=True).values()),
         })
@@ -117,7 +128,7 @@ def _matmul_params(cfg: ModelConfig, self_conditioning: bool) -> int:
     n += cfg.num_hidden_layers * (3 * cfg.intermediate_size * cfg.hidden_size + cfg.num_experts * cfg.hidden_size
                                   + cfg.top_k_experts * _expert_params(cfg))
     if self_conditioning:
-        n += 3 * cfg.intermediate_size * cfg.hidden_size
+        n += _self_conditioning_params(cfg) - (cfg.hidden_size if cfg.self_conditioning == "mlp" else 0)
     return n
 
 

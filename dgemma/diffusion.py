@@ -101,44 +101,33 @@ def causal_masks(length: int, window: int, device: torch.device | None = None) -
 
 # --- losses -----------------------------------------------------------------------------------------------------
 
-def head_logits(model: DiffusionGemma, normed: Tensor) -> Tensor:
-    """Tied head and softcap in fp32 on already-normed hidden states: (N, D) -> (N, V)."""
-    logits = F.linear(normed, model.embed_tokens.weight).float()
-    cap = model.config.final_logit_softcapping
-    return torch.tanh(logits / cap) * cap if cap is not None else logits
-
-
-def x0_cross_entropy(model: DiffusionGemma, hidden: Tensor, targets: Tensor, chunk_rows: int | None = 1024
+def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chunk_rows: int | None = 1024
                      ) -> Tensor:
-    """Mean cross-entropy of the model's head on `hidden` (N, D, before the final norm) against `targets` (N,).
+    """Mean cross-entropy of the model's head on final hidden states (N, D) against `targets` (N,).
 
     With `chunk_rows`, rows go through the head a chunk at a time under activation checkpointing, so at most
     (chunk_rows, V) fp32 logits are alive, forward or backward, instead of (N, V); the per-row math is the
     eager loss's (chunk_rows=None), so loss and gradients agree to rounding."""
-    normed = model.norm(hidden)
-    if chunk_rows is None or normed.shape[0] <= chunk_rows:
-        return F.cross_entropy(head_logits(model, normed), targets)
+    if chunk_rows is None or final.shape[0] <= chunk_rows:
+        return F.cross_entropy(model.logits(final), targets)
 
     def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(head_logits(model, h), y, reduction="sum")
+        return F.cross_entropy(model.logits(h), y, reduction="sum")
 
-    total = normed.new_zeros((), dtype=torch.float32)
-    for lo in range(0, normed.shape[0], chunk_rows):
-        total = total + checkpoint(chunk_loss, normed[lo:lo + chunk_rows], targets[lo:lo + chunk_rows],
+    total = final.new_zeros((), dtype=torch.float32)
+    for lo in range(0, final.shape[0], chunk_rows):
+        total = total + checkpoint(chunk_loss, final[lo:lo + chunk_rows], targets[lo:lo + chunk_rows],
                                    use_reentrant=False)
-    return total / normed.shape[0]
+    return total / final.shape[0]
 
 
 @torch.no_grad()
-def soft_embedding(model: DiffusionGemma, hidden: Tensor, chunk_rows: int = 1024) -> Tensor:
-    """Self-conditioning input from a pre-pass: softmax(head(hidden)) @ E * sqrt(D), (B, L, D), in row chunks so
-    only (chunk_rows, V) probabilities exist at a time (the full-vocabulary product is the memory hazard)."""
-    E = model.embed_tokens.weight
-    normed = model.norm(hidden).reshape(-1, hidden.shape[-1])
-    scale = torch.tensor(model.config.hidden_size**0.5).to(E.dtype)
-    out = torch.cat([torch.softmax(head_logits(model, normed[lo:lo + chunk_rows]), dim=-1).to(E.dtype) @ E
-                     for lo in range(0, normed.shape[0], chunk_rows)])
-    return (out * scale).view(hidden.shape)
+def soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024) -> Tensor:
+    """Self-conditioning input from a pre-pass's final hidden states (B, L, D): softmax(head) @ E * sqrt(D), in row
+    chunks so only (chunk_rows, V) probabilities exist at a time (the full-vocabulary product is the hazard)."""
+    flat = final.reshape(-1, final.shape[-1])
+    return torch.cat([model.soft_embedding(model.logits(flat[lo:lo + chunk_rows]))
+                      for lo in range(0, flat.shape[0], chunk_rows)]).view(final.shape)
 
 
 @dataclass
@@ -174,9 +163,11 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     xt = q_sample(x0, t, num_steps, L, V, generator)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
     pos = torch.arange(T, device=device)
+    level = (t.float() / num_steps).repeat_interleave(L, dim=1)  # (B, T): each token's canvas noise level
     if objective == "clean-context":
         tokens, positions, num_clean = torch.cat([x0, xt], 1), torch.cat([pos, pos])[None], T
         masks = clean_context_masks(T, L, W, device)
+        level = torch.cat([torch.zeros_like(level), level], 1)  # the clean copy is at t = 0
     elif objective == "noisy-context":
         tokens, positions, num_clean = xt, pos[None], 0
         masks = noisy_context_masks(T, L, W, device)
@@ -185,9 +176,9 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     soft = None
     if use_sc:  # pre-pass without gradient; its re-embedded posterior conditions the real pass (detached)
         with torch.no_grad():
-            pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean)
+            pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, t=level)
             soft = soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
-    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft)
+    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft, t=level)
     D = hidden.shape[-1]
     x0_loss = x0_cross_entropy(model, hidden[:, num_clean:].reshape(-1, D), x0.reshape(-1), chunk_rows)
     loss, ar_loss = x0_loss, None

@@ -173,7 +173,8 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         active = ~(was_done | finished)
         passes += active
         steps += ~was_done
-        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix)
+        level = n / N if model.config.time_embedding else None  # Lite models are told the noise level t/T
+        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level)
         temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)

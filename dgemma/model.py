@@ -22,6 +22,7 @@ V vocabulary, E experts.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -32,6 +33,7 @@ from dgemma.config import FULL, SLIDING, ModelConfig, RopeConfig
 from dgemma.kv_cache import KVCache
 
 Impl = Literal["reference", "fast"]
+TIME_FEATURES = 256  # width of the sinusoidal noise-level features (Lite)
 IMPLS = ("reference", "fast")
 
 
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(D, H * Dh, bias=False)
         self.k_proj = nn.Linear(D, K * Dh, bias=False)
         # Gemma: K=V on full-attention layers: no v_proj, the value is the raw k_proj output.
-        self.v_proj = nn.Linear(D, K * Dh, bias=False) if config.is_sliding(layer_idx) else None
+        self.v_proj = None if config.shares_kv(layer_idx) else nn.Linear(D, K * Dh, bias=False)
         self.o_proj = nn.Linear(H * Dh, D, bias=False)
         self.q_norm = RMSNorm(Dh, config.rms_norm_eps)  # Gemma: QK norm, a learned per-dim scale shared by heads
         self.k_norm = RMSNorm(Dh, config.rms_norm_eps)
@@ -253,24 +255,44 @@ class Block(nn.Module):
 # --- self-conditioning --------------------------------------------------------------------------------------------
 
 class SelfConditioning(nn.Module):
-    """Feeds the previous denoising step's beliefs back in: a gated MLP over the soft embedding p @ E, added to the
-    canvas embedding, then a weightless RMSNorm of the sum (the decoder stream starts at unit RMS)."""
+    """Feeds the previous denoising step's beliefs back in, as the soft embedding p @ E (B, L, D).
+
+    "mlp" (DiffusionGemma): a gated MLP of it is added to the canvas embedding, then a weightless RMSNorm of the
+    sum (the decoder stream starts at unit RMS). "linear" (seed 003's Lite): a zero-initialised projection of it
+    is added to the final normed hidden state, so a fresh model computes exactly what it would without it."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         D = config.hidden_size
-        self.pre_norm = RMSNorm(D, config.rms_norm_eps)
-        self.gate_proj = nn.Linear(D, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(D, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, D, bias=False)
+        self.kind = config.self_conditioning
+        if self.kind == "mlp":
+            self.pre_norm = RMSNorm(D, config.rms_norm_eps)
+            self.gate_proj = nn.Linear(D, config.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(D, config.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(config.intermediate_size, D, bias=False)
+        else:
+            self.proj = nn.Linear(D, D, bias=False)
+            nn.init.zeros_(self.proj.weight)
         self.post_norm = RMSNorm(D, config.rms_norm_eps, with_scale=False)
 
     def forward(self, x: Tensor, soft: Tensor | None) -> Tensor:
-        """x: canvas embeddings (B, L, D); soft: soft embeddings (B, L, D), or None on a canvas's first step."""
-        if soft is None:  # the MLP maps a zero signal to exactly zero (the reference adds it; `+ 0.0` turns any
-            return self.post_norm(x + 0.0)  # -0.0 into +0.0 just as that addition does)
+        """The canvas input: x, canvas embeddings (B, L, D); soft, or None on a canvas's first step."""
+        if soft is None or self.kind != "mlp":  # the MLP maps a zero signal to exactly zero (the reference adds it;
+            return self.post_norm(x + 0.0)  # `+ 0.0` turns any -0.0 into +0.0 just as that addition does)
         s = self.pre_norm(soft)
         return self.post_norm(x + self.down_proj(F.gelu(self.gate_proj(s), approximate="tanh") * self.up_proj(s)))
+
+    def output(self, normed: Tensor, soft: Tensor | None) -> Tensor:
+        """The final hidden state: unchanged for "mlp", plus the projected soft embedding for "linear"."""
+        return normed if soft is None or self.kind == "mlp" else normed + self.proj(soft)
+
+
+def time_features(t: Tensor, dim: int) -> Tensor:
+    """Sinusoidal features of the noise level t in [0, 1] (0 = clean): (...) -> (..., dim) fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    angles = 1000.0 * t.float()[..., None] * freqs
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
 # --- the model ----------------------------------------------------------------------------------------------------
@@ -286,6 +308,8 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
+        # Lite (seed 003): each canvas is told its noise level; clean tokens get t = 0.
+        self.time_proj = nn.Linear(TIME_FEATURES, config.hidden_size) if config.time_embedding else None
 
     @property
     def device(self) -> torch.device:
@@ -299,9 +323,26 @@ class DiffusionGemma(nn.Module):
         """A preallocated cache for `max_length` committed tokens, in the model's dtype and device."""
         return KVCache(self.config, batch_size, max_length, dtype=self.dtype, device=self.device)
 
-    def embed(self, ids: Tensor) -> Tensor:
+    def embed(self, ids: Tensor, t: Tensor | None = None) -> Tensor:
+        """Token embeddings (B, S, D); with a time embedding, plus that of the noise level t (B, S) (None: 0)."""
         # Gemma: embeddings scaled by sqrt(D), the scale rounded to the weight dtype first (53.0, not 53.07, in bf16)
-        return self.embed_tokens(ids) * torch.tensor(self.config.hidden_size**0.5).to(self.dtype)
+        x = self.embed_tokens(ids) * torch.tensor(self.config.hidden_size**0.5).to(self.dtype)
+        if self.time_proj is not None:
+            t = torch.zeros(ids.shape, device=ids.device) if t is None else t.expand(ids.shape)
+            x = x + self.time_proj(time_features(t, TIME_FEATURES).to(x.dtype))
+        return x
+
+    def soft_embedding(self, logits: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Self-conditioning input from logits (B, L, V): softmax (fp32) @ E * sqrt(D), in the model dtype; `mask`
+        (B,) bool zeroes rows."""
+        E = self.embed_tokens.weight
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32).to(E.dtype)
+        soft = (probs @ E) * torch.tensor(self.config.hidden_size**0.5).to(E.dtype)  # same scale as embed()
+        return soft if mask is None else soft * mask.to(soft.dtype)[:, None, None]
+
+    def final_hidden(self, hidden: Tensor, soft: Tensor | None = None) -> Tensor:
+        """The final norm (and, for "linear" self-conditioning, its output-side add): what the head reads."""
+        return self.self_conditioning.output(self.norm(hidden), soft)
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
         """cos, sin per layer type for integer positions (B or 1, S)."""
@@ -324,18 +365,17 @@ class DiffusionGemma(nn.Module):
         return x
 
     def sequence_hidden(self, tokens: Tensor, positions: Tensor, masks: dict[str, Tensor], *, num_clean: int,
-                        soft: Tensor | None = None, soft_mask: Tensor | None = None) -> Tensor:
+                        soft: Tensor | None = None, t: Tensor | None = None) -> Tensor:
         """The training forward: one pass over a whole sequence (B, S) without a cache. Tokens [0, num_clean) run in
         the encoder role (what `commit` does: plain embedding, encoder layer scalars); the rest are canvas tokens
         in the decoder role (self-conditioning on `soft` (B, S - num_clean, D), post-norm, decoder scalars).
-        `masks[layer_type]` (B or 1, 1, S, S) bool says who attends to whom (dgemma/diffusion.py builds them).
-        Returns hidden states (B, S, D) before the final norm; differentiable."""
+        `masks[layer_type]` (B or 1, 1, S, S) bool says who attends to whom (dgemma/diffusion.py builds them);
+        `t` (B, S): noise levels in [0, 1] for a time-embedding model. Returns the final hidden states (B, S, D),
+        what the head reads (`final_hidden`); differentiable."""
         B, S = tokens.shape
-        x = self.embed(tokens)
+        x = self.embed(tokens, t)
         if num_clean < S:
-            canvas = self.self_conditioning(x[:, num_clean:], soft if soft_mask is None or soft is None
-                                            else soft * soft_mask.to(soft.dtype)[:, None, None])
-            x = torch.cat([x[:, :num_clean], canvas], dim=1)
+            x = torch.cat([x[:, :num_clean], self.self_conditioning(x[:, num_clean:], soft)], dim=1)
         cos_sin = self._rope(positions, x.dtype)
         is_canvas = (torch.arange(S, device=x.device) >= num_clean)[None, :, None]  # (1, S, 1)
         empty = x.new_zeros(B, 1, 0, 1)
@@ -345,6 +385,9 @@ class DiffusionGemma(nn.Module):
             K, Dh = self.config.layer_num_kv_heads(i), self.config.layer_head_dim(i)
             past = empty.expand(B, K, 0, Dh)
             x, _, _ = block(x, *cos_sin[kind], past, past, masks[kind], scalar, self.impl)
+        x = self.norm(x)
+        if soft is not None and num_clean < S:
+            x = torch.cat([x[:, :num_clean], self.self_conditioning.output(x[:, num_clean:], soft)], dim=1)
         return x
 
     @torch.no_grad()
@@ -372,42 +415,45 @@ class DiffusionGemma(nn.Module):
 
     @torch.no_grad()
     def denoise(self, canvas: Tensor, cache: KVCache, *, self_conditioning_logits: Tensor | None = None,
-                self_conditioning_mask: Tensor | None = None, sliding_prefix: int | None = None) -> Tensor:
+                self_conditioning_mask: Tensor | None = None, sliding_prefix: int | None = None,
+                t: Tensor | float | None = None) -> Tensor:
         """Bidirectional decoder pass over `canvas` (B, L) against everything committed; returns fp32 logits
         (B, L, V). Never writes the cache, so several canvases can be tried at the same position.
         `self_conditioning_logits` (B, L, V): the previous step's (temperature-scaled) logits; None on the first
         step of a canvas; its softmax runs in fp32 whatever their dtype (transformers' sampler passes them in the
         model dtype, so cast them to reproduce it in bf16). `self_conditioning_mask` (B,) bool zeroes the signal
         per row. `sliding_prefix`: how many committed tokens sliding layers see; default `sliding_window - 1`
-        (transformers); the JAX reference uses `sliding_window`."""
-        return self.logits(self._denoise_hidden(canvas, cache, self_conditioning_logits, self_conditioning_mask,
-                                                sliding_prefix))
+        (transformers); the JAX reference uses `sliding_window`. `t`: the canvas's noise level in [0, 1], a float or
+        (B,), for a time-embedding model."""
+        hidden, soft = self._denoise_hidden(canvas, cache, self_conditioning_logits, self_conditioning_mask,
+                                            sliding_prefix, t)
+        return self.logits(self.final_hidden(hidden, soft))
 
-    def _denoise_hidden(self, canvas: Tensor, cache: KVCache, sc_logits: Tensor | None,
-                        sc_mask: Tensor | None, sliding_prefix: int | None = None) -> Tensor:
+    def _denoise_hidden(self, canvas: Tensor, cache: KVCache, sc_logits: Tensor | None, sc_mask: Tensor | None,
+                        sliding_prefix: int | None = None, t: Tensor | float | None = None
+                        ) -> tuple[Tensor, Tensor | None]:
+        """Hidden states (B, L, D) before the final norm, and the self-conditioning soft embedding (or None)."""
         cache.check_batch(canvas, "canvas")
-        x = self.embed(canvas)
+        if t is not None:
+            t = torch.as_tensor(t, dtype=torch.float32, device=canvas.device).reshape(-1, 1)
+        x = self.embed(canvas, t)
         soft = None
         if sc_logits is not None:
             if sc_logits.shape != (*canvas.shape, self.config.vocab_size):
                 raise ValueError(f"self_conditioning_logits has shape {tuple(sc_logits.shape)}, expected "
                                  f"{(*canvas.shape, self.config.vocab_size)}")
-            E = self.embed_tokens.weight
-            probs = F.softmax(sc_logits, dim=-1, dtype=torch.float32).to(E.dtype)
-            soft = (probs @ E) * torch.tensor(self.config.hidden_size**0.5).to(E.dtype)  # same scale as embed()
-            if sc_mask is not None:
-                soft = soft * sc_mask.to(soft.dtype)[:, None, None]
+            soft = self.soft_embedding(sc_logits, sc_mask)
         x = self.self_conditioning(x, soft)  # Gemma: self-conditioning MLP + weightless post-norm on the input
         end = cache.length
         # Gemma: decoder sliding layers see the last `sliding_window - 1` committed tokens plus the whole canvas,
         # whatever the query's offset in the canvas (transformers' DynamicSlidingWindowLayer keeps that many)
         prefixes = {FULL: None, SLIDING: self.config.sliding_window - 1 if sliding_prefix is None else sliding_prefix}
-        masks = {t: cache.mask(end, canvas.shape[1], prefix=p, causal=False) for t, p in prefixes.items()}
-        return self._run_layers(x, cache, end, masks, prefixes, encoder=False)
+        masks = {kind: cache.mask(end, canvas.shape[1], prefix=p, causal=False) for kind, p in prefixes.items()}
+        return self._run_layers(x, cache, end, masks, prefixes, encoder=False), soft
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Final norm, tied head, fp32 softcap: (B, L, D) -> (B, L, V) fp32."""
-        logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()  # Gemma: tied input/output embedding
+    def logits(self, final: Tensor) -> Tensor:
+        """Tied head and fp32 softcap on the final hidden states (`final_hidden`): (..., D) -> (..., V) fp32."""
+        logits = F.linear(final, self.embed_tokens.weight).float()  # Gemma: tied input/output embedding
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap  # Gemma: logit softcap, 30 * tanh(x / 30), in fp32

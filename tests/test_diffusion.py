@@ -15,7 +15,6 @@ from dgemma.diffusion import (
     alpha_bar,
     causal_masks,
     clean_context_masks,
-    head_logits,
     noisy_context_masks,
     q_sample,
     sample_canvas_t,
@@ -112,7 +111,7 @@ def test_clean_context_forward_equals_commit_then_denoise(model, impl):
         pre = model.sequence_hidden(tokens, positions, masks, num_clean=T)[:, T:]
         soft = soft_embedding(model, pre, chunk_rows=7)
         conditioned = model.logits(model.sequence_hidden(tokens, positions, masks, num_clean=T, soft=soft)[:, T:])
-        sc_logits = head_logits(model, model.norm(pre))
+        sc_logits = model.logits(pre)
     for b in range(T // L):
         cache = model.new_cache(B, T)
         model.commit(x0[:, : b * L], cache)
@@ -147,8 +146,7 @@ def test_chunked_cross_entropy_equals_eager_loss_and_gradients(model):
         hidden.grad = None
         loss = x0_cross_entropy(model, hidden, targets, chunk_rows=chunk)
         loss.backward()
-        results.append((loss.detach(), hidden.grad.clone(), model.embed_tokens.weight.grad.clone(),
-                        model.norm.weight.grad.clone()))
+        results.append((loss.detach(), hidden.grad.clone(), model.embed_tokens.weight.grad.clone()))
     for eager, chunked in zip(*results, strict=True):
         torch.testing.assert_close(chunked, eager, atol=1e-6, rtol=0)
     assert results[0][0] > math.log(V) * 0.5  # a real loss, not a degenerate zero
@@ -158,7 +156,7 @@ def test_soft_embedding_chunking_is_exact(model):
     hidden = torch.randn(2, 40, CFG.hidden_size, generator=torch.Generator().manual_seed(7))
     assert torch.equal(soft_embedding(model, hidden, chunk_rows=80), soft_embedding(model, hidden, chunk_rows=80))
     torch.testing.assert_close(soft_embedding(model, hidden, chunk_rows=7), soft_embedding(model, hidden, 80),
-                               atol=1e-6, rtol=0)
+                               atol=1e-5, rtol=1e-5)  # soft embeddings of order 10: fp32 rounding of other shapes
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)

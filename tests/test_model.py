@@ -103,6 +103,7 @@ def test_gradients_flow_through_denoise_hidden(model):
     m.load_state_dict(model.state_dict())
     cache = m.new_cache(1, 8)
     m.commit(_ids(1, 8), cache)
-    loss = m.logits(m._denoise_hidden(_ids(1, 16), cache, None, None)).logsumexp(-1).mean()
+    hidden, _ = m._denoise_hidden(_ids(1, 16), cache, None, None)
+    loss = m.logits(m.final_hidden(hidden)).logsumexp(-1).mean()
     loss.backward()
     assert m.embed_tokens.weight.grad is not None and m.layers[0].experts.gate_up_proj.grad.abs().sum() > 0
