@@ -34,6 +34,8 @@ from dgemma.config import ConfigError, GenerationConfig
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma
 
+TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
+
 
 @dataclass
 class StepInfo:
@@ -316,7 +318,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
                               eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     if trace:
         result.trace = Trace(records, {
-            "batch_size": B, "prompt_length": T, "canvas_length": L, "num_canvases": len(steps_per_canvas),
+            "format": TRACE_FORMAT, "batch_size": B, "prompt_length": T, "canvas_length": L,
+            "num_canvases": len(steps_per_canvas),
             "steps_per_canvas": steps_per_canvas, "stop_reasons": stop_reasons,
             "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.to_hf() | {
                 k: getattr(config, k) for k in ("sampler", "commit", "stop_rule", "sliding_prefix", "truncate")},

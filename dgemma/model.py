@@ -392,17 +392,20 @@ class DiffusionGemma(nn.Module):
 
     @torch.no_grad()
     def commit(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,
-               attention_mask: Tensor | None = None) -> None:
+               attention_mask: Tensor | None = None, return_logits: bool = False) -> Tensor | None:
         """Causal encoder pass over `input_ids` (B, S): writes their K/V to the cache at `start` (default: the end of
         what is committed). Committing at an earlier `start` overwrites that span and discards everything after it.
-        `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to."""
+        `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to.
+        `return_logits`: also return the encoder's fp32 logits (B, S, V), i.e. next-token predictions, which is
+        what an autoregressive model (objective `ar`) decodes with."""
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         start = cache.prepare_write(input_ids, start, attention_mask)
         S, window = input_ids.shape[1], self.config.sliding_window
         if S == 0:  # nothing to encode; still truncates at `start`
-            return
+            return self.logits(self.embed_tokens.weight.new_zeros(input_ids.shape[0], 0, self.config.hidden_size)) \
+                if return_logits else None
         keep = cache.key_padding[:, start:start + S]
         # Gemma: encoder sliding layers see a causal window of `sliding_window` keys including themselves
         prefixes = {FULL: None, SLIDING: window - 1}
@@ -410,8 +413,9 @@ class DiffusionGemma(nn.Module):
             FULL: cache.mask(start, S, prefix=None, causal=True, new_keep=keep),
             SLIDING: cache.mask(start, S, prefix=window - 1, causal=True, window=window, new_keep=keep),
         }
-        self._run_layers(self.embed(input_ids), cache, start, masks, prefixes, encoder=True)
+        hidden = self._run_layers(self.embed(input_ids), cache, start, masks, prefixes, encoder=True)
         cache.finish_write(start + S)
+        return self.logits(self.final_hidden(hidden)) if return_logits else None
 
     @torch.no_grad()
     def denoise(self, canvas: Tensor, cache: KVCache, *, self_conditioning_logits: Tensor | None = None,

@@ -186,3 +186,14 @@ def test_bad_training_input_is_refused():
         training_loss(m, _ids(1, 20))
     with pytest.raises(ValueError, match="unknown objective 'mlm'"):
         training_loss(m, _ids(1, 16), objective="mlm")  # type: ignore[arg-type]
+
+
+def test_ar_decoding_with_the_cache_equals_the_ar_training_forward(model):
+    """An `ar` model decodes by committing token after token and reading commit's next-token logits."""
+    ids = _ids(2, 20, seed=11)
+    cache = model.new_cache(2, 20)
+    pieces = [model.commit(ids[:, :12], cache, return_logits=True)]
+    pieces += [model.commit(ids[:, i:i + 1], cache, return_logits=True) for i in range(12, 20)]
+    with torch.no_grad():
+        whole = model.logits(model.sequence_hidden(ids, torch.arange(20)[None], causal_masks(20, W), num_clean=20))
+    torch.testing.assert_close(torch.cat(pieces, 1), whole, atol=1e-4, rtol=0)
