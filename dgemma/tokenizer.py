@@ -10,20 +10,30 @@ the Gemma 4 turn template, which DiffusionGemma inherits:
     <|turn>model\\n                                (add_generation_prompt)
 
 `build_test_tokenizer(vocab_size, path)` trains a small byte-level BPE on built-in English sentences, so toy
-models (vocab 512) can be driven with text, offline.
+models (vocab 512) can be driven with text, offline. `train_bpe_tokenizer(texts, vocab_size)` trains the same kind
+on a real corpus, and `build_gpt2_tokenizer(encoder_json, vocab_bpe)` builds the exact GPT-2 BPE from OpenAI's two
+files (checked by sha256); `dgemma.data` uses both to turn text into token shards.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 BOS, TURN_START, TURN_END = "<bos>", "<|turn>", "<turn|>"
 TEST_SPECIAL_TOKENS = ("<pad>", "<eos>", BOS, TURN_START, TURN_END)  # ids 0..4, as Gemma's pad=0, eos=1, bos=2
+# OpenAI's GPT-2 files, as tiktoken pins them (tiktoken_ext/openai_public.py): encoder.json is the vocabulary,
+# vocab.bpe the merges.
+GPT2_FILE_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+                    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
+GPT2_EOT = "<|endoftext|>"  # id 50256, the last of GPT-2's 50,257
 ROLES = {"user": "user", "model": "model", "assistant": "model", "system": "system"}
 
 
@@ -142,20 +152,29 @@ def toy_corpus(n: int = 400) -> list[str]:
     return out
 
 
+def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...], *,
+                          length: int | None = None, show_progress: bool = False) -> _HFTokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenizer regex, the 256 byte symbols always in the vocabulary, so any text
+    encodes without an unknown token) trained on `texts`, `special_tokens` at ids 0, 1, ..."""
+    minimum = len(special_tokens) + 256
+    if vocab_size < minimum:
+        raise ValueError(f"vocab_size must be >= {minimum} ({len(special_tokens)} special tokens + 256 bytes), "
+                         f"got {vocab_size}")
+    backend = _HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  show_progress=show_progress, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer=trainer, length=length)
+    return backend
+
+
 def build_test_tokenizer(vocab_size: int, path: str | os.PathLike[str] | None = None) -> Tokenizer:
     """Train a byte-level BPE (GPT-2 style pre-tokenizer, every byte representable) on `toy_corpus()`, with
     <pad>=0, <eos>=1, <bos>=2, <|turn>=3, <turn|>=4 and a post-processor that prepends <bos>, as Gemma's does.
     Deterministic. The corpus supports about 720 ids; a larger `vocab_size` yields that many. Writes `path`
     (a .json file, or a directory that gets a tokenizer.json) when given."""
-    minimum = len(TEST_SPECIAL_TOKENS) + 256
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be >= {minimum} (5 special tokens + 256 bytes), got {vocab_size}")
-    backend = _HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TEST_SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(toy_corpus(), trainer=trainer)
+    backend = _train_byte_level_bpe(toy_corpus(), vocab_size, TEST_SPECIAL_TOKENS)
     bos = backend.token_to_id(BOS)
     backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
                                                            special_tokens=[(BOS, bos)])
@@ -168,5 +187,37 @@ def build_test_tokenizer(vocab_size: int, path: str | os.PathLike[str] | None = 
     return Tokenizer(backend, source=source)
 
 
-__all__ = ["Tokenizer", "build_test_tokenizer", "chat_token_ids", "check_vocab", "encode_template", "format_chat",
-           "load_tokenizer"]
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *, length: int | None = None,
+                        show_progress: bool = False) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_size` ids on `texts` (deterministic for the same texts in the same
+    order), with the test tokenizer's special tokens <pad>=0, <eos>=1, <bos>=2, <|turn>=3, <turn|>=4: Gemma's
+    pad/eos/bos ids, and the turn markers so the chat template encodes. No post-processor: `encode` gives the text's
+    tokens only, exactly what `dgemma.data` writes between <eos> separators. A corpus with few distinct pairs
+    yields fewer ids than `vocab_size`."""
+    backend = _train_byte_level_bpe(texts, vocab_size, TEST_SPECIAL_TOKENS, length=length,
+                                    show_progress=show_progress)
+    return Tokenizer(backend, source=f"<bpe:{vocab_size}>")
+
+
+def build_gpt2_tokenizer(encoder_json: bytes, vocab_bpe: bytes, source: str = "<gpt2>") -> Tokenizer:
+    """The exact GPT-2 BPE (50,257 ids, <|endoftext|> = 50256) from OpenAI's `encoder.json` and `vocab.bpe`
+    contents. Each is checked against its pinned sha256 first (ValueError naming the file on a mismatch), so the
+    ids are the published ones: "Hello world" -> [15496, 995]. The layout matches the Hugging Face gpt2
+    tokenizer.json: byte-level pre-tokenizer and decoder, no prefix space, no <bos>."""
+    for name, data in (("encoder.json", encoder_json), ("vocab.bpe", vocab_bpe)):
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != GPT2_FILE_SHA256[name]:
+            raise ValueError(f"{source}: {name} has sha256 {digest}, not GPT-2's {GPT2_FILE_SHA256[name]}")
+    vocab = json.loads(encoder_json)
+    # vocab.bpe: a "#version: 0.2" header, then one merge per line, "left right" (byte-level symbols hold no spaces)
+    merges = [tuple(line.split(" ")) for line in vocab_bpe.decode("utf-8").splitlines()[1:] if line]
+    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens([AddedToken(GPT2_EOT, special=True)])
+    return Tokenizer(backend, source=source)
+
+
+__all__ = ["Tokenizer", "build_gpt2_tokenizer", "build_test_tokenizer", "chat_token_ids", "check_vocab",
+           "encode_template", "format_chat", "load_tokenizer", "train_bpe_tokenizer"]

@@ -7,10 +7,11 @@ import argparse
 import sys
 
 from dgemma.cli import chat as chat_cmd
+from dgemma.cli import data as data_cmd
 from dgemma.cli import generate as generate_cmd
 from dgemma.cli import inspect as inspect_cmd
 
-COMMANDS = (generate_cmd, chat_cmd, inspect_cmd)
+COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
