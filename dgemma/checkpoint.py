@@ -40,6 +40,9 @@ PICKLE_GLOBS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
+CHECKPOINTS, STATE = "checkpoints", "trainer_state.pt"  # a training run's layout (dgemma/train.py writes it)
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing, malformed or does not match its config; the message names file, key and shapes."""
 
@@ -108,11 +111,39 @@ def _is_float(st_dtype: str) -> bool:
     return st_dtype.startswith("F") or st_dtype == "BF16"
 
 
+def list_checkpoints(run: Path) -> list[Path]:
+    """Complete checkpoints of a training run, oldest first (temporary directories of an interrupted save are
+    hidden: a checkpoint is complete once its trainer state is in place)."""
+    root = Path(run) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.is_dir() and (p / STATE).is_file() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(run: Path) -> Path | None:
+    ckpts = list_checkpoints(run)
+    return ckpts[-1] if ckpts else None
+
+
+def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
+    """A model directory for `path`: itself when it holds config.json, else, for a training run directory, its
+    newest complete checkpoint (so `load_model(RUN)` and `dgemma generate --model RUN` work)."""
+    path = Path(path)
+    if (path / "config.json").is_file() or not (path / CHECKPOINTS).is_dir():
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise CheckpointError(f"{path}: a training run with no complete checkpoint yet (nothing in {CHECKPOINTS}/)")
+    return ckpt
+
+
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
                device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
-    """Load a Hugging Face-format DiffusionGemma directory. `dtype` defaults to the checkpoint's (that of
-    `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises `CheckpointError`."""
-    path = Path(path)
+    """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint. `dtype` defaults
+    to the checkpoint's (that of `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises
+    `CheckpointError`."""
+    path = resolve_model_dir(path)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     if not path.is_dir():

@@ -383,7 +383,9 @@ class GenerationConfig:
     # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
     # generation_config.json.
     sampler: str = "entropy-bound"  # or "lite" (seed 003: monotone unchanged-or-stronger commits)
-    commit: str = "argmax"  # what a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (JAX)
+    # What a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (the JAX reference's final canvas;
+    # for Lite, seed 003's committed tokens, else the last draw). None: "sample" for lite, "argmax" otherwise.
+    commit: str | None = None
     stop_rule: str = "hf"  # "hf": argmax stable over history + confident; "jax": argmax == input canvas + confident
     sliding_prefix: str = "hf"  # committed tokens a canvas sees in sliding layers: "hf" sw - 1, "jax" sw
     truncate: bool = False  # cut the output to max_new_tokens (transformers keeps whole canvases)
@@ -417,12 +419,18 @@ class GenerationConfig:
         for name in ("pad_token_id", "bos_token_id"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
-        for name, choices in (("sampler", SAMPLERS), ("commit", ("argmax", "sample")), ("stop_rule", ("hf", "jax")),
-                              ("sliding_prefix", ("hf", "jax"))):
+        switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")), ("stop_rule", ("hf", "jax")),
+                    ("sliding_prefix", ("hf", "jax")))
+        for name, choices in switches:
             v = getattr(self, name)
             _check(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
         _check(_is_int(self.stability_steps) and self.stability_steps >= 1, "stability_steps",
                f"must be an int >= 1, got {self.stability_steps!r}")
+
+    @property
+    def commit_rule(self) -> str:
+        """The resolved `commit` switch."""
+        return self.commit or ("sample" if self.sampler == "lite" else "argmax")
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A copy with `changes`; unknown names raise a ConfigError listing the valid ones."""
@@ -509,6 +517,26 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # The released google/diffusiongemma-26B-A4B-it text geometry (spec section 1.4).
     "diffusiongemma-26b-a4b": ModelConfig(),
+    # DiffusionGemma scaled down to train on a laptop CPU: the `dg` architecture (dense MLP beside 8 experts top-2,
+    # sliding/full 2:1 with K=V and partial RoPE on full layers, self-conditioning MLP) at hidden 256, 6 layers, a
+    # 32-token canvas, and the 8,192-id BPE that `dgemma data prepare` trains by default. 10,282,544 parameters
+    # (6,743,600 active per token).
+    "cpu-small": ModelConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+        layer_types=(SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL), sliding_window=64, num_experts=8,
+        top_k_experts=2, moe_intermediate_size=128, canvas_length=32, max_position_embeddings=4096,
+    ),
+    # The `dg` architecture at the size of seed 003's Lite, for one GPU: hidden 1024, 24 layers (5 sliding : 1 full),
+    # GQA 16/4 with head_dim 64 (128 and 2 kv heads on full layers), dense MLP 1408 beside 16 experts top-4 of width
+    # 128, the GPT-2 vocabulary, canvas 256. 381,442,944 parameters, 268,196,736 active per token.
+    "dg-380m": ModelConfig(
+        vocab_size=50_257, hidden_size=1024, intermediate_size=1408, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=2,
+        layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(24)), sliding_window=1024,
+        num_experts=16, top_k_experts=4, moe_intermediate_size=128, canvas_length=256,
+        max_position_embeddings=8192, pad_token_id=None, eos_token_id=50_256, bos_token_id=None,
+    ),
     # Seed 003's DiffusionGemma-Lite on the dgemma block: dense, GQA 16/4, head_dim 64, full attention, tied GPT-2
     # vocabulary, per-canvas time embedding, zero-init linear self-conditioning, canvas 256. 342,284,288 parameters
     # (the seed states 343,516,160 for its block, which differs in norms; `dgemma inspect` prints ours).
@@ -527,6 +555,14 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=(FULL, FULL), sliding_window=256, full_rope=RopeConfig("default", 10_000.0), num_experts=0,
         canvas_length=16, max_position_embeddings=1024, attention_k_eq_v=False, self_conditioning="linear",
         time_embedding=True,
+    ),
+    # `dgemma bench` on a CPU (issue 7): the DiffusionGemma block with a 32k vocabulary, so the head, the
+    # self-conditioning product and the sampler weigh what they weigh at scale; 32 experts top-4 (a 128-token canvas
+    # touches nearly all of them), 5 sliding : 1 full layers with a window (64) shorter than the bench prompt (96).
+    "bench-small": ModelConfig(
+        vocab_size=32_768, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, sliding_window=64,
+        num_experts=32, top_k_experts=4, moe_intermediate_size=128, canvas_length=128, max_position_embeddings=4096,
     ),
 }
 

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma import sampling
+from dgemma import kernels, sampling
 from dgemma.config import ConfigError, GenerationConfig
 from dgemma.kv_cache import KVCache
-from dgemma.model import DiffusionGemma
+from dgemma.model import IMPLS, DiffusionGemma, Impl
 
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
 
@@ -177,6 +177,9 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         steps += ~was_done
         level = n / N if model.config.time_embedding else None  # Lite models are told the noise level t/T
         logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level)
+        # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
+        sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
+        sc = None
         temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
@@ -199,7 +202,7 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
             new_x = torch.where(keep, x, new_x)
             new_draw = torch.where(keep, draw, new_draw)
             accepted = torch.where(keep, committed if lite else accepted, accepted)
-            z[was_done] = sc[was_done].to(z.dtype)
+            z[was_done] = sc_done.to(z.dtype)
             entropy[was_done] = sampling.token_entropy(z[was_done])
         committed = accepted if lite else committed
         mean_entropy = entropy.mean(-1)
@@ -219,7 +222,7 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
             break
     # Lite ends every position on its best guess: the committed token, else the last draw (seed 003, 4.2 rule 5).
     sample = torch.where(committed, x, draw) if lite else x
-    tokens = argmax if config.commit == "argmax" else sample
+    tokens = argmax if config.commit_rule == "argmax" else sample
     return StagedCanvas(tokens, argmax, sample, steps, passes, reasons, mean_entropy, records)
 
 
@@ -250,7 +253,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
              on_step: Callable[[StepInfo], None] | None = None,
              on_canvas: Callable[[int, Tensor], None] | None = None, trace: bool = False,
              cache: KVCache | None = None, decoder_input_ids: Tensor | None = None,
-             **overrides: Any) -> GenerationResult:
+             impl: Impl | None = None, compile: bool = False, **overrides: Any) -> GenerationResult:
     """Generate whole canvases after `input_ids` (B, T).
 
     Settings come from `overrides` (any GenerationConfig field), then `generation_config`, then the checkpoint's
@@ -259,7 +262,29 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     numbers on CPU). `attention_mask` (B, T) marks left padding. `cache`: continue from a cache (multi-turn);
     `input_ids` are then only the tokens not yet committed. `decoder_input_ids` replaces the first canvas's
     initial noise. `on_step(StepInfo)` runs after every denoising step, `on_canvas(index, tokens)` after each
-    canvas is finalised (EOS/padding applied)."""
+    canvas is finalised (EOS/padding applied).
+    `impl` (default: the model's, `model.impl`): "fast" runs dgemma/kernels.py, the fast model kernels and, for the
+    entropy-bound sampler, the sync-free sampler loop (the same decisions, other random draws); `compile=True`
+    (fast only) compiles its denoise step."""
+    impl = model.impl if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if compile and impl != "fast":
+        raise ValueError("compile=True needs impl='fast' (the static denoise step lives in dgemma/kernels.py)")
+    saved_impl = model.impl
+    model.impl = impl  # for this call only: commit and denoise dispatch on it
+    try:
+        return _generate(model, input_ids, generation_config, attention_mask, seed, generator, on_step, on_canvas,
+                         trace, cache, decoder_input_ids, impl, compile, overrides)
+    finally:
+        model.impl = saved_impl
+
+
+def _generate(model: DiffusionGemma, input_ids: Tensor, generation_config: GenerationConfig | None,
+              attention_mask: Tensor | None, seed: int | None, generator: torch.Generator | None,
+              on_step: Callable[[StepInfo], None] | None, on_canvas: Callable[[int, Tensor], None] | None,
+              trace: bool, cache: KVCache | None, decoder_input_ids: Tensor | None, impl: Impl, compile: bool,
+              overrides: dict[str, Any]) -> GenerationResult:
     config = resolve_config(model, generation_config, overrides)
     _check_inputs(model, input_ids, cache, config)
     B, T = input_ids.shape
@@ -294,8 +319,12 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     for c in range(num_canvases):
         if c > 0:
             model.commit(sequences[:, -L:], cache)  # the previous canvas, as finalised
-        staged = denoise_canvas(model, cache, config, generator=generator, finished=finished, canvas_index=c,
-                                canvas=decoder_input_ids if c == 0 else None, on_step=on_step, trace=trace)
+        kwargs: dict[str, Any] = dict(generator=generator, finished=finished, canvas_index=c, on_step=on_step,
+                                      trace=trace, canvas=decoder_input_ids if c == 0 else None)
+        if impl == "fast" and kernels.fast_generation_supported(config):  # the sync-free loop (dgemma/kernels.py)
+            staged = kernels.denoise_canvas(model, cache, config, compile=compile, **kwargs)
+        else:
+            staged = denoise_canvas(model, cache, config, **kwargs)
         passes += staged.passes
         steps_per_canvas.append(staged.steps.tolist())
         stop_reasons.append(["finished" if f else r for f, r in zip(finished.tolist(), staged.stop_reasons,
@@ -308,12 +337,12 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
         if bool(finished.all()):
             break
 
+    if config.truncate:  # before counting: the tokens cut off are not useful output
+        sequences = sequences[:, : T + max_new]
     new = sequences[:, T:]
     valid = (new != config.pad_token_id).sum(-1) if config.pad_token_id is not None else \
         torch.full((B,), new.shape[1], device=device)
     tokens_per_forward = valid / passes
-    if config.truncate:
-        sequences = sequences[:, : T + max_new]
     result = GenerationResult(sequences, T, tokens_per_forward, steps_per_canvas, stop_reasons, cache,
                               eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     if trace:
@@ -322,7 +351,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
             "num_canvases": len(steps_per_canvas),
             "steps_per_canvas": steps_per_canvas, "stop_reasons": stop_reasons,
             "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.to_hf() | {
-                k: getattr(config, k) for k in ("sampler", "commit", "stop_rule", "sliding_prefix", "truncate")},
+                k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
+                                                "adaptive", "stability_steps")} | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
                       "(S, B, L); mean_entropy, done, active (S, B)",
         })

@@ -37,6 +37,8 @@ class KVCache:
         self.values = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
         self.key_padding = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
         self.length = 0  # number of committed positions; slots >= length are stale
+        # Whether any commit ever held padding (never reset): the fast path then needs masks (dgemma/kernels.py).
+        self.has_padding = False
 
     def __repr__(self) -> str:
         return f"KVCache(batch_size={self.batch_size}, length={self.length}, max_length={self.max_length})"
@@ -105,6 +107,7 @@ class KVCache:
             if not torch.isin(attention_mask, torch.tensor([0, 1], device=attention_mask.device)).all():
                 raise ValueError("attention_mask must contain only 0/1 (or False/True)")
             padding = attention_mask.to(device=self.key_padding.device, dtype=torch.bool)
+            self.has_padding = self.has_padding or not bool(padding.all())
         self.length = start
         self.key_padding[:, start:start + S] = padding
         return start

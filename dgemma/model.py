@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dgemma import kernels
 from dgemma.config import FULL, SLIDING, ModelConfig, RopeConfig
 from dgemma.kv_cache import KVCache
 
@@ -106,14 +107,6 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) ->
     return torch.matmul(probs, v).transpose(1, 2).contiguous()
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """`scaled_dot_product_attention` twin of `reference_attention` (pinned to it by tests)."""
-    if mask is not None:  # additive form, so that a fully masked (padding) query row gives no NaN
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, torch.finfo(q.dtype).min)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(1, 2).contiguous()
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -129,7 +122,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(Dh, config.rms_norm_eps)
         self.v_norm = RMSNorm(Dh, config.rms_norm_eps, with_scale=False)  # Gemma: weightless V norm
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor | None,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: kernels.Mask,
                 impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
         """x: (B, S, D); past_k/v: (B, K, T0, Dh), the visible cached keys. Returns the output (B, S, D) and this
         pass's new k, v (B, K, S, Dh), which `commit` writes to the cache."""
@@ -141,7 +134,7 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # (B, K, S, Dh): normed, then rotated
         v = self.v_norm(v).transpose(1, 2)  # (B, K, S, Dh): normed, never rotated
         keys, values = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)  # (B, K, T0 + S, Dh)
-        attend = reference_attention if impl == "reference" else sdpa_attention
+        attend = reference_attention if impl == "reference" else kernels.attention  # fast: SDPA (dgemma/kernels.py)
         out = attend(q, keys, values, mask).reshape(B, S, -1)
         return self.o_proj(out), k, v
 
@@ -192,9 +185,11 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * Ie, D))
         self.down_proj = nn.Parameter(torch.zeros(E, D, Ie))
 
-    def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor, impl: Impl = "reference") -> Tensor:
         """x: (N, D); weights, experts: (N, k). Loops over experts in ascending id and accumulates in the model
         dtype, token rows in (slot, token) order: exactly transformers' eager experts."""
+        if impl == "fast":  # fast: sort slots by expert once, contiguous/grouped matmuls (dgemma/kernels.py)
+            return kernels.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj)
         out = torch.zeros_like(x)
         for e in range(self.gate_up_proj.shape[0]):
             slot, token = torch.where(experts.T == e)
@@ -235,7 +230,7 @@ class Block(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor | None,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: kernels.Mask,
                 scalar: Tensor, impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
         """`scalar`: `encoder_layer_scalar` (commit), `layer_scalar` (denoise), or a per-token mix (1, S, 1) when
         one training sequence holds both roles."""
@@ -246,7 +241,7 @@ class Block(nn.Module):
             h = self.post_feedforward_layernorm_1(h)
             flat = x.reshape(-1, x.shape[-1])  # (B*S, D)
             weights, experts = self.router(flat)  # Gemma: the router reads the residual stream before any norm
-            moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts).reshape(x.shape)
+            moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts, impl).reshape(x.shape)
             h = h + self.post_feedforward_layernorm_2(moe)
         x = x + self.post_feedforward_layernorm(h)
         return x * scalar, k, v
@@ -350,7 +345,7 @@ class DiffusionGemma(nn.Module):
                                               positions.device), positions, dtype)
                 for t, i in _first_layer_of_each_type(self.config).items()}
 
-    def _run_layers(self, x: Tensor, cache: KVCache, start: int, masks: dict[str, Tensor | None],
+    def _run_layers(self, x: Tensor, cache: KVCache, start: int, masks: dict[str, kernels.Mask],
                     prefixes: dict[str, int | None], *, encoder: bool) -> Tensor:
         """Run every block over x (B, S, D) at positions start.. against the last `prefixes[layer_type]` cached
         tokens before `start` (None: all); the encoder also writes each block's new K/V at `start`."""
@@ -409,10 +404,14 @@ class DiffusionGemma(nn.Module):
         keep = cache.key_padding[:, start:start + S]
         # Gemma: encoder sliding layers see a causal window of `sliding_window` keys including themselves
         prefixes = {FULL: None, SLIDING: window - 1}
-        masks = {
-            FULL: cache.mask(start, S, prefix=None, causal=True, new_keep=keep),
-            SLIDING: cache.mask(start, S, prefix=window - 1, causal=True, window=window, new_keep=keep),
-        }
+        masks: dict[str, kernels.Mask]
+        if self.impl == "reference":
+            masks = {
+                FULL: cache.mask(start, S, prefix=None, causal=True, new_keep=keep),
+                SLIDING: cache.mask(start, S, prefix=window - 1, causal=True, window=window, new_keep=keep),
+            }
+        else:  # fast: "causal", or no mask tensor where none is needed (dgemma/kernels.py)
+            masks = kernels.commit_masks(cache, start, S, window, self.dtype, keep)
         hidden = self._run_layers(self.embed(input_ids), cache, start, masks, prefixes, encoder=True)
         cache.finish_write(start + S)
         return self.logits(self.final_hidden(hidden)) if return_logits else None
@@ -452,7 +451,11 @@ class DiffusionGemma(nn.Module):
         # Gemma: decoder sliding layers see the last `sliding_window - 1` committed tokens plus the whole canvas,
         # whatever the query's offset in the canvas (transformers' DynamicSlidingWindowLayer keeps that many)
         prefixes = {FULL: None, SLIDING: self.config.sliding_window - 1 if sliding_prefix is None else sliding_prefix}
-        masks = {kind: cache.mask(end, canvas.shape[1], prefix=p, causal=False) for kind, p in prefixes.items()}
+        masks: dict[str, kernels.Mask]
+        if self.impl == "reference":
+            masks = {kind: cache.mask(end, canvas.shape[1], prefix=p, causal=False) for kind, p in prefixes.items()}
+        else:  # fast: no mask tensor unless there is padding (dgemma/kernels.py)
+            masks = kernels.denoise_masks(cache, end, canvas.shape[1], prefixes)
         return self._run_layers(x, cache, end, masks, prefixes, encoder=False), soft
 
     def logits(self, final: Tensor) -> Tensor:
@@ -460,7 +463,10 @@ class DiffusionGemma(nn.Module):
         logits = F.linear(final, self.embed_tokens.weight).float()  # Gemma: tied input/output embedding
         cap = self.config.final_logit_softcapping
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap  # Gemma: logit softcap, 30 * tanh(x / 30), in fp32
+            if torch.is_grad_enabled() and logits.requires_grad:  # training keeps tanh's input for backward
+                logits = torch.tanh(logits / cap) * cap  # Gemma: logit softcap, 30 * tanh(x / 30), in fp32
+            else:  # sampling: in place, so no second (B, L, V) fp32 tensor
+                logits = logits.div_(cap).tanh_().mul_(cap)
         return logits
 
     @torch.no_grad()

@@ -20,6 +20,8 @@ multinomial over the (B*L, V) probabilities, then one (B, L) randint.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -34,16 +36,25 @@ def temperature(steps_remaining: int, num_steps: int, t_min: float, t_max: float
     return t_min + (t_max - t_min) * (n / num_steps)
 
 
-def token_entropy(logits: Tensor, chunk_rows: int = ENTROPY_CHUNK_ROWS) -> Tensor:
-    """Entropy (nats) of softmax(logits) per position: (..., V) -> (...) fp32, computed in row chunks so that only
-    a chunk of log-probabilities is alive at a time. Same formula as torch.distributions.Categorical."""
+def token_entropy(logits: Tensor, chunk_rows: int | None = None) -> Tensor:
+    """Entropy (nats) of softmax(logits) per position: (..., V) -> (...) fp32, computed in row chunks (default: at
+    most half the rows, at most ENTROPY_CHUNK_ROWS) so that the two chunk temporaries together never outgrow one
+    copy of `logits`. Same formula and bits as torch.distributions.Categorical; no chunk has a single row unless
+    there is only one (torch sums a lone row in a different order than the same row in a block)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    for lo in range(0, flat.shape[0], chunk_rows):
-        z = flat[lo:lo + chunk_rows]
+    rows = flat.shape[0]
+    if chunk_rows is None:
+        chunk_rows = min(ENTROPY_CHUNK_ROWS, max(2, -(-rows // 2)))
+    bounds = [*range(0, rows, chunk_rows), rows]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    for lo, hi in itertools.pairwise(bounds):
+        z = flat[lo:hi]
         logp = z - z.logsumexp(dim=-1, keepdim=True)
         p = torch.softmax(logp, dim=-1)
-        out[lo:lo + chunk_rows] = -(torch.clamp(logp, min=torch.finfo(logp.dtype).min) * p).sum(-1)
+        out[lo:hi] = -logp.clamp_(min=torch.finfo(logp.dtype).min).mul_(p).sum(-1)  # in place: 2 chunk temporaries
+        del logp, p
     return out.view(logits.shape[:-1])
 
 

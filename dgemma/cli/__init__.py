@@ -6,12 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dgemma.cli import bench as bench_cmd
 from dgemma.cli import chat as chat_cmd
 from dgemma.cli import data as data_cmd
+from dgemma.cli import demo as demo_cmd
+from dgemma.cli import eval as eval_cmd
 from dgemma.cli import generate as generate_cmd
 from dgemma.cli import inspect as inspect_cmd
+from dgemma.cli import train as train_cmd
+from dgemma.cli import viz as viz_cmd
 
-COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd)
+COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, eval_cmd, viz_cmd, bench_cmd, demo_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

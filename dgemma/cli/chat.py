@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dgemma.cli.generate import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
 from dgemma.tokenizer import TURN_END, TURN_START, chat_token_ids, encode_template
 
 

@@ -1,0 +1,171 @@
+"""What `dgemma generate` and `dgemma chat` share: model and tokenizer loading, the sampler flags, UsageError, and
+the streaming display (committed text, and in a terminal the canvas being refined)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dgemma
+from dgemma.config import ConfigError, GenerationConfig
+from dgemma.tokenizer import Tokenizer, check_vocab, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LIVE_INTERVAL_S = 0.1  # redraw the refining canvas at most 10 times a second: terminals are slow, steps are not
+
+
+class UsageError(ConfigError):
+    """A bad command-line input (prompt, ids, tokenizer, flags). A ConfigError, so `dgemma` prints it on one line
+    and exits 2."""
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, metavar="DIR", help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--preset", metavar="NAME", help="a named preset, with --random-init (smoke tests)")
+    p.add_argument("--random-init", action="store_true", help="random weights for --preset (dgemma.init_weights)")
+    p.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json or its folder (default: in --model)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's (float32 for a preset)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+
+
+def add_sampler_args(p: argparse.ArgumentParser) -> None:
+    """Flags that override the checkpoint's generation_config.json for this run."""
+    p.add_argument("--sampler", choices=("entropy-bound", "lite"))
+    p.add_argument("--max-new-tokens", type=int, metavar="N")
+    p.add_argument("--steps", type=int, metavar="N", help="max denoising steps per canvas")
+    p.add_argument("--entropy-bound", type=float, metavar="X")
+    p.add_argument("--t-min", type=float, metavar="X", help="final temperature")
+    p.add_argument("--t-max", type=float, metavar="X", help="initial temperature")
+    p.add_argument("--seed", type=int, metavar="N")
+
+
+def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:
+    """generate()'s keyword overrides from the flags given; invalid values fail here, naming the field."""
+    kw = {k: v for k, v in (("sampler", args.sampler), ("max_new_tokens", args.max_new_tokens),
+                            ("max_denoising_steps", args.steps), ("entropy_bound", args.entropy_bound),
+                            ("t_min", args.t_min), ("t_max", args.t_max)) if v is not None}
+    gcfg.replace(**{k: v for k, v in kw.items() if k in GenerationConfig.__dataclass_fields__})
+    return kw
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
+    """The model (from --model, or --preset --random-init) and its tokenizer (None if there is none)."""
+    if (args.model is None) == (args.preset is None):
+        raise UsageError("give exactly one of --model DIR and --preset NAME")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    dtype = DTYPES.get(args.dtype)
+    if args.preset is not None:
+        if not args.random_init:
+            raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
+        model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset(args.preset)))
+        model = model.to(dtype=dtype or torch.float32, device=args.device).eval()
+        c = model.config
+        eos = c.eos_token_id if isinstance(c.eos_token_id, tuple) else (c.eos_token_id,)
+        model.generation_config = GenerationConfig(eos_token_id=tuple(e for e in eos if e is not None),
+                                                   pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id)
+    else:
+        if args.random_init:
+            raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
+        model = dgemma.load_model(args.model, dtype=dtype, device=args.device)
+    path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
+    tok = None
+    if path is not None and (args.tokenizer is not None or path.exists()):
+        try:
+            tok = load_tokenizer(path)
+            check_vocab(tok, model.config)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        end = tok.token_to_id("<turn|>")
+        if args.preset is not None and end is not None and end not in model.generation_config.eos_token_id:
+            # Gemma's generation_config.json stops on <turn|> too; a random model with a chat tokenizer should.
+            gc = model.generation_config
+            model.generation_config = gc.replace(eos_token_id=(*gc.eos_token_id, end))
+    return model, tok
+
+
+class Streamer:
+    """on_canvas: prints each committed canvas's new text (one row: as a running stream; a batch: one line per row
+    and canvas). on_step, when `stream` is a terminal: redraws the canvas being refined below the text, with ANSI
+    escapes, and erases it before the next committed text."""
+
+    def __init__(self, tok: Tokenizer | None, eos: tuple[int, ...], pad: int | None, batch_size: int, *,
+                 quiet: bool = False, stream: Any = None, live: bool | None = None):
+        self.tok, self.eos, self.pad, self.quiet = tok, set(eos), pad, quiet
+        self.out = stream or sys.stdout
+        self.live = (not quiet and self.out.isatty()) if live is None else live
+        self.ids: list[list[int]] = [[] for _ in range(batch_size)]
+        self.shown, self.done = [""] * batch_size, [False] * batch_size
+        self.last_canvas: list[list[int]] = [[] for _ in range(batch_size)]  # cut before EOS; chat re-feeds it
+        self.col, self.drawn, self.last_draw = 0, 0, 0.0
+
+    def text(self, ids: list[int]) -> str:
+        if self.tok is None:
+            return "".join(f" {i}" for i in ids)
+        # Control bytes (an untrained model emits any) would act on the terminal; show them as U+FFFD.
+        return self.tok.decode(ids, skip_special_tokens=True).translate(_CONTROL)
+
+    def on_canvas(self, index: int, tokens: torch.Tensor) -> None:
+        self._erase()
+        for r, row in enumerate(tokens.tolist()):
+            if self.done[r]:
+                continue
+            cut = next((j for j, t in enumerate(row) if t in self.eos), None)
+            self.done[r] = cut is not None
+            self.last_canvas[r] = row[:cut]
+            kept = [t for t in row[:None if cut is None else cut + 1] if t != self.pad]
+            self.ids[r] += kept
+            full = self.text(self.ids[r])
+            new, self.shown[r] = full[len(self.shown[r]):], full
+            if self.quiet:
+                continue
+            if len(self.ids) == 1:
+                self.out.write(new)
+                self.col = (len(full) - full.rfind("\n") - 1) % shutil.get_terminal_size().columns
+            else:
+                self.out.write(f"[{r}] canvas {index}: {_oneline(self.text(kept))}\n")
+        self.out.flush()
+
+    def on_step(self, info: Any) -> None:
+        now = time.monotonic()
+        if not self.live or now - self.last_draw < LIVE_INTERVAL_S:
+            return
+        self.last_draw = now
+        width = shutil.get_terminal_size().columns - 1
+        lines = []
+        for r in [r for r in range(len(self.ids)) if not self.done[r]][:4]:
+            acc = int(info.accepted[r].sum())
+            head = (f"{'' if len(self.ids) == 1 else f'[{r}] '}canvas {info.canvas} step {info.step}/{info.num_steps} "
+                    f"H={float(info.mean_entropy[r]):.3f} acc {acc}/{info.accepted.shape[-1]} | ")
+            lines.append((head + _oneline(self.text(info.argmax[r].tolist())))[:width])
+        self._erase()
+        if not lines:
+            return
+        # Below the committed text, then back up to where it ends: relative moves survive the terminal scrolling.
+        self.out.write("".join("\n\x1b[2m" + s + "\x1b[0m" for s in lines) + f"\x1b[{len(lines)}A\x1b[{self.col + 1}G")
+        self.out.flush()
+        self.drawn = len(lines)
+
+    def _erase(self) -> None:
+        if self.drawn:
+            self.out.write("\x1b[J")  # clear from the cursor (end of committed text) to the end of the screen
+            self.drawn = 0
+
+    def close(self) -> None:
+        self._erase()
+        if len(self.ids) == 1 and not self.quiet and self.shown[0]:
+            self.out.write("\n")
+        self.out.flush()
+
+
+_CONTROL = {c: "\ufffd" for c in (*range(9), *range(11, 32), 127)}  # all but tab and newline
+
+
+def _oneline(s: str) -> str:
+    return s.translate({c: "⏎" if c == 10 else " " for c in range(32)})

@@ -1,0 +1,90 @@
+"""`dgemma eval --model RUN [--baseline AR_RUN] --data DIR --out REPORT_DIR`: held-out likelihoods (NELBO bound, x0
+cross-entropy, AR cross-entropy), decoding speed and cost over a grid of sampler settings, sample quality, and seed
+003's verdict, written as report.md, report.json and plots (dgemma/evaluate.py, docs/evaluation.md)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a diffusion run against an AR baseline: likelihood, speed, quality",
+                       description=__doc__)
+    p.add_argument("--model", type=Path, required=True, metavar="RUN", help="diffusion run or checkpoint directory")
+    p.add_argument("--baseline", type=Path, metavar="AR_RUN", help="autoregressive run (objective 'ar'), same data")
+    p.add_argument("--data", type=Path, required=True, metavar="DIR", help="prepared data (its validation split)")
+    p.add_argument("--out", type=Path, required=True, metavar="REPORT_DIR", help="folder for report.md/json, plots")
+    p.add_argument("--prompts", type=int, default=8, metavar="N", help="prompts decoded per sampler setting")
+    p.add_argument("--prompt-tokens", type=int, default=32, metavar="N", help="tokens per prompt")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt (default: two canvases)")
+    p.add_argument("--steps", type=_ints, default=(4, 8, 16, 32), metavar="N,N,..",
+                   help="max_denoising_steps values of the frontier (default 4,8,16,32)")
+    p.add_argument("--entropy-bounds", type=_floats, default=(0.1, 1.0), metavar="X,X,..",
+                   help="entropy_bound values of the frontier (default 0.1,1)")
+    p.add_argument("--seq-len", type=int, metavar="N", help="held-out window (default: the run's training seq_len)")
+    p.add_argument("--num-steps", type=int, metavar="T", help="T of the NELBO (default: the run's training T)")
+    p.add_argument("--t-samples", type=int, default=4, metavar="K", help="stratified t samples per canvas (NELBO)")
+    p.add_argument("--max-windows", type=int, default=64, metavar="N", help="held-out windows per likelihood "
+                   "(0: the whole validation split)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="held-out windows per forward")
+    p.add_argument("--target-se", type=float, default=0.01, metavar="X", help="the report says how many windows "
+                   "give this standard error (nats/token)")
+    p.add_argument("--quality-dtype", default="float64", choices=("float64", "float32"),
+                   help="dtype of the diffusion model for the samples that are scored (default float64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dgemma.evaluate import EvalSettings, evaluate, write_report
+    from dgemma.viz import check_installed
+
+    settings = EvalSettings(steps=args.steps, entropy_bounds=args.entropy_bounds, num_prompts=args.prompts,
+                            prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
+                            seq_len=args.seq_len, num_steps=args.num_steps, num_t_samples=args.t_samples,
+                            max_windows=args.max_windows or None, batch_size=args.batch_size,
+                            target_se=args.target_se, seed=args.seed, quality_dtype=args.quality_dtype,
+                            progress=not args.quiet)
+    settings.check()
+    try:  # before the long evaluation, not after it: the report needs its plots
+        check_installed()
+    except ImportError as e:
+        print(f"dgemma eval: error: {e}", file=sys.stderr)
+        return 2
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    report, traces = evaluate(args.model, args.data, baseline_path=args.baseline, settings=settings, log=log)
+    command = "dgemma eval " + shlex.join(_argv(args))
+    for path in write_report(report, args.out, command=command, traces=traces):
+        log(f"wrote {path}")
+    print(args.out / "report.md")
+    return 0
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The command line as it determines the report (paths and every setting), printed on every figure."""
+    out = ["--model", str(args.model)]
+    if args.baseline is not None:
+        out += ["--baseline", str(args.baseline)]
+    out += ["--data", str(args.data), "--out", str(args.out), "--prompts", str(args.prompts),
+            "--steps", ",".join(map(str, args.steps)),
+            "--entropy-bounds", ",".join(f"{x:g}" for x in args.entropy_bounds)]
+    for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--max-new-tokens", args.max_new_tokens),
+                        ("--seq-len", args.seq_len), ("--num-steps", args.num_steps), ("--t-samples", args.t_samples),
+                        ("--max-windows", args.max_windows), ("--seed", args.seed)):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.quality_dtype != "float64":
+        out += ["--quality-dtype", args.quality_dtype]
+    return out

@@ -1,0 +1,74 @@
+"""`dgemma train`: train a model from scratch on prepared token shards (or --resume a run), checkpointing into RUN.
+Every TrainConfig field is a flag; --preset picks a recipe from dgemma.train.TRAIN_PRESETS (default cpu-small) and
+the flags given override it (--print-config shows the result)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from dgemma.config import ConfigError
+from dgemma.train import CONFIG_JSON, TrainConfig, latest_checkpoint, train, train_preset
+
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int}
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type) -> None:
+    """One --kebab-case flag per dataclass field, typed from its annotation, with the field's help and choices. Every
+    flag defaults to None (= not given), so the defaults live only in the dataclass and its presets."""
+    for f in dataclasses.fields(cls):
+        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
+        if f.type == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _TYPES[str(f.type)]
+            kw["choices"] = f.metadata.get("choices")
+            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", str: "NAME"}[kw["type"]]
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("train", help="train a model from scratch on token shards (or resume a run)",
+                              description=__doc__)
+    p.add_argument("--data", type=Path, required=True, metavar="DIR", help="a directory from `dgemma data prepare`")
+    p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (must be new or empty, "
+                   "unless --resume)")
+    p.add_argument("--resume", action="store_true", help="continue RUN from its latest checkpoint (bit-exact)")
+    p.add_argument("--minutes", type=float, metavar="M", help="stop (and checkpoint) after M minutes")
+    p.add_argument("--until-step", type=int, metavar="N", help="stop (and checkpoint) at step N; the learning-rate "
+                   "schedule still spans --max-steps")
+    p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
+    add_config_args(p, TrainConfig)
+    p.set_defaults(func=run)
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The preset's recipe (or, with --resume, the run's saved config), then the flags given."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+             if getattr(args, f.name) is not None}
+    if args.resume:
+        ckpt = latest_checkpoint(args.out)
+        if ckpt is None:
+            raise ConfigError(f"--resume: {args.out} has no complete checkpoint to resume from"
+                              + (" (delete it to start over)" if args.out.exists() else ""))
+        base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
+    else:
+        base = train_preset(given.get("preset", TrainConfig.preset))
+    return base.replace(**given)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.minutes is not None and args.minutes <= 0:
+        raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
+    cfg = resolve_config(args)
+    if args.print_config:
+        print(json.dumps(cfg.to_json(), indent=2))
+        return 0
+    result = train(cfg, args.data, args.out, resume=args.resume, max_minutes=args.minutes,
+                   until_step=args.until_step)
+    val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+    print(f"done: step {result.step}{val}; generate with: dgemma generate --model {args.out} --prompt ...")
+    return 0

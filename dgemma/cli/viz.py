@@ -1,0 +1,60 @@
+"""`dgemma viz TRACE --out DIR`: pictures of a generation trace (dgemma/viz.py) and an HTML canvas player."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("viz", help="plots, a GIF and an HTML player of a trace (dgemma generate --trace FILE)",
+                       description=__doc__)
+    p.add_argument("trace", type=Path, metavar="TRACE", help="the trace: FILE, FILE.json or FILE.npz")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the pictures")
+    p.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json or its folder: show tokens as text")
+    p.add_argument("--model", type=Path, metavar="DIR", help="a model or run directory whose tokenizer.json to use")
+    p.add_argument("--row", type=int, default=0, help="batch row to draw (default 0)")
+    p.add_argument("--canvas", type=int, action="append", metavar="C", help="canvas to draw (repeatable; default all)")
+    p.add_argument("--gif-canvas", type=int, metavar="C", help="canvas of the GIF (default: the first drawn)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dgemma.tokenizer import load_tokenizer
+    from dgemma.viz import load_trace, render_trace
+
+    trace = load_trace(args.trace)
+    tok_path = args.tokenizer
+    if tok_path is None and args.model is not None:  # a run keeps tokenizer.json at its root and in checkpoints
+        from dgemma.train import resolve_model_dir
+
+        tok_path = next((p for p in (args.model / "tokenizer.json", resolve_model_dir(args.model) / "tokenizer.json")
+                         if p.is_file()), None)
+        if tok_path is None:
+            print(f"dgemma viz: {args.model} has no tokenizer.json; showing token ids", file=sys.stderr)
+    tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
+    command = "dgemma viz " + shlex.join([str(args.trace), "--out", str(args.out), *_flags(args)])
+    try:
+        written = render_trace(trace, args.out, command=command, tokenizer=tokenizer, row=args.row,
+                               canvases=args.canvas, gif_canvas=args.gif_canvas)
+    except ImportError as e:  # matplotlib or pillow missing: say how to install them, in one line
+        print(f"dgemma viz: error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    """The optional flags as given, for the command line printed on every figure."""
+    out: list[str] = []
+    for flag, value in (("--tokenizer", args.tokenizer), ("--model", args.model), ("--gif-canvas", args.gif_canvas)):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.row:
+        out += ["--row", str(args.row)]
+    for c in args.canvas or []:
+        out += ["--canvas", str(c)]
+    return out

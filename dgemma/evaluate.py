@@ -1,0 +1,1038 @@
+"""Evaluation: held-out likelihoods, decoding cost and speed, and sample quality (docs/evaluation.md).
+
+Likelihood (nats per token, with bits per byte beside them):
+
+    x0 cross-entropy     the training objective at t ~ U{1..T}, without self-conditioning (seed 003 section 7).
+                         Not a likelihood: it is what the model is trained on, reported as the seed reports it.
+    NELBO                an upper bound on the held-out NLL of the uniform-state D3PM with the cosine schedule and
+                         T steps, canvas by canvas given the clean prefix (block-autoregressive):
+                             NLL(x) <= sum_b NELBO(canvas_b | canvases < b)
+                         estimated by Monte Carlo over stratified t, with its standard error.
+    AR cross-entropy     next-token loss of an autoregressive run (objective 'ar') on the same held-out tokens.
+
+Cost and speed: `ForwardCounter` wraps a model's `commit` / `denoise` / `sequence_hidden` and counts tokens through
+the backbone; `run_sampler` and `run_ar` decode the same prompts one at a time (batch 1) with wall-clock timing.
+
+Sample quality: generative perplexity of diffusion samples under the AR baseline (samples drawn with the diffusion
+model in float64), distinct-n, per-sample token entropy, and the fraction of accepted tokens re-noised at the next
+step (from traces).
+
+`evaluate(...)` runs everything and returns the report as a dict; `dgemma eval` writes it (dgemma/cli/eval.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dgemma.config import GenerationConfig
+from dgemma.diffusion import causal_masks, clean_context_masks, noisy_context_masks, q_sample, sample_canvas_t
+from dgemma.generate import TRACE_FORMAT, Trace, generate
+from dgemma.model import DiffusionGemma
+
+REPORT_FORMAT = "dgemma-eval-1"
+PARITY_TOLERANCE = 0.05  # seed 003's verdict: held-out NLL within +5% of the AR baseline's
+KL_CHUNK_ROWS = 256  # rows of (rows, V) float64 temporaries in `reverse_kl`
+
+# posterior(x0 (B, S), x_t (B, S), t (B, C)) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean canvases before)
+Posterior = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class EvalError(ValueError):
+    """An input `dgemma eval` / `dgemma viz` cannot use; the message says which and why (exit 2 in the CLI)."""
+
+
+# --- statistics ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Estimate:
+    """A per-token mean over held-out windows, with the standard error of that mean (windows as the unit)."""
+
+    mean: float  # nats per token
+    se: float  # standard error of `mean`; nan with fewer than 2 windows
+    windows: int
+    tokens: int
+    sd: float  # standard deviation of the per-window per-token values
+    bytes: int | None = None  # UTF-8 bytes of the scored tokens' text, for bits per byte
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        return None if not self.bytes else self.mean * self.tokens / (math.log(2) * self.bytes)
+
+    def windows_for_se(self, target_se: float) -> int | None:
+        """Windows needed for a standard error of `target_se` nats/token: (sd / target)^2."""
+        return None if not math.isfinite(self.sd) else max(2, math.ceil((self.sd / target_se) ** 2))
+
+    def to_dict(self, target_se: float = 0.01) -> dict[str, Any]:
+        return {**asdict(self), "bits_per_byte": self.bits_per_byte, "target_se": target_se,
+                "windows_for_target_se": self.windows_for_se(target_se)}
+
+
+def estimate(per_window_nats: Sequence[float], per_window_tokens: Sequence[int], num_bytes: int | None = None
+             ) -> Estimate:
+    """Per-token mean (total nats / total tokens) and its standard error across windows (equal-length windows, so
+    the ratio estimator's SE is that of the per-window means)."""
+    nats, toks = np.asarray(per_window_nats, dtype=np.float64), np.asarray(per_window_tokens, dtype=np.float64)
+    if len(nats) == 0:
+        raise EvalError("nothing to average: no held-out window was scored")
+    per_token = nats / toks
+    sd = float(per_token.std(ddof=1)) if len(nats) > 1 else math.nan
+    return Estimate(float(nats.sum() / toks.sum()), sd / math.sqrt(len(nats)), len(nats), int(toks.sum()), sd,
+                    num_bytes)
+
+
+# --- the NELBO of the uniform-state process -------------------------------------------------------------------------
+
+def alpha_bar64(t: Tensor, num_steps: int) -> Tensor:
+    """The cosine schedule of dgemma.diffusion.alpha_bar, kept in float64 (the bound's logs need it near t=0)."""
+    return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2)
+
+
+def prior_kl(num_steps: int, vocab_size: int) -> float:
+    """KL(q(x_T | x0) || uniform) per token: q keeps x0 with alpha_bar(T) (~1e-33 for the cosine schedule)."""
+    ab = float(alpha_bar64(torch.tensor(float(num_steps)), num_steps))
+    V = vocab_size
+    c = (1 - ab) / V
+    return (ab + c) * math.log(V * (ab + c)) + (V - 1) * c * math.log(V * c) if c > 0 else math.log(V)
+
+
+def reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int,
+               chunk_rows: int = KL_CHUNK_ROWS) -> Tensor:
+    """Per-token KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) of the x0-parameterised reverse step, in nats, float64.
+
+    logits (N, V): the model's p(x0' | x_t); x0, xt, t (N,) with t in 1..T. p(x_{t-1} | x_t) = sum_x0'
+    q(x_{t-1} | x_t, x0') p(x0' | x_t). At t = 1 this is -log p(x0 | x_1), the reconstruction term. The common
+    factor q(x_t | x_{t-1}) of both distributions cancels in the log-ratio (docs/evaluation.md, equation 6)."""
+    out = torch.empty(x0.shape[0], dtype=torch.float64, device=logits.device)
+    for lo in range(0, x0.shape[0], chunk_rows):
+        sl = slice(lo, lo + chunk_rows)
+        out[sl] = _reverse_kl(logits[sl], x0[sl], xt[sl], t[sl], num_steps)
+    return out
+
+
+def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int) -> Tensor:
+    V = logits.shape[-1]
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
+    ab_t, ab_s = alpha_bar64(t, num_steps)[:, None], alpha_bar64(t - 1, num_steps)[:, None]  # s = t - 1
+    alpha = ab_t / ab_s  # the one-step keep probability from t-1 to t
+    at_k = F.one_hot(xt, V).bool()  # j == x_t
+    at_i = F.one_hot(x0, V).bool()  # j == x0
+    Z = (1 - ab_t) / V + ab_t * at_k  # (N, V): q(x_t | x0 = j) for every j
+    log_w = logp - Z.log()  # p(j | x_t) / q(x_t | j)
+    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
+    prior_s = ab_s * at_i + (1 - ab_s) / V  # q(x_{t-1} = j | x0)
+    # p(x_{t-1} = j | x_t) / q(x_t | x_{t-1} = j) = ab_s * w_j + (1 - ab_s) / V * S
+    log_den = torch.logaddexp(ab_s.log() + log_w, ((1 - ab_s) / V).log() + log_S)
+    q = (alpha * at_k + (1 - alpha) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
+    q = q / q.sum(-1, keepdim=True)  # the sum is q(x_t | x0) = Z[x0]
+    log_ratio = prior_s.log() - Z.gather(1, x0[:, None]).log() - log_den
+    return torch.where(q > 0, q * log_ratio, torch.zeros_like(q)).sum(-1)  # 0 log 0 = 0 (t = 1: q is one-hot)
+
+
+def stratified_t(num_samples: int, num_steps: int, shape: tuple[int, ...],
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """t for `num_samples` passes, and the weight of each pass (K,): sum_k weight_k * L(t_k) is an unbiased estimate
+    of sum_{t=1..T} L(t). With K = 1, t is uniform on {1..T} (weight T). With K >= 2, pass 0 is t = 1 exactly (the
+    reconstruction term, the largest and most variable one) and pass k >= 1 draws t uniformly in the k-th of K - 1
+    equal strata of {2..T} (weight: the stratum's size). K = T visits every t once. Returns t (K, *shape) int64."""
+    if not 1 <= num_samples <= num_steps:
+        raise ValueError(f"t samples per canvas must be in [1, T={num_steps}], got {num_samples}")
+    first, strata = (1, num_samples) if num_samples == 1 else (2, num_samples - 1)
+    edges = np.round(np.linspace(first - 1, num_steps, strata + 1)).astype(int)
+    sizes = np.diff(edges)
+    view = (-1, *[1] * len(shape))
+    u = torch.rand((strata, *shape), generator=generator, dtype=torch.float64)
+    t = 1 + torch.tensor(edges[:-1], dtype=torch.float64).view(view) + torch.floor(
+        u * torch.tensor(sizes, dtype=torch.float64).view(view))
+    weights = torch.tensor(sizes, dtype=torch.float64)
+    if num_samples > 1:
+        t = torch.cat([torch.ones((1, *shape), dtype=torch.float64), t])
+        weights = torch.cat([torch.ones(1, dtype=torch.float64), weights])
+    return t.long(), weights
+
+
+@dataclass
+class NelboTerms:
+    """Per-canvas NELBO estimates of a batch of windows and what went into them."""
+
+    nelbo: Tensor  # (B, C) nats per canvas: prior + sum over t of the reverse KLs (estimated)
+    t_sums: Tensor  # (T,) per-token KL summed over the sampled (canvas, t) pairs, by t
+    t_counts: Tensor  # (T,) canvas tokens behind each sum
+
+
+def window_nelbo(posterior: Posterior, x0: Tensor, *, canvas_length: int, vocab_size: int, num_steps: int,
+                 num_t_samples: int, generator: torch.Generator | None = None) -> NelboTerms:
+    """NELBO of each canvas of the windows x0 (B, S) given its clean prefix, by stratified Monte Carlo over t.
+
+    Each pass k corrupts every canvas at its own t drawn by `stratified_t` (one `posterior` call scores all
+    canvases, as the clean-context training forward does); the reverse KLs of the canvas's tokens are weighted by the
+    pass's weight."""
+    B, S = x0.shape
+    L = canvas_length
+    if S % L:
+        raise ValueError(f"windows of {S} tokens are not a whole number of canvases of {L}")
+    C = S // L
+    ts, weights = stratified_t(num_t_samples, num_steps, (B, C), generator)
+    nelbo = torch.full((B, C), prior_kl(num_steps, vocab_size) * L, dtype=torch.float64)
+    t_sums = torch.zeros(num_steps, dtype=torch.float64)
+    t_counts = torch.zeros(num_steps, dtype=torch.float64)
+    for k in range(num_t_samples):
+        t = ts[k].to(x0.device)
+        xt = q_sample(x0, t, num_steps, L, vocab_size, generator)
+        logits = posterior(x0, xt, t)  # (B, S, V)
+        t_tok = t.repeat_interleave(L, dim=1)
+        kl = reverse_kl(logits.reshape(B * S, -1), x0.reshape(-1), xt.reshape(-1), t_tok.reshape(-1), num_steps)
+        per_canvas = kl.view(B, C, L).sum(-1).cpu()  # (B, C)
+        nelbo += weights[k] * per_canvas
+        t_sums.index_add_(0, ts[k].reshape(-1) - 1, per_canvas.reshape(-1))
+        t_counts.index_add_(0, ts[k].reshape(-1) - 1, torch.full((B * C,), float(L), dtype=torch.float64))
+    return NelboTerms(nelbo, t_sums, t_counts)
+
+
+def _level(t: Tensor, num_steps: int, L: int) -> Tensor:
+    return (t.float() / num_steps).repeat_interleave(L, dim=1)  # (B, S): each token's canvas noise level in [0, 1]
+
+
+def clean_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
+    """p(x0 | x_t, clean prefix) from the clean-context training forward: [x0 ; x_t] in one pass, each noisy canvas
+    attending to the clean canvases before it and to itself, exactly what denoise sees after the prefix is
+    committed. No self-conditioning input (the first denoising step's situation). Time-embedding models get t/T."""
+    cfg = model.config
+
+    def posterior(x0: Tensor, xt: Tensor, t: Tensor) -> Tensor:
+        S = x0.shape[1]
+        pos = torch.arange(S, device=x0.device)
+        level = _level(t, num_steps, cfg.canvas_length)
+        hidden = model.sequence_hidden(torch.cat([x0, xt], 1), torch.cat([pos, pos])[None],
+                                       clean_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
+                                       num_clean=S, t=torch.cat([torch.zeros_like(level), level], 1))
+        return model.logits(hidden[:, S:])
+
+    return posterior
+
+
+def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
+    """p(x0 | x_t) from the noisy-context training forward: canvas b sees the corrupted canvases before it."""
+    cfg = model.config
+
+    def posterior(x0: Tensor, xt: Tensor, t: Tensor) -> Tensor:
+        S = x0.shape[1]
+        hidden = model.sequence_hidden(xt, torch.arange(S, device=x0.device)[None],
+                                       noisy_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
+                                       num_clean=0, t=_level(t, num_steps, cfg.canvas_length))
+        return model.logits(hidden)
+
+    return posterior
+
+
+# --- held-out likelihoods -------------------------------------------------------------------------------------------
+
+def _progress(desc: str, total: int, enabled: bool, unit: str = "windows") -> Any:
+    from dgemma.data import Progress  # one progress bar style for the whole tool
+
+    return Progress(desc, total, unit, enabled=enabled)
+
+
+def _batches(dataset: Any, batch_size: int, seq_len: int, shift: int, max_windows: int | None
+             ) -> tuple[Iterator[Tensor], int]:
+    """Held-out windows in order, at most `max_windows`, and how many there will be."""
+    available = len(dataset.windows(seq_len, shift))
+    if available == 0:
+        raise EvalError(f"{dataset.dir}: the {dataset.split} split has {dataset.num_tokens:,} tokens, fewer than one "
+                        f"window of {seq_len + shift:,}; an empty validation set cannot be evaluated (prepare the "
+                        "data with --val-fraction > 0, or pass a smaller --seq-len)")
+    n = available if max_windows is None else min(available, max_windows)
+
+    def stream() -> Iterator[Tensor]:
+        done = 0
+        for x in dataset.heldout_batches(batch_size, seq_len, shift=shift):
+            if done >= n:
+                return
+            yield x[: n - done]
+            done += x.shape[0]
+
+    return stream(), n
+
+
+def _by_t(sums: Tensor, counts: Tensor) -> list[float]:
+    """Mean per token at each t; NaN where no canvas drew that t."""
+    return torch.where(counts > 0, sums / counts.clamp(min=1), torch.full_like(sums, math.nan)).tolist()
+
+
+def _text_bytes(tokenizer: Any, rows: Tensor) -> int:
+    """UTF-8 bytes of the text of each row, decoded without special tokens (the document separator has no bytes)."""
+    if tokenizer is None:
+        return 0
+    return sum(len(tokenizer.decode(r, skip_special_tokens=True).encode("utf-8")) for r in rows.tolist())
+
+
+@torch.no_grad()
+def heldout_nelbo(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int, num_t_samples: int = 4,
+                  batch_size: int = 8, max_windows: int | None = None, seed: int = 0, tokenizer: Any = None,
+                  posterior: Posterior | None = None, progress: bool = True) -> dict[str, Any]:
+    """The NELBO upper bound on held-out NLL (nats/token) over the validation windows, block-autoregressively
+    conditioned on the clean prefix inside each window, with `num_t_samples` stratified t per canvas."""
+    posterior = posterior or clean_context_posterior(model, num_steps)
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
+    nats, toks, nbytes = [], [], 0
+    t_sums = torch.zeros(num_steps, dtype=torch.float64)
+    t_counts = torch.zeros(num_steps, dtype=torch.float64)
+    with _progress("NELBO", n, progress) as bar:
+        for x0 in stream:
+            terms = window_nelbo(posterior, x0.to(model.device), canvas_length=model.config.canvas_length,
+                                 vocab_size=model.config.vocab_size, num_steps=num_steps,
+                                 num_t_samples=num_t_samples, generator=g)
+            nats += terms.nelbo.sum(-1).tolist()
+            toks += [x0.shape[1]] * x0.shape[0]
+            nbytes += _text_bytes(tokenizer, x0)
+            t_sums += terms.t_sums
+            t_counts += terms.t_counts
+            bar.update(x0.shape[0])
+    est = estimate(nats, toks, nbytes or None)
+    return {"estimate": est, "num_steps": num_steps, "num_t_samples": num_t_samples, "seq_len": seq_len,
+            "prior_kl_per_token": prior_kl(num_steps, model.config.vocab_size),
+            "kl_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
+
+
+@torch.no_grad()
+def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int,
+                  objective: str = "clean-context", batch_size: int = 8, max_windows: int | None = None,
+                  seed: int = 0, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
+    """Held-out x0 cross-entropy at t ~ U{1..T} per canvas (seed 003 section 7): the training objective without
+    self-conditioning, drawing t and x_t exactly as `training_loss` does from the same generator."""
+    if objective not in ("clean-context", "noisy-context"):
+        raise ValueError(f"x0 cross-entropy needs a diffusion objective, got {objective!r}")
+    make = clean_context_posterior if objective == "clean-context" else noisy_context_posterior
+    posterior = make(model, num_steps)
+    L, V = model.config.canvas_length, model.config.vocab_size
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
+    nats, toks, nbytes = [], [], 0
+    t_sums = torch.zeros(num_steps, dtype=torch.float64)
+    t_counts = torch.zeros(num_steps, dtype=torch.float64)
+    with _progress("x0 CE", n, progress) as bar:
+        for x0 in stream:
+            x0 = x0.to(model.device)
+            B, S = x0.shape
+            t = sample_canvas_t(B, S // L, num_steps, g, x0.device)
+            xt = q_sample(x0, t, num_steps, L, V, g)
+            ce = F.cross_entropy(posterior(x0, xt, t).reshape(B * S, -1), x0.reshape(-1), reduction="none")
+            per_canvas = ce.view(B, S // L, L).sum(-1).double().cpu()
+            nats += per_canvas.sum(-1).tolist()
+            toks += [S] * B
+            nbytes += _text_bytes(tokenizer, x0)
+            t_sums.index_add_(0, t.reshape(-1).cpu() - 1, per_canvas.reshape(-1))
+            t_counts.index_add_(0, t.reshape(-1).cpu() - 1, torch.full((t.numel(),), float(L), dtype=torch.float64))
+            bar.update(B)
+    return {"estimate": estimate(nats, toks, nbytes or None), "num_steps": num_steps, "objective": objective,
+            "t_sampling": "one t per canvas, uniform on {1..T}", "seq_len": seq_len,
+            "ce_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
+
+
+@torch.no_grad()
+def heldout_ar_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, batch_size: int = 8,
+                  max_windows: int | None = None, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
+    """Next-token cross-entropy of an autoregressive run (objective 'ar'): windows of seq_len + 1 tokens, the causal
+    encoder forward it was trained with, the loss on tokens 1..seq_len of each window."""
+    stream, n = _batches(dataset, batch_size, seq_len, 1, max_windows)
+    nats, toks, nbytes = [], [], 0
+    with _progress("AR CE", n, progress) as bar:
+        for x in stream:
+            x = x.to(model.device)
+            ce = ar_token_nll(model, x)  # (B, seq_len)
+            nats += ce.double().sum(-1).tolist()
+            toks += [ce.shape[1]] * ce.shape[0]
+            nbytes += _text_bytes(tokenizer, x[:, 1:])
+            bar.update(x.shape[0])
+    return {"estimate": estimate(nats, toks, nbytes or None), "seq_len": seq_len}
+
+
+def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
+    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1) fp32, one causal encoder pass."""
+    inputs = x[:, :-1]
+    T = inputs.shape[1]
+    hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
+                                   causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
+    logits = model.logits(hidden)  # (B, T, V)
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
+    return nll.view(x.shape[0], T)
+
+
+# --- counting forwards ----------------------------------------------------------------------------------------------
+
+@dataclass
+class ForwardCounter:
+    """Counts passes and tokens through the backbone while active: wraps the instance's `commit`, `denoise` and
+    `sequence_hidden` (the three ways into the layers), whatever sampler drives them.
+
+        with ForwardCounter(model) as count:
+            generate(model, ...)
+        count.passes("denoise"), count.tokens("commit")"""
+
+    model: DiffusionGemma
+    events: list[tuple[str, int]] = field(default_factory=list)  # (kind, tokens = batch x sequence length)
+
+    def __enter__(self) -> ForwardCounter:
+        for name, arg in (("commit", "input_ids"), ("denoise", "canvas"), ("sequence_hidden", "tokens")):
+            setattr(self.model, name, self._wrap(name, getattr(self.model, name), arg))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in ("commit", "denoise", "sequence_hidden"):
+            delattr(self.model, name)  # the class's methods show through again
+
+    def _wrap(self, kind: str, fn: Callable[..., Any], arg: str) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            ids = args[0] if args else kwargs[arg]
+            if ids.numel():  # committing nothing runs no layer
+                self.events.append((kind, int(ids.numel())))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def passes(self, kind: str | None = None) -> int:
+        return sum(1 for k, _ in self.events if kind is None or k == kind)
+
+    def tokens(self, kind: str | None = None) -> int:
+        return sum(n for k, n in self.events if kind is None or k == kind)
+
+    def reset(self) -> None:
+        self.events.clear()
+
+
+# --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
+
+@dataclass
+class DecodeRun:
+    """One sampler over all prompts, batch 1 each. Counts exclude the prompt's prefill."""
+
+    name: str
+    samples: list[list[int]]  # useful new tokens per prompt: up to and including the first EOS, at most max_new
+    seconds: list[float]  # wall-clock per prompt, prefill included
+    passes: int = 0  # backbone passes after the prefill (denoise + commit, or AR commits)
+    token_forwards: int = 0  # tokens through the backbone after the prefill
+    generated: int = 0  # positions produced (whole canvases for diffusion), useful or not
+    denoise_passes: int = 0
+    commit_passes: int = 0
+    steps_per_canvas: list[int] = field(default_factory=list)
+    traces: list[Trace] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(map(len, self.samples))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.useful_tokens / max(sum(self.seconds), 1e-12)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Positions generated per backbone pass: L / (T + 1) for a fixed schedule of T steps."""
+        return self.generated / max(self.passes, 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "settings": self.settings, "prompts": len(self.samples),
+                "useful_tokens": self.useful_tokens, "generated_positions": self.generated,
+                "seconds": sum(self.seconds), "tokens_per_second": self.tokens_per_second,
+                "passes": self.passes, "denoise_passes": self.denoise_passes, "commit_passes": self.commit_passes,
+                "token_forwards": self.token_forwards, "tokens_per_forward": self.tokens_per_forward,
+                "token_forwards_per_useful_token": self.token_forwards / max(self.useful_tokens, 1),
+                "mean_steps_per_canvas": float(np.mean(self.steps_per_canvas)) if self.steps_per_canvas else None}
+
+
+def useful(tokens: Sequence[int], eos: Sequence[int], max_new: int) -> list[int]:
+    """New tokens up to and including the first EOS, at most `max_new`: what a reader gets."""
+    out: list[int] = []
+    for tok in list(tokens)[:max_new]:
+        out.append(int(tok))
+        if tok in eos:
+            break
+    return out
+
+
+def fixed_schedule(config: GenerationConfig) -> GenerationConfig:
+    """The same sampler with early stopping off: every canvas spends exactly max_denoising_steps passes."""
+    if config.sampler == "lite":
+        return config.replace(adaptive=False)
+    # The entropy-bound stop needs the argmax unchanged over `stability_threshold` earlier steps; a history longer
+    # than the schedule never fills, so the rule never fires.
+    return config.replace(stability_threshold=config.max_denoising_steps + 1)
+
+
+@torch.no_grad()
+def run_sampler(model: DiffusionGemma, prompts: Sequence[Tensor], config: GenerationConfig, *, seed: int = 0,
+                trace: bool = False, name: str = "diffusion", progress: bool = True) -> DecodeRun:
+    """Block-diffusion decoding of each prompt (1-D ids) alone, timed. Per canvas the sampler spends its denoise
+    passes and one commit; the last canvas is committed too (as it must be to continue), so a fixed schedule of T
+    steps costs exactly T + 1 passes per canvas. The prompt's prefill is timed but not counted. One untimed
+    warm-up generation comes first."""
+    L = model.config.canvas_length
+    max_new = config.max_new_tokens
+    num_canvases = math.ceil(max_new / L)
+    run = DecodeRun(name, [], [], settings={"max_denoising_steps": config.max_denoising_steps,
+                                            "entropy_bound": config.entropy_bound, "sampler": config.sampler,
+                                            "max_new_tokens": max_new})
+    if prompts:  # warm-up, untimed: first calls pay for allocations and lazy initialisation
+        generate(model, prompts[0].to(model.device)[None], generation_config=config.replace(max_new_tokens=L),
+                 seed=seed)
+    with ForwardCounter(model) as count, _progress(f"decode {name}", len(prompts), progress, "prompts") as bar:
+        for i, prompt in enumerate(prompts):
+            ids = prompt.to(model.device)[None]
+            cache = model.new_cache(1, ids.shape[1] + num_canvases * L)  # preallocated: no growth while timed
+            count.reset()
+            started = time.perf_counter()
+            result = generate(model, ids, generation_config=config, seed=seed + i, cache=cache, trace=trace)
+            model.commit(result.sequences[:, -L:], result.cache)  # leaves the output committed, ready to continue
+            run.seconds.append(time.perf_counter() - started)
+            if count.passes("denoise") == 0:
+                raise RuntimeError("the sampler never called DiffusionGemma.denoise (a fast kernel loop?), so its "
+                                   "passes cannot be counted; decode with impl='reference'")
+            prefill = count.events[0][1]  # generate() commits the prompt first
+            run.passes += count.passes() - 1
+            run.token_forwards += count.tokens() - prefill
+            run.denoise_passes += count.passes("denoise")
+            run.commit_passes += count.passes("commit") - 1
+            run.generated += result.sequences.shape[1] - ids.shape[1]
+            run.steps_per_canvas += [s[0] for s in result.steps_per_canvas]
+            run.samples.append(useful(result.sequences[0, ids.shape[1]:].tolist(), config.eos_token_id, max_new))
+            if trace and result.trace is not None:
+                run.traces.append(result.trace)
+            bar.update(1)
+    return run
+
+
+@torch.no_grad()
+def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: int, eos: Sequence[int],
+           seed: int = 0, temperature: float = 1.0, name: str = "ar", progress: bool = True) -> DecodeRun:
+    """Autoregressive decoding of each prompt alone with the KV cache, timed: commit the prompt, then per token read
+    the next-token logits `commit` returns, sample (temperature 1: ancestral sampling) and commit the token, so that
+    each new token costs one backbone pass over one token. The prompt's prefill is timed but not counted."""
+    run = DecodeRun(name, [], [], settings={"max_new_tokens": max_new_tokens, "temperature": temperature})
+    if prompts:  # warm-up, untimed, as in run_sampler
+        cache = model.new_cache(1, prompts[0].numel() + 2)
+        model.commit(prompts[0].to(model.device)[None], cache, return_logits=True)
+        model.commit(prompts[0][:2].to(model.device)[None], cache, return_logits=True)
+    with ForwardCounter(model) as count, _progress(f"decode {name}", len(prompts), progress, "prompts") as bar:
+        for i, prompt in enumerate(prompts):
+            g = torch.Generator(device=model.device).manual_seed(seed + i)
+            ids = prompt.to(model.device)[None]
+            count.reset()
+            started = time.perf_counter()
+            cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
+            logits = model.commit(ids, cache, return_logits=True)  # (1, P, V)
+            out: list[int] = []
+            for _ in range(max_new_tokens):
+                probs = torch.softmax(logits[:, -1].double() / temperature, dim=-1)
+                tok = torch.multinomial(probs, 1, generator=g)  # (1, 1)
+                out.append(int(tok))
+                logits = model.commit(tok, cache, return_logits=True)  # leaves the output committed, as run_sampler
+                if out[-1] in eos:
+                    break
+            run.seconds.append(time.perf_counter() - started)
+            run.passes += count.passes() - 1
+            run.token_forwards += count.tokens() - count.events[0][1]
+            run.commit_passes += count.passes() - 1
+            run.generated += len(out)
+            run.samples.append(out)
+            bar.update(1)
+    return run
+
+
+# --- sample quality -------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generative_perplexity(scorer: DiffusionGemma, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]]
+                          ) -> dict[str, float]:
+    """exp(mean NLL) of the samples' tokens under the AR scorer, each given its prompt (teacher forcing)."""
+    total, n = 0.0, 0
+    for prompt, sample in zip(prompts, samples, strict=True):
+        if not sample:
+            continue
+        x = torch.cat([prompt.cpu(), torch.tensor(sample, dtype=torch.long)])[None].to(scorer.device)
+        nll = ar_token_nll(scorer, x)[0, prompt.numel() - 1:]  # the sample's tokens only
+        total, n = total + float(nll.double().sum()), n + nll.numel()
+    return {"gen_ppl": math.exp(total / n) if n else math.nan, "nll_per_token": total / n if n else math.nan,
+            "tokens": n}
+
+
+def distinct_n(samples: Sequence[Sequence[int]], n: int) -> float:
+    """Distinct n-grams / all n-grams, pooled over samples (higher = more varied; 1 = no n-gram repeats)."""
+    grams = [tuple(s[i:i + n]) for s in samples for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else math.nan
+
+
+def token_entropy(samples: Sequence[Sequence[int]]) -> float:
+    """Mean over samples of the entropy (nats) of the sample's own unigram distribution: low for repetitive text."""
+    values = []
+    for s in samples:
+        if not s:
+            continue
+        p = np.array(list(Counter(s).values()), dtype=np.float64) / len(s)
+        values.append(float(-(p * np.log(p)).sum()))
+    return float(np.mean(values)) if values else math.nan
+
+
+def renoise_counts(arrays: dict[str, np.ndarray], row: int | None = None) -> dict[str, int]:
+    """Acceptance transitions between consecutive steps of the same canvas, for the steps a row spent (`active`):
+    accepted -> accepted, accepted -> renoised, renoised -> accepted, renoised -> renoised."""
+    canvas, accepted, active = arrays["canvas"], arrays["accepted"], arrays["active"]  # (S,), (S, B, L), (S, B)
+    rows = range(accepted.shape[1]) if row is None else [row]
+    counts = {"kept": 0, "renoised": 0, "accepted": 0, "stayed_noise": 0}
+    for s in range(len(canvas) - 1):
+        if canvas[s + 1] != canvas[s]:
+            continue
+        for b in rows:
+            if not (active[s, b] and active[s + 1, b]):
+                continue
+            a, nxt = accepted[s, b], accepted[s + 1, b]
+            counts["kept"] += int((a & nxt).sum())
+            counts["renoised"] += int((a & ~nxt).sum())
+            counts["accepted"] += int((~a & nxt).sum())
+            counts["stayed_noise"] += int((~a & ~nxt).sum())
+    return counts
+
+
+def renoised_fraction(traces: Sequence[Trace]) -> dict[str, Any]:
+    """Of the tokens accepted at step s that have a step s+1 in the same canvas, the fraction not accepted at s+1
+    (re-noised): seed 000's open question."""
+    total = Counter[str]()
+    for tr in traces:
+        total.update(renoise_counts(tr.arrays()))
+    base = total["kept"] + total["renoised"]
+    return {**dict(total), "fraction": total["renoised"] / base if base else math.nan}
+
+
+def quality(samples: Sequence[Sequence[int]]) -> dict[str, float]:
+    return {"distinct_1": distinct_n(samples, 1), "distinct_2": distinct_n(samples, 2),
+            "distinct_3": distinct_n(samples, 3), "token_entropy": token_entropy(samples),
+            "mean_length": float(np.mean([len(s) for s in samples])) if samples else math.nan}
+
+
+# --- runs and prompts -----------------------------------------------------------------------------------------------
+
+@dataclass
+class RunInfo:
+    """What evaluation needs to know about a model directory or a training run directory."""
+
+    path: Path  # as given
+    model_dir: Path  # the checkpoint evaluated
+    train_config: dict[str, Any] | None  # train_config.json, when the checkpoint came from `dgemma train`
+    tokenizer_path: Path | None
+
+    @property
+    def objective(self) -> str | None:
+        return None if self.train_config is None else self.train_config.get("objective")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return default if self.train_config is None else self.train_config.get(key, default)
+
+
+def run_info(path: str | Path) -> RunInfo:
+    """Resolve a run (RUN/checkpoints/step-*, the newest) or a model directory, with its train config and tokenizer."""
+    from dgemma.train import CONFIG_JSON, resolve_model_dir
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model or run directory")
+    model_dir = resolve_model_dir(path)
+    cfg_path = model_dir / CONFIG_JSON
+    train_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
+    tok = next((p for p in (model_dir / "tokenizer.json", path / "tokenizer.json") if p.is_file()), None)
+    return RunInfo(path, model_dir, train_config, tok)
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_same_tokenizer(a: RunInfo, b: RunInfo, vocab_a: int, vocab_b: int) -> None:
+    """Likelihoods and perplexities compare only over the same token stream: the two runs must share a tokenizer."""
+    if a.tokenizer_path is not None and b.tokenizer_path is not None:
+        if file_sha256(a.tokenizer_path) != file_sha256(b.tokenizer_path):
+            raise EvalError(f"baseline {b.path} uses another tokenizer than {a.path} ({b.tokenizer_path} differs "
+                            f"from {a.tokenizer_path}): per-token likelihoods of different tokenizations do not "
+                            "compare; train the baseline on the same prepared data")
+    elif vocab_a != vocab_b:
+        raise EvalError(f"baseline {b.path} has vocab_size {vocab_b:,} but {a.path} has {vocab_a:,}: another "
+                        "tokenizer, so the likelihoods do not compare")
+
+
+def pick_prompts(dataset: Any, num_prompts: int, prompt_tokens: int) -> list[Tensor]:
+    """Prompts from the validation split: the first `prompt_tokens` of documents (after each separator) that have
+    at least that many, in order; evenly spaced windows if too few documents are long enough."""
+    n = dataset.num_tokens
+    if n < prompt_tokens + 1:
+        raise EvalError(f"{dataset.dir}: the {dataset.split} split has {n:,} tokens, too few for a prompt of "
+                        f"{prompt_tokens}: an empty validation set cannot be evaluated")
+    stream = dataset.read(0, n)
+    starts = np.concatenate([[0], np.flatnonzero(stream == dataset.eot_id) + 1])
+    ends = np.concatenate([starts[1:] - 1, [n]])
+    chosen = [int(s) for s, e in zip(starts, ends, strict=True) if e - s >= prompt_tokens][:num_prompts]
+    if len(chosen) < num_prompts:
+        step = max((n - prompt_tokens) // num_prompts, 1)
+        chosen = [i * step for i in range(num_prompts)]
+    return [torch.from_numpy(stream[s:s + prompt_tokens].copy()) for s in chosen]
+
+
+# --- the whole evaluation -------------------------------------------------------------------------------------------
+
+@dataclass
+class EvalSettings:
+    steps: tuple[int, ...] = (4, 8, 16, 32)  # max_denoising_steps of the frontier
+    entropy_bounds: tuple[float, ...] = (0.1, 1.0)  # entropy_bound values of the frontier
+    num_prompts: int = 8
+    prompt_tokens: int = 32
+    max_new_tokens: int | None = None  # default: two canvases
+    seq_len: int | None = None  # held-out window; default: the run's training seq_len
+    num_steps: int | None = None  # T of the NELBO; default: the run's training num_steps
+    num_t_samples: int = 4  # stratified t per canvas for the NELBO
+    max_windows: int | None = 64  # held-out windows per likelihood (None: the whole split)
+    batch_size: int = 8
+    target_se: float = 0.01  # nats/token: the report says how many windows this needs
+    seed: int = 0
+    quality_dtype: str = "float64"  # dtype of the diffusion model when drawing the samples that are scored
+    progress: bool = True
+
+    def check(self) -> None:
+        """Each bad setting is an EvalError naming its flag."""
+        problems = []
+        if not self.steps or min(self.steps) < 1:
+            problems.append(f"--steps must be positive integers, got {self.steps}")
+        if not self.entropy_bounds or min(self.entropy_bounds) <= 0:
+            problems.append(f"--entropy-bounds must be numbers > 0, got {self.entropy_bounds}")
+        for flag, value in (("--prompts", self.num_prompts), ("--prompt-tokens", self.prompt_tokens),
+                            ("--t-samples", self.num_t_samples), ("--batch-size", self.batch_size),
+                            ("--max-new-tokens", self.max_new_tokens), ("--seq-len", self.seq_len),
+                            ("--num-steps", self.num_steps), ("--max-windows", self.max_windows)):
+            if value is not None and value < 1:
+                problems.append(f"{flag} must be >= 1, got {value}")
+        if self.target_se <= 0:
+            problems.append(f"--target-se must be > 0, got {self.target_se}")
+        if self.quality_dtype not in ("float64", "float32"):
+            problems.append(f"--quality-dtype must be float64 or float32, got {self.quality_dtype!r}")
+        if problems:
+            raise EvalError("; ".join(problems))
+
+
+def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str | Path | None = None,
+             settings: EvalSettings | None = None, log: Callable[[str], None] | None = None
+             ) -> tuple[dict[str, Any], dict[str, Trace]]:
+    """Every metric for a diffusion run (and an AR baseline, if given) on the validation split of `data_dir`: the
+    report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
+    both)."""
+    from dgemma.checkpoint import load_model
+    from dgemma.data import TokenDataset, check_vocab
+    from dgemma.tokenizer import load_tokenizer
+
+    s = settings or EvalSettings()
+    s.check()
+    log = log or (lambda msg: None)
+    info = run_info(model_path)
+    base = run_info(baseline_path) if baseline_path is not None else None
+    if info.objective == "ar":
+        raise EvalError(f"--model {model_path} was trained with objective 'ar': pass the diffusion run as --model and "
+                        "the AR run as --baseline")
+    if base is not None and base.objective not in (None, "ar"):
+        raise EvalError(f"--baseline {baseline_path} was trained with objective {base.objective!r}; the baseline "
+                        "must be an autoregressive run (objective 'ar')")
+    # The reference path: every pass goes through commit / denoise, where ForwardCounter sees it (a fast sampler
+    # loop may run its own static denoise step), and diffusion and AR decode on the same kernels.
+    model = load_model(info.model_dir, dtype=torch.float32, impl="reference").eval()
+    baseline = load_model(base.model_dir, dtype=torch.float32, impl="reference").eval() if base is not None else None
+    if base is not None and baseline is not None:
+        check_same_tokenizer(info, base, model.config.vocab_size, baseline.config.vocab_size)
+    val = TokenDataset(data_dir, "val")
+    if val.num_tokens == 0:
+        raise EvalError(f"{data_dir}: the validation split is empty (0 tokens); prepare the data with "
+                        "--val-fraction > 0")
+    check_vocab(val, model.config)
+    if info.tokenizer_path is not None and file_sha256(info.tokenizer_path) != file_sha256(val.tokenizer_path):
+        raise EvalError(f"{data_dir} was tokenized with another tokenizer than {model_path} "
+                        f"({val.tokenizer_path} differs from {info.tokenizer_path})")
+    tokenizer = load_tokenizer(val.tokenizer_path)
+    L = model.config.canvas_length
+    seq_len = s.seq_len or info.get("seq_len") or 4 * L
+    if seq_len % L:
+        raise EvalError(f"--seq-len {seq_len} is not a whole number of canvases of {L}")
+    T = s.num_steps or info.get("num_steps", 16)
+    if s.num_t_samples > T:
+        raise EvalError(f"--t-samples {s.num_t_samples} exceeds T = {T} (the NELBO has T terms; K = T visits each "
+                        "once)")
+    objective = info.objective or "clean-context"
+    common = dict(batch_size=s.batch_size, max_windows=s.max_windows, tokenizer=tokenizer, progress=s.progress)
+
+    log(f"likelihoods on {val} (windows of {seq_len}, T={T})")
+    x0_ce = heldout_x0_ce(model, val, seq_len=seq_len, num_steps=T, objective=objective, seed=s.seed, **common)
+    nelbo = heldout_nelbo(model, val, seq_len=seq_len, num_steps=T, num_t_samples=s.num_t_samples, seed=s.seed,
+                          **common)
+    ar_ce = heldout_ar_ce(baseline, val, seq_len=seq_len, **common) if baseline is not None else None
+
+    prompts = pick_prompts(val, s.num_prompts, s.prompt_tokens)
+    max_new = s.max_new_tokens or 2 * L
+    eos = (val.eot_id,)
+    gcfg = (getattr(model, "generation_config", None) or GenerationConfig()).replace(
+        max_new_tokens=max_new, eos_token_id=eos, pad_token_id=None, truncate=False)
+    quality_model = copy.deepcopy(model).to(getattr(torch, s.quality_dtype)) if s.quality_dtype != "float32" else model
+
+    def sample_quality(run: DecodeRun) -> dict[str, Any]:
+        q = quality(run.samples)
+        if baseline is not None:
+            q |= generative_perplexity(baseline, prompts, run.samples)
+        return q
+
+    frontier, traces = [], {}
+    settings_grid = [(n, eb) for n in s.steps for eb in s.entropy_bounds]
+    for n, eb in settings_grid:
+        cfg = gcfg.replace(max_denoising_steps=n, entropy_bound=eb)
+        label = f"N={n} eb={eb:g}"
+        log(f"decoding {label}: adaptive and fixed schedules")
+        timed = run_sampler(model, prompts, cfg, seed=s.seed, name=label, progress=s.progress)
+        fixed = run_sampler(model, prompts, fixed_schedule(cfg), seed=s.seed, name=label + " fixed",
+                            progress=s.progress)
+        scored = run_sampler(quality_model, prompts, cfg, seed=s.seed, trace=True, name=label + " " + s.quality_dtype,
+                             progress=s.progress)
+        frontier.append({"max_denoising_steps": n, "entropy_bound": eb, "adaptive": timed.summary(),
+                         "fixed": fixed.summary(), "fixed_rule_tokens_per_forward": L / (n + 1),
+                         "quality": sample_quality(scored) | {"renoised": renoised_fraction(scored.traces),
+                                                              "dtype": s.quality_dtype},
+                         "example": tokenizer.decode(scored.samples[0]) if scored.samples else ""})
+        traces[f"N{n}_eb{eb:g}".replace(".", "p")] = scored.traces[0]  # no dot: Path.with_suffix would eat it
+    ar_decode = None
+    if baseline is not None:
+        log("decoding with the AR baseline")
+        ar_run = run_ar(baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed, progress=s.progress)
+        ar_decode = ar_run.summary() | {"quality": sample_quality(ar_run),
+                                        "example": tokenizer.decode(ar_run.samples[0]) if ar_run.samples else ""}
+    report = {
+        "format": REPORT_FORMAT,
+        "model": {"path": str(info.path), "checkpoint": str(info.model_dir), "objective": objective,
+                  "train_config": info.train_config},
+        "baseline": None if base is None else {"path": str(base.path), "checkpoint": str(base.model_dir),
+                                               "train_config": base.train_config},
+        "data": {"path": str(data_dir), "split": "val", "tokens": val.num_tokens, "documents": val.num_documents},
+        "settings": asdict(s) | {"seq_len": seq_len, "num_steps": T, "max_new_tokens": max_new},
+        "likelihood": {name: None if r is None else r | {"estimate": r["estimate"].to_dict(s.target_se)}
+                       for name, r in (("x0_ce", x0_ce), ("nelbo", nelbo), ("ar_ce", ar_ce))},
+        "prompts": {"count": len(prompts), "tokens": s.prompt_tokens},
+        "frontier": frontier,
+        "ar_decode": ar_decode,
+    }
+    report["verdict"] = verdict(report)
+    return report, traces
+
+
+def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict[str, Any]:
+    """Seed 003's question: is the held-out NLL within +5% of the AR baseline's, and what is the speedup there?
+
+    Likelihood parity compares the NELBO (an upper bound, so a pass is conservative); the seed's own x0 cross-entropy
+    ratio is reported beside it. The speedup is wall-clock useful tokens/s over the AR baseline's, at the fastest
+    frontier setting whose samples match the AR samples' quality within the same tolerance: generative perplexity
+    at most (1 + tol) times theirs AND token entropy at least (1 - tol) times theirs (degenerate, repetitive samples
+    have a low perplexity, so perplexity alone would reward them). Without a match, the speedup is reported at the
+    best-perplexity setting among those passing the entropy check (else the best overall), marked as not matched."""
+    lk = report["likelihood"]
+    if lk["ar_ce"] is None or report["ar_decode"] is None:
+        return {"available": False, "reason": "no AR baseline (--baseline)"}
+    ar_ce = lk["ar_ce"]["estimate"]["mean"]
+    nelbo, x0 = lk["nelbo"]["estimate"], lk["x0_ce"]["estimate"]
+    ratio = nelbo["mean"] / ar_ce
+    ar = report["ar_decode"]
+    ar_tps, ar_h = ar["tokens_per_second"], ar["quality"]["token_entropy"]
+    ar_ppl = ar["quality"].get("gen_ppl", math.nan)
+
+    def ppl(f: dict[str, Any]) -> float:
+        value = f["quality"].get("gen_ppl")
+        return value if value is not None and math.isfinite(value) else math.inf
+
+    varied = [f for f in report["frontier"] if f["quality"]["token_entropy"] >= (1 - tolerance) * ar_h]
+    matched = [f for f in varied if ppl(f) <= (1 + tolerance) * ar_ppl]
+    best = max(matched, key=lambda f: f["adaptive"]["tokens_per_second"]) if matched else \
+        min(varied or report["frontier"], key=ppl)
+    tps = best["adaptive"]["tokens_per_second"]
+    return {
+        "available": True, "tolerance": tolerance,
+        "nelbo_over_ar": ratio, "nelbo_within_tolerance": ratio <= 1 + tolerance,
+        "nelbo_upper_ratio": (nelbo["mean"] + 2 * nelbo["se"]) / ar_ce,
+        "x0_ce_over_ar": x0["mean"] / ar_ce, "x0_ce_within_tolerance": x0["mean"] / ar_ce <= 1 + tolerance,
+        "speedup": tps / ar_tps if ar_tps else math.nan, "speedup_setting": {
+            "max_denoising_steps": best["max_denoising_steps"], "entropy_bound": best["entropy_bound"]},
+        "quality_matched": bool(matched), "gen_ppl": best["quality"].get("gen_ppl"), "ar_gen_ppl": ar_ppl,
+        "token_entropy": best["quality"]["token_entropy"], "ar_token_entropy": ar_h,
+    }
+
+
+# --- the report -----------------------------------------------------------------------------------------------------
+
+def _finite(obj: Any) -> Any:
+    """NaN / inf as null, so report.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _f(x: Any, fmt: str = ".3f") -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def write_report(report: dict[str, Any], out: str | Path, *, command: str, traces: dict[str, Trace] | None = None
+                 ) -> list[Path]:
+    """report.json, report.md and the figures (frontier.png, likelihood.png) into `out`; traces into out/traces/."""
+    from dgemma.viz import plot_frontier, plot_likelihood
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = _finite({**report, "command": command, "out": str(out)})
+    written = []
+    for name, trace in (traces or {}).items():
+        written += list(trace.save(out / "traces" / name))
+    written.append(plot_frontier(report, out / "frontier.png", command))
+    written.append(plot_likelihood(report, out / "likelihood.png", command))
+    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    (out / "report.md").write_text(render_markdown(report, sorted(traces or {})))
+    return [*written, out / "report.json", out / "report.md"]
+
+
+def _t_scheme(k: int) -> str:
+    return "t uniform on 1..T" if k == 1 else f"t = 1 exactly, then one t uniform in each of {k - 1} equal strata"
+
+
+def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> str:
+    lk, v, st = report["likelihood"], report["verdict"], report["settings"]
+    lines = [f"# dgemma eval: {report['model']['path']}", "", f"Command: `{report['command']}`", "",
+             f"- model: `{report['model']['checkpoint']}` (objective {report['model']['objective']})",
+             f"- baseline: `{report['baseline']['checkpoint']}`" if report["baseline"] else "- baseline: none",
+             f"- data: `{report['data']['path']}`, validation split: {report['data']['tokens']:,} tokens, "
+             f"{report['data']['documents']:,} documents",
+             f"- held-out windows of {st['seq_len']} tokens; NELBO and x0 CE with T = {st['num_steps']}; "
+             f"{report['prompts']['count']} prompts of {report['prompts']['tokens']} tokens, "
+             f"{st['max_new_tokens']} new tokens each", ""]
+    lines += ["## Verdict (seed 003)", ""]
+    if not v["available"]:
+        lines += [f"Not available: {v['reason']}.", ""]
+    else:
+        ok = "yes" if v["nelbo_within_tolerance"] else "no"
+        lines += [f"- Held-out NLL within +{v['tolerance']:.0%} of AR? **{ok}**: NELBO / AR CE = "
+                  f"{_f(v['nelbo_over_ar'])} (with 2 SE: {_f(v['nelbo_upper_ratio'])}). The NELBO is an upper bound "
+                  "on the diffusion model's NLL, so a pass is conservative. Seed 003's own measure, x0 CE / AR CE = "
+                  f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
+                  f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** wall-clock useful tokens/s over the AR "
+                  f"baseline, at max_denoising_steps={v['speedup_setting']['max_denoising_steps']}, entropy_bound="
+                  f"{v['speedup_setting']['entropy_bound']:g}: generative perplexity {_f(v['gen_ppl'], '.1f')} and "
+                  f"token entropy {_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} and "
+                  f"{_f(v['ar_token_entropy'], '.2f')} "
+                  + ("(matched within tolerance)." if v["quality_matched"] else
+                     "(**no setting matched the AR samples' quality**; this is the best-quality setting)."), ""]
+    lines += ["## Likelihood (held-out, nats/token)", "",
+              "| metric | nats/token | ± SE | bits/byte | windows | tokens | windows for SE " +
+              f"{_f(lk['nelbo']['estimate']['target_se'], 'g')} |", "|---|---|---|---|---|---|---|"]
+    names = (("NELBO (upper bound on NLL)", "nelbo"), ("x0 cross-entropy at sampled t", "x0_ce"),
+             ("AR cross-entropy (baseline)", "ar_ce"))
+    for name, key in names:
+        if lk[key] is None:
+            continue
+        e = lk[key]["estimate"]
+        lines.append(f"| {name} | {_f(e['mean'], '.4f')} | {_f(e['se'], '.4f')} | {_f(e['bits_per_byte'], '.4f')} | "
+                     f"{e['windows']} | {e['tokens']:,} | {e['windows_for_target_se']} |")
+    lines += ["", f"NELBO: {lk['nelbo']['num_t_samples']} t per canvas ({_t_scheme(lk['nelbo']['num_t_samples'])} "
+              f"of 2..{lk['nelbo']['num_steps']}), each canvas conditioned on the clean canvases before it in its "
+              "window; prior term "
+              f"{_f(lk['nelbo']['prior_kl_per_token'], '.2e')} nats/token. x0 CE: "
+              f"{lk['x0_ce']['t_sampling']}, objective {lk['x0_ce']['objective']}, no self-conditioning. "
+              "SE over windows (data and Monte Carlo noise together).", "",
+              "![likelihood](likelihood.png)", "", f"*likelihood.png: `{report['command']}`*", ""]
+    lines += ["## Speed / quality frontier", "",
+              "Batch 1, one prompt at a time, same prompts and new-token budget for every sampler; tokens/s counts "
+              "useful tokens (up to the first EOS, at most max_new_tokens), prefill included in the time. "
+              "Tokens/forward: generated positions per backbone pass after the prefill (a fixed schedule of N steps: "
+              "N denoise passes + 1 commit per canvas, L/(N+1)). Quality: samples drawn with the diffusion model in "
+              f"{st['quality_dtype']}.", "",
+              "| N | entropy_bound | tok/s | speedup | tok/forward adaptive | fixed (rule) | steps/canvas | "
+              "gen PPL | distinct-2 | entropy | re-noised |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ar = report["ar_decode"]
+    for f in report["frontier"]:
+        a, q = f["adaptive"], f["quality"]
+        speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
+        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | {_f(a['tokens_per_second'], '.1f')} | "
+                     f"{_f(speed, '.2f')} | {_f(a['tokens_per_forward'], '.2f')} | "
+                     f"{_f(f['fixed']['tokens_per_forward'], '.2f')} ({_f(f['fixed_rule_tokens_per_forward'], '.2f')})"
+                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_f(q.get('gen_ppl'), '.1f')} | "
+                     f"{_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
+                     f"{_f(q['renoised']['fraction'], '.3%')} |")
+    if ar:
+        q = ar["quality"]
+        lines.append(f"| AR | – | {_f(ar['tokens_per_second'], '.1f')} | 1.00 | "
+                     f"{_f(ar['tokens_per_forward'], '.2f')} | "
+                     f"– | – | {_f(q.get('gen_ppl'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
+                     "| – |")
+    lines += ["", "![frontier](frontier.png)", "", f"*frontier.png: `{report['command']}`*", ""]
+    if trace_names:
+        lines += ["## Traces", "", "The first prompt of each setting, traced (draw them with `dgemma viz`):", ""]
+        lines += [f"- `traces/{n}`: `dgemma viz {Path(report['out']) / 'traces' / n} --out "
+                  f"{Path(report['out']) / 'viz' / n}`" for n in trace_names]
+        lines.append("")
+    lines += ["## Samples (first prompt)", ""]
+    for f in report["frontier"]:
+        lines += [f"**N={f['max_denoising_steps']}, entropy_bound={f['entropy_bound']:g}:**", "", "```",
+                  f["example"].strip()[:600], "```", ""]
+    if ar:
+        lines += ["**AR baseline:**", "", "```", ar["example"].strip()[:600], "```", ""]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "TRACE_FORMAT",
+    "DecodeRun",
+    "Estimate",
+    "EvalError",
+    "EvalSettings",
+    "ForwardCounter",
+    "NelboTerms",
+    "Posterior",
+    "alpha_bar64",
+    "ar_token_nll",
+    "check_same_tokenizer",
+    "clean_context_posterior",
+    "distinct_n",
+    "evaluate",
+    "fixed_schedule",
+    "generative_perplexity",
+    "heldout_ar_ce",
+    "heldout_nelbo",
+    "heldout_x0_ce",
+    "noisy_context_posterior",
+    "pick_prompts",
+    "prior_kl",
+    "quality",
+    "renoise_counts",
+    "renoised_fraction",
+    "reverse_kl",
+    "run_ar",
+    "run_info",
+    "run_sampler",
+    "stratified_t",
+    "token_entropy",
+    "useful",
+    "verdict",
+    "window_nelbo",
+    "write_report",
+]

@@ -1,0 +1,536 @@
+"""Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, one device.
+
+    for step in range(start, max_steps):
+        lr = warmup then cosine
+        for each of grad_accum micro-batches:        data replayed from its index; a generator per micro-step
+            loss = training_loss(model, x0, ...)     dgemma/diffusion.py: clean-context | noisy-context | ar
+            (loss / grad_accum).backward()
+        clip; skip the step if the loss or the gradient is not finite; AdamW
+        held-out loss every eval_every steps; checkpoint every save_every steps (and at the end)
+
+Bit-exact resume: every random draw of micro-step m comes from a generator seeded with seed * 1_000_003 + m, and
+micro-batch m is batch m of the dataset's deterministic order, so a run restarted from its checkpoint at step s
+replays exactly what an uninterrupted run does (parameters bit-identical on CPU in fp32). A step skipped for a
+non-finite loss still consumes its micro-batches and its learning-rate slot, so skips do not break this either.
+
+Run directory:
+
+    RUN/metrics.jsonl                   one JSON object per step, evaluation and skipped step
+    RUN/tokenizer.json                  copied from the data, so `dgemma generate --model RUN` can read text
+    RUN/checkpoints/step-0000200/       config.json, generation_config.json, model.safetensors (the Hugging Face
+                                        layout, fp32), tokenizer.json, train_config.json, trainer_state.pt
+    RUN/checkpoints/latest              the name of the newest complete checkpoint, written last
+
+A checkpoint is written into a hidden temporary directory and renamed into place, so a `step-*` directory is always
+complete, whenever the process dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from dgemma import costs
+from dgemma.checkpoint import (
+    CHECKPOINTS,
+    STATE,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_model,
+    resolve_model_dir,
+    save_pretrained,
+)
+from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
+from dgemma.data import TokenDataset, check_vocab
+from dgemma.diffusion import OBJECTIVES, training_loss
+from dgemma.model import IMPLS, DiffusionGemma, init_weights
+
+LATEST, CONFIG_JSON = "latest", "train_config.json"
+__all__ = ["CHECKPOINTS", "STATE", "latest_checkpoint", "list_checkpoints", "resolve_model_dir"]  # re-exported
+EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
+# Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
+RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device")
+
+
+def _opt(help: str, default: Any, **meta: Any) -> Any:
+    """A TrainConfig field with its --help text (and choices) for the command line."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.
+    `dgemma train` builds one flag per field."""
+
+    preset: str = _opt("model preset (dgemma.config.PRESETS)", default="cpu-small")
+    vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
+    objective: str = _opt("training objective", default="clean-context", choices=OBJECTIVES)
+    seq_len: int = _opt("tokens per training window (a whole number of canvases)", default=128)
+    batch_size: int = _opt("windows per micro-batch", default=4)
+    grad_accum: int = _opt("micro-batches per optimizer step", default=1)
+    lr: float = _opt("peak learning rate", default=3e-3)
+    min_lr: float = _opt("learning rate at the end of the cosine", default=3e-4)
+    warmup_steps: int = _opt("linear warm-up steps", default=20)
+    max_steps: int = _opt("optimizer steps in the whole run", default=3000)
+    weight_decay: float = _opt("AdamW decoupled weight decay (matrices only)", default=0.1)
+    beta1: float = _opt("AdamW beta1", default=0.9)
+    beta2: float = _opt("AdamW beta2", default=0.95)
+    clip: float = _opt("gradient-norm clip (0: off)", default=1.0)
+    eval_every: int = _opt("steps between held-out evaluations", default=50)
+    eval_batches: int = _opt("held-out micro-batches per evaluation", default=4)
+    save_every: int = _opt("steps between checkpoints", default=100)
+    keep_last: int = _opt("checkpoints kept (older ones are deleted)", default=2)
+    log_every: int = _opt("steps between console lines when stdout is not a terminal", default=10)
+    seed: int = _opt("seed of the initial weights, the data order and every noise draw", default=0)
+    num_steps: int = _opt("diffusion steps T of the noise schedule", default=16)
+    self_conditioning_prob: float = _opt("probability of the self-conditioning pre-pass", default=0.5)
+    ar_weight: float = _opt("weight of a next-token loss on the clean stream (clean-context)", default=0.0)
+    chunk_rows: int = _opt("rows of the (rows, V) logits alive at once in the loss", default=1024)
+    impl: str = _opt("attention implementation", default="fast", choices=IMPLS)
+    dtype: str = _opt("auto: bf16 autocast on CUDA, fp32 on CPU", default="auto",
+                      choices=("auto", "float32", "bfloat16"))
+    compile: bool = _opt("torch.compile each block (CUDA only; never on CPU)", default=True)
+    device: str = _opt("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"TrainConfig.{name}: {msg}, got {getattr(self, name)!r}")
+
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices:
+                check(getattr(self, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
+        check(self.preset in PRESETS, "preset", f"must be one of {', '.join(sorted(PRESETS))}")
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",
+                     "save_every", "keep_last", "log_every", "num_steps", "chunk_rows"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive int")
+        check(self.vocab_size is None or (isinstance(self.vocab_size, int) and self.vocab_size > 0), "vocab_size",
+              "must be a positive int or None")
+        check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0")
+        check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        check(self.lr > 0, "lr", "must be > 0")
+        check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
+        check(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
+        check(self.clip >= 0, "clip", "must be >= 0")
+        check(0 <= self.self_conditioning_prob <= 1, "self_conditioning_prob", "must be in [0, 1]")
+        check(self.ar_weight >= 0, "ar_weight", "must be >= 0")
+        check(self.ar_weight == 0 or self.objective == "clean-context", "ar_weight",
+              "is the clean stream's next-token loss: only the clean-context objective has one")
+        mc = self.model_config
+        L = mc.canvas_length
+        check(self.objective == "ar" or self.seq_len % L == 0, "seq_len",
+              f"must be a multiple of the preset's canvas_length={L} for a diffusion objective")
+        check(self.seq_len <= mc.max_position_embeddings, "seq_len",
+              f"must be <= the preset's max_position_embeddings={mc.max_position_embeddings}")
+
+    @property
+    def model_config(self) -> ModelConfig:
+        mc = PRESETS[self.preset]
+        return mc if self.vocab_size is None else mc.replace(vocab_size=self.vocab_size)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], source: str = CONFIG_JSON) -> TrainConfig:
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"{source}: unknown TrainConfig field(s) {', '.join(unknown)}")
+        try:
+            return cls(**d)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+# Training recipes per model preset, so that `dgemma train --preset NAME` needs no other flag.
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    # Seconds per step on a CPU: the test recipe.
+    "tiny": TrainConfig(preset="tiny", seq_len=32, batch_size=4, lr=3e-3, min_lr=3e-4, warmup_steps=10,
+                        max_steps=200, eval_every=20, save_every=50, log_every=10, chunk_rows=256),
+    # Laptop-sized: 10M parameters, 512 tokens a step (4 canvases of 32 a window), a high learning rate: the
+    # held-out loss falls from ~8.5 to ~5 in three minutes on 2 cores (docs/training.md); 1.5M tokens in all.
+    "cpu-small": TrainConfig(),
+    # Seed 003's single-GPU recipe: 8 x 2048 tokens x 4 micro-batches = 65k tokens a step, ~4B tokens in all.
+    "dg-380m": TrainConfig(preset="dg-380m", seq_len=2048, batch_size=8, grad_accum=4, lr=3e-4, min_lr=3e-5,
+                           warmup_steps=2000, max_steps=60_000, eval_every=1000, eval_batches=20, save_every=1000,
+                           keep_last=3, log_every=50, chunk_rows=8192),
+}
+# Seed 003's Lite on the same recipe, so the two architectures compare like with like.
+TRAIN_PRESETS["lite-380m"] = TRAIN_PRESETS["dg-380m"].replace(preset="lite-380m")
+
+
+def train_preset(name: str) -> TrainConfig:
+    """The recipe for a model preset: TRAIN_PRESETS[name], or the defaults with that preset."""
+    return TRAIN_PRESETS[name] if name in TRAIN_PRESETS else TrainConfig(preset=name)
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to `lr` over `warmup_steps`, then a cosine down to `min_lr` at `max_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def micro_step_generator(cfg: TrainConfig, micro_step: int, device: torch.device) -> torch.Generator:
+    """The only source of randomness of micro-step `micro_step` (noise levels, corruption, self-conditioning)."""
+    return torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + micro_step)
+
+
+def make_optimizer(model: DiffusionGemma, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (projections, experts, the tied embedding/head, as nanoGPT does).
+    1-D parameters (norm scales, the router's scales) are gains whose init is 1: decay would pull them to 0."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+# --- memory pre-flight ---------------------------------------------------------------------------------------------
+
+def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False) -> dict[str, int]:
+    """Peak bytes of one training step, by part. Activations: values autograd keeps per token and layer, fitted to
+    measured eager fp32 CPU peaks (runs/train_memory.py: ~68 D-wide values per token and layer for cpu-small; this
+    formula gives ~75) and assumed 3x fewer under per-block torch.compile, which fuses the fp32 norm and GELU
+    intermediates away (not measured: no GPU here). Plus each layer's saved attention mask, the (chunk_rows, V) loss
+    logits, and the runtime itself."""
+    mc, L = cfg.model_config, cfg.model_config.num_hidden_layers
+    P = costs.parameter_counts(mc)["total"]
+    S = cfg.seq_len * (2 if cfg.objective == "clean-context" else 1)  # clean-context runs [x0 ; x_t]
+    N, act = cfg.batch_size * S, 2 if use_bf16 else 4
+    D, H, Dh = mc.hidden_size, mc.num_attention_heads, max(mc.head_dim, mc.global_head_dim)
+    per_token = 44 * D + 6 * mc.intermediate_size + 4 * H * Dh
+    if mc.is_moe:
+        per_token += mc.top_k_experts * (6 * mc.moe_intermediate_size + 4 * D)
+    if cfg.compile and device_type == "cuda":
+        per_token //= 3
+    scores = 2 * cfg.batch_size * H * S * S * 4 if cfg.impl == "reference" else 0  # the eager twin keeps them
+    return {"parameters": 4 * P, "gradients": 4 * P, "adamw": 8 * P,
+            "activations": N * L * per_token * act + L * (S * S * act + scores),
+            "loss_logits": 4 * min(cfg.chunk_rows, N) * mc.vocab_size * 4,
+            "runtime": 500 * 2**20}
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for this run: CUDA's free memory, or MemAvailable of /proc/meminfo; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool) -> str:
+    """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free; else a summary line."""
+    parts = estimate_memory(cfg, device.type, use_bf16)
+    need, free = sum(parts.values()), available_memory(device)
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    if free is not None and need > free:
+        raise ValueError(f"estimated peak memory {gib(need)} ({detail}) exceeds the {gib(free)} available on "
+                         f"{device.type}; lower --batch-size or --seq-len (raise --grad-accum to keep the tokens "
+                         f"per step), lower --chunk-rows, or pick a smaller preset")
+    return f"memory: estimated peak {gib(need)} of {gib(free) if free is not None else 'unknown'} available"
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+def save_checkpoint(run: Path, model: DiffusionGemma, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+                    state: dict[str, Any]) -> Path:
+    """Write checkpoints/step-XXXXXXX atomically (temporary directory, fsync, rename), then `latest`, then prune."""
+    root = run / CHECKPOINTS
+    final = root / f"step-{state['step']:07d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)  # fsyncs each file
+    if (run / "tokenizer.json").is_file():
+        shutil.copyfile(run / "tokenizer.json", tmp / "tokenizer.json")
+    (tmp / CONFIG_JSON).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    state = {**state, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
+             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save(state, tmp / STATE)
+    for f in (tmp / "tokenizer.json", tmp / CONFIG_JSON, tmp / STATE):
+        _fsync(f)
+    if final.exists():  # only after resuming from an older checkpoint by hand: same step, same content
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(root)
+    marker = root / f".{LATEST}.tmp"
+    marker.write_text(final.name + "\n")
+    os.replace(marker, root / LATEST)
+    for old in list_checkpoints(run)[:-cfg.keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def _fsync(path: Path) -> None:
+    if not path.exists():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # directories cannot be fsynced everywhere
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path) -> None:
+    """A resumed run must compute the same steps: only the RESUMABLE fields may differ."""
+    diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+            if f.name not in RESUMABLE and getattr(saved, f.name) != getattr(cfg, f.name)]
+    if diff:
+        raise ConfigError(f"cannot resume {where}: its config differs in {'; '.join(diff)} (only "
+                          f"{', '.join(RESUMABLE)} may change; start a new run for the rest)")
+
+
+# --- the loop ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    step: int
+    checkpoint: Path | None
+    train_loss: float | None
+    val_loss: float | None
+    tokens_per_s: float
+    stopped: str  # "max_steps", "until_step", "time" or "interrupt"
+
+
+class Console:
+    """A live status line: redrawn in place on a terminal, printed every `log_every` steps otherwise."""
+
+    def __init__(self, stream: TextIO, log_every: int):
+        self.out, self.every, self.drawn = stream, log_every, 0.0
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def status(self, step: int, text: str) -> None:
+        if self.tty:
+            if time.monotonic() - self.drawn < 0.1:  # terminals are slower than tiny steps
+                return
+            self.drawn = time.monotonic()
+            self.out.write("\r\x1b[K" + text)
+        elif step % self.every == 0:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def print(self, text: str) -> None:
+        self.out.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.out.flush()
+
+
+@torch.no_grad()
+def evaluate(model: DiffusionGemma, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool) -> float:
+    """Mean held-out loss of the training objective over the first `eval_batches` validation micro-batches, with
+    fixed noise and no self-conditioning: the seed's held-out x0 NLL, comparable to the AR baseline's CE."""
+    shift = 1 if cfg.objective == "ar" else 0
+    total, n = 0.0, 0
+    for i, x0 in enumerate(val.heldout_batches(cfg.batch_size, cfg.seq_len, shift=shift)):
+        if i == cfg.eval_batches:
+            break
+        with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
+            out = training_loss(model, x0.to(device), objective=cfg.objective, num_steps=cfg.num_steps,
+                                self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
+                                generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i))
+        total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
+    if n == 0:
+        raise ValueError("the validation split has no complete window of seq_len tokens")
+    return total / n
+
+
+def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+          resume: bool = False, max_minutes: float | None = None, until_step: int | None = None,
+          stream: TextIO | None = None) -> TrainResult:
+    """Train (or, with `resume`, continue) the run in `out_dir` on the shards in `data_dir`, up to `cfg.max_steps`, or
+    to `until_step` (the schedule still spans max_steps), or for `max_minutes`; it checkpoints where it stops. Every
+    input problem raises (ConfigError, CheckpointError, ValueError, FileNotFoundError) before `out_dir` is touched."""
+    console = Console(stream or sys.stdout, cfg.log_every)
+    run, data_dir = Path(out_dir), Path(data_dir)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
+    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("TrainConfig.device: 'cuda' but no CUDA device is available")
+    use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
+    if use_bf16 and device.type != "cuda":
+        raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
+    train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
+    mc = cfg.model_config
+    check_vocab(train_set, mc)
+    ckpt = latest_checkpoint(run) if resume else None
+    if resume and ckpt is None:
+        raise CheckpointError(f"--resume: {run} has no complete checkpoint to resume from" + (
+            " (delete it to start over)" if run.exists() else ""))
+    if not resume and run.exists() and (not run.is_dir() or any(run.iterdir())):
+        raise ValueError(f"{run} exists and is not an empty directory: pass --resume to continue it, or choose "
+                         "another --out")
+    if ckpt is not None:
+        saved = json.loads((ckpt / CONFIG_JSON).read_text())
+        check_resumable(TrainConfig.from_json(saved, str(ckpt / CONFIG_JSON)), cfg, run)
+    console.print(preflight(cfg, device, use_bf16))
+
+    # Nothing above wrote anything; from here on the run directory is ours.
+    if ckpt is None:
+        model = init_weights(DiffusionGemma(mc, impl=cfg.impl), seed=cfg.seed).to(device)
+        run.mkdir(parents=True, exist_ok=True)
+        if train_set.tokenizer_path.is_file():
+            shutil.copyfile(train_set.tokenizer_path, run / "tokenizer.json")
+        state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+    else:
+        model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
+        state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
+        for tmp in (run / CHECKPOINTS).glob(".tmp-*"):  # a save that a killed process did not finish
+            shutil.rmtree(tmp, ignore_errors=True)
+        console.print(f"resuming {ckpt} at step {state['step']}")
+    # Documents end with the data's end-of-text id, so that is where generation stops.
+    model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
+                                               bos_token_id=mc.bos_token_id)
+    model.train()
+    optimizer = make_optimizer(model, cfg, device)
+    if ckpt is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_cpu"])
+        if device.type == "cuda" and state["rng_cuda"]:
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+    if cfg.compile and device.type == "cuda":
+        for block in model.layers:  # per block; corruption, masks and the loss stay eager (seed 003, section 5)
+            block.compile()
+    metrics = run / "metrics.jsonl"
+    _truncate_metrics(metrics, state["step"])
+
+    step = start_step = state["step"]
+    end = cfg.max_steps if until_step is None else min(until_step, cfg.max_steps)
+    batches = train_set.batches(cfg.batch_size, cfg.seq_len, cfg.seed, start_batch=step * cfg.grad_accum,
+                                shift=1 if cfg.objective == "ar" else 0)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    deadline = time.monotonic() + 60 * max_minutes if max_minutes is not None else None
+    t_start, elapsed_before = time.monotonic(), state["elapsed_s"]
+    loss = val_loss = None
+    stopped, saved = "max_steps" if step >= cfg.max_steps else "until_step", ckpt
+    interrupted: list[int] = []
+    previous_handler = _on_sigint(lambda: interrupted.append(1))
+    with metrics.open("a") as log:
+        def record(**rec: Any) -> None:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+
+        def run_eval() -> float:
+            model.eval()
+            value = evaluate(model, val_set, cfg, device, use_bf16)
+            model.train()
+            record(step=step, val_loss=value)
+            console.print(f"step {step} | held-out loss {value:.4f}")
+            return value
+
+        try:
+            if step == 0:
+                val_loss = run_eval()
+            while step < end:
+                lr = learning_rate(cfg, step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                losses = []
+                for i in range(cfg.grad_accum):
+                    micro = step * cfg.grad_accum + i
+                    x0 = next(batches).to(device, non_blocking=True)
+                    with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
+                        out = training_loss(model, x0, objective=cfg.objective, num_steps=cfg.num_steps,
+                                            self_conditioning_prob=cfg.self_conditioning_prob,
+                                            ar_weight=cfg.ar_weight, chunk_rows=cfg.chunk_rows,
+                                            generator=micro_step_generator(cfg, micro, device))
+                    (out.loss / cfg.grad_accum).backward()
+                    losses.append(out.loss.detach())
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip or math.inf))
+                loss = float(torch.stack(losses).mean())
+                step += 1
+                if math.isfinite(loss) and math.isfinite(grad_norm):
+                    optimizer.step()
+                    state["tokens"] += tokens_per_step
+                else:  # the NaN guard: drop this gradient; the step's data and noise stay consumed
+                    record(step=step, event="skipped_nonfinite", loss=loss, grad_norm=grad_norm, lr=lr)
+                    console.print(f"step {step} | skipped: non-finite loss {loss} or gradient norm {grad_norm}")
+                optimizer.zero_grad(set_to_none=True)
+                now = time.monotonic()
+                rate = (step - start_step) * tokens_per_step / max(now - t_start, 1e-9)
+                record(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=state["tokens"],
+                       tokens_per_s=round(rate, 1), elapsed_s=round(elapsed_before + now - t_start, 3))
+                eta = (now - t_start) / (step - start_step) * (end - step)
+                eta = eta if deadline is None else min(eta, max(0.0, deadline - now))
+                console.status(step, f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                                     f"{rate:,.0f} tok/s | ETA {_duration(eta)}")
+                if interrupted:
+                    stopped = "interrupt"
+                elif deadline is not None and now >= deadline:
+                    stopped = "time"
+                elif step == cfg.max_steps:
+                    stopped = "max_steps"
+                last = step == end or stopped in ("interrupt", "time")
+                if step % cfg.eval_every == 0 or last:
+                    val_loss = run_eval()
+                if step % cfg.save_every == 0 or last:
+                    state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start)
+                    saved = save_checkpoint(run, model, optimizer, cfg, state)
+                if last:
+                    break
+        finally:
+            _restore_sigint(previous_handler)
+    rate = (step - start_step) * tokens_per_step / max(time.monotonic() - t_start, 1e-9)
+    console.print(f"stopped at step {step} ({stopped}); latest checkpoint: {saved}")
+    return TrainResult(step, saved, loss, val_loss, rate, stopped)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop the records an interrupted process logged after its last checkpoint (they are redone)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _on_sigint(handler: Any) -> Any:
+    """Ctrl-C finishes the current step, saves and stops (a second Ctrl-C interrupts at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def once(signum: int, frame: Any) -> None:
+        handler()
+        print("\ninterrupt: finishing this step and saving (Ctrl-C again to stop at once)", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    return signal.signal(signal.SIGINT, once)
+
+
+def _restore_sigint(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

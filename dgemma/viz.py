@@ -1,0 +1,616 @@
+"""Pictures of denoising, from a trace (`dgemma generate --trace FILE`, or the traces `dgemma eval` keeps), and the
+plots of an evaluation report.
+
+    load_trace(path)            path.json (summary, with "format": "dgemma-trace-1") + path.npz (per-step arrays)
+    render_trace(trace, out)    per canvas: entropy in reading order over steps (seed 000's heatmaps), fraction of
+                                positions accepted / finalized per step, acceptance transitions, finalization order,
+                                an animated GIF; and player.html, a self-contained canvas player
+    plot_frontier, plot_likelihood    the figures of `dgemma eval`
+
+matplotlib is optional (`pip install 'dgemma[viz]'`) and imported only when a figure is drawn. Every figure carries the
+command that produced it in its footer. Figures have fixed pixel sizes (no tight bounding box), so they can be laid
+out and tested.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dgemma.evaluate import EvalError, renoise_counts
+from dgemma.generate import TRACE_FORMAT
+
+FIGURE_INCHES = (12.0, 8.0)  # every PNG: 1200 x 800 pixels at DPI
+GIF_INCHES = (6.0, 6.0)  # every GIF frame: 480 x 480 pixels at GIF_DPI
+DPI, GIF_DPI = 100, 80
+GIF_FRAME_MS = 400
+MAX_PANELS = 12  # steps shown as small multiples in the entropy figure
+REQUIRED_ARRAYS = {"canvas": 1, "step": 1, "temperature": 1, "input_canvas": 3, "argmax": 3, "accepted": 3,
+                   "entropy": 3, "mean_entropy": 2, "active": 2}  # name -> ndim
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+        import PIL  # noqa: F401  (the GIF writer; matplotlib depends on it too)
+    except ImportError:
+        raise ImportError("plots need matplotlib and pillow, which are not installed: pip install 'dgemma[viz]'"
+                          ) from None
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def check_installed() -> None:
+    """Raise ImportError (saying what to install) unless the plotting dependencies are importable."""
+    _pyplot()
+
+
+# --- traces -------------------------------------------------------------------------------------------------------
+
+@dataclass
+class TraceData:
+    """A trace read back: arrays (S steps, B rows, L positions) and the JSON summary."""
+
+    path: Path
+    arrays: dict[str, np.ndarray]
+    summary: dict[str, Any]
+
+    @property
+    def canvas_length(self) -> int:
+        return int(self.arrays["argmax"].shape[2])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.arrays["argmax"].shape[1])
+
+    def canvases(self) -> list[int]:
+        return sorted(set(self.arrays["canvas"].tolist()))
+
+    def steps(self, canvas: int, row: int) -> np.ndarray:
+        """Indices of the steps row `row` spent on `canvas` (not the ones it rode along after stopping)."""
+        a = self.arrays
+        return np.flatnonzero((a["canvas"] == canvas) & a["active"][:, row])
+
+
+def load_trace(path: str | Path) -> TraceData:
+    """Read and validate PATH.json + PATH.npz (PATH may name either file, or their common stem)."""
+    path = Path(path)
+    stem = path.with_suffix("") if path.suffix in (".json", ".npz") else path
+    js, npz = stem.with_suffix(".json"), stem.with_suffix(".npz")
+    for f in (js, npz):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing (a trace is FILE.json + FILE.npz, from dgemma generate --trace)")
+    try:
+        summary = json.loads(js.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EvalError(f"{js}: not a dgemma trace (not valid JSON: {e})") from None
+    if not isinstance(summary, dict) or "format" not in summary:
+        raise EvalError(f"{js}: not a dgemma trace (missing format field)")
+    if summary["format"] != TRACE_FORMAT:
+        raise EvalError(f"{js}: trace format {summary['format']!r} is from another version of dgemma; this one reads "
+                        f"{TRACE_FORMAT!r} (regenerate the trace with this version)")
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise EvalError(f"{npz}: not a readable trace archive ({e})") from None
+    missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
+    if missing:
+        raise EvalError(f"{npz}: not a {TRACE_FORMAT} trace (missing arrays {', '.join(missing)})")
+    S = len(arrays["canvas"])
+    S_B_L = arrays["argmax"].shape
+    for name, ndim in REQUIRED_ARRAYS.items():
+        a = arrays[name]
+        if a.ndim != ndim or a.shape != S_B_L[:ndim] or (ndim == 1 and len(a) != S):
+            raise EvalError(f"{npz}: array {name!r} has shape {a.shape}, inconsistent with argmax {S_B_L}")
+    if S == 0:
+        raise EvalError(f"{npz}: the trace has no steps")
+    if "canvas_length" in summary and summary["canvas_length"] != S_B_L[2]:
+        raise EvalError(f"{js}: canvas_length {summary['canvas_length']} but the arrays hold {S_B_L[2]} positions")
+    return TraceData(stem, arrays, summary)
+
+
+def grid_width(L: int) -> int:
+    """Cells per line when a canvas is laid out in reading order: a power of two near sqrt(L) (256 -> 16 x 16)."""
+    return max(1, 2 ** math.ceil(math.log2(math.sqrt(L)))) if L > 1 else 1
+
+
+def reading_order(values: np.ndarray, width: int, fill: float = np.nan) -> np.ndarray:
+    """(L,) -> (ceil(L / width), width), row-major like text; cells past the end are `fill`."""
+    rows = -(-len(values) // width)
+    out = np.full(rows * width, fill, dtype=np.float64)
+    out[: len(values)] = values
+    return out.reshape(rows, width)
+
+
+def finalized_step(argmax: np.ndarray) -> np.ndarray:
+    """(steps, L) argmax of one canvas -> (L,) the first step index from which each position's argmax never changes
+    again: when the canvas 'knew' that token."""
+    same = argmax == argmax[-1][None]
+    # position p is final from step s if same[s:, p] is all True: reverse cumulative AND
+    tail = np.flip(np.logical_and.accumulate(np.flip(same, 0), 0), 0)
+    return np.argmax(tail, axis=0)  # tail[-1] is all True, so every position has one
+
+
+def token_texts(ids: np.ndarray, tokenizer: Any | None) -> dict[int, str]:
+    """Display text per id: the decoded token with whitespace made visible, or the id itself."""
+    out = {}
+    for i in sorted(set(int(x) for x in np.unique(ids))):
+        if tokenizer is None:
+            out[i] = str(i)
+            continue
+        text = tokenizer.decode([i]).replace("\n", "⏎").replace("\t", "⇥").replace(" ", "·")
+        # other control characters in caret notation (^[ for ESC): every font has those glyphs
+        out[i] = "".join("^" + chr(ord(ch) + 64) if ord(ch) < 32 else "^?" if ord(ch) == 127 else ch
+                         for ch in text) or f"#{i}"
+    return out
+
+
+# --- figures of a trace ---------------------------------------------------------------------------------------------
+
+def _figure(plt: Any, title: str, command: str, inches: tuple[float, float] = FIGURE_INCHES, dpi: int = DPI) -> Any:
+    """A figure of fixed size with `title` and, in its footer, the command that produced it (wrapped to fit)."""
+    fig = plt.figure(figsize=inches, dpi=dpi)
+    fig.suptitle(title, fontsize=12 if inches[0] >= 8 else 9)
+    size = 7 if inches[0] >= 8 else 5
+    per_line = int(inches[0] * 72 / (0.62 * size)) - 2  # monospace glyphs are about 0.6 em wide
+    fig.text(0.005, 0.005, "\n".join(textwrap.wrap(command, per_line)), fontsize=size, color="0.35",
+             family="monospace", ha="left", va="bottom")
+    return fig
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=fig.dpi)  # no bbox_inches="tight": the pixel size stays the figure size
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def plot_entropy(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
+    """Seed 000's heatmaps: the canvas in reading order at several steps, colour = entropy (nats), dots = accepted;
+    and below, entropy by position (reading order) against step."""
+    plt = _pyplot()
+    a, steps = trace.arrays, trace.steps(canvas, row)
+    L, W = trace.canvas_length, grid_width(trace.canvas_length)
+    ent = a["entropy"][steps, row].astype(np.float64)
+    vmax = max(float(ent.max()), 1e-6)
+    shown = np.unique(np.linspace(0, len(steps) - 1, min(MAX_PANELS, len(steps))).round().astype(int))
+    fig = _figure(plt, f"Entropy per canvas position over steps (canvas {canvas}, row {row}; reading order, "
+                  f"{W} per line)", command)
+    cols = min(len(shown), 6)
+    rows = -(-len(shown) // cols)
+    grid = fig.add_gridspec(rows + 2, cols, height_ratios=[1] * rows + [0.02, 1.4], left=0.05, right=0.93,
+                            top=0.9, bottom=0.08, hspace=0.3)
+    image = None
+    for n, k in enumerate(shown):
+        ax = fig.add_subplot(grid[n // cols, n % cols])
+        image = ax.imshow(reading_order(ent[k], W), vmin=0, vmax=vmax, cmap="magma", aspect="auto")
+        acc = reading_order(a["accepted"][steps[k], row].astype(float), W, fill=0)
+        yy, xx = np.nonzero(acc > 0)
+        ax.scatter(xx, yy, s=4, c="cyan", marker="o", linewidths=0)
+        ax.set_title(f"step {int(a['step'][steps[k]])}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    ax = fig.add_subplot(grid[rows + 1, :])
+    image = ax.imshow(ent.T, aspect="auto", cmap="magma", vmin=0, vmax=vmax, origin="upper",
+                      extent=(0.5, len(steps) + 0.5, L - 0.5, -0.5))
+    ax.set_xlabel("denoising step")
+    ax.set_ylabel("position (reading order)")
+    cax = fig.add_axes((0.945, 0.08, 0.012, 0.8))
+    fig.colorbar(image, cax=cax, label="entropy (nats); dots: accepted")
+    return _save(fig, path)
+
+
+def plot_finalized(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
+    """Fraction of positions accepted by the sampler and fraction finalized (argmax already at its final value for
+    good) at each step, with the mean entropy."""
+    plt = _pyplot()
+    a, steps = trace.arrays, trace.steps(canvas, row)
+    x = a["step"][steps]
+    accepted = a["accepted"][steps, row].mean(-1)
+    final = finalized_step(a["argmax"][steps, row])
+    finalized = [(final <= k).mean() for k in range(len(steps))]
+    fig = _figure(plt, f"Positions finalized per step (canvas {canvas}, row {row})", command)
+    ax = fig.add_axes((0.08, 0.1, 0.82, 0.78))
+    ax.plot(x, accepted, "o-", label="accepted by the sampler")
+    ax.plot(x, finalized, "s-", label="finalized (argmax never changes again)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("denoising step")
+    ax.set_ylabel("fraction of canvas positions")
+    ax2 = ax.twinx()
+    ax2.plot(x, a["mean_entropy"][steps, row], "--", color="0.5", label="mean entropy (right)")
+    ax2.set_ylabel("mean entropy (nats)")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="center right")
+    return _save(fig, path)
+
+
+def transitions(trace: TraceData, canvas: int, row: int) -> dict[str, np.ndarray]:
+    """Per consecutive pair of steps: positions kept accepted, re-noised (accepted -> not), newly accepted, and left
+    as noise."""
+    a, steps = trace.arrays, trace.steps(canvas, row)
+    acc = a["accepted"][steps, row]
+    prev, nxt = acc[:-1], acc[1:]
+    return {"kept": (prev & nxt).sum(-1), "renoised": (prev & ~nxt).sum(-1), "accepted": (~prev & nxt).sum(-1),
+            "stayed noise": (~prev & ~nxt).sum(-1)}
+
+
+def plot_transitions(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
+    """Acceptance transitions between consecutive steps, one panel per kind (re-noising is rare: its own axis)."""
+    plt = _pyplot()
+    tr = transitions(trace, canvas, row)
+    steps = trace.steps(canvas, row)
+    x = [f"{int(trace.arrays['step'][s])}→{int(trace.arrays['step'][s]) + 1}" for s in steps[:-1]]
+    counts = renoise_counts({k: trace.arrays[k] for k in ("canvas", "accepted", "active")}, row)
+    base = counts["kept"] + counts["renoised"]
+    frac = counts["renoised"] / base if base else float("nan")
+    fig = _figure(plt, f"Acceptance transitions (canvas {canvas}, row {row}): {frac:.1%} of accepted tokens "
+                  "re-noised at the next step (all canvases of this row)", command)
+    for n, (name, values) in enumerate(tr.items()):
+        ax = fig.add_subplot(2, 2, n + 1)
+        ax.bar(range(len(values)), values, color=("tab:green", "tab:red", "tab:blue", "0.6")[n])
+        ax.set_title({"kept": "accepted → accepted", "renoised": "accepted → re-noised",
+                      "accepted": "re-noised → accepted", "stayed noise": "re-noised → re-noised"}[name], fontsize=10)
+        ax.set_xticks(range(len(x)), x, fontsize=7, rotation=45 if len(x) > 10 else 0)
+        ax.set_ylabel("positions")
+        ax.set_ylim(0, max(1, trace.canvas_length))
+    fig.subplots_adjust(left=0.07, right=0.97, top=0.88, bottom=0.1, hspace=0.45)
+    return _save(fig, path)
+
+
+def plot_order(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
+    """The step at which each position was finalized, in reading order, and against position: left to right is the
+    'thinks causally' pattern seed 000 reports for prose."""
+    plt = _pyplot()
+    a, steps = trace.arrays, trace.steps(canvas, row)
+    L, W = trace.canvas_length, grid_width(trace.canvas_length)
+    final = a["step"][steps][finalized_step(a["argmax"][steps, row])]
+    rho = _spearman(np.arange(L), final)
+    fig = _figure(plt, f"Order of finalization (canvas {canvas}, row {row}): Spearman(position, step) = {rho:.2f}",
+                  command)
+    ax = fig.add_axes((0.05, 0.12, 0.5, 0.75))
+    grid = reading_order(final.astype(float), W)
+    image = ax.imshow(grid, cmap="viridis", aspect="auto")
+    if L <= 256:
+        for (r, c), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(c, r, str(int(v)), ha="center", va="center", fontsize=6 if W > 8 else 9, color="w")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    fig.colorbar(image, ax=ax, label="step at which the position was finalized")
+    ax = fig.add_axes((0.66, 0.12, 0.31, 0.75))
+    ax.scatter(np.arange(L), final, s=10)
+    ax.set_xlabel("position in the canvas")
+    ax.set_ylabel("finalized at step")
+    return _save(fig, path)
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = _ranks(x), _ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _ranks(v: np.ndarray) -> np.ndarray:
+    order = np.argsort(v, kind="stable")
+    ranks = np.empty(len(v), dtype=np.float64)
+    ranks[order] = np.arange(len(v))
+    for value in np.unique(v):  # ties share their mean rank
+        tie = v == value
+        ranks[tie] = ranks[tie].mean()
+    return ranks
+
+
+def write_gif(trace: TraceData, canvas: int, row: int, path: Path, command: str, tokenizer: Any = None) -> Path:
+    """One frame per step: the canvas in reading order, colour = entropy (dark = certain), text = the argmax token,
+    a cyan frame around accepted positions."""
+    plt = _pyplot()
+    from PIL import Image
+
+    a, steps = trace.arrays, trace.steps(canvas, row)
+    L, W = trace.canvas_length, grid_width(trace.canvas_length)
+    vmax = max(float(a["entropy"][steps, row].max()), 1e-6)
+    texts = token_texts(a["argmax"][steps, row], tokenizer)
+    frames = []
+    for s in steps:
+        fig = _figure(plt, f"canvas {canvas}, step {int(a['step'][s])}/{len(steps)}, T={float(a['temperature'][s]):.2f}"
+                      f", mean H={float(a['mean_entropy'][s, row]):.2f}", command, GIF_INCHES, GIF_DPI)
+        ax = fig.add_axes((0.02, 0.1, 0.96, 0.8))
+        ax.imshow(reading_order(a["entropy"][s, row].astype(float), W), cmap="magma", vmin=0, vmax=vmax,
+                  aspect="auto")
+        for p in range(L):
+            r, c = divmod(p, W)
+            ax.text(c, r, texts[int(a["argmax"][s, row, p])][:6], ha="center", va="center",
+                    fontsize=max(4, 11 - W // 4), color="k" if a["entropy"][s, row, p] > vmax / 2 else "w")
+            if a["accepted"][s, row, p]:
+                ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="tab:cyan", linewidth=2))
+        ax.set_xticks([])
+        ax.set_yticks([])
+        fig.canvas.draw()
+        frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()))
+        plt.close(fig)
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
+    return path
+
+
+# --- the HTML player ------------------------------------------------------------------------------------------------
+
+PLAYER_TEMPLATE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>dgemma trace: __TITLE__</title>
+<style>
+body { font: 14px system-ui, sans-serif; margin: 16px; background: #fafafa; color: #222; }
+#controls { display: flex; flex-wrap: wrap; gap: 8px; align-items: center; margin-bottom: 8px; }
+#grid { display: grid; gap: 2px; margin-top: 8px; }
+.cell { font: 12px ui-monospace, monospace; padding: 3px 2px; border: 2px solid transparent; border-radius: 3px;
+        white-space: pre; overflow: hidden; text-overflow: ellipsis; text-align: center; min-height: 1.3em; }
+.cell.accepted { border-color: #111; }
+#info { margin-top: 6px; color: #444; }
+#footer { margin-top: 14px; font: 11px ui-monospace, monospace; color: #777; }
+#error { color: #b00; }
+</style></head>
+<body>
+<h3>dgemma trace: __TITLE__</h3>
+<div id="controls">
+  <label>row <select id="row"></select></label>
+  <label>canvas <select id="canvas"></select></label>
+  <button id="prev" title="previous step">&#9664;</button>
+  <button id="play">play</button>
+  <button id="next" title="next step">&#9654;</button>
+  <input id="slider" type="range" min="0" max="0" value="0">
+  <label>show <select id="show"><option value="argmax">argmax (prediction)</option>
+    <option value="input">input canvas (noisy)</option></select></label>
+  <label>ms/step <input id="speed" type="number" value="500" min="50" step="50" style="width:5em"></label>
+</div>
+<div id="info"></div>
+<div id="grid"></div>
+<div id="error"></div>
+<div id="footer">__COMMAND__ · colour: entropy of the position (nats, 0 = certain), dark border: accepted</div>
+<script type="application/json" id="trace-data">__DATA__</script>
+<script>
+"use strict";
+window.onerror = function (msg) { document.body.dataset.error = String(msg);
+  document.getElementById("error").textContent = "error: " + msg; };
+const data = JSON.parse(document.getElementById("trace-data").textContent);
+const $ = (id) => document.getElementById(id);
+const state = { row: 0, canvas: data.canvases[0], k: 0, timer: null };
+
+function stepsOf(row, canvas) {
+  const out = [];
+  for (let s = 0; s < data.steps.length; s++) {
+    if (data.steps[s].canvas === canvas && data.steps[s].active[row]) out.push(s);
+  }
+  return out;
+}
+function colour(h) {
+  const x = Math.min(1, h / data.max_entropy);
+  return "hsl(" + Math.round(120 * (1 - x)) + ", 70%, " + Math.round(88 - 28 * x) + "%)";
+}
+function text(id) { const t = data.vocab[String(id)]; return t === undefined ? String(id) : t; }
+function render() {
+  const steps = stepsOf(state.row, state.canvas);
+  $("slider").max = Math.max(0, steps.length - 1);
+  if (state.k > steps.length - 1) state.k = Math.max(0, steps.length - 1);
+  $("slider").value = state.k;
+  const grid = $("grid");
+  grid.style.gridTemplateColumns = "repeat(" + data.grid_width + ", minmax(3.5em, 1fr))";
+  grid.textContent = "";
+  if (steps.length === 0) { $("info").textContent = "this row spent no step on this canvas"; return; }
+  const s = data.steps[steps[state.k]];
+  const ids = $("show").value === "input" ? s.input[state.row] : s.argmax[state.row];
+  let accepted = 0;
+  for (let p = 0; p < data.canvas_length; p++) {
+    const cell = document.createElement("div");
+    const h = s.entropy[state.row][p];
+    cell.className = "cell" + (s.accepted[state.row][p] ? " accepted" : "");
+    if (s.accepted[state.row][p]) accepted++;
+    cell.style.background = colour(h);
+    cell.textContent = text(ids[p]);
+    cell.title = "position " + p + ", id " + ids[p] + ", entropy " + h.toFixed(3);
+    grid.appendChild(cell);
+  }
+  $("info").dataset.step = String(s.step);
+  $("info").textContent = "canvas " + s.canvas + ", step " + s.step + " of " + steps.length +
+    " · temperature " + s.temperature.toFixed(3) + " · mean entropy " + s.mean_entropy[state.row].toFixed(3) +
+    " · accepted " + accepted + "/" + data.canvas_length;
+}
+function go(delta) {
+  const n = stepsOf(state.row, state.canvas).length;
+  state.k = Math.min(Math.max(0, state.k + delta), Math.max(0, n - 1));
+  render();
+}
+function play() {
+  if (state.timer !== null) { clearInterval(state.timer); state.timer = null; $("play").textContent = "play"; return; }
+  $("play").textContent = "pause";
+  state.timer = setInterval(function () {
+    const n = stepsOf(state.row, state.canvas).length;
+    if (state.k >= n - 1) { play(); return; }
+    go(1);
+  }, Math.max(50, Number($("speed").value) || 500));
+}
+for (let r = 0; r < data.batch_size; r++) $("row").add(new Option(String(r), String(r)));
+for (const c of data.canvases) $("canvas").add(new Option(String(c), String(c)));
+$("row").onchange = function () { state.row = Number(this.value); state.k = 0; render(); };
+$("canvas").onchange = function () { state.canvas = Number(this.value); state.k = 0; render(); };
+$("slider").oninput = function () { state.k = Number(this.value); render(); };
+$("show").onchange = render;
+$("prev").onclick = function () { go(-1); };
+$("next").onclick = function () { go(1); };
+$("play").onclick = play;
+document.addEventListener("keydown", function (e) {
+  if (e.key === "ArrowRight") go(1); else if (e.key === "ArrowLeft") go(-1); else if (e.key === " ") play();
+});
+// #step=K opens at step K of the first canvas, #play starts playing (used by the headless test, and for links)
+const hash = new URLSearchParams(location.hash.slice(1));
+if (hash.has("step")) state.k = Number(hash.get("step")) || 0;
+render();
+if (hash.has("play")) play();
+document.body.dataset.ready = "1";
+</script>
+</body></html>
+"""
+
+
+def player_data(trace: TraceData, tokenizer: Any = None) -> dict[str, Any]:
+    """What the player embeds: per step the ids, acceptance and entropy of every row, and the text of every id."""
+    a = trace.arrays
+    steps = [{"canvas": int(a["canvas"][s]), "step": int(a["step"][s]), "temperature": float(a["temperature"][s]),
+              "argmax": a["argmax"][s].tolist(), "input": a["input_canvas"][s].tolist(),
+              "accepted": a["accepted"][s].astype(int).tolist(),
+              "entropy": np.round(a["entropy"][s].astype(np.float64), 3).tolist(),
+              "mean_entropy": np.round(a["mean_entropy"][s].astype(np.float64), 4).tolist(),
+              "active": a["active"][s].astype(bool).tolist()} for s in range(len(a["canvas"]))]
+    ids = np.concatenate([a["argmax"].ravel(), a["input_canvas"].ravel()])
+    return {"format": TRACE_FORMAT, "canvas_length": trace.canvas_length, "grid_width": grid_width(trace.canvas_length),
+            "batch_size": trace.batch_size, "canvases": trace.canvases(),
+            "max_entropy": max(float(a["entropy"].max()), 1e-6), "steps": steps,
+            "vocab": {str(k): v for k, v in token_texts(ids, tokenizer).items()}, "summary": trace.summary}
+
+
+def write_player(trace: TraceData, path: Path, command: str, tokenizer: Any = None) -> Path:
+    """One self-contained HTML file (inline CSS and JS, the data as embedded JSON): play / pause / step / slider."""
+    # "<" and ">" escaped inside the JSON so no token text can close the <script> element
+    data = json.dumps(player_data(trace, tokenizer), separators=(",", ":"), ensure_ascii=False)
+    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    page = (PLAYER_TEMPLATE.replace("__TITLE__", html.escape(trace.path.name))
+            .replace("__COMMAND__", html.escape(command)).replace("__DATA__", data))
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def render_trace(trace: TraceData, out: str | Path, *, command: str, tokenizer: Any = None, row: int = 0,
+                 canvases: list[int] | None = None, gif_canvas: int | None = None) -> list[Path]:
+    """Every picture of `trace` into `out`: four PNGs per canvas, one GIF, player.html. Returns the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not 0 <= row < trace.batch_size:
+        raise EvalError(f"--row {row}: the trace has rows 0..{trace.batch_size - 1}")
+    have = trace.canvases()
+    canvases = have if canvases is None else canvases
+    bad = [c for c in canvases if c not in have]
+    if bad:
+        raise EvalError(f"--canvas {bad}: the trace has canvases {have}")
+    canvases = [c for c in canvases if len(trace.steps(c, row))]  # canvases the row spent steps on
+    if not canvases:
+        raise EvalError(f"row {row} spent no denoising step in the selected canvases (its sequence had ended)")
+    written = []
+    for c in canvases:
+        for name, plot in (("entropy", plot_entropy), ("finalized", plot_finalized),
+                           ("acceptance_transitions", plot_transitions), ("order", plot_order)):
+            written.append(plot(trace, c, row, out / f"canvas_{c:02d}_{name}.png", command))
+    g = canvases[0] if gif_canvas is None else gif_canvas
+    if g not in canvases:
+        raise EvalError(f"--gif-canvas {g}: not among the canvases drawn ({canvases})")
+    written.append(write_gif(trace, g, row, out / f"canvas_{g:02d}.gif", command, tokenizer))
+    written.append(write_player(trace, out / "player.html", command, tokenizer))
+    return written
+
+
+# --- figures of an evaluation report --------------------------------------------------------------------------------
+
+def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
+    """Speed against quality over max_denoising_steps x entropy_bound: generated tokens/s (wall clock) and tokens per
+    forward against the samples' generative perplexity under the AR baseline, and tokens/s against the samples'
+    token entropy (perplexity alone rewards repetitive text); the AR baseline as a star."""
+    plt = _pyplot()
+    fig = _figure(plt, "Speed / quality frontier (each point: one sampler setting; labels N = max_denoising_steps)",
+                  command)
+    ar = report["ar_decode"]
+    panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "token_entropy",
+               "token entropy of the samples (nats; higher = more varied)")]
+    if ar is not None:
+        ppl = "generative perplexity under the AR baseline"
+        panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
+                  ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
+    bounds = sorted({f["entropy_bound"] for f in report["frontier"]})
+    for n, (xkey, xlabel, ykey, ylabel) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), n + 1)
+        for eb in bounds:
+            pts = [f for f in report["frontier"] if f["entropy_bound"] == eb]
+            xs = [f["adaptive"][xkey] for f in pts]
+            ys = [_num(f["quality"].get(ykey)) for f in pts]
+            ax.plot(xs, ys, "o-", label=f"adaptive, entropy_bound={eb:g}")
+            for f, x, y in zip(pts, xs, ys, strict=True):
+                ax.annotate(f"N={f['max_denoising_steps']}", (x, y), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        if ar is not None:
+            ax.plot([ar[xkey]], [_num(ar["quality"].get(ykey))], "*", markersize=14, color="k",
+                    label="AR baseline (KV cache)")
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        if ykey == "gen_ppl":
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.12, wspace=0.3)
+    return _save(fig, path)
+
+
+def _num(x: Any) -> float:
+    return math.nan if x is None else float(x)
+
+
+def plot_likelihood(report: dict[str, Any], path: Path, command: str) -> Path:
+    """Held-out nats/token with 2 standard errors: the NELBO bound, the x0 cross-entropy, the AR cross-entropy; and,
+    by noise level t, the x0 cross-entropy and the NELBO's per-step KL terms."""
+    plt = _pyplot()
+    lk = report["likelihood"]
+    fig = _figure(plt, "Held-out likelihood (nats/token; error bars: 2 standard errors over windows)", command)
+    ax = fig.add_subplot(1, 2, 1)
+    rows = [("NELBO (upper bound)", lk["nelbo"]), ("x0 CE at sampled t", lk["x0_ce"]), ("AR CE", lk["ar_ce"])]
+    rows = [(name, r["estimate"]) for name, r in rows if r is not None]
+    ax.bar(range(len(rows)), [e["mean"] for _, e in rows], yerr=[2 * e["se"] for _, e in rows], capsize=6,
+           color=["tab:purple", "tab:orange", "k"][: len(rows)])
+    ax.set_xticks(range(len(rows)), [n for n, _ in rows])
+    for i, (_, e) in enumerate(rows):
+        bpb = f"\n{e['bits_per_byte']:.3f} bpb" if e.get("bits_per_byte") else ""
+        ax.annotate(f"{e['mean']:.3f}{bpb}", (i, e["mean"]), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 6), textcoords="offset points")
+    ax.set_ylabel("nats per token")
+    ax = fig.add_subplot(1, 2, 2)
+    for key, values, style, name in (("x0_ce", "ce_by_t", "o-", "x0 CE at t"),
+                                     ("nelbo", "kl_by_t", "s-", "NELBO term at t (t = 1: reconstruction)")):
+        y = np.array([math.nan if v is None else v for v in lk[key][values]], dtype=np.float64)
+        t = np.arange(1, len(y) + 1)
+        seen = np.isfinite(y)  # t values no canvas drew are left out
+        ax.plot(t[seen], y[seen], style, label=name)
+    if lk["ar_ce"] is not None:
+        ax.axhline(lk["ar_ce"]["estimate"]["mean"], color="k", linestyle="--", label="AR CE")
+    ax.set_xlabel("noise level t (T = pure noise)")
+    ax.set_ylabel("nats per token")
+    ax.set_yscale("symlog", linthresh=1e-2)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.9, bottom=0.1, wspace=0.25)
+    return _save(fig, path)
+
+
+__all__ = [
+    "TraceData",
+    "check_installed",
+    "grid_width",
+    "load_trace",
+    "player_data",
+    "plot_entropy",
+    "plot_finalized",
+    "plot_frontier",
+    "plot_likelihood",
+    "plot_order",
+    "plot_transitions",
+    "reading_order",
+    "render_trace",
+    "token_texts",
+    "transitions",
+    "write_gif",
+    "write_player",
+]

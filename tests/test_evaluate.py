@@ -1,0 +1,445 @@
+"""dgemma.evaluate: the NELBO against exact enumeration, token-forward counting, sample metrics, `dgemma eval`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import dgemma
+from dgemma.config import GenerationConfig
+from dgemma.evaluate import (
+    EvalError,
+    ForwardCounter,
+    clean_context_posterior,
+    distinct_n,
+    estimate,
+    fixed_schedule,
+    prior_kl,
+    renoise_counts,
+    reverse_kl,
+    run_info,
+    run_sampler,
+    stratified_t,
+    token_entropy,
+    useful,
+    window_nelbo,
+)
+from dgemma.generate import TRACE_FORMAT
+
+# --- an exactly solvable case: V = 3 tokens, canvases of 2, a known correlated data distribution --------------------
+
+V, L = 3, 2
+
+
+def alpha_bar(t: int, T: int) -> float:
+    return math.cos(math.pi / 2 * t / T) ** 2
+
+
+def forward_matrix(keep: float) -> np.ndarray:
+    """One token's q(x_t = k | x_s = i) = keep * [i == k] + (1 - keep) / V, as a (V, V) matrix [i, k]."""
+    return keep * np.eye(V) + (1 - keep) / V
+
+
+STATES = [np.array(s) for s in itertools.product(range(V), repeat=L)]  # every canvas, in code order
+
+
+def code(s: np.ndarray) -> int:
+    return int(np.ravel_multi_index(tuple(s), (V,) * L))
+
+
+def data_distribution(seed: int = 0) -> np.ndarray:
+    """p(x0) over the V^L canvases, strongly correlated (so a per-token reverse is not exact) and with full support."""
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(V**L, 0.3)) + 1e-3
+    return p / p.sum()
+
+
+def q_joint(t: int, T: int) -> np.ndarray:
+    """q(x_t | x0) for whole canvases: (V^L, V^L) [x0 code, x_t code]."""
+    m = forward_matrix(alpha_bar(t, T))
+    return np.array([[np.prod([m[a[i], b[i]] for i in range(L)]) for b in STATES] for a in STATES])
+
+
+def marginal_posteriors(p_x0: np.ndarray, t: int, T: int) -> np.ndarray:
+    """The exact per-position posterior p(x0^l | x_t) under p_x0: (V^L x_t codes, L, V)."""
+    joint = p_x0[:, None] * q_joint(t, T)  # (x0, x_t)
+    post = joint / joint.sum(0, keepdims=True)
+    out = np.zeros((V**L, L, V))
+    for a, s in enumerate(STATES):
+        for i in range(L):
+            out[:, i, s[i]] += post[a]
+    return out
+
+
+def reverse_step(marg: np.ndarray, xt: np.ndarray, t: int, T: int) -> np.ndarray:
+    """From the definition: p(x_{t-1}^l = j | x_t) = sum_i q(x_{t-1} = j | x_t^l, x0 = i) m_l(i), with the posterior
+    q(j | k, i) = q(k | j) q(j | i) / q(k | i) by Bayes. (L, V)."""
+    step, before, now = forward_matrix(alpha_bar(t, T) / alpha_bar(t - 1, T)), forward_matrix(alpha_bar(t - 1, T)), \
+        forward_matrix(alpha_bar(t, T))
+    out = np.zeros((L, V))
+    for pos in range(L):
+        k = xt[pos]
+        post = before * step[:, k][None, :] / now[:, k][:, None]  # [i, j]: q(x_{t-1} = j | x_t = k, x0 = i)
+        out[pos] = marg[pos] @ post
+    return out
+
+
+def exact_model_nll(p_model_x0: np.ndarray, T: int) -> np.ndarray:
+    """-log p_theta(x0) of the factorised x0-parameterised reverse chain, run exactly over all V^L canvases from the
+    uniform prior: (V^L,)."""
+    p = np.full(V**L, 1.0 / V**L)  # p(x_T)
+    for t in range(T, 0, -1):
+        marg = marginal_posteriors(p_model_x0, t, T)
+        nxt = np.zeros(V**L)
+        for b, xt in enumerate(STATES):
+            probs = marg[b] if t == 1 else reverse_step(marg[b], xt, t, T)
+            for a, x in enumerate(STATES):
+                nxt[a] += p[b] * np.prod([probs[i, x[i]] for i in range(L)])
+        p = nxt
+    return -np.log(p)
+
+
+def exact_nelbo(p_model_x0: np.ndarray, T: int) -> np.ndarray:
+    """The NELBO of every canvas with the library's `reverse_kl`, its expectation over x_t taken exactly."""
+    x0 = torch.tensor(np.stack([a for a in STATES for _ in STATES]))  # (V^L * V^L, L): every (x0, x_t) pair
+    xt = torch.tensor(np.stack([b for _ in STATES for b in STATES]))
+    out = np.full(V**L, prior_kl(T, V) * L)
+    for t in range(1, T + 1):
+        marg = marginal_posteriors(p_model_x0, t, T)
+        logits = torch.tensor(np.log(marg[[code(b) for _ in STATES for b in STATES]]))  # (pairs, L, V)
+        kl = reverse_kl(logits.reshape(-1, V), x0.reshape(-1), xt.reshape(-1),
+                        torch.full((x0.numel(),), t), T).view(V**L, V**L, L).sum(-1).numpy()
+        out += (q_joint(t, T) * kl).sum(1)  # E over x_t ~ q(x_t | x0)
+    return out
+
+
+def test_reverse_kl_matches_the_definition():
+    """The closed form equals KL(q(x_{t-1} | x_t, x0) || sum_x0' q(x_{t-1} | x_t, x0') p(x0')) built by Bayes."""
+    T = 8
+    rng = np.random.default_rng(1)
+    for t in (1, 2, 5, 8):
+        for _ in range(5):
+            marg = rng.dirichlet(np.ones(V), size=L)
+            x0, xt = rng.integers(0, V, L), rng.integers(0, V, L)
+            p = reverse_step(marg, xt, t, T) if t > 1 else marg
+            ref = []
+            for pos in range(L):
+                onehot = np.eye(V)[x0[pos]][None]
+                q = reverse_step(onehot.repeat(L, 0), xt, t, T)[pos] if t > 1 else np.eye(V)[x0[pos]]
+                ref.append(sum(qj * math.log(qj / pj) for qj, pj in zip(q, p[pos], strict=True) if qj > 0))
+            got = reverse_kl(torch.tensor(np.log(marg)), torch.tensor(x0), torch.tensor(xt), torch.full((L,), t), T)
+            np.testing.assert_allclose(got.numpy(), ref, rtol=1e-9, atol=1e-12)
+
+
+def test_nelbo_bounds_the_exact_likelihood_and_tightens_with_T():
+    """With the exact posterior of a known distribution: NELBO(x0) >= -log p_theta(x0) for every canvas, its
+    expectation >= the data entropy, and the gap (the per-token factorisation of the reverse step) shrinks as T
+    grows; a worse model's bound is larger."""
+    p = data_distribution()
+    entropy = float(-(p * np.log(p)).sum())
+    gaps = {}
+    for T in (2, 8, 32):
+        nelbo = exact_nelbo(p, T)
+        model_nll = exact_model_nll(p, T)
+        assert np.all(nelbo >= model_nll - 1e-9), (T, nelbo - model_nll)
+        expected = float(p @ nelbo)
+        assert expected >= float(p @ model_nll) - 1e-9 >= entropy - 1e-9
+        gaps[T] = expected - entropy
+    assert gaps[2] > gaps[8] > gaps[32] >= 0
+    assert gaps[32] < 0.015 * entropy  # close to the true NLL: 1.1% above it at T = 32 (docs/evaluation.md)
+    # A worse model: the exact posterior of another distribution. Its bound on *this* data is larger.
+    worse = float(p @ exact_nelbo(data_distribution(seed=7), 32))
+    assert worse > float(p @ exact_nelbo(p, 32)) + 1.0
+
+
+def test_prior_kl_is_zero_at_the_end_of_the_cosine_schedule():
+    assert 0 <= prior_kl(16, 50_257) < 1e-20
+    assert prior_kl(16, 3) >= 0
+
+
+def test_stratified_t_weights_sum_to_T_and_each_stratum_is_covered():
+    t, weights = stratified_t(4, 16, (200, 3), torch.Generator().manual_seed(0))
+    assert weights.tolist() == [1, 5, 5, 5]  # t = 1 exactly, then {2..6}, {7..11}, {12..16}
+    assert set(t[0].unique().tolist()) == {1}
+    for k, (lo, hi) in enumerate([(2, 6), (7, 11), (12, 16)], start=1):
+        assert set(t[k].unique().tolist()) == set(range(lo, hi + 1))
+    t, weights = stratified_t(1, 16, (500,), torch.Generator().manual_seed(0))
+    assert weights.tolist() == [16] and set(t[0].unique().tolist()) == set(range(1, 17))
+    t, weights = stratified_t(16, 16, (2, 2))
+    assert weights.tolist() == [1] * 16 and torch.equal(t[:, 0, 0], torch.arange(1, 17))
+    with pytest.raises(ValueError, match="t samples"):
+        stratified_t(17, 16, (1,))
+
+
+# --- the Monte Carlo estimator over whole windows, with a clean prefix ------------------------------------------------
+
+C = 2  # canvases per window
+
+
+def window_distribution() -> np.ndarray:
+    """p over windows of C canvases (V^(L*C) of them), correlated within and across canvases."""
+    rng = np.random.default_rng(3)
+    p = rng.dirichlet(np.full(V ** (L * C), 0.5)) + 1e-3
+    return p / p.sum()
+
+
+def prefix_tables(p: np.ndarray, T: int) -> list[np.ndarray]:
+    """For canvas c: log p(x0_c^l | x0_<c, x_t of canvas c) as (T + 1, V^(L*c), V^L, L, V)."""
+    full = p.reshape((V**L,) * C)
+    tables = []
+    for c in range(C):
+        joint = full.sum(axis=tuple(range(c + 1, C))).reshape(-1, V**L)  # (prefix, x0_c)
+        cond = joint / joint.sum(1, keepdims=True)
+        tab = np.zeros((T + 1, joint.shape[0], V**L, L, V))
+        for t in range(1, T + 1):
+            for pre in range(joint.shape[0]):
+                tab[t, pre] = np.log(marginal_posteriors(cond[pre], t, T))
+        tables.append(tab)
+    return tables
+
+
+def test_window_nelbo_is_an_unbiased_estimate_of_the_block_autoregressive_bound():
+    T = 4
+    p = window_distribution()
+    tables = prefix_tables(p, T)
+    full = p.reshape((V**L,) * C)
+    powers = V ** np.arange(L - 1, -1, -1)
+
+    def posterior(x0, xt, t):  # the stub: exact p(x0 | x_t canvas, clean prefix), same interface as the model's
+        out = torch.empty(*x0.shape, V, dtype=torch.float64)
+        for c in range(C):
+            pre = x0[:, : c * L].numpy() @ (V ** np.arange(c * L - 1, -1, -1)) if c else np.zeros(len(x0), int)
+            cur = xt[:, c * L:(c + 1) * L].numpy() @ powers
+            out[:, c * L:(c + 1) * L] = torch.from_numpy(tables[c][t[:, c].numpy(), pre, cur])
+        return out
+
+    # Exact expectation of sum_c NELBO(canvas c | prefix) over the data, by enumeration per canvas.
+    exact = 0.0
+    for c in range(C):
+        joint = full.sum(axis=tuple(range(c + 1, C))).reshape(-1, V**L)
+        for pre in range(joint.shape[0]):
+            if joint[pre].sum() > 0:
+                exact += joint[pre].sum() * float((joint[pre] / joint[pre].sum()) @
+                                                   exact_nelbo(joint[pre] / joint[pre].sum(), T))
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    windows = rng.choice(len(p), size=6000, p=p)
+    x0 = torch.tensor(np.stack(np.unravel_index(windows, (V,) * (L * C)), 1))
+    terms = window_nelbo(posterior, x0, canvas_length=L, vocab_size=V, num_steps=T, num_t_samples=2, generator=g)
+    per_window = terms.nelbo.sum(-1).numpy()
+    mean, se = per_window.mean(), per_window.std(ddof=1) / math.sqrt(len(per_window))
+    assert abs(mean - exact) < 4 * se, (mean, exact, se)
+    entropy = float(-(p * np.log(p)).sum())
+    assert exact >= entropy
+
+
+def test_estimate_reports_per_token_mean_se_and_windows_needed():
+    est = estimate([10.0, 12.0, 14.0], [5, 5, 5], num_bytes=30)
+    assert est.mean == pytest.approx(2.4) and est.windows == 3 and est.tokens == 15
+    assert est.se == pytest.approx(0.4 / math.sqrt(3))
+    assert est.bits_per_byte == pytest.approx(36 / (math.log(2) * 30))
+    assert est.windows_for_se(0.1) == 16
+    with pytest.raises(EvalError, match="no held-out window"):
+        estimate([], [])
+
+
+# --- counting forwards --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
+    model.generation_config = GenerationConfig()
+    return model
+
+
+@pytest.mark.parametrize("sampler", ["entropy-bound", "lite"])
+def test_fixed_schedules_cost_L_over_T_plus_1_and_adaptive_never_more(tiny, sampler):
+    L = tiny.config.canvas_length
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7)]
+    for T in (2, 5):
+        # confidence_threshold high and no stability history: the adaptive rules fire as early as they can
+        cfg = GenerationConfig(max_new_tokens=3 * L, max_denoising_steps=T, sampler=sampler, confidence_threshold=50.0,
+                               stability_threshold=0)
+        fixed = run_sampler(tiny, prompts, fixed_schedule(cfg), progress=False)
+        assert fixed.denoise_passes == 2 * 3 * T and fixed.commit_passes == 2 * 3
+        assert fixed.tokens_per_forward == pytest.approx(L / (T + 1))
+        assert fixed.token_forwards == 2 * 3 * (T + 1) * L
+        adaptive = run_sampler(tiny, prompts, cfg, progress=False)
+        assert adaptive.passes <= fixed.passes and adaptive.token_forwards <= fixed.token_forwards
+        assert adaptive.denoise_passes == sum(adaptive.steps_per_canvas)
+        if T == 5:
+            assert adaptive.passes < fixed.passes  # the stop rule does fire here
+
+
+def test_forward_counter_restores_the_model_and_counts_tokens(tiny):
+    cache = tiny.new_cache(2, 64)
+    with ForwardCounter(tiny) as count:
+        tiny.commit(torch.ones(2, 5, dtype=torch.long), cache)
+        tiny.commit(torch.ones(2, 0, dtype=torch.long), cache)  # nothing to encode: not a pass
+        tiny.denoise(torch.ones(2, tiny.config.canvas_length, dtype=torch.long), cache)
+    assert count.events == [("commit", 10), ("denoise", 2 * tiny.config.canvas_length)]
+    assert "denoise" not in vars(tiny) and "commit" not in vars(tiny)
+
+
+# --- sample metrics -------------------------------------------------------------------------------------------------
+
+def test_sample_metrics_on_hand_made_samples():
+    assert useful([5, 6, 1, 7, 8], eos=(1,), max_new=10) == [5, 6, 1]
+    assert useful([5, 6, 7, 8], eos=(1,), max_new=3) == [5, 6, 7]
+    assert distinct_n([[1, 2, 1, 2]], 1) == 0.5 and distinct_n([[1, 2, 1, 2]], 2) == pytest.approx(2 / 3)
+    assert token_entropy([[4, 4, 4]]) == 0.0 and token_entropy([[1, 2]]) == pytest.approx(math.log(2))
+    arrays = {"canvas": np.array([0, 0, 0, 1]), "active": np.ones((4, 1), bool),
+              "accepted": np.array([[[1, 0, 0]], [[1, 1, 0]], [[0, 1, 1]], [[1, 1, 1]]], bool)}
+    # steps 0->1: kept 1, accepted 1, noise 1; 1->2: kept 1, renoised 1, accepted 1; 2->3 crosses canvases
+    assert renoise_counts(arrays) == {"kept": 2, "renoised": 1, "accepted": 2, "stayed_noise": 1}
+    json.dumps(renoise_counts(arrays))
+
+
+# --- the model's posterior, held-out likelihoods and `dgemma eval` on a tiny trained pair ---------------------------
+
+@pytest.mark.parametrize("name", ["tiny", "lite-tiny"])
+def test_clean_context_posterior_is_what_denoise_sees_after_committing_the_prefix(name):
+    """The NELBO's p(x0 | x_t, clean prefix) from the one-pass training forward equals commit(prefix) then
+    denoise(canvas) (with t for time-embedding models), canvas by canvas."""
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset(name)), seed=2).eval()
+    L, T = model.config.canvas_length, 8
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(0, 500, (2, 3 * L), generator=g)
+    t = torch.tensor([[1, 4, 8], [8, 2, 5]])
+    xt = torch.randint(0, 500, x0.shape, generator=g)
+    with torch.no_grad():
+        one_pass = clean_context_posterior(model, T)(x0, xt, t)
+    for c in range(3):
+        cache = model.new_cache(2, 3 * L)
+        model.commit(x0[:, : c * L], cache)
+        logits = model.denoise(xt[:, c * L:(c + 1) * L], cache, t=t[:, c].float() / T)
+        torch.testing.assert_close(one_pass[:, c * L:(c + 1) * L], logits, atol=2e-4, rtol=1e-4)
+
+
+def _corpus(path, n_docs=160, seed=0):
+    import random
+
+    from dgemma.tokenizer import toy_corpus
+
+    rng = random.Random(seed)
+    sentences = toy_corpus(400)
+    docs = [" ".join(rng.choice(sentences) for _ in range(rng.randint(3, 8))) for _ in range(n_docs)]
+    path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Prepared data (a BPE of 512 on toy sentences, 10% validation) and two runs trained on it for a few steps:
+    clean-context diffusion and the AR baseline, both on the tiny preset."""
+    import io
+
+    from dgemma.data import prepare
+    from dgemma.train import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("pair")
+    prepare(root / "data", [str(_corpus(root / "corpus.jsonl"))], tokenizer="bpe:512", val_fraction=0.1, quiet=True)
+    runs = {}
+    for objective in ("clean-context", "ar"):
+        cfg = TrainConfig(preset="tiny", objective=objective, seq_len=32, batch_size=4, max_steps=8, warmup_steps=2,
+                          eval_every=8, eval_batches=1, save_every=8, chunk_rows=256, device="cpu")
+        train(cfg, root / "data", root / objective, stream=io.StringIO())
+        runs[objective] = root / objective
+    return root, runs
+
+
+def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
+    from dgemma.checkpoint import load_model
+    from dgemma.data import TokenDataset
+    from dgemma.diffusion import training_loss
+    from dgemma.evaluate import heldout_ar_ce, heldout_x0_ce
+
+    root, runs = pair
+    val = TokenDataset(root / "data", "val")
+    diffusion = load_model(run_info(runs["clean-context"]).model_dir).eval()
+    ours = heldout_x0_ce(diffusion, val, seq_len=32, num_steps=16, batch_size=4, max_windows=4, seed=5, progress=False)
+    x0 = next(val.heldout_batches(4, 32))
+    with torch.no_grad():
+        ref = training_loss(diffusion, x0, num_steps=16, self_conditioning_prob=0.0,
+                            generator=torch.Generator().manual_seed(5))
+    assert ours["estimate"].mean == pytest.approx(float(ref.x0_loss), rel=1e-5)
+    ar = load_model(run_info(runs["ar"]).model_dir).eval()
+    ours = heldout_ar_ce(ar, val, seq_len=32, batch_size=4, max_windows=4, progress=False, tokenizer=val.tokenizer())
+    with torch.no_grad():
+        ref = training_loss(ar, next(val.heldout_batches(4, 32, shift=1)), objective="ar")
+    assert ours["estimate"].mean == pytest.approx(float(ref.x0_loss), rel=1e-5)
+    assert ours["estimate"].bits_per_byte > 0
+
+
+def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
+    from dgemma.cli import main
+    from dgemma.viz import load_trace
+
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    root, runs = pair
+    out = tmp_path / "report"
+    rc = main(["eval", "--model", str(runs["clean-context"]), "--baseline", str(runs["ar"]), "--data",
+               str(root / "data"), "--out", str(out), "--prompts", "2", "--steps", "2,4", "--entropy-bounds", "0.5",
+               "--max-windows", "4", "--quiet"])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    lk = report["likelihood"]
+    for key in ("nelbo", "x0_ce", "ar_ce"):
+        e = lk[key]["estimate"]
+        assert e["mean"] > 0 and e["se"] >= 0 and e["bits_per_byte"] > 0 and e["windows"] == 4
+    assert len(report["frontier"]) == 2 and report["ar_decode"]["useful_tokens"] > 0
+    for point in report["frontier"]:
+        n = point["max_denoising_steps"]
+        assert point["fixed"]["tokens_per_forward"] == pytest.approx(16 / (n + 1))
+        assert point["adaptive"]["passes"] <= point["fixed"]["passes"]
+        assert point["quality"]["gen_ppl"] > 1 and 0 <= point["quality"]["distinct_2"] <= 1
+    v = report["verdict"]
+    assert v["available"] and v["nelbo_over_ar"] > 0 and v["speedup"] > 0
+    md = (out / "report.md").read_text()
+    for heading in ("## Verdict (seed 003)", "## Likelihood", "## Speed / quality frontier", "## Traces"):
+        assert heading in md
+    assert report["command"].startswith("dgemma eval --model") and report["command"] in md
+    for png in ("frontier.png", "likelihood.png"):
+        with Image.open(out / png) as im:
+            assert im.size == (1200, 800)
+    traces = sorted(p.stem for p in (out / "traces").glob("*.json"))
+    assert traces == ["N2_eb0p5", "N4_eb0p5"]
+    assert load_trace(out / "traces" / "N2_eb0p5").summary["format"] == TRACE_FORMAT
+
+
+def test_dgemma_eval_bad_inputs_are_clear_errors(pair, tmp_path, capsys):
+    from dgemma.cli import main
+    from dgemma.data import prepare
+    from dgemma.tokenizer import build_test_tokenizer
+
+    root, runs = pair
+    base = ["--data", str(root / "data"), "--out", str(tmp_path / "r"), "--quiet"]
+    # a baseline with another tokenizer
+    other = tmp_path / "other-ar"
+    shutil.copytree(runs["ar"], other)
+    for tok in other.rglob("tokenizer.json"):
+        build_test_tokenizer(300, tok)
+    assert main(["eval", "--model", str(runs["clean-context"]), "--baseline", str(other), *base]) == 2
+    assert "uses another tokenizer" in capsys.readouterr().err
+    # the runs swapped
+    assert main(["eval", "--model", str(runs["ar"]), "--baseline", str(runs["clean-context"]), *base]) == 2
+    assert "objective 'ar'" in capsys.readouterr().err
+    # an empty validation split
+    empty = tmp_path / "empty"
+    prepare(empty, [str(_corpus(tmp_path / "c.jsonl", n_docs=20))], tokenizer="bpe:512", val_fraction=0.0, quiet=True)
+    assert main(["eval", "--model", str(runs["clean-context"]), "--data", str(empty), "--out", str(tmp_path / "r"),
+                 "--quiet"]) == 2
+    assert "validation split is empty" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "nope"), *base]) == 2
+    assert "no such model or run directory" in capsys.readouterr().err
+    assert main(["eval", "--model", str(runs["clean-context"]), "--steps", "0", *base]) == 2
+    assert "--steps must be positive" in capsys.readouterr().err

@@ -1,0 +1,194 @@
+"""dgemma viz: pictures of a trace the test makes (tiny random model), the HTML player (parsed, its script checked
+by node, and run in headless Chromium when installed), and bad traces."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+import torch
+
+import dgemma
+from dgemma.cli import main
+from dgemma.generate import TRACE_FORMAT
+from dgemma.tokenizer import build_test_tokenizer
+
+pytest.importorskip("matplotlib", reason="dgemma[viz] not installed")
+from PIL import Image
+
+from dgemma import viz
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    """A traced generation: 2 rows, 2 canvases of 16, 4 steps, entropy-bound sampler with a stop rule that lets row
+    stops happen; saved as the generate CLI does."""
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=1).eval()
+    prompt = torch.randint(5, 500, (2, 6), generator=torch.Generator().manual_seed(0))
+    result = dgemma.generate(model, prompt, seed=0, max_new_tokens=32, max_denoising_steps=STEPS, trace=True,
+                             entropy_bound=2.0)
+    d = tmp_path_factory.mktemp("trace")
+    result.trace.save(d / "run")
+    build_test_tokenizer(512, d / "tokenizer.json")
+    return d / "run"
+
+
+@pytest.fixture(scope="module")
+def rendered(trace_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("viz")
+    rc = main(["viz", str(trace_path), "--out", str(out), "--tokenizer", str(trace_path.parent / "tokenizer.json"),
+               "--canvas", "1"])
+    assert rc == 0
+    return out
+
+
+def test_viz_writes_pngs_of_the_expected_size_for_the_canvas_asked_for(rendered):
+    expected = (int(viz.FIGURE_INCHES[0] * viz.DPI), int(viz.FIGURE_INCHES[1] * viz.DPI))
+    assert not (rendered / "canvas_00_entropy.png").exists()
+    for c in (1,):
+        for name in ("entropy", "finalized", "acceptance_transitions", "order"):
+            path = rendered / f"canvas_{c:02d}_{name}.png"
+            with Image.open(path) as im:
+                assert im.size == expected, path
+                colours = len(np.unique(np.asarray(im.convert("RGB")).reshape(-1, 3), axis=0))
+            assert colours > 20, f"{path} looks empty ({colours} colours)"
+
+
+def test_viz_gif_has_one_frame_per_step(rendered, trace_path):
+    arrays = viz.load_trace(trace_path).arrays
+    steps = int(((arrays["canvas"] == 1) & arrays["active"][:, 0]).sum())
+    with Image.open(rendered / "canvas_01.gif") as im:
+        assert im.n_frames == steps >= 2
+        assert im.size == (int(viz.GIF_INCHES[0] * viz.GIF_DPI), int(viz.GIF_INCHES[1] * viz.GIF_DPI))
+
+
+class _Scripts(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.scripts, self.external, self._in = [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("src") or (tag == "link" and attrs.get("href")):
+            self.external.append((tag, attrs))
+        if tag == "script":
+            self._in = [attrs.get("type"), attrs.get("id"), ""]
+
+    def handle_data(self, data):
+        if self._in is not None:
+            self._in[2] += data
+
+    def handle_endtag(self, tag):
+        if tag == "script" and self._in is not None:
+            self.scripts.append(tuple(self._in))
+            self._in = None
+
+
+def test_player_is_one_self_contained_file_with_the_trace_and_token_text(rendered, trace_path, tmp_path):
+    page = (rendered / "player.html").read_text(encoding="utf-8")
+    parser = _Scripts()
+    parser.feed(page)
+    assert parser.external == []  # nothing fetched: inline CSS and JS only
+    (kind, ident, data), (_, _, code) = parser.scripts
+    assert kind == "application/json" and ident == "trace-data"
+    payload = json.loads(data)
+    trace = viz.load_trace(trace_path)
+    assert payload["format"] == TRACE_FORMAT and payload["canvas_length"] == 16 and payload["batch_size"] == 2
+    assert len(payload["steps"]) == len(trace.arrays["canvas"])
+    assert payload["steps"][0]["argmax"] == trace.arrays["argmax"][0].tolist()
+    tok = build_test_tokenizer(512)
+    some_id = payload["steps"][-1]["argmax"][0][0]
+    assert payload["vocab"][str(some_id)] == viz.token_texts(np.array([some_id]), tok)[some_id]
+    assert "dgemma viz" in page  # the command that produced it
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the script's syntax is not checked")
+    script = tmp_path / "player.js"
+    script.write_text(code)
+    check = subprocess.run([node, "--check", str(script)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_player_loads_steps_and_plays_in_headless_chromium(rendered):
+    url = (rendered / "player.html").as_uri()
+
+    def dom(fragment: str) -> str:
+        cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
+               "--dump-dom", url + fragment]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+
+    opened = dom("")
+    assert 'data-ready="1"' in opened and "data-error" not in opened
+    assert len(re.findall(r'class="cell( accepted)?"', opened)) == 16
+    assert 'data-step="1"' in opened
+    assert 'data-step="3"' in dom("#step=2")  # the slider position K shows step K + 1
+    played = dom("#play")  # virtual time runs the timer to the end of canvas 0
+    assert f'data-step="{STEPS}"' in played and "data-error" not in played
+
+
+def test_helpers_lay_out_reading_order_and_find_finalization_steps():
+    assert viz.grid_width(256) == 16 and viz.grid_width(16) == 4 and viz.grid_width(32) == 8
+    grid = viz.reading_order(np.arange(10.0), 4)
+    assert grid.shape == (3, 4) and grid[1, 0] == 4 and np.isnan(grid[2, 3])
+    argmax = np.array([[1, 2, 3], [1, 5, 3], [1, 5, 4], [1, 5, 3]])
+    assert viz.finalized_step(argmax).tolist() == [0, 1, 3]
+
+
+# --- bad traces -----------------------------------------------------------------------------------------------------
+
+def _copy(trace_path, tmp_path):
+    for suffix in (".json", ".npz"):
+        shutil.copy(trace_path.with_suffix(suffix), tmp_path / f"t{suffix}")
+    return tmp_path / "t"
+
+
+def test_a_trace_from_another_version_or_not_a_trace_is_a_clear_error(trace_path, tmp_path, capsys):
+    path = _copy(trace_path, tmp_path)
+    summary = json.loads(path.with_suffix(".json").read_text())
+    path.with_suffix(".json").write_text(json.dumps(summary | {"format": "dgemma-trace-0"}))
+    assert main(["viz", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert "another version of dgemma" in capsys.readouterr().err
+    del summary["format"]
+    path.with_suffix(".json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=r"not a dgemma trace \(missing format field\)"):
+        viz.load_trace(path)
+    path.with_suffix(".json").write_text("{oops")
+    with pytest.raises(ValueError, match="not a dgemma trace"):
+        viz.load_trace(path)
+    path.with_suffix(".npz").unlink()
+    assert main(["viz", str(path), "--out", str(tmp_path / "o")]) == 2
+    assert "t.npz: missing" in capsys.readouterr().err
+
+
+def test_inconsistent_arrays_and_bad_selections_are_errors(trace_path, tmp_path):
+    path = _copy(trace_path, tmp_path)
+    with np.load(path.with_suffix(".npz")) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(path.with_suffix(".npz"), **(arrays | {"entropy": arrays["entropy"][:, :, :3]}))
+    with pytest.raises(ValueError, match="'entropy' has shape"):
+        viz.load_trace(path)
+    trace = viz.load_trace(trace_path)
+    with pytest.raises(ValueError, match="--row 5"):
+        viz.render_trace(trace, tmp_path / "o", command="x", row=5)
+    with pytest.raises(ValueError, match="--canvas"):
+        viz.render_trace(trace, tmp_path / "o", command="x", canvases=[7])
+
+
+def test_missing_matplotlib_says_what_to_install(monkeypatch, trace_path, tmp_path, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    assert main(["viz", str(trace_path), "--out", str(tmp_path)]) == 2
+    assert "pip install 'dgemma[viz]'" in capsys.readouterr().err
