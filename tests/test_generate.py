@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import functools
 import json
-import weakref
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from dgemma import ConfigError, DiffusionGemma, GenerationConfig, init_weights, preset
 from dgemma import sampling as S
 from dgemma.generate import GenerationResult, StepInfo, Trace, denoise_canvas, generate
 from dgemma.kv_cache import KVCache
+from tests.live_tensors import LiveVocabTensors
 
 L, V = 16, 512  # the tiny preset's canvas and vocabulary
 FAST = {"max_denoising_steps": 3}
@@ -522,26 +520,6 @@ def test_entropy_chunking_does_not_change_a_single_bit(model, monkeypatch, two_r
     assert np.array_equal(r.trace.arrays()["mean_entropy"], two_rows.trace.arrays()["mean_entropy"])
 
 
-class _LiveVocabTensors(TorchDispatchMode):
-    """Tracks, op by op, the bytes of live vocabulary-sized tensors (last dimension `vocab_size`) created inside
-    the mode, counting each storage once and ignoring `exclude` (storages that existed before: weights, the
-    cache). Deterministic (CPython frees a tensor when its last reference goes), unlike allocator statistics; it
-    sees what Python holds, not the temporaries inside a single aten op."""
-
-    def __init__(self, vocab_size: int, exclude: set[int]):
-        super().__init__()
-        self.vocab_size, self.exclude, self.refs, self.peak = vocab_size, exclude, [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == self.vocab_size \
-                    and t.untyped_storage().data_ptr() not in self.exclude:
-                self.refs.append(weakref.ref(t))
-        self.refs = [r for r in self.refs if r() is not None]
-        live = {r().untyped_storage().data_ptr(): r().untyped_storage().nbytes() for r in self.refs}
-        self.peak = max(self.peak, sum(live.values()))
-        return out
 
 
 @pytest.mark.parametrize("sampler", ["entropy-bound", "lite"])
@@ -553,7 +531,7 @@ def test_a_step_holds_at_most_one_vocabulary_tensor_beyond_the_logits(model, sam
     existing = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), *cache.keys,
                                                           *cache.values, cache.key_padding)}
     full = B * L * V * 4  # one fp32 (B, L, V) tensor
-    with _LiveVocabTensors(V, exclude=existing) as mode:
+    with LiveVocabTensors(V, exclude=existing) as mode:
         denoise_canvas(model, cache, GenerationConfig(sampler=sampler, **FAST), generator=torch.Generator())
     assert mode.peak / full <= 2.0, f"peak {mode.peak / full:.2f} x (B, L, V) fp32"
 

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from dgemma import kernels, sampling
 from dgemma.bench import randomize_
@@ -21,6 +18,7 @@ from dgemma.cli import main
 from dgemma.config import FULL, SLIDING, GenerationConfig, RopeConfig, preset
 from dgemma.generate import denoise_canvas, generate
 from dgemma.model import DiffusionGemma, Experts, reference_attention
+from tests.live_tensors import LiveVocabTensors
 
 TOL = 1e-4  # fp32 logits, fast vs readable
 
@@ -358,24 +356,6 @@ def test_fast_sampler_takes_the_reference_decisions(stop_rule, sync_every):
     assert want.steps.tolist() == [4, 7, 10]  # the script makes row b confident and stable from step 3 + 3b
 
 
-class _LiveVocabTensors(TorchDispatchMode):
-    """Peak bytes of live tensors whose last dimension is the vocabulary, created inside the mode, except views of
-    `exclude` storages (the weights): as in tests/test_generate.py, counted from what Python holds."""
-
-    def __init__(self, vocab_size: int, exclude: set[int]):
-        super().__init__()
-        self.vocab_size, self.exclude, self.refs, self.peak = vocab_size, exclude, [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.ndim and t.shape[-1] == self.vocab_size \
-                    and t.untyped_storage().data_ptr() not in self.exclude:
-                self.refs.append(weakref.ref(t))
-        self.refs = [r for r in self.refs if r() is not None]
-        live = {r().untyped_storage().data_ptr(): r().untyped_storage().nbytes() for r in self.refs}
-        self.peak = max(self.peak, sum(live.values()))
-        return out
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 5])
@@ -387,7 +367,7 @@ def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
     cache = model.new_cache(B, 11)
     model.commit(_ids((B, 11), V, 20), cache)
     rows = chunk_rows or B * L
-    with _LiveVocabTensors(V, {p.untyped_storage().data_ptr() for p in model.parameters()}) as mode:
+    with LiveVocabTensors(V, {p.untyped_storage().data_ptr() for p in model.parameters()}) as mode:
         kernels.denoise_canvas(model, cache, GenerationConfig(max_denoising_steps=3), chunk_rows=chunk_rows,
                                generator=torch.Generator().manual_seed(0))
     assert mode.peak <= 2 * rows * V * 4, f"peak {mode.peak / (rows * V * 4):.2f} chunks"
