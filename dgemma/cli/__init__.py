@@ -20,7 +20,9 @@ COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, eval_cmd, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dgemma", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="dgemma", description="Block-diffusion language models (DiffusionGemma) in PyTorch: run, train, "
+        "evaluate and measure them. `dgemma demo` shows the whole path on a CPU in a few minutes.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         module.register(sub)
