@@ -464,3 +464,23 @@ def test_non_floating_tensor_is_named(ckpt_dir):
     with pytest.raises(CheckpointError, match=rf"^{re.escape(str(ckpt_dir / SINGLE))}: does not match .*1 non-floating "
                        rf"tensor\(s\): {re.escape(key)} in model\.safetensors is I64, not floating point$"):
         load_model(ckpt_dir)
+
+
+def test_a_training_run_directory_loads_its_newest_complete_checkpoint(tmp_path):
+    """`load_model(RUN)` (and so `dgemma generate --model RUN`) takes the newest checkpoint whose trainer state is in
+    place; a run with none is a clear error."""
+    from dgemma import DiffusionGemma, init_weights, preset
+    from dgemma.checkpoint import CHECKPOINTS, STATE
+
+    run = tmp_path / "run"
+    (run / CHECKPOINTS).mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="a training run with no complete checkpoint yet"):
+        load_model(run)
+    for step, seed in ((5, 1), (10, 2), (15, 3)):
+        ckpt = run / CHECKPOINTS / f"step-{step:07d}"
+        save_pretrained(init_weights(DiffusionGemma(preset("tiny")), seed=seed), ckpt)
+        if step != 15:  # step 15 is an interrupted save: weights written, trainer state missing
+            (ckpt / STATE).write_bytes(b"")
+    want = load_model(run / CHECKPOINTS / "step-0000010")
+    got = load_model(run)
+    assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values(), strict=True))
