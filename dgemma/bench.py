@@ -638,7 +638,7 @@ def docs_entry(r: dict[str, Any], command: str) -> str:
     load = f"{m['load_average'][0]:.2f}" if "load_average" in m else "?"
     load_after = f"{m['load_average_after'][0]:.2f}" if "load_average_after" in m else "?"
     return "\n".join([
-        f"## {r['date']} — {r['generation']['model']}", "",
+        f"### {r['date']} — {r['generation']['model']}", "",
         f"- command: `{command}`",
         f"- machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch threads"
         + (f", {m['gpu']}" if "gpu" in m else "") + f"; torch {m['torch']}"
