@@ -32,7 +32,7 @@ from torch import Tensor
 from dgemma import kernels, sampling
 from dgemma.config import ConfigError, GenerationConfig
 from dgemma.kv_cache import KVCache
-from dgemma.model import IMPLS, DiffusionGemma, Impl
+from dgemma.model import IMPLS, DiffusionGemma, Impl, check_token_ids
 
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
 
@@ -387,9 +387,7 @@ def _check_inputs(model: DiffusionGemma, input_ids: Tensor, cache: KVCache | Non
     if input_ids.shape[1] == 0 and (cache is None or cache.length == 0):
         raise ValueError("empty prompt: input_ids has no tokens and there is no committed context to continue from")
     V = model.config.vocab_size
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
-        raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
-                         f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    check_token_ids(input_ids, V)  # before anything is allocated or a caller's cache is grown
     if cache is not None and cache.batch_size != input_ids.shape[0]:
         raise ValueError(f"cache holds batch size {cache.batch_size} but input_ids has {input_ids.shape[0]} rows")
     if config.pad_token_id is not None and config.pad_token_id >= V:

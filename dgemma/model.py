@@ -393,9 +393,7 @@ class DiffusionGemma(nn.Module):
         `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to.
         `return_logits`: also return the encoder's fp32 logits (B, S, V), i.e. next-token predictions, which is
         what an autoregressive model (objective `ar`) decodes with."""
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        check_token_ids(input_ids, self.config.vocab_size)
         start = cache.prepare_write(input_ids, start, attention_mask)
         S, window = input_ids.shape[1], self.config.sliding_window
         if S == 0:  # nothing to encode; still truncates at `start`
@@ -484,6 +482,14 @@ class DiffusionGemma(nn.Module):
         self.commit(input_ids, cache, attention_mask=attention_mask)
         return self.denoise(decoder_input_ids, cache, self_conditioning_logits=self_conditioning_logits,
                             self_conditioning_mask=self_conditioning_mask)
+
+
+def check_token_ids(ids: Tensor, vocab_size: int, name: str = "input_ids") -> None:
+    """Refuse ids outside [0, vocab_size) with a message naming the range found (an embedding lookup would fail
+    with a bare index error, or silently on some devices)."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
 
 
 def _first_layer_of_each_type(config: ModelConfig) -> dict[str, int]:
