@@ -252,13 +252,9 @@ class ModelConfig:
             kw["sliding_rope"] = RopeConfig("default", 10_000.0)
             kw["full_rope"] = RopeConfig("proportional", 1_000_000.0, 0.25)
         if not text.get("layer_types"):
-            n = kw.get("num_hidden_layers", cls.num_hidden_layers)
+            n = kw.get("num_hidden_layers", _HF_TEXT_DEFAULTS["num_hidden_layers"])
             kw["layer_types"] = tuple(FULL if (i + 1) % 6 == 0 or i == n - 1 else SLIDING for i in range(n))
-        # transformers' class defaults for keys a config.json may omit (they differ from the 26B values).
-        defaults = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
-                    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
-                    "max_position_embeddings": 131_072, "num_experts": 0, "canvas_length": 256}
-        for k, v in defaults.items():
+        for k, v in _HF_TEXT_DEFAULTS.items():
             kw.setdefault(k, v)
         try:
             return cls(**kw)
@@ -327,6 +323,14 @@ class ModelConfig:
             if o:
                 out[str(i).zfill(width)] = o
         return out
+
+
+# transformers' class defaults for keys a config.json may omit (they differ from the 26B values). A module constant:
+# a slots=True dataclass's class attribute is a member descriptor, never the field's default.
+_HF_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
+    "max_position_embeddings": 131_072, "num_experts": 0, "canvas_length": 256}
 
 
 def _geometry_from_per_layer_config(plc: Any, text: dict[str, Any], source: str) -> dict[str, Any]:

@@ -59,6 +59,8 @@ from dgemma.diffusion import OBJECTIVES, training_loss
 from dgemma.model import IMPLS, DiffusionGemma, init_weights
 
 LATEST, CONFIG_JSON = "latest", "train_config.json"
+# TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
+DEFAULT_PRESET = "cpu-small"
 __all__ = ["CHECKPOINTS", "STATE", "latest_checkpoint", "list_checkpoints", "resolve_model_dir"]  # re-exported
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
@@ -75,7 +77,7 @@ class TrainConfig:
     """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.
     `dgemma train` builds one flag per field."""
 
-    preset: str = _opt("model preset (dgemma.config.PRESETS)", default="cpu-small")
+    preset: str = _opt("model preset (dgemma.config.PRESETS)", default=DEFAULT_PRESET)
     vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
     objective: str = _opt("training objective", default="clean-context", choices=OBJECTIVES)
     seq_len: int = _opt("tokens per training window (a whole number of canvases)", default=128)

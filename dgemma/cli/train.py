@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.config import ConfigError
-from dgemma.train import CONFIG_JSON, TrainConfig, latest_checkpoint, train, train_preset
+from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, latest_checkpoint, train, train_preset
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int}
 
@@ -56,7 +56,7 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
                               + (" (delete it to start over)" if args.out.exists() else ""))
         base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
     else:
-        base = train_preset(given.get("preset", TrainConfig.preset))
+        base = train_preset(given.get("preset", DEFAULT_PRESET))
     return base.replace(**given)
 
 
