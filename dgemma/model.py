@@ -23,7 +23,8 @@ V vocabulary, E experts.
 from __future__ import annotations
 
 import math
-from typing import Literal
+import os
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -313,6 +314,23 @@ class DiffusionGemma(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    # --- Hugging Face-style persistence: methods beside dgemma.save_pretrained / dgemma.load_model -------------
+    def save_pretrained(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        """`dgemma.save_pretrained(self, path, **kwargs)`: the transformers layout (config.json,
+        generation_config.json, model.safetensors); keyword arguments as that function's."""
+        from dgemma.checkpoint import save_pretrained  # checkpoint imports this module
+
+        save_pretrained(self, path, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
+        """`dgemma.load_model(path, dtype=, device=, impl=)`: a checkpoint directory in the Hugging Face layout, or
+        a training run (its newest complete checkpoint), with its generation_config attached."""
+        from dgemma.checkpoint import load_model
+
+        return load_model(path, dtype=dtype, device=device, impl=impl)
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """A preallocated cache for `max_length` committed tokens, in the model's dtype and device."""

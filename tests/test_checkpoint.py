@@ -484,3 +484,35 @@ def test_a_training_run_directory_loads_its_newest_complete_checkpoint(tmp_path)
     want = load_model(run / CHECKPOINTS / "step-0000010")
     got = load_model(run)
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values(), strict=True))
+
+
+# --- the Hugging Face-style methods -------------------------------------------------------------------------------
+
+def test_model_save_pretrained_and_from_pretrained_round_trip(tmp_path):
+    """`model.save_pretrained(dir)` and `DiffusionGemma.from_pretrained(dir, dtype=, device=)` are the functions'
+    twins: the same files, the same weights, the same logits, the generation config carried along."""
+    from dgemma import DiffusionGemma, GenerationConfig, init_weights, preset
+
+    model = init_weights(DiffusionGemma(preset("tiny")), seed=3).eval()
+    model.generation_config = GenerationConfig(eos_token_id=(1, 4), pad_token_id=0, max_denoising_steps=7)
+    model.save_pretrained(tmp_path / "method")
+    save_pretrained(model, tmp_path / "function")
+    for name in ("config.json", "generation_config.json", SINGLE):
+        assert (tmp_path / "method" / name).read_bytes() == (tmp_path / "function" / name).read_bytes(), name
+
+    loaded = DiffusionGemma.from_pretrained(tmp_path / "method")
+    assert type(loaded) is DiffusionGemma and loaded.config == model.config
+    assert loaded.generation_config == model.generation_config
+    state, again = model.state_dict(), loaded.state_dict()
+    assert state.keys() == again.keys() and all(torch.equal(state[k], again[k]) for k in state)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (2, 20), generator=g)
+    canvas = torch.randint(0, 512, (2, 16), generator=g)
+    assert torch.equal(loaded(ids, canvas), model(ids, canvas))
+
+    bf16 = DiffusionGemma.from_pretrained(str(tmp_path / "method"), dtype=torch.bfloat16, device="cpu")
+    assert bf16.dtype == torch.bfloat16 and bf16.device.type == "cpu"
+    ref = load_model(tmp_path / "method", dtype=torch.bfloat16)
+    assert torch.equal(bf16(ids, canvas), ref(ids, canvas))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        DiffusionGemma.from_pretrained(tmp_path / "nowhere")
