@@ -1,5 +1,68 @@
+"""Shared by the test modules: the `--runslow` flag, and tiny real data and a tiny real training run (built once per
+session with the package's own code, so the CLI tests run the real thing end to end)."""
+
+from __future__ import annotations
+
+import io
 import os
+import random
+from pathlib import Path
+
+import pytest
 
 # Tests never touch the network: a stray hub call fails at once instead of retrying for ~25 s.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the tests marked slow (long trainings, the full parity sweep, long doc commands)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A prepared data directory (`dgemma.data.prepare`, a 512-id BPE): 200 documents, each 12 sentences drawn from
+    26 toy sentences, so held-out documents share the training text's sentences and a model that learns the corpus
+    has a held-out loss far below log(V)."""
+    from dgemma import data
+    from dgemma.tokenizer import toy_corpus
+
+    root = tmp_path_factory.mktemp("train-corpus")
+    sentences = toy_corpus(12)[14:]
+    rng = random.Random(0)
+    (root / "text").mkdir()
+    for i in range(200):
+        (root / "text" / f"d{i:03d}.txt").write_text(" ".join(rng.choice(sentences) for _ in range(12)))
+    data.prepare(root / "data", [str(root / "text")], tokenizer="bpe:512", val_fraction=0.1, quiet=True,
+                 cache_dir=root / "cache")
+    return root / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_data, tmp_path_factory) -> Path:
+    """A real training run directory: the `tiny` preset trained for 2 steps on `tiny_data` (checkpoints/step-0000002
+    with config.json, weights, tokenizer.json)."""
+    import torch
+
+    from dgemma.train import train, train_preset
+
+    run = tmp_path_factory.mktemp("tiny-run") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: OpenMP's waiting would dominate them on a busy 2-core machine
+    try:
+        cfg = train_preset("tiny").replace(batch_size=2, max_steps=2, warmup_steps=1, eval_every=100,
+                                           eval_batches=1, save_every=100, log_every=100)
+        train(cfg, tiny_data, run, stream=io.StringIO())
+    finally:
+        torch.set_num_threads(threads)
+    return run

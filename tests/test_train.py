@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -22,10 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 import dgemma.train as T
-from dgemma import cli, data
+from dgemma import cli
 from dgemma.checkpoint import load_model
 from dgemma.config import ConfigError
-from dgemma.tokenizer import toy_corpus
 from dgemma.train import TrainConfig, latest_checkpoint, learning_rate, list_checkpoints, resolve_model_dir, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,18 +41,9 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """200 documents, each 12 sentences drawn from 26 toy sentences: held-out documents share the training text's
-    sentences, so a model that learns the corpus has a held-out loss far below log(V)."""
-    root = tmp_path_factory.mktemp("train-corpus")
-    sentences = toy_corpus(12)[14:]
-    rng = random.Random(0)
-    (root / "text").mkdir()
-    for i in range(200):
-        (root / "text" / f"d{i:03d}.txt").write_text(" ".join(rng.choice(sentences) for _ in range(12)))
-    data.prepare(root / "data", [str(root / "text")], tokenizer="bpe:512", val_fraction=0.1, quiet=True,
-                 cache_dir=root / "cache")
-    return root / "data"
+def corpus(tiny_data) -> Path:
+    """tests/conftest.py's tiny_data: 200 toy documents, a 512-id BPE."""
+    return tiny_data
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:

@@ -5,13 +5,13 @@ by generate) and the new user turn. `/reset` clears the history, `/quit` exits."
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Any
 
 import torch
 
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.generate import generate
 from dgemma.tokenizer import TURN_END, TURN_START, chat_token_ids, encode_template
 
 
@@ -41,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
     L = model.config.canvas_length
     # Every canvas but the last is committed, so a turn needs its prompt plus whole canvases of room.
     answer_room = -(-kw.get("max_new_tokens", gcfg.max_new_tokens) // L) * L
-    gen = importlib.import_module("dgemma.generate")  # at call time, so tests can substitute it
     cache = model.new_cache(batch_size=1, max_length=max_context)
     pending: list[int] | None = None  # None: no history; else the last answer's uncommitted tokens, before EOS
     interactive = sys.stdin.isatty()
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         streamer = Streamer(tok, gcfg.eos_token_id, gcfg.pad_token_id, 1)
         seed = None if args.seed is None else args.seed + turn
         try:
-            result = gen.generate(model, torch.tensor([ids], device=model.device), cache=cache, seed=seed,
+            result = generate(model, torch.tensor([ids], device=model.device), cache=cache, seed=seed,
                                   on_step=streamer.on_step, on_canvas=streamer.on_canvas, **kw)
         finally:
             streamer.close()

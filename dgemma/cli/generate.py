@@ -4,7 +4,6 @@ canvas being refined)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.generate import generate
 from dgemma.tokenizer import Tokenizer, chat_token_ids
 
 
@@ -85,11 +85,9 @@ def run(args: argparse.Namespace) -> int:
     kw = overrides(args, gcfg)
     input_ids, mask = left_pad(rows, gcfg.pad_token_id or 0, model.device)
     streamer = Streamer(tok, gcfg.eos_token_id, gcfg.pad_token_id, len(rows), quiet=args.json)
-    # Looked up at call time, so tests can put a stand-in at sys.modules["dgemma.generate"].
-    gen = importlib.import_module("dgemma.generate")
     t0 = time.perf_counter()
     try:
-        result = gen.generate(model, input_ids, attention_mask=mask, seed=args.seed, on_step=streamer.on_step,
+        result = generate(model, input_ids, attention_mask=mask, seed=args.seed, on_step=streamer.on_step,
                               on_canvas=streamer.on_canvas, trace=args.trace is not None, **kw)
     finally:
         streamer.close()

@@ -1,4 +1,5 @@
-"""`dgemma inspect`: a model's geometry, parameter counts, KV-cache size and FLOPs, from a config alone (no weights)."""
+"""`dgemma inspect`: a model's geometry, parameter counts, KV-cache size and FLOPs, from a config alone (no weights).
+PATH is a checkpoint directory, its config.json, or a training run (its newest complete checkpoint)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma import costs
+from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ModelConfig, preset, read_json
 
 
@@ -15,7 +17,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("inspect", help="geometry, parameter counts, KV-cache bytes and FLOPs of a model",
                               description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("path", nargs="?", type=Path, help="checkpoint directory (reads PATH/config.json only)")
+    src.add_argument("path", nargs="?", type=Path, help="checkpoint directory, config.json, or training run directory "
+                     "(its newest complete checkpoint); reads config.json only")
     src.add_argument("--preset", help="a named preset from dgemma.config.PRESETS")
     p.add_argument("--context", type=int, default=4096, help="committed tokens in the cache, for FLOPs (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -28,9 +31,11 @@ def load_config(path: Path | None, preset_name: str | None) -> ModelConfig:
     assert path is not None
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint directory")
-    config_path = path if path.is_file() else path / "config.json"
+    # A training run resolves to its newest complete checkpoint, as for `dgemma generate --model RUN`.
+    config_path = path if path.is_file() else resolve_model_dir(path) / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path}: no config.json in the checkpoint directory")
+        raise FileNotFoundError(f"{config_path}: no config.json in the checkpoint directory (nor a training run's "
+                                "checkpoints/ next to it)")
     return ModelConfig.from_hf(read_json(config_path), source=str(config_path))
 
 
