@@ -69,3 +69,164 @@ def test_architecture_doc_covers_the_gemma_quirks() -> None:
     doc = ARCHITECTURE.read_text(encoding="utf-8")
     missing = [k for k in QUIRK_KEYWORDS if k not in doc]
     assert not missing, f"docs/architecture.md does not mention {missing}"
+
+
+# --- every command quoted in the docs runs ---------------------------------------------------------------------
+# A command is a line of a ```bash block (or of any block whose lines start with `dgemma `), with `\` continuations
+# joined. A trailing comment may carry one marker:
+#   [long]       runs only under `pytest --runslow` (minutes, or the network)
+#   [GPU]        runs only under `pytest --runslow`, on a machine with CUDA
+#   [CI]         run as written by .ci/run (the README's install and test commands); checked to be there
+#   [unshipped]  a measurement script under runs/ that the repository does not ship (.gitignore); nothing to run
+# The other commands run for real in the default suite, in a fresh directory per block, in order (a block's later
+# commands use what the earlier ones wrote). To keep them fast, TINY_ARGS appends flags to some (argparse: the last
+# value of a flag wins), and a data prepare without --corpus reads a toy corpus instead of fetching the default one.
+
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+MARKERS = ("[long]", "[GPU]", "[CI]", "[unshipped]")
+TINY_TRAIN = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1",
+              "--max-steps", "2"]
+TINY_ARGS: dict[str, list[str]] = {
+    # README: generate at 3 denoising steps (the model is random; the flags' parsing is what is shown)
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32": ["--steps", "3"],
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --sampler lite --steps 8 --trace run --json":
+        ["--steps", "3"],
+    'echo "Hello there" | dgemma chat --preset tiny --random-init --tokenizer tok --seed 0': ["--steps", "3",
+                                                                                             "--max-new-tokens", "16"],
+    # docs/training.md: the recipe without --preset (cpu-small), stopped after one step
+    "dgemma train --data data --out runs/small": ["--until-step", "1", "--eval-batches", "1"],
+    "dgemma train --data data --out runs/small --resume": ["--until-step", "2", "--eval-batches", "1"],
+    "dgemma train --data data --out runs/ar --objective ar": ["--until-step", "1", "--eval-batches", "1"],
+    # docs/evaluation.md: the tiny preset for two steps, a small evaluation grid
+    "dgemma train --preset cpu-small --data data/default --out runs/cpu-small-diffusion": TINY_TRAIN,
+    "dgemma train --preset cpu-small --objective ar --data data/default --out runs/cpu-small-ar": TINY_TRAIN,
+    "OMP_NUM_THREADS=2 dgemma eval --model runs/cpu-small-diffusion --baseline runs/cpu-small-ar --data data/default "
+    "--out reports/cpu-small --prompts 16 --steps 4,8,16,32 --entropy-bounds 0.1,1 --max-windows 0":
+        ["--prompts", "2", "--steps", "16", "--entropy-bounds", "0.1", "--max-windows", "2", "--t-samples", "1"],
+}
+# Files the docs' commands read from the current directory (docs/data.md: your own corpus).
+DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,
+             "chats.jsonl": '{"text": "Hello there."}\n{"text": "What is the capital of France?"}\n'}
+
+
+def doc_blocks() -> list[tuple[str, list[tuple[str, str]]]]:
+    """(doc:line, [(command, marker)]) for every block of commands in README.md and docs/*.md."""
+    blocks = []
+    for doc in markdown_files():
+        text = doc.read_text(encoding="utf-8")
+        for m in re.finditer(r"^ *```(\w*)\n(.*?)^ *```", text, re.S | re.M):
+            lines = m.group(2).replace("\\\n", " ").splitlines()
+            if m.group(1) != "bash" and not any(line.strip().startswith("dgemma ") for line in lines):
+                continue
+            commands = []
+            for line in lines:
+                code, _, comment = line.partition("  #")
+                code = " ".join(code.split())
+                if code:
+                    commands.append((code, next((k for k in MARKERS if k in comment), "")))
+            where = f"{doc.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}"
+            blocks.append((where, commands))
+    return blocks
+
+
+def test_every_tiny_args_entry_is_a_doc_command():
+    quoted = {c for _, cmds in doc_blocks() for c, _ in cmds}
+    assert not set(TINY_ARGS) - quoted, f"TINY_ARGS entries no doc quotes: {sorted(set(TINY_ARGS) - quoted)}"
+
+
+def test_ci_and_unshipped_markers_are_true():
+    ci = (ROOT / ".ci" / "run").read_text()
+    for where, cmds in doc_blocks():
+        for code, marker in cmds:
+            if marker == "[CI]":
+                pip_args = {a for line in re.findall(r"pip install ([^&\n]*)", ci) for a in shlex.split(line)}
+                for part in code.split(" && "):
+                    if part.startswith("pip install "):  # CI installs the same requirements (quietly, maybe split)
+                        missing = set(shlex.split(part)[2:]) - pip_args
+                        assert not missing, f"{where}: .ci/run never installs {sorted(missing)}"
+                    else:
+                        assert part in ci, f"{where}: .ci/run never runs {part!r}"
+            if marker == "[unshipped]":
+                script = code.split()[1]
+                assert script.startswith("runs/") and "/runs/" in (ROOT / ".gitignore").read_text(), (where, code)
+
+
+def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
+    from dgemma import cli
+
+    stdin = None
+    if code.startswith("echo ") and " | " in code:
+        echo, code = code.split(" | ", 1)
+        stdin = shlex.split(echo)[1] + "\n"
+    argv = shlex.split(code)
+    while argv and "=" in argv[0] and not argv[0].startswith("-"):  # VAR=value prefixes
+        argv.pop(0)
+    if argv[0] == "python":
+        subprocess.run([sys.executable, *argv[1:]], cwd=cwd, check=True, timeout=120)
+        return
+    assert argv[0] == "dgemma", f"no way to run {code!r}: add it to TINY_ARGS or mark it in the doc"
+    argv = argv[1:] + TINY_ARGS.get(code, [])
+    if argv[:2] == ["data", "prepare"]:
+        if "--corpus" not in argv:
+            argv += ["--corpus", str(toy)]
+        argv += ["--cache-dir", str(cwd / ".cache"), "-q"]
+    old_cwd, old_stdin = os.getcwd(), sys.stdin
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.chdir(cwd)
+        if stdin is not None:
+            sys.stdin = io.StringIO(stdin)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(argv)
+    finally:
+        os.chdir(old_cwd)
+        sys.stdin = old_stdin
+    assert rc == 0, f"{code!r} -> exit {rc}: {err.getvalue()}"
+
+
+def _block_params():
+    params = []
+    for where, cmds in doc_blocks():
+        markers = {m for _, m in cmds}
+        runnable = [c for c, m in cmds if m not in ("[CI]", "[unshipped]")]
+        if not runnable:
+            continue
+        marks = [pytest.mark.slow] if markers & {"[long]", "[GPU]"} else []
+        params.append(pytest.param(where, [(c, m) for c, m in cmds if m not in ("[CI]", "[unshipped]")],
+                                   id=where, marks=marks))
+        if marks:  # the block's unmarked commands still run by default, without the marked ones
+            fast = [(c, m) for c, m in cmds if not m]
+            if fast:
+                params.append(pytest.param(where, fast, id=where + "-unmarked"))
+    return params
+
+
+@pytest.mark.parametrize("where, commands", _block_params())
+def test_doc_commands_run(where, commands, tmp_path):
+    import torch
+
+    toy = tmp_path / "toy-corpus"
+    toy.mkdir()
+    from dgemma.tokenizer import toy_corpus
+
+    sentences = toy_corpus(120)
+    for i in range(150):  # enough held-out text for a few windows of cpu-small's 128 tokens
+        (toy / f"d{i:03d}.txt").write_text(" ".join(sentences[(7 * i + j) % len(sentences)] for j in range(12)))
+    for name, text in DOC_FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for code, marker in commands:
+            if marker == "[GPU]" and not torch.cuda.is_available():
+                pytest.skip(f"{where}: {code!r} needs CUDA")
+            run_doc_command(code, tmp_path, toy)
+    finally:
+        torch.set_num_threads(threads)
