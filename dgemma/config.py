@@ -395,6 +395,13 @@ class GenerationConfig:
     truncate: bool = False  # cut the output to max_new_tokens (transformers keeps whole canvases)
     adaptive: bool = True  # lite: stop once mean entropy < confidence_threshold for `stability_steps` steps
     stability_steps: int = 2  # lite
+    # Which distribution entropy, confidence and the self-conditioning input read: "tempered" (logits / T, as
+    # transformers) or "raw" (the untempered posterior, seed 003 section 4.2); the draw is always tempered. None:
+    # "raw" for lite, "tempered" otherwise.
+    posterior: str | None = None
+    # The first step's self-conditioning input: "zeros" (transformers: the MLP sees 0 and adds nothing) or "uniform"
+    # (seed 000: the softmax of all-equal logits, i.e. the mean token embedding).
+    initial_self_conditioning: str = "zeros"
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
@@ -424,7 +431,8 @@ class GenerationConfig:
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
         switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")), ("stop_rule", ("hf", "jax")),
-                    ("sliding_prefix", ("hf", "jax")))
+                    ("sliding_prefix", ("hf", "jax")), ("posterior", (None, "tempered", "raw")),
+                    ("initial_self_conditioning", ("zeros", "uniform")))
         for name, choices in switches:
             v = getattr(self, name)
             _check(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
@@ -435,6 +443,11 @@ class GenerationConfig:
     def commit_rule(self) -> str:
         """The resolved `commit` switch."""
         return self.commit or ("sample" if self.sampler == "lite" else "argmax")
+
+    @property
+    def posterior_rule(self) -> str:
+        """The resolved `posterior` switch."""
+        return self.posterior or ("raw" if self.sampler == "lite" else "tempered")
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A copy with `changes`; unknown names raise a ConfigError listing the valid ones."""

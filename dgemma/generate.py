@@ -4,7 +4,7 @@
     for each canvas:
         x = uniform noise (B, L)                      the canvas starts as pure noise
         repeat up to N times:                         `denoise_canvas`: reads the cache, never writes it
-            logits = denoise(x, cache, self-conditioning = last step's tempered logits)
+            logits = denoise(x, cache, self-conditioning = last step's logits: tempered, raw for Lite)
             accept / renoise / stop                   dgemma.sampling
         tokens = argmax of the last step              staged; EOS and padding applied
         commit(tokens)                                (the last canvas is left uncommitted, as in transformers)
@@ -48,7 +48,7 @@ class StepInfo:
     input_canvas: Tensor
     argmax: Tensor
     accepted: Tensor
-    entropy: Tensor  # (B, L) nats, of the tempered distribution
+    entropy: Tensor  # (B, L) nats, of the posterior the sampler reads (`posterior`: tempered, or raw for Lite)
     mean_entropy: Tensor
     done: Tensor  # rows whose canvas has stopped (after this step)
     active: Tensor  # rows that spent this step (not stopped before it, not finished)
@@ -60,7 +60,7 @@ class StagedCanvas:
     """A denoised canvas that has not touched the cache: `tokens` is what `commit` would write."""
 
     tokens: Tensor  # (B, L)
-    argmax: Tensor  # (B, L) argmax of the last step's tempered logits
+    argmax: Tensor  # (B, L) argmax of the last step's logits
     sample: Tensor  # (B, L) the last step's accepted/renoised canvas
     steps: Tensor  # (B,) denoising passes spent by each row
     passes: Tensor  # (B,) passes counted like transformers (rows already finished excluded)
@@ -157,7 +157,10 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     finished = torch.zeros(B, dtype=torch.bool, device=device) if finished is None else finished
     sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
     lite, N = config.sampler == "lite", config.max_denoising_steps
+    raw = config.posterior_rule == "raw"
     sc = self_conditioning_logits
+    if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
+        sc = torch.zeros(B, L, V, dtype=model.dtype, device=device)
     state = _StopState()
     done = torch.zeros(B, dtype=torch.bool, device=device)
     steps = torch.zeros(B, dtype=torch.long, device=device)
@@ -184,8 +187,12 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
         new_draw = sampling.draw_tokens(probs, generator)
-        confidence = probs.amax(-1) if lite else None
+        confidence = probs.amax(-1) if lite and not raw else None
         del probs
+        # What entropy, confidence and self-conditioning read: z, or the raw logits again (z * T, within a rounding).
+        z = z.mul_(temp) if raw else z
+        if lite and raw:
+            confidence = sampling.max_probability(z)
         new_argmax = torch.argmax(z, dim=-1)
         entropy = sampling.token_entropy(z)
         if lite:
@@ -210,7 +217,7 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         for b in (stopped & ~was_done).nonzero().flatten().tolist():
             reasons[b] = "adaptive" if lite else "stable+confident"
         done = was_done | stopped
-        sc = z.to(model.dtype)  # self-conditioning reads the tempered logits, in the embedding dtype
+        sc = z.to(model.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
         info = StepInfo(canvas_index, N - n + 1, N, float(temp), x, new_argmax, accepted, entropy, mean_entropy,
                         done, active, time.perf_counter() - started)
         x, argmax, draw = new_x, new_argmax, new_draw
@@ -340,8 +347,8 @@ def _generate(model: DiffusionGemma, input_ids: Tensor, generation_config: Gener
     if config.truncate:  # before counting: the tokens cut off are not useful output
         sequences = sequences[:, : T + max_new]
     new = sequences[:, T:]
-    valid = (new != config.pad_token_id).sum(-1) if config.pad_token_id is not None else \
-        torch.full((B,), new.shape[1], device=device)
+    # As transformers: without a pad id the count is a Python int, and int / tensor rounds differently (reciprocal).
+    valid = (new != config.pad_token_id).sum(-1) if config.pad_token_id is not None else new.shape[1]
     tokens_per_forward = valid / passes
     result = GenerationResult(sequences, T, tokens_per_forward, steps_per_canvas, stop_reasons, cache,
                               eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
@@ -352,7 +359,8 @@ def _generate(model: DiffusionGemma, input_ids: Tensor, generation_config: Gener
             "steps_per_canvas": steps_per_canvas, "stop_reasons": stop_reasons,
             "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.to_hf() | {
                 k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
-                                                "adaptive", "stability_steps")} | {"seed": seed},
+                                                "adaptive", "stability_steps", "posterior_rule",
+                                                "initial_self_conditioning")} | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
                       "(S, B, L); mean_entropy, done, active (S, B)",
         })

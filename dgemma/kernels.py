@@ -501,7 +501,8 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
 
 def fast_generation_supported(config: GenerationConfig) -> bool:
     """Whether `denoise_canvas` implements `config` (the Lite sampler runs the reference loop on fast kernels)."""
-    return config.sampler == "entropy-bound"
+    return config.sampler == "entropy-bound" and config.posterior_rule == "tempered" and \
+        config.initial_self_conditioning == "zeros"
 
 
 __all__ = ["DenoiseStep", "Mask", "StepDraws", "attention", "commit_masks", "compiled_static_hidden",

@@ -11,7 +11,9 @@ The entropy-bound sampler (DiffusionGemma, transformers' `EntropyBoundSampler`),
     stop   when argmax(z) is unchanged for `stability_threshold` steps and mean(H) < confidence_threshold
 
 The Lite sampler (seed 003, section 4) shares the step but commits positions monotonically: a position freezes the
-first time its posterior mode is unchanged or its confidence did not drop, and is never redrawn after that.
+first time its posterior mode is unchanged or its confidence did not drop, and is never redrawn after that. Its
+entropy, confidence and self-conditioning read the raw posterior softmax(logits), not softmax(z) (seed 003, 4.2);
+the `posterior` switch chooses this for either sampler.
 
 Bit-exactness with transformers rests on doing the same float operations in the same order (temperature as a
 0-d fp32 tensor, Categorical's entropy formula) and drawing random numbers in the same order: per step one
@@ -36,25 +38,38 @@ def temperature(steps_remaining: int, num_steps: int, t_min: float, t_max: float
     return t_min + (t_max - t_min) * (n / num_steps)
 
 
-def token_entropy(logits: Tensor, chunk_rows: int | None = None) -> Tensor:
-    """Entropy (nats) of softmax(logits) per position: (..., V) -> (...) fp32, computed in row chunks (default: at
-    most half the rows, at most ENTROPY_CHUNK_ROWS) so that the two chunk temporaries together never outgrow one
-    copy of `logits`. Same formula and bits as torch.distributions.Categorical; no chunk has a single row unless
-    there is only one (torch sums a lone row in a different order than the same row in a block)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    rows = flat.shape[0]
+def _row_chunks(rows: int, chunk_rows: int | None) -> list[tuple[int, int]]:
+    """Row ranges of at most `chunk_rows` (default: at most half the rows, at most ENTROPY_CHUNK_ROWS), so that two
+    chunk temporaries together never outgrow one (rows, V) tensor. No chunk has a single row unless there is only
+    one (torch sums a lone row in a different order than the same row in a block)."""
     if chunk_rows is None:
         chunk_rows = min(ENTROPY_CHUNK_ROWS, max(2, -(-rows // 2)))
     bounds = [*range(0, rows, chunk_rows), rows]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]
-    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    for lo, hi in itertools.pairwise(bounds):
+    return list(itertools.pairwise(bounds))
+
+
+def token_entropy(logits: Tensor, chunk_rows: int | None = None) -> Tensor:
+    """Entropy (nats) of softmax(logits) per position: (..., V) -> (...) fp32, in row chunks (`_row_chunks`).
+    Same formula and bits as torch.distributions.Categorical."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for lo, hi in _row_chunks(flat.shape[0], chunk_rows):
         z = flat[lo:hi]
         logp = z - z.logsumexp(dim=-1, keepdim=True)
         p = torch.softmax(logp, dim=-1)
         out[lo:hi] = -logp.clamp_(min=torch.finfo(logp.dtype).min).mul_(p).sum(-1)  # in place: 2 chunk temporaries
         del logp, p
+    return out.view(logits.shape[:-1])
+
+
+def max_probability(logits: Tensor, chunk_rows: int | None = None) -> Tensor:
+    """The confidence max_v softmax(logits)_v per position: (..., V) -> (...) fp32, in row chunks."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for lo, hi in _row_chunks(flat.shape[0], chunk_rows):
+        out[lo:hi] = torch.softmax(flat[lo:hi], dim=-1, dtype=torch.float32).amax(-1)
     return out.view(logits.shape[:-1])
 
 

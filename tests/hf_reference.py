@@ -66,7 +66,8 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
 # fmt: on
 
 
-def _randomize_(model: DiffusionGemmaForBlockDiffusion, generator: torch.Generator) -> None:
+def _randomize_(model: DiffusionGemmaForBlockDiffusion, generator: torch.Generator, embedding_std: float = 0.3
+                ) -> None:
     """Overwrite every parameter and persistent buffer in place (tied parameters once, through the shared tensor)."""
 
     def normal(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,7 @@ def _randomize_(model: DiffusionGemmaForBlockDiffusion, generator: torch.Generat
         if p.ndim == 1:  # RMSNorm weights, router.scale, router.per_expert_scale
             value = 1 + 0.2 * normal(p)
         elif name.endswith("embed_tokens.weight"):
-            value = 0.3 * normal(p)
+            value = embedding_std * normal(p)
         elif name.endswith("router.proj.weight"):
             value = normal(p)
         else:  # nn.Linear (out, in) and expert stacks (E, out, in)
@@ -110,23 +111,28 @@ def build_hf_model(
     canvas_length: int = 16,
     dtype: torch.dtype = torch.float32,
     text_overrides: dict[str, Any] | None = None,
+    embedding_std: float = 0.3,
 ) -> DiffusionGemmaForBlockDiffusion:
     """A randomised HF model of the named geometry (plus `text_overrides`), in eval mode, deterministic in `seed`.
+    `embedding_std` scales the tied embedding and so the logits: larger values give peaked, low-entropy posteriors.
+    Image-token ids are the last three of the vocabulary.
 
     It runs HF's default kernels (sdpa, grouped_mm). `model.set_attn_implementation("eager")` plus
     `model.set_experts_implementation("eager")` make it compute bit for bit what `load_hf_model(eager=True)` does.
     """
     text = copy.deepcopy({**TINY_TEXT, **GEOMETRIES[geometry], **(text_overrides or {})})
     vision = copy.deepcopy(TINY_VISION)
+    V = text["vocab_size"]
     config = DiffusionGemmaConfig(
         text_config=text, vision_config=vision, canvas_length=canvas_length,
-        image_token_id=509, boi_token_id=510, eoi_token_id=511,
+        image_token_id=V - 3, boi_token_id=V - 2, eoi_token_id=V - 1,
     )  # fmt: skip
     with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG; keep the caller's stream
         # Constructed like from_pretrained(dtype=...): RoPE inv_freq stays fp32 (model.to(bf16) would round it).
         model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
     with torch.no_grad():
-        _randomize_(model, torch.Generator().manual_seed(seed))  # drawn in fp32, rounded to dtype by copy_
+        # drawn in fp32, rounded to dtype by copy_
+        _randomize_(model, torch.Generator().manual_seed(seed), embedding_std)
     _check_ties(model)
     model.generation_config.update(sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), **GENERATION)
     return model.eval()

@@ -153,9 +153,12 @@ class _StubDenoiser:
     def __init__(self, fn, vocab_size: int = 16, canvas_length: int = 6):
         self.config = preset("tiny").replace(canvas_length=canvas_length, vocab_size=vocab_size)
         self.device, self.dtype, self.fn, self.calls = torch.device("cpu"), torch.float32, fn, 0
+        self.self_conditioning: list[torch.Tensor | None] = []  # what each call was given
 
-    def denoise(self, canvas, cache, **kwargs):  # kwargs: self-conditioning, sliding prefix, ...: all ignored
+    def denoise(self, canvas, cache, *, self_conditioning_logits=None, **kwargs):  # sliding prefix etc. ignored
         self.calls += 1
+        sc = self_conditioning_logits
+        self.self_conditioning.append(None if sc is None else sc.clone())
         return self.fn(canvas, self.calls).float()
 
 
@@ -264,13 +267,53 @@ def test_lite_ends_uncommitted_positions_on_their_last_draw():
         t = S.temperature(N - n + 1, N, 0.4, 0.8)
         return margins(n)[:, None] * t * torch.nn.functional.one_hot(modes(n), 16).float()
 
-    _, staged = _stub_run(fn, sampler="lite", adaptive=False, commit="sample")
+    _, staged = _stub_run(fn, sampler="lite", adaptive=False, commit="sample", posterior="tempered")
     assert staged.steps.tolist() == [N, N]
     committed = staged.trace[-1].accepted
     assert committed.tolist() == [[False, False, True, True, True, True]] * 2
     assert torch.equal(staged.trace[1].accepted, committed)  # all of them at step 2
     assert torch.equal(staged.tokens, modes(N).where(~committed, modes(2)))
     assert torch.equal(staged.sample, staged.tokens)
+
+
+def test_lite_reads_the_raw_posterior_by_default_and_the_tempered_one_on_request():
+    # Seed 003, 4.2: confidence = max softmax(logits), untempered. Two steps (T = 0.8, then 0.6); position 0 changes
+    # mode with a raw margin of 10 then 9 nats: its raw confidence drops (no commit), its tempered one rises
+    # (12.5 -> 15 nats: commits). Positions 1-5 keep one mode and commit at step 2 either way.
+    modes = lambda n: torch.tensor([n % 2, 3, 4, 5, 6, 7]).repeat(2, 1)
+    margins = lambda n: torch.tensor([11.0 - n, 10.0, 10.0, 10.0, 10.0, 10.0])
+    fn = lambda canvas, n: margins(n)[:, None] * torch.nn.functional.one_hot(modes(n), 16).float()
+    run = functools.partial(_stub_run, fn, sampler="lite", adaptive=False, max_denoising_steps=2)
+    stub, raw = run()
+    tempered_stub, tempered = run(posterior="tempered")
+    assert raw.trace[-1].accepted[:, 0].tolist() == [False, False]
+    assert tempered.trace[-1].accepted[:, 0].tolist() == [True, True]
+    assert raw.trace[-1].accepted[:, 1:].all() and tempered.trace[-1].accepted[:, 1:].all()
+    # Entropy (traces, the adaptive stop) and the next step's self-conditioning read the same distribution.
+    first = fn(None, 1)
+    assert torch.allclose(raw.trace[0].entropy, S.token_entropy(first), rtol=1e-6, atol=0)
+    assert torch.allclose(tempered.trace[0].entropy, S.token_entropy(first / 0.8), rtol=1e-6, atol=0)
+    assert torch.allclose(stub.self_conditioning[1], first, rtol=1e-6, atol=0)
+    assert torch.allclose(tempered_stub.self_conditioning[1], first / 0.8, rtol=1e-6, atol=0)
+    # The entropy-bound sampler keeps transformers' tempered posterior unless asked.
+    assert GenerationConfig().posterior_rule == "tempered" and GenerationConfig(sampler="lite").posterior_rule == "raw"
+    assert GenerationConfig(posterior="raw").posterior_rule == "raw"
+
+
+def test_initial_self_conditioning_is_zeros_as_transformers_or_uniform_as_seed_000(model):
+    peaked = lambda canvas, n: _peaked(torch.arange(6).repeat(2, 1))
+    stub, _ = _stub_run(peaked, max_denoising_steps=2, confidence_threshold=1e-30)
+    assert stub.self_conditioning[0] is None  # transformers: no input, the MLP adds nothing
+    stub, _ = _stub_run(peaked, max_denoising_steps=2, confidence_threshold=1e-30, initial_self_conditioning="uniform")
+    assert torch.equal(stub.self_conditioning[0], torch.zeros(2, 6, 16))  # all-equal logits: a uniform posterior
+    # On a real model the uniform input changes the first step (the mean embedding goes through the MLP).
+    cache = _prefilled(model, _ids(1, 5))
+    canvas = _ids(1, L, seed=3)
+    plain = model.denoise(canvas, cache)
+    uniform = model.denoise(canvas, cache, self_conditioning_logits=torch.zeros(1, L, V))
+    assert not torch.allclose(plain, uniform, atol=1e-3)
+    r = generate(model, _ids(1, 5), seed=1, max_new_tokens=L, initial_self_conditioning="uniform", trace=True, **FAST)
+    assert r.trace.summary["generation_config"]["initial_self_conditioning"] == "uniform"
 
 
 # --- stage, then commit (issue item 5) ---------------------------------------------------------------------------

@@ -96,3 +96,33 @@ def test_multi_turn_cache_continues_like_transformers(checkpoints):
     want2 = hf.generate(follow, past_key_values=want1.past_key_values, max_new_tokens=16)
     got2 = generate(model, follow, cache=got1.cache, seed=11, max_new_tokens=16)
     assert torch.equal(got2.sequences, want2.sequences)
+
+
+# The reproduction of the fidelity issue: a geometry the hand-picked cases above do not use (5 layers S,S,F,S,F,
+# 2 heads / 1 KV head, head_dim 32 / global 64, window 16 < the 40-token prompt, 4 experts top-1, canvas 8, vocab
+# 1000, EOS [1, 7]), seeds 0-9, batch 1 and 2, one to three canvases.
+ISSUE_TEXT = dict(
+    vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+    sliding_window=16, num_experts=4, top_k_experts=1, moe_intermediate_size=40, pad_token_id=0,
+    eos_token_id=[1, 7], bos_token_id=2,
+)  # fmt: skip
+ISSUE_GENERATION = dict(max_denoising_steps=10, t_min=0.4, t_max=0.8, stability_threshold=1,
+                        confidence_threshold=0.005, eos_token_id=[1, 7], pad_token_id=0)
+
+
+def test_the_fidelity_issue_reproduction_is_token_identical(tmp_path):
+    hf = build_hf_model("tiny", seed=0, canvas_length=8, text_overrides=ISSUE_TEXT)
+    hf.generation_config.update(sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), **ISSUE_GENERATION)
+    save_hf_model(hf, tmp_path)
+    hf, model = load_hf_model(tmp_path, eager=True), load_model(tmp_path)
+    assert model.generation_config.eos_token_id == (1, 7)
+    for batch in (1, 2):
+        for seed in range(10):
+            prompt = torch.randint(0, 1000, (batch, 40), generator=torch.Generator().manual_seed(100 + seed))
+            for new in (8, 16, 24):
+                want, got = _both(hf, model, prompt, seed, max_new_tokens=new)
+                where = f"batch {batch} seed {seed} max_new_tokens {new}"
+                assert torch.equal(got.sequences, want.sequences), where
+                assert torch.equal(got.tokens_per_forward, want.tokens_per_forward), where
