@@ -15,6 +15,19 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Every test model is tiny: its ops are microseconds of work, thread hand-offs dominate, and on a busy 2-core
+    machine torch's spinning threads make a step 5-10x slower. Comparisons are always between runs under the same
+    setting (timings belong to `dgemma bench`, not to tests)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False,
                      help="also run the tests marked slow (long trainings, the full parity sweep, long doc commands)")
@@ -52,17 +65,11 @@ def tiny_data(tmp_path_factory) -> Path:
 def tiny_run(tiny_data, tmp_path_factory) -> Path:
     """A real training run directory: the `tiny` preset trained for 2 steps on `tiny_data` (checkpoints/step-0000002
     with config.json, weights, tokenizer.json)."""
-    import torch
 
     from dgemma.train import train, train_preset
 
     run = tmp_path_factory.mktemp("tiny-run") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny steps: OpenMP's waiting would dominate them on a busy 2-core machine
-    try:
-        cfg = train_preset("tiny").replace(batch_size=2, max_steps=2, warmup_steps=1, eval_every=100,
-                                           eval_batches=1, save_every=100, log_every=100)
-        train(cfg, tiny_data, run, stream=io.StringIO())
-    finally:
-        torch.set_num_threads(threads)
+    cfg = train_preset("tiny").replace(batch_size=2, max_steps=2, warmup_steps=1, eval_every=100,
+                                       eval_batches=1, save_every=100, log_every=100)
+    train(cfg, tiny_data, run, stream=io.StringIO())
     return run

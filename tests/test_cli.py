@@ -24,14 +24,6 @@ RANDOM = ["--preset", "tiny", "--random-init"]
 FAST = ["--steps", "3", "--max-new-tokens", "32"]  # two canvases of at most 3 denoising passes each
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tok_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"

@@ -221,12 +221,7 @@ def test_doc_commands_run(where, commands, tmp_path):
     for name, text in DOC_FILES.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for code, marker in commands:
-            if marker == "[GPU]" and not torch.cuda.is_available():
-                pytest.skip(f"{where}: {code!r} needs CUDA")
-            run_doc_command(code, tmp_path, toy)
-    finally:
-        torch.set_num_threads(threads)
+    for code, marker in commands:
+        if marker == "[GPU]" and not torch.cuda.is_available():
+            pytest.skip(f"{where}: {code!r} needs CUDA")
+        run_doc_command(code, tmp_path, toy)

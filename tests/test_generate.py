@@ -28,16 +28,6 @@ FAST = {"max_denoising_steps": 3}
 LOGITS_ATOL = 1e-4  # committing in pieces vs at once changes fp32 rounding (see test_kv_cache.py)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny model's ops are microseconds of work: thread hand-offs dominate, and on a busy 2-core machine one
-    # thread runs this file about 5x faster. Every comparison here is between runs under the same setting.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> DiffusionGemma:
     return init_weights(DiffusionGemma(preset("tiny")), seed=3, std=0.2)

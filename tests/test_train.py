@@ -32,14 +32,6 @@ BASE = T.train_preset("tiny").replace(batch_size=2, max_steps=2 * N, warmup_step
                                       save_every=100, keep_last=10, log_every=100)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def corpus(tiny_data) -> Path:
     """tests/conftest.py's tiny_data: 200 toy documents, a 512-id BPE."""
@@ -67,7 +59,6 @@ def quiet_train(cfg: TrainConfig, data_dir: Path, run: Path, **kw):
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
-    torch.set_num_threads(1)
     quiet_train(BASE, corpus, run)
     return run
 
