@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint I/O: `load_model(dir)` and `save_pretrained(model, dir)`.
+"""Hugging Face checkpoint I/O: `load(dir, build)` (what `DiffusionGemma.from_pretrained` and `dgemma.load_model`
+call) and `save_pretrained(model, dir)`. This module knows the file layout and the key table, not the model class.
 
 Layout (what transformers 5.23 writes for `DiffusionGemmaForBlockDiffusion`): `config.json`,
 `generation_config.json`, and `model.safetensors` or shards with `model.safetensors.index.json`. Text weights live
@@ -21,7 +22,7 @@ import json
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dgemma.config import ConfigError, GenerationConfig, ModelConfig, read_json
-from dgemma.model import DiffusionGemma, Impl
 
 DECODER = "model.decoder."
 ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
@@ -138,9 +138,10 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     return ckpt
 
 
-def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
-    """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint. `dtype` defaults
+def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.Module],
+         dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Any:
+    """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint, into the module
+    `build(config)` makes (on the meta device; `DiffusionGemma.from_pretrained` passes the class). `dtype` defaults
     to the checkpoint's (that of `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises
     `CheckpointError`."""
     path = resolve_model_dir(path)
@@ -168,7 +169,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
 
     files, listing = _weight_files(path)
     with torch.device("meta"):
-        model = DiffusionGemma(config, impl=impl)
+        model = build(config)
     expected = model.state_dict()
     wanted = {to_checkpoint_key(n): n for n in expected}
     unexpected = sorted(k for k in files if k not in wanted and not k.startswith(IGNORED))
@@ -225,12 +226,12 @@ def _describe(items: list[str], label: str, limit: int = 5) -> list[str]:
     return [f"{len(items)} {label}: {', '.join(items[:limit])}{more}"]
 
 
-def checkpoint_state(model: DiffusionGemma) -> dict[str, torch.Tensor]:
+def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors under their checkpoint keys (contiguous, on the CPU)."""
     return {to_checkpoint_key(n): t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
 
 
-def save_pretrained(model: DiffusionGemma, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 2**30,
+def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 2**30,
                     generation_config: GenerationConfig | None = None) -> None:
     """Write the transformers layout (config.json, generation_config.json, safetensors, sharded above
     `max_shard_bytes`). Every file is written to a temporary name, flushed to disk and renamed, so an interrupted

@@ -373,6 +373,11 @@ def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
 
 # --- counting forwards ----------------------------------------------------------------------------------------------
 
+# (kind, method, its token argument): the ways into the layers that ForwardCounter counts
+_COUNTED = (("commit", "commit", "input_ids"), ("commit", "next_token_logits", "input_ids"),
+            ("denoise", "denoise", "canvas"), ("sequence_hidden", "sequence_hidden", "tokens"))
+
+
 @dataclass
 class ForwardCounter:
     """Counts passes and tokens through the backbone while active: wraps the instance's `commit`, `denoise` and
@@ -386,12 +391,12 @@ class ForwardCounter:
     events: list[tuple[str, int]] = field(default_factory=list)  # (kind, tokens = batch x sequence length)
 
     def __enter__(self) -> ForwardCounter:
-        for name, arg in (("commit", "input_ids"), ("denoise", "canvas"), ("sequence_hidden", "tokens")):
-            setattr(self.model, name, self._wrap(name, getattr(self.model, name), arg))
+        for kind, name, arg in _COUNTED:
+            setattr(self.model, name, self._wrap(kind, getattr(self.model, name), arg))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in ("commit", "denoise", "sequence_hidden"):
+        for _, name, _ in _COUNTED:
             delattr(self.model, name)  # the class's methods show through again
 
     def _wrap(self, kind: str, fn: Callable[..., Any], arg: str) -> Callable[..., Any]:
@@ -524,8 +529,8 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
     run = DecodeRun(name, [], [], settings={"max_new_tokens": max_new_tokens, "temperature": temperature})
     if prompts:  # warm-up, untimed, as in run_sampler
         cache = model.new_cache(1, prompts[0].numel() + 2)
-        model.commit(prompts[0].to(model.device)[None], cache, return_logits=True)
-        model.commit(prompts[0][:2].to(model.device)[None], cache, return_logits=True)
+        model.next_token_logits(prompts[0].to(model.device)[None], cache)
+        model.next_token_logits(prompts[0][:2].to(model.device)[None], cache)
     with ForwardCounter(model) as count, _progress(f"decode {name}", len(prompts), progress, "prompts") as bar:
         for i, prompt in enumerate(prompts):
             g = torch.Generator(device=model.device).manual_seed(seed + i)
@@ -533,13 +538,13 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
             count.reset()
             started = time.perf_counter()
             cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
-            logits = model.commit(ids, cache, return_logits=True)  # (1, P, V)
+            logits = model.next_token_logits(ids, cache)  # (1, P, V)
             out: list[int] = []
             for _ in range(max_new_tokens):
                 probs = torch.softmax(logits[:, -1].double() / temperature, dim=-1)
                 tok = torch.multinomial(probs, 1, generator=g)  # (1, 1)
                 out.append(int(tok))
-                logits = model.commit(tok, cache, return_logits=True)  # leaves the output committed, as run_sampler
+                logits = model.next_token_logits(tok, cache)  # leaves the output committed, as run_sampler
                 if out[-1] in eos:
                     break
             run.seconds.append(time.perf_counter() - started)
@@ -736,8 +741,8 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     """Every metric for a diffusion run (and an AR baseline, if given) on the validation split of `data_dir`: the
     report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
     both)."""
-    from dgemma.checkpoint import load_model
     from dgemma.data import TokenDataset, check_vocab
+    from dgemma.model import load_model
     from dgemma.tokenizer import load_tokenizer
 
     s = settings or EvalSettings()

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,44 +28,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma import kernels, sampling
+from dgemma import fast_sampler, sampling
+from dgemma.attention import Impl, check_impl
+from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.config import ConfigError, GenerationConfig
 from dgemma.kv_cache import KVCache
-from dgemma.model import IMPLS, DiffusionGemma, Impl, check_token_ids
+from dgemma.model import DiffusionGemma, check_token_ids
 
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
-
-
-@dataclass
-class StepInfo:
-    """What one denoising step did, for `on_step` callbacks and traces. Tensors are (B, L) or (B,)."""
-
-    canvas: int
-    step: int  # 1-based
-    num_steps: int
-    temperature: float
-    input_canvas: Tensor
-    argmax: Tensor
-    accepted: Tensor
-    entropy: Tensor  # (B, L) nats, of the posterior the sampler reads (`posterior`: tempered, or raw for Lite)
-    mean_entropy: Tensor
-    done: Tensor  # rows whose canvas has stopped (after this step)
-    active: Tensor  # rows that spent this step (not stopped before it, not finished)
-    seconds: float
-
-
-@dataclass
-class StagedCanvas:
-    """A denoised canvas that has not touched the cache: `tokens` is what `commit` would write."""
-
-    tokens: Tensor  # (B, L)
-    argmax: Tensor  # (B, L) argmax of the last step's logits
-    sample: Tensor  # (B, L) the last step's accepted/renoised canvas
-    steps: Tensor  # (B,) denoising passes spent by each row
-    passes: Tensor  # (B,) passes counted like transformers (rows already finished excluded)
-    stop_reasons: list[str]
-    mean_entropy: Tensor  # (B,) at the last step
-    trace: list[StepInfo] = field(default_factory=list)
 
 
 @dataclass
@@ -145,41 +114,34 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
                    generator: torch.Generator | None = None, canvas: Tensor | None = None,
                    self_conditioning_logits: Tensor | None = None, finished: Tensor | None = None,
                    canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None,
-                   trace: bool = False) -> StagedCanvas:
+                   trace: bool = False, impl: Impl | None = None) -> StagedCanvas:
     """Denoise one canvas against what the cache holds, without writing it (stage; `model.commit` writes).
 
     `canvas` (B, L) replaces the initial noise (which is still drawn, keeping the random stream aligned);
-    `finished` (B,) marks rows whose sequence already ended (they run along but are not counted)."""
+    `finished` (B,) marks rows whose sequence already ended (they run along but are not counted). `impl` selects
+    the model's kernels (default: the model's); this loop is the readable one whatever the kernels."""
     B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
     device = model.device
     noise = sampling.uniform_tokens((B, L), V, device, generator)  # drawn even when `canvas` is given
     x = noise if canvas is None else canvas.to(device)
     finished = torch.zeros(B, dtype=torch.bool, device=device) if finished is None else finished
+    state = CanvasState(x, finished, config, canvas_index=canvas_index, on_step=on_step, trace=trace)
     sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
     lite, N = config.sampler == "lite", config.max_denoising_steps
     raw = config.posterior_rule == "raw"
     sc = self_conditioning_logits
     if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
         sc = torch.zeros(B, L, V, dtype=model.dtype, device=device)
-    state = _StopState()
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    steps = torch.zeros(B, dtype=torch.long, device=device)
-    passes = torch.zeros(B, dtype=torch.long, device=device)
-    reasons = ["max_steps"] * B
-    argmax, draw, mean_entropy = x, x, torch.zeros(B, device=device)
+    draw = x
     # Lite state: the committed set, and the previous step's mode and confidence (+inf: nothing commits at step 1).
     committed = torch.zeros(B, L, dtype=torch.bool, device=device)
     prev_argmax = torch.full((B, L), -1, dtype=torch.long, device=device)
     prev_confidence = torch.full((B, L), math.inf, device=device)
-    records: list[StepInfo] = []
     for n in range(N, 0, -1):  # n = steps remaining
-        started = time.perf_counter()
-        was_done = done
-        active = ~(was_done | finished)
-        passes += active
-        steps += ~was_done
+        was_done, active = state.begin_step()
         level = n / N if model.config.time_embedding else None  # Lite models are told the noise level t/T
-        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level)
+        logits = model.denoise(state.x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level,
+                               impl=impl)
         # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
         sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
         sc = None
@@ -197,62 +159,28 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         entropy = sampling.token_entropy(z)
         if lite:
             new_commits = sampling.lite_commit(new_argmax, confidence, prev_argmax, prev_confidence, committed)
-            new_x = torch.where(new_commits, new_draw, sampling.renoise(x, committed, V, generator))
+            new_x = torch.where(new_commits, new_draw, sampling.renoise(state.x, committed, V, generator))
             accepted = committed | new_commits
             prev_argmax, prev_confidence = new_argmax, confidence
         else:
             accepted = sampling.accept_by_entropy(entropy, config.entropy_bound)
             new_x = sampling.renoise(new_draw, accepted, V, generator)
-        if was_done.any():  # rows that already stopped keep everything; they only ride along in the batch
+        if sc_done is not None:  # rows that already stopped keep everything; they only ride along in the batch
             keep = was_done[:, None]
-            new_argmax = torch.where(keep, argmax, new_argmax)
-            new_x = torch.where(keep, x, new_x)
+            new_argmax = torch.where(keep, state.argmax, new_argmax)
+            new_x = torch.where(keep, state.x, new_x)
             new_draw = torch.where(keep, draw, new_draw)
             accepted = torch.where(keep, committed if lite else accepted, accepted)
             z[was_done] = sc_done.to(z.dtype)
             entropy[was_done] = sampling.token_entropy(z[was_done])
         committed = accepted if lite else committed
-        mean_entropy = entropy.mean(-1)
-        stopped = _stop(config, state, new_argmax, x, mean_entropy)
-        for b in (stopped & ~was_done).nonzero().flatten().tolist():
-            reasons[b] = "adaptive" if lite else "stable+confident"
-        done = was_done | stopped
+        state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
+        draw = new_draw
         sc = z.to(model.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
-        info = StepInfo(canvas_index, N - n + 1, N, float(temp), x, new_argmax, accepted, entropy, mean_entropy,
-                        done, active, time.perf_counter() - started)
-        x, argmax, draw = new_x, new_argmax, new_draw
-        if trace:
-            records.append(info)
-        if on_step is not None:
-            on_step(info)
-        if bool(done.all()):
+        if state.all_done():
             break
     # Lite ends every position on its best guess: the committed token, else the last draw (seed 003, 4.2 rule 5).
-    sample = torch.where(committed, x, draw) if lite else x
-    tokens = argmax if config.commit_rule == "argmax" else sample
-    return StagedCanvas(tokens, argmax, sample, steps, passes, reasons, mean_entropy, records)
-
-
-@dataclass
-class _StopState:
-    history: Tensor | None = None  # entropy-bound/hf: the last `stability_threshold` argmax canvases
-    calm_steps: Tensor | None = None  # lite: consecutive steps with mean entropy under the threshold
-
-
-def _stop(config: GenerationConfig, state: _StopState, argmax: Tensor, input_canvas: Tensor,
-          mean_entropy: Tensor) -> Tensor:
-    """Which rows stop after this step (B,) bool; updates `state`."""
-    if config.sampler == "lite":
-        if not config.adaptive:  # the fixed schedule: entropy is never consulted
-            return torch.zeros_like(mean_entropy, dtype=torch.bool)
-        calm = mean_entropy < config.confidence_threshold
-        prev = state.calm_steps if state.calm_steps is not None else torch.zeros_like(calm, dtype=torch.long)
-        state.calm_steps = torch.where(calm, prev + 1, 0)
-        return state.calm_steps >= config.stability_steps
-    if config.stop_rule == "jax":  # the prediction reproduces the canvas it was given, and is confident
-        return (argmax == input_canvas).all(-1) & (mean_entropy <= config.confidence_threshold)
-    stable, state.history = sampling.is_stable(state.history, argmax, config.stability_threshold)
-    return stable & (mean_entropy < config.confidence_threshold)
+    return state.staged(torch.where(committed, state.x, draw) if lite else state.x)
 
 
 def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: GenerationConfig | None = None,
@@ -270,28 +198,14 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     `input_ids` are then only the tokens not yet committed. `decoder_input_ids` replaces the first canvas's
     initial noise. `on_step(StepInfo)` runs after every denoising step, `on_canvas(index, tokens)` after each
     canvas is finalised (EOS/padding applied).
-    `impl` (default: the model's, `model.impl`): "fast" runs dgemma/kernels.py, the fast model kernels and, for the
-    entropy-bound sampler, the sync-free sampler loop (the same decisions, other random draws); `compile=True`
-    (fast only) compiles its denoise step."""
+    `impl` (default: the model's, `model.impl`): "fast" runs the fast kernels and, where it implements the
+    settings, the sync-free sampler loop of dgemma/fast_sampler.py (the same decisions, other random draws);
+    `compile=True` (fast only) compiles its denoise step. The model is never modified: calls on different caches
+    may run concurrently."""
     impl = model.impl if impl is None else impl
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    check_impl(impl)
     if compile and impl != "fast":
-        raise ValueError("compile=True needs impl='fast' (the static denoise step lives in dgemma/kernels.py)")
-    saved_impl = model.impl
-    model.impl = impl  # for this call only: commit and denoise dispatch on it
-    try:
-        return _generate(model, input_ids, generation_config, attention_mask, seed, generator, on_step, on_canvas,
-                         trace, cache, decoder_input_ids, impl, compile, overrides)
-    finally:
-        model.impl = saved_impl
-
-
-def _generate(model: DiffusionGemma, input_ids: Tensor, generation_config: GenerationConfig | None,
-              attention_mask: Tensor | None, seed: int | None, generator: torch.Generator | None,
-              on_step: Callable[[StepInfo], None] | None, on_canvas: Callable[[int, Tensor], None] | None,
-              trace: bool, cache: KVCache | None, decoder_input_ids: Tensor | None, impl: Impl, compile: bool,
-              overrides: dict[str, Any]) -> GenerationResult:
+        raise ValueError("compile=True needs impl='fast' (the static denoise step lives in dgemma/fast_sampler.py)")
     config = resolve_config(model, generation_config, overrides)
     _check_inputs(model, input_ids, cache, config)
     B, T = input_ids.shape
@@ -317,7 +231,7 @@ def _generate(model: DiffusionGemma, input_ids: Tensor, generation_config: Gener
     else:
         cache.ensure_capacity(end - L)
 
-    model.commit(input_ids, cache, attention_mask=attention_mask)  # prefill
+    model.commit(input_ids, cache, attention_mask=attention_mask, impl=impl)  # prefill
     eos = torch.tensor(config.eos_token_id, dtype=torch.long, device=device) if config.eos_token_id else None
     sequences = input_ids
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -325,13 +239,13 @@ def _generate(model: DiffusionGemma, input_ids: Tensor, generation_config: Gener
     steps_per_canvas, stop_reasons, records = [], [], []
     for c in range(num_canvases):
         if c > 0:
-            model.commit(sequences[:, -L:], cache)  # the previous canvas, as finalised
+            model.commit(sequences[:, -L:], cache, impl=impl)  # the previous canvas, as finalised
         kwargs: dict[str, Any] = dict(generator=generator, finished=finished, canvas_index=c, on_step=on_step,
                                       trace=trace, canvas=decoder_input_ids if c == 0 else None)
-        if impl == "fast" and kernels.fast_generation_supported(config):  # the sync-free loop (dgemma/kernels.py)
-            staged = kernels.denoise_canvas(model, cache, config, compile=compile, **kwargs)
+        if impl == "fast" and fast_sampler.supports(config):  # the sync-free loop (dgemma/fast_sampler.py)
+            staged = fast_sampler.denoise_canvas(model, cache, config, compile=compile, **kwargs)
         else:
-            staged = denoise_canvas(model, cache, config, **kwargs)
+            staged = denoise_canvas(model, cache, config, impl=impl, **kwargs)
         passes += staged.passes
         steps_per_canvas.append(staged.steps.tolist())
         stop_reasons.append(["finished" if f else r for f, r in zip(finished.tolist(), staged.stop_reasons,

@@ -1,109 +1,29 @@
-"""Fast paths. Each computes what a readable twin computes, and tests/test_kernels.py pins the two together.
+"""Numeric kernels: plain functions of tensors (no model, no cache, nothing above torch). Each computes what a
+readable twin computes, and tests/test_kernels.py pins the two together.
 
-    fast path                         readable twin
-    attention, commit_masks,          model.reference_attention with the boolean masks of KVCache.mask
-      denoise_masks
+    kernel                            readable twin
     moe_experts                       model.Experts.forward (a torch.where per expert)
-    DenoiseStep                       DiffusionGemma.denoise up to the final hidden state; `static=True` gives it
-                                      fixed shapes for torch.compile(fullgraph=True) and CUDA graphs
+    logits_into                       DiffusionGemma.logits
     tempered_stats, draw_cdf,         sampling.token_entropy, torch.argmax, sampling.draw_tokens (multinomial) and
       draw_race, head_and_sample      DiffusionGemma.soft_embedding, fused and row-chunked
-    denoise_canvas                    generate.denoise_canvas for the entropy-bound sampler, without host syncs
 
-Selected with `DiffusionGemma(impl="fast")` (attention, masks, experts) or `generate(..., impl="fast")` (all of it).
-The fast path agrees with the readable one to rounding (1e-4 on fp32 logits), not bit for bit, and its random draws
-differ: inverse-CDF or exponential-race sampling instead of torch.multinomial, which is slow on CPU and synchronises
-on CUDA. Its accept, renoise and stop decisions are the reference's, computed on the device.
+The attention kernels and masks live in dgemma/attention.py; the fast sampler loop that uses the sampling kernels
+in dgemma/fast_sampler.py. The kernels agree with their twins to rounding (1e-4 on fp32 logits), not bit for bit,
+and the draws differ: inverse-CDF or exponential-race sampling instead of torch.multinomial, which is slow on CPU
+and synchronises on CUDA.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma import sampling
-from dgemma.config import FULL, SLIDING, GenerationConfig
-from dgemma.kv_cache import KVCache
-
-if TYPE_CHECKING:  # model.py imports this module; these are for annotations only
-    from dgemma.generate import StagedCanvas, StepInfo
-    from dgemma.model import DiffusionGemma
-
-Mask = Tensor | Literal["causal"] | None  # boolean (True = may attend), additive float, "causal", or None (all)
 Draw = Literal["cdf", "race"]
-
-
-# --- attention ---------------------------------------------------------------------------------------------------
-
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
-    """Twin of `model.reference_attention`: q (B, H, S, Dh), k, v (B, K, T, Dh) -> (B, S, H, Dh).
-
-    `mask`: None (every key), "causal" (query i sees keys <= i: only valid when the queries start at key 0), a
-    boolean mask (B or 1, 1, S or 1, T) with no fully masked row, or an additive float mask where rows may be fully
-    masked (padding queries): SDPA gives such a row under a boolean mask zeros or NaN depending on the backend,
-    the reference a uniform average, and the additive form reproduces the latter."""
-    gqa = q.shape[1] != k.shape[1]  # SDPA repeats kv heads itself; no (B, H, T, Dh) copy
-    if isinstance(mask, str):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=gqa)
-    else:  # Gemma: scale 1.0 (q_norm/k_norm set the temperature)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous()
-
-
-def _causal_rule(start: int, num_new: int, lo: int, window: int | None, device: torch.device) -> Tensor:
-    """(1, 1, S, T) boolean: query p in [start, start + S) sees key k in [lo, start + S) iff k <= p (and p - k <
-    window); the same rule as KVCache.mask, without the batch dimension when nothing is padding."""
-    q = torch.arange(start, start + num_new, device=device)[:, None]
-    k = torch.arange(lo, start + num_new, device=device)[None, :]
-    rule = k <= q
-    if window is not None:
-        rule = rule & (q - k < window)
-    return rule[None, None]
-
-
-def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
-
-def commit_masks(cache: KVCache, start: int, num_new: int, window: int, dtype: torch.dtype,
-                 new_keep: Tensor) -> dict[str, Mask]:
-    """Fast twin of the encoder masks in `DiffusionGemma.commit` (KVCache.mask with causal=True).
-
-    No padding ever committed: "causal" when the queries start at key 0 and no window cuts in (a prefill), else a
-    (1, 1, S, T) boolean rule; nothing is read back from the device. Padding in the cache: KVCache.mask's boolean
-    masks, made additive only when this span itself holds padding, since a padded query is the only one that can
-    see no key at all (a real token always sees itself)."""
-    if not cache.has_padding:
-        device = cache.key_padding.device
-        full: Mask = "causal" if start == 0 else _causal_rule(start, num_new, 0, None, device)
-        lo = cache.visible_start(start, window - 1)
-        sliding: Mask = ("causal" if start == 0 and num_new <= window
-                         else _causal_rule(start, num_new, lo, window, device))
-        return {FULL: full, SLIDING: sliding}
-    masks = {FULL: cache.mask(start, num_new, prefix=None, causal=True, new_keep=new_keep),
-             SLIDING: cache.mask(start, num_new, prefix=window - 1, causal=True, window=window, new_keep=new_keep)}
-    if bool(new_keep.all()):
-        return dict(masks)
-    return {kind: _additive(m, dtype) for kind, m in masks.items()}
-
-
-def denoise_masks(cache: KVCache, end: int, num_new: int, prefixes: dict[str, int | None]) -> dict[str, Mask]:
-    """Fast twin of the decoder masks in `DiffusionGemma.denoise` (KVCache.mask with causal=False): None unless the
-    cache ever held padding, then (B, 1, 1, T) boolean over [visible prefix ; canvas], broadcast over the queries.
-    A canvas query always sees the canvas, so no row is empty."""
-    if not cache.has_padding:
-        return dict.fromkeys(prefixes)
-    canvas = cache.key_padding.new_ones(cache.batch_size, num_new)
-    return {kind: torch.cat([cache.key_padding[:, cache.visible_start(end, p):end], canvas], 1)[:, None, None]
-            for kind, p in prefixes.items()}
 
 
 # --- routed experts -------------------------------------------------------------------------------------------------
@@ -189,102 +109,6 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
     return slots.view(N, k, -1).sum(1).to(x.dtype)
 
 
-# --- the denoise step ------------------------------------------------------------------------------------------------
-
-_COMPILED: dict[str, Callable[..., Tensor]] = {}  # compiled `_static_hidden` per mode, made on first use (not import)
-
-
-class DenoiseStep:
-    """Twin of `DiffusionGemma.denoise` up to the final hidden state (B, L, D) that the head reads. The
-    self-conditioning signal comes in as the soft embedding (B, L, D), which the fast sampler computes from the
-    probabilities it already holds instead of a second softmax over (B, L, V) logits.
-
-    static=False reads the visible slice of the cache, as `denoise` does (shapes follow the context length).
-    static=True keeps every shape fixed for the life of the cache, so the step can be captured whole: full layers
-    read all preallocated slots and mask those at or past the committed length, which enters as a device scalar (no
-    recompilation per canvas); sliding layers gather a fixed window of `sliding_prefix` slots. compile=True wraps the
-    static step in torch.compile(fullgraph=True), with CUDA graphs ("reduce-overhead") on CUDA; a string names the
-    torch.compile backend instead of inductor."""
-
-    def __init__(self, model: DiffusionGemma, cache: KVCache, *, sliding_prefix: int | None = None,
-                 static: bool = False, compile: bool | str = False):
-        self.model, self.cache = model, cache
-        self.prefixes: dict[str, int | None] = {
-            FULL: None, SLIDING: model.config.sliding_window - 1 if sliding_prefix is None else sliding_prefix}
-        self.static = static or compile
-        self._fn: Callable[..., Tensor] = _static_hidden if self.static else _dynamic_hidden
-        if compile:
-            self._fn = compiled_static_hidden(model.device, cache, compile if isinstance(compile, str) else "inductor")
-        self._end = torch.zeros((), dtype=torch.long, device=model.device)
-
-    @torch.no_grad()
-    def __call__(self, canvas: Tensor, soft: Tensor | None = None, t: Tensor | float | None = None) -> Tensor:
-        self.cache.check_batch(canvas, "canvas")
-        if t is not None:
-            t = torch.as_tensor(t, dtype=torch.float32, device=canvas.device).reshape(-1, 1)
-        if not self.static:
-            return self._fn(self.model, self.cache, canvas, soft, t, self.prefixes)
-        self._end.fill_(self.cache.length)  # a host-to-device write, never a read
-        c = self.cache
-        return self._fn(self.model, c.keys, c.values, c.key_padding, canvas, soft, t, self._end,
-                        self.prefixes[SLIDING])
-
-
-def compiled_static_hidden(device: torch.device, cache: KVCache | None = None, backend: str = "inductor"
-                           ) -> Callable[..., Tensor]:
-    """torch.compile(fullgraph=True) of the static denoise step, made on first use. On CUDA: CUDA graphs, with the
-    cache marked as living at a fixed address so that replays read it in place instead of copying it in.
-    `backend="aot_eager"` traces the same whole graph without generating code (what the tests use: seconds, not
-    minutes)."""
-    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
-    if device.type == "cuda" and cache is not None:
-        for t in (*cache.keys, *cache.values, cache.key_padding):
-            torch._dynamo.mark_static_address(t)
-    register_expert_loop_op()
-    key = f"{backend}/{mode}"
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_static_hidden, fullgraph=True, dynamic=False, backend=backend, mode=mode)
-    return _COMPILED[key]
-
-
-def _dynamic_hidden(model: DiffusionGemma, cache: KVCache, canvas: Tensor, soft: Tensor | None, t: Tensor | None,
-                    prefixes: dict[str, int | None]) -> Tensor:
-    """`DiffusionGemma._denoise_hidden` + `final_hidden` with the fast kernels and a given soft embedding."""
-    x = model.self_conditioning(model.embed(canvas, t), soft)
-    end, L = cache.length, canvas.shape[1]
-    masks = denoise_masks(cache, end, L, prefixes)
-    cos_sin = model._rope(torch.arange(end, end + L, device=x.device)[None], x.dtype)
-    for i, block in enumerate(model.layers):
-        kind = model.config.layer_types[i]
-        past_k, past_v = cache.visible(i, end, prefixes[kind])
-        x, _, _ = block(x, *cos_sin[kind], past_k, past_v, masks[kind], block.layer_scalar, "fast")
-    return model.final_hidden(x, soft)
-
-
-def _static_hidden(model: DiffusionGemma, keys: list[Tensor], values: list[Tensor], key_padding: Tensor,
-                   canvas: Tensor, soft: Tensor | None, t: Tensor | None, end: Tensor, prefix: int) -> Tensor:
-    """The same computation with shapes that do not depend on `end` (a 0-d device tensor): no host reads, no
-    data-dependent shapes, so torch.compile(fullgraph=True) and CUDA graphs can take it whole."""
-    B, L = canvas.shape
-    device = canvas.device
-    x = model.self_conditioning(model.embed(canvas, t), soft)
-    cos_sin = model._rope((end + torch.arange(L, device=device))[None], x.dtype)
-    T = key_padding.shape[1]
-    canvas_keep = key_padding.new_ones(B, L)
-    full_keep = torch.cat([key_padding & (torch.arange(T, device=device) < end), canvas_keep], 1)[:, None, None]
-    window = end - prefix + torch.arange(prefix, device=device)  # the sliding layers' slots, some maybe < 0
-    slots = window.clamp(0, T - 1)
-    sliding_keep = torch.cat([key_padding[:, slots] & (window >= 0), canvas_keep], 1)[:, None, None]
-    for i, block in enumerate(model.layers):
-        kind = model.config.layer_types[i]
-        if kind == SLIDING:
-            past_k, past_v, mask = keys[i].index_select(2, slots), values[i].index_select(2, slots), sliding_keep
-        else:
-            past_k, past_v, mask = keys[i], values[i], full_keep
-        x, _, _ = block(x, *cos_sin[kind], past_k, past_v, mask, block.layer_scalar, "fast")
-    return model.final_hidden(x, soft)
-
-
 # --- sampling --------------------------------------------------------------------------------------------------------
 
 CPU_CHUNK_BYTES = 256 * 2**20  # rows of (rows, V) fp32 logits per chunk; the head matmul wants many rows at once
@@ -294,19 +118,18 @@ SHIFTED_LOGIT_FLOOR = -70.0  # z - max(z) is clamped here: exp(-70) ~ 4e-31 keep
 
 
 @torch.no_grad()
-def logits_into(model: DiffusionGemma, rows: Tensor, out: Tensor | None = None) -> Tensor:
-    """Twin of `DiffusionGemma.logits` for rows (R, D), written into `out` (R, V) fp32 when given (no allocation).
-    The softcap is 2c * sigmoid(2x / c) - c, which is c * tanh(x / c) to ~1e-5 and runs ~3x faster on a CPU."""
-    weight = model.embed_tokens.weight
+def logits_into(rows: Tensor, weight: Tensor, softcap: float | None, out: Tensor | None = None) -> Tensor:
+    """Twin of `DiffusionGemma.logits` for rows (R, D) and the tied head `weight` (V, D), written into `out` (R, V)
+    fp32 when given (no allocation). The softcap is 2c * sigmoid(2x / c) - c, which is c * tanh(x / c) to ~1e-5 and
+    runs ~3x faster on a CPU."""
     if out is None:
         out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=rows.device)
     if weight.dtype == torch.float32:
         torch.mm(rows, weight.t(), out=out)
     else:
         out.copy_(F.linear(rows, weight))
-    cap = model.config.final_logit_softcapping
-    if cap is not None:
-        out.mul_(2.0 / cap).sigmoid_().mul_(2.0 * cap).sub_(cap)
+    if softcap is not None:
+        out.mul_(2.0 / softcap).sigmoid_().mul_(2.0 * softcap).sub_(softcap)
     return out
 
 
@@ -415,96 +238,3 @@ def head_and_sample(final: Tensor, head: Callable[[Tensor, Tensor | None], Tenso
 def default_chunk_rows(vocab_size: int, device: torch.device) -> int:
     budget = CUDA_CHUNK_BYTES if device.type == "cuda" else CPU_CHUNK_BYTES
     return max(1, budget // (4 * vocab_size))
-
-
-@torch.no_grad()
-def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConfig, *,
-                   generator: torch.Generator | None = None, canvas: Tensor | None = None,
-                   finished: Tensor | None = None, canvas_index: int = 0,
-                   on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
-                   step: Callable[..., Tensor] | None = None,
-                   head: Callable[[Tensor, Tensor | None], Tensor] | None = None,
-                   draw: Draw | None = None, sync_every: int | None = None, chunk_rows: int | None = None,
-                   compile: bool = False) -> StagedCanvas:
-    """Twin of `generate.denoise_canvas` for the entropy-bound sampler, with every decision taken on the device.
-
-    Per step: `step` (default `DenoiseStep`) -> final hidden; `head_and_sample` -> draws, argmax, entropy and the
-    next soft embedding; then the reference's own rules on device tensors: `sampling.accept_by_entropy`,
-    `sampling.renoise`, the stop rule of `generate._stop`, and rows that stopped keep their state (torch.where, not
-    a branch on a host value). The host reads `done.all()` once every `sync_every` steps (default: every step on
-    CPU, where a read costs nothing; every 4 on CUDA); steps run after the whole batch stopped are discarded, so the
-    per-row step counts are the reference's. `draw`: "cdf" (default on CPU) or "race" (default on CUDA)."""
-    from dgemma.generate import StagedCanvas, StepInfo, _stop, _StopState  # generate imports this module
-
-    if config.sampler != "entropy-bound":
-        raise ValueError(f"the fast sampler implements the entropy-bound sampler, not {config.sampler!r}")
-    B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
-    device = model.device
-    noise = sampling.uniform_tokens((B, L), V, device, generator)  # drawn even when `canvas` is given
-    x = noise if canvas is None else canvas.to(device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device) if finished is None else finished
-    if step is None:
-        sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
-        step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix, compile=compile)
-    head = head or (lambda rows, out: logits_into(model, rows, out))
-    draw = draw or ("race" if device.type == "cuda" else "cdf")
-    sync_every = sync_every or (1 if device.type == "cpu" else 4)
-    chunk_rows = min(B * L, chunk_rows or default_chunk_rows(V, device))
-    workspace = Workspace(chunk_rows, V, device)
-    N = config.max_denoising_steps
-    embed, scale = model.embed_tokens.weight, model.config.hidden_size**0.5
-    state = _StopState()
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    steps = torch.zeros(B, dtype=torch.long, device=device)
-    passes = torch.zeros(B, dtype=torch.long, device=device)
-    stopped_at = torch.zeros(B, dtype=torch.long, device=device)  # step at which each row stopped, 0 = never
-    argmax, soft = x, None
-    entropy = torch.zeros(B, L, device=device)
-    mean_entropy = torch.zeros(B, device=device)
-    records: list[StepInfo] = []
-    for i, n in enumerate(range(N, 0, -1)):  # n = steps remaining
-        started = time.perf_counter()
-        was_done = done
-        active = ~(was_done | finished)
-        passes += active
-        steps += ~was_done
-        final = step(x, soft, n / N if model.config.time_embedding else None)
-        temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
-        out = head_and_sample(final, head, temp, generator=generator, draw=draw, embed=embed if n > 1 else None,
-                              embed_scale=scale, chunk_rows=chunk_rows, workspace=workspace)
-        accepted = sampling.accept_by_entropy(out.entropy, config.entropy_bound)
-        new_x = sampling.renoise(out.draw, accepted, V, generator)
-        keep = was_done[:, None]  # rows that already stopped keep everything (the reference's `if was_done.any()`)
-        new_argmax = torch.where(keep, argmax, out.argmax)
-        new_x = torch.where(keep, x, new_x)
-        entropy = torch.where(keep, entropy, out.entropy)
-        if out.soft is not None:
-            soft = out.soft if soft is None else torch.where(keep[..., None], soft, out.soft)
-        mean_entropy = entropy.mean(-1)
-        stopped = _stop(config, state, new_argmax, x, mean_entropy)
-        stopped_at = torch.where(stopped & ~was_done, i + 1, stopped_at)
-        done = was_done | stopped
-        if trace or on_step is not None:
-            info = StepInfo(canvas_index, i + 1, N, float(temp), x, new_argmax, accepted, entropy, mean_entropy,
-                            done, active, time.perf_counter() - started)
-            if trace:
-                records.append(info)
-            if on_step is not None:
-                on_step(info)
-        x, argmax = new_x, new_argmax
-        if ((i + 1) % sync_every == 0 or n == 1) and bool(done.all()):  # the only host read in the loop
-            break
-    reasons = ["stable+confident" if s else "max_steps" for s in (stopped_at > 0).tolist()]
-    tokens = argmax if config.commit_rule == "argmax" else x
-    return StagedCanvas(tokens, argmax, x, steps, passes, reasons, mean_entropy, records)
-
-
-def fast_generation_supported(config: GenerationConfig) -> bool:
-    """Whether `denoise_canvas` implements `config` (the Lite sampler runs the reference loop on fast kernels)."""
-    return config.sampler == "entropy-bound" and config.posterior_rule == "tempered" and \
-        config.initial_self_conditioning == "zeros"
-
-
-__all__ = ["DenoiseStep", "Mask", "StepDraws", "attention", "commit_masks", "compiled_static_hidden",
-           "default_chunk_rows", "denoise_canvas", "denoise_masks", "draw_cdf", "draw_race", "head_and_sample",
-           "moe_experts", "tempered_stats"]

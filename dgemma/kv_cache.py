@@ -12,7 +12,8 @@ came after it. `denoise` only reads. Which slots a layer sees:
 Sliding layers store every position too (not a ring buffer): rewinding then costs nothing, at the price of
 memory on long contexts (see `dgemma inspect` for bytes per token).
 
-`key_padding` (B, max_length) marks real tokens (True) against left padding (False); masks exclude padding.
+`is_token` (B, max_length) marks real tokens (True) against left padding (False); the attention masks
+(dgemma/attention.py) exclude padding. The cache stores; it decides nothing about who attends to whom.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ class KVCache:
                   for i in range(config.num_hidden_layers)]
         self.keys = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
         self.values = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
-        self.key_padding = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
+        self.is_token = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
         self.length = 0  # number of committed positions; slots >= length are stale
-        # Whether any commit ever held padding (never reset): the fast path then needs masks (dgemma/kernels.py).
+        # Whether any commit ever held padding (never reset): the fast path then needs masks (dgemma/attention.py).
         self.has_padding = False
 
     def __repr__(self) -> str:
@@ -72,7 +73,7 @@ class KVCache:
 
         self.keys = [extend(t) for t in self.keys]
         self.values = [extend(t) for t in self.values]
-        self.key_padding = torch.cat([self.key_padding, self.key_padding.new_ones(self.batch_size, grow)], dim=1)
+        self.is_token = torch.cat([self.is_token, self.is_token.new_ones(self.batch_size, grow)], dim=1)
         self.max_length = max_length
 
     def truncate(self, length: int) -> None:
@@ -99,39 +100,18 @@ class KVCache:
                              f"the cache holds {self.max_length}; allocate a larger one with "
                              f"model.new_cache(batch_size, max_length)")
         if attention_mask is None:
-            padding = torch.ones(input_ids.shape, dtype=torch.bool, device=self.key_padding.device)
+            padding = torch.ones(input_ids.shape, dtype=torch.bool, device=self.is_token.device)
         else:
             if tuple(attention_mask.shape) != tuple(input_ids.shape):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
                                  f"{tuple(input_ids.shape)}")
             if not torch.isin(attention_mask, torch.tensor([0, 1], device=attention_mask.device)).all():
                 raise ValueError("attention_mask must contain only 0/1 (or False/True)")
-            padding = attention_mask.to(device=self.key_padding.device, dtype=torch.bool)
+            padding = attention_mask.to(device=self.is_token.device, dtype=torch.bool)
             self.has_padding = self.has_padding or not bool(padding.all())
         self.length = start
-        self.key_padding[:, start:start + S] = padding
+        self.is_token[:, start:start + S] = padding
         return start
 
     def finish_write(self, end: int) -> None:
         self.length = end
-
-    def mask(self, start: int, num_new: int, *, prefix: int | None, causal: bool, window: int | None = None,
-             new_keep: Tensor | None = None) -> Tensor | None:
-        """Boolean attention mask (B, 1, S, T), True = may attend, for `num_new` queries at positions
-        start..start+S-1 over the keys a layer sees: its last `prefix` committed tokens before `start` (None: all),
-        then the S new tokens (`new_keep` (B, S) marks which are real; None = all). With `causal`, query p sees
-        keys k <= p, and with a `window` also only p - window < k. None when nothing is masked."""
-        lo = self.visible_start(start, prefix)
-        device = self.key_padding.device
-        if new_keep is None:
-            new_keep = torch.ones(self.batch_size, num_new, dtype=torch.bool, device=device)
-        keep = torch.cat([self.key_padding[:, lo:start], new_keep.to(device=device, dtype=torch.bool)], dim=1)
-        allowed = keep[:, None, None, :].expand(-1, -1, num_new, -1)  # (B, 1, S, T)
-        if causal:
-            q = torch.arange(start, start + num_new, device=device)[:, None]
-            k = torch.arange(lo, start + num_new, device=device)[None, :]
-            rule = k <= q
-            if window is not None:
-                rule = rule & (q - k < window)
-            allowed = allowed & rule
-        return None if bool(allowed.all()) else allowed

@@ -24,19 +24,21 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dgemma import kernels
-from dgemma.config import FULL, SLIDING, ModelConfig, RopeConfig
+from dgemma import attention, checkpoint, kernels
+from dgemma.attention import Impl, Mask, check_impl
+from dgemma.config import ModelConfig, RopeConfig
 from dgemma.kv_cache import KVCache
 
-Impl = Literal["reference", "fast"]
 TIME_FEATURES = 256  # width of the sinusoidal noise-level features (Lite)
-IMPLS = ("reference", "fast")
+Role = Literal["encoder", "decoder"]  # commit (causal, encoder layer scalars) or denoise (bidirectional, decoder)
+PastKV = Callable[[int], tuple[Tensor, Tensor] | None]  # layer -> the visible cached keys and values, or None
 
 
 # --- norms ------------------------------------------------------------------------------------------------------
@@ -91,22 +93,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-# --- attention --------------------------------------------------------------------------------------------------
-
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """Explicit softmax(q k^T) v with grouped-query heads. q: (B, H, S, Dh); k, v: (B, K, T, Dh);
-    mask: bool (B, 1, S, T), True = may attend, or None. Returns (B, S, H, Dh)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # each kv head serves `groups` consecutive query heads
-        B, K, T, Dh = k.shape
-        k = k[:, :, None].expand(B, K, groups, T, Dh).reshape(B, K * groups, T, Dh)
-        v = v[:, :, None].expand(B, K, groups, T, Dh).reshape(B, K * groups, T, Dh)
-    scores = torch.matmul(q, k.transpose(2, 3))  # Gemma: scale 1.0, no 1/sqrt(Dh); q_norm/k_norm set the temperature
-    if mask is not None:  # finfo.min rather than -inf: a fully masked row (a padding query) stays finite
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v).transpose(1, 2).contiguous()
-
+# --- attention (the kernels and masks: dgemma/attention.py) ----------------------------------------------------
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -123,10 +110,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(Dh, config.rms_norm_eps)
         self.v_norm = RMSNorm(Dh, config.rms_norm_eps, with_scale=False)  # Gemma: weightless V norm
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: kernels.Mask,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None, mask: Mask,
                 impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
-        """x: (B, S, D); past_k/v: (B, K, T0, Dh), the visible cached keys. Returns the output (B, S, D) and this
-        pass's new k, v (B, K, S, Dh), which `commit` writes to the cache."""
+        """x: (B, S, D); past: the visible cached keys and values (B, K, T0, Dh), or None. Returns the output
+        (B, S, D) and this pass's new k, v (B, K, S, Dh), which `commit` writes to the cache."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, -1, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)  # (B, H, S, Dh)
@@ -134,9 +121,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, -1, self.head_dim) if self.v_proj is not None else k
         k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # (B, K, S, Dh): normed, then rotated
         v = self.v_norm(v).transpose(1, 2)  # (B, K, S, Dh): normed, never rotated
-        keys, values = torch.cat([past_k, k], dim=-2), torch.cat([past_v, v], dim=-2)  # (B, K, T0 + S, Dh)
-        attend = reference_attention if impl == "reference" else kernels.attention  # fast: SDPA (dgemma/kernels.py)
-        out = attend(q, keys, values, mask).reshape(B, S, -1)
+        keys, values = (k, v) if past is None else (torch.cat([past[0], k], -2), torch.cat([past[1], v], -2))
+        out = attention.ATTENTION[impl](q, keys, values, mask).reshape(B, S, -1)  # fast: SDPA
         return self.o_proj(out), k, v
 
 
@@ -231,11 +217,11 @@ class Block(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: kernels.Mask,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None, mask: Mask,
                 scalar: Tensor, impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
         """`scalar`: `encoder_layer_scalar` (commit), `layer_scalar` (denoise), or a per-token mix (1, S, 1) when
         one training sequence holds both roles."""
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past_k, past_v, mask, impl)
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past, mask, impl)
         x = x + self.post_attention_layernorm(attn)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.is_moe:
@@ -250,37 +236,52 @@ class Block(nn.Module):
 
 # --- self-conditioning --------------------------------------------------------------------------------------------
 
-class SelfConditioning(nn.Module):
-    """Feeds the previous denoising step's beliefs back in, as the soft embedding p @ E (B, L, D).
-
-    "mlp" (DiffusionGemma): a gated MLP of it is added to the canvas embedding, then a weightless RMSNorm of the
-    sum (the decoder stream starts at unit RMS). "linear" (seed 003's Lite): a zero-initialised projection of it
-    is added to the final normed hidden state, so a fresh model computes exactly what it would without it."""
+class MLPSelfConditioning(nn.Module):
+    """DiffusionGemma's self-conditioning: the previous step's beliefs come back as the soft embedding p @ E (B, L, D);
+    a gated MLP of it is added to the canvas embedding, then a weightless RMSNorm of the sum (the decoder stream
+    starts at unit RMS)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         D = config.hidden_size
-        self.kind = config.self_conditioning
-        if self.kind == "mlp":
-            self.pre_norm = RMSNorm(D, config.rms_norm_eps)
-            self.gate_proj = nn.Linear(D, config.intermediate_size, bias=False)
-            self.up_proj = nn.Linear(D, config.intermediate_size, bias=False)
-            self.down_proj = nn.Linear(config.intermediate_size, D, bias=False)
-        else:
-            self.proj = nn.Linear(D, D, bias=False)
-            nn.init.zeros_(self.proj.weight)
+        self.pre_norm = RMSNorm(D, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(D, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(D, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, D, bias=False)
         self.post_norm = RMSNorm(D, config.rms_norm_eps, with_scale=False)
 
     def forward(self, x: Tensor, soft: Tensor | None) -> Tensor:
         """The canvas input: x, canvas embeddings (B, L, D); soft, or None on a canvas's first step."""
-        if soft is None or self.kind != "mlp":  # the MLP maps a zero signal to exactly zero (the reference adds it;
+        if soft is None:  # the MLP maps a zero signal to exactly zero (the reference adds it;
             return self.post_norm(x + 0.0)  # `+ 0.0` turns any -0.0 into +0.0 just as that addition does)
         s = self.pre_norm(soft)
         return self.post_norm(x + self.down_proj(F.gelu(self.gate_proj(s), approximate="tanh") * self.up_proj(s)))
 
     def output(self, normed: Tensor, soft: Tensor | None) -> Tensor:
-        """The final hidden state: unchanged for "mlp", plus the projected soft embedding for "linear"."""
-        return normed if soft is None or self.kind == "mlp" else normed + self.proj(soft)
+        """The final hidden state, unchanged: this variant acts on the input side only."""
+        return normed
+
+
+class LinearSelfConditioning(nn.Module):
+    """Seed 003's (Lite) self-conditioning: a zero-initialised projection of the soft embedding is added to the
+    final normed hidden state, so a fresh model computes exactly what it would without it. The canvas input only
+    gets the weightless RMSNorm that DiffusionGemma's decoder applies."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        D = config.hidden_size
+        self.proj = nn.Linear(D, D, bias=False)
+        nn.init.zeros_(self.proj.weight)
+        self.post_norm = RMSNorm(D, config.rms_norm_eps, with_scale=False)
+
+    def forward(self, x: Tensor, soft: Tensor | None) -> Tensor:
+        return self.post_norm(x + 0.0)
+
+    def output(self, normed: Tensor, soft: Tensor | None) -> Tensor:
+        return normed if soft is None else normed + self.proj(soft)
+
+
+SELF_CONDITIONING: dict[str, type[nn.Module]] = {"mlp": MLPSelfConditioning, "linear": LinearSelfConditioning}
 
 
 def time_features(t: Tensor, dim: int) -> Tensor:
@@ -303,9 +304,14 @@ class DiffusionGemma(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_conditioning = SelfConditioning(config)
+        self.self_conditioning = SELF_CONDITIONING[config.self_conditioning](config)
         # Lite (seed 003): each canvas is told its noise level; clean tokens get t = 0.
         self.time_proj = nn.Linear(TIME_FEATURES, config.hidden_size) if config.time_embedding else None
+        # RoPE inverse frequencies per layer type, fp32, computed once (plain tensors, not buffers: `.to(bf16)` must
+        # never round them, a pitfall transformers' own `.to` has).
+        # On the CPU even when the model is built on the meta device (load_model), then moved where positions live.
+        self.inv_freq = {kind: rope_inv_freq(config.layer_rope(i), config.layer_head_dim(i), torch.device("cpu"))
+                         for kind, i in _first_layer_of_each_type(config).items()}
 
     @property
     def device(self) -> torch.device:
@@ -319,18 +325,14 @@ class DiffusionGemma(nn.Module):
     def save_pretrained(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
         """`dgemma.save_pretrained(self, path, **kwargs)`: the transformers layout (config.json,
         generation_config.json, model.safetensors); keyword arguments as that function's."""
-        from dgemma.checkpoint import save_pretrained  # checkpoint imports this module
-
-        save_pretrained(self, path, **kwargs)
+        checkpoint.save_pretrained(self, path, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
         """`dgemma.load_model(path, dtype=, device=, impl=)`: a checkpoint directory in the Hugging Face layout, or
         a training run (its newest complete checkpoint), with its generation_config attached."""
-        from dgemma.checkpoint import load_model
-
-        return load_model(path, dtype=dtype, device=device, impl=impl)
+        return checkpoint.load(path, lambda config: cls(config, impl=impl), dtype=dtype, device=device)
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """A preallocated cache for `max_length` committed tokens, in the model's dtype and device."""
@@ -357,122 +359,128 @@ class DiffusionGemma(nn.Module):
         """The final norm (and, for "linear" self-conditioning, its output-side add): what the head reads."""
         return self.self_conditioning.output(self.norm(hidden), soft)
 
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> dict[str, tuple[Tensor, Tensor]]:
         """cos, sin per layer type for integer positions (B or 1, S)."""
-        return {t: rope_cos_sin(rope_inv_freq(self.config.layer_rope(i), self.config.layer_head_dim(i),
-                                              positions.device), positions, dtype)
-                for t, i in _first_layer_of_each_type(self.config).items()}
+        return {kind: rope_cos_sin(inv.to(positions.device), positions, dtype) for kind, inv in self.inv_freq.items()}
 
-    def _run_layers(self, x: Tensor, cache: KVCache, start: int, masks: dict[str, kernels.Mask],
-                    prefixes: dict[str, int | None], *, encoder: bool) -> Tensor:
-        """Run every block over x (B, S, D) at positions start.. against the last `prefixes[layer_type]` cached
-        tokens before `start` (None: all); the encoder also writes each block's new K/V at `start`."""
-        cos_sin = self._rope(torch.arange(start, start + x.shape[1], device=x.device)[None], x.dtype)
+    def run_layers(self, x: Tensor, positions: Tensor, role: Role | Tensor, masks: dict[str, Mask], impl: Impl, *,
+                   past: PastKV | None = None, write: Callable[[int, Tensor, Tensor], None] | None = None) -> Tensor:
+        """The one loop over the layers, which every pass runs: x (B, S, D) at integer `positions` (B or 1, S).
+        `role` picks the layer scalars: "encoder" (commit), "decoder" (denoise), or a (1, S, 1) bool tensor, True
+        for decoder tokens, when one training sequence holds both roles. `masks[layer_type]`: who attends to whom
+        (dgemma/attention.py). `past(i)`: layer i's visible cached keys and values (None: no cache); `write(i, k,
+        v)`: stores layer i's new keys and values (commit)."""
+        cos_sin = self.rope(positions, x.dtype)
         for i, block in enumerate(self.layers):
             kind = self.config.layer_types[i]
-            past_k, past_v = cache.visible(i, start, prefixes[kind])
-            scalar = block.encoder_layer_scalar if encoder else block.layer_scalar
-            x, k, v = block(x, *cos_sin[kind], past_k, past_v, masks[kind], scalar, self.impl)
-            if encoder:
-                cache.write(i, start, k, v)
+            if isinstance(role, Tensor):
+                scalar = torch.where(role, block.layer_scalar, block.encoder_layer_scalar)
+            else:
+                scalar = block.encoder_layer_scalar if role == "encoder" else block.layer_scalar
+            x, k, v = block(x, *cos_sin[kind], past(i) if past is not None else None, masks[kind], scalar, impl)
+            if write is not None:
+                write(i, k, v)
         return x
 
     def sequence_hidden(self, tokens: Tensor, positions: Tensor, masks: dict[str, Tensor], *, num_clean: int,
-                        soft: Tensor | None = None, t: Tensor | None = None) -> Tensor:
+                        soft: Tensor | None = None, t: Tensor | None = None, impl: Impl | None = None) -> Tensor:
         """The training forward: one pass over a whole sequence (B, S) without a cache. Tokens [0, num_clean) run in
         the encoder role (what `commit` does: plain embedding, encoder layer scalars); the rest are canvas tokens
         in the decoder role (self-conditioning on `soft` (B, S - num_clean, D), post-norm, decoder scalars).
         `masks[layer_type]` (B or 1, 1, S, S) bool says who attends to whom (dgemma/diffusion.py builds them);
         `t` (B, S): noise levels in [0, 1] for a time-embedding model. Returns the final hidden states (B, S, D),
         what the head reads (`final_hidden`); differentiable."""
-        B, S = tokens.shape
+        S = tokens.shape[1]
         x = self.embed(tokens, t)
         if num_clean < S:
             x = torch.cat([x[:, :num_clean], self.self_conditioning(x[:, num_clean:], soft)], dim=1)
-        cos_sin = self._rope(positions, x.dtype)
         is_canvas = (torch.arange(S, device=x.device) >= num_clean)[None, :, None]  # (1, S, 1)
-        empty = x.new_zeros(B, 1, 0, 1)
-        for i, block in enumerate(self.layers):
-            kind = self.config.layer_types[i]
-            scalar = torch.where(is_canvas, block.layer_scalar, block.encoder_layer_scalar)
-            K, Dh = self.config.layer_num_kv_heads(i), self.config.layer_head_dim(i)
-            past = empty.expand(B, K, 0, Dh)
-            x, _, _ = block(x, *cos_sin[kind], past, past, masks[kind], scalar, self.impl)
-        x = self.norm(x)
+        x = self.norm(self.run_layers(x, positions, is_canvas, masks, self._impl(impl)))
         if soft is not None and num_clean < S:
             x = torch.cat([x[:, :num_clean], self.self_conditioning.output(x[:, num_clean:], soft)], dim=1)
         return x
 
+    def _impl(self, impl: Impl | None) -> Impl:
+        if impl is None:
+            return self.impl
+        check_impl(impl)
+        return impl
+
     @torch.no_grad()
     def commit(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,
-               attention_mask: Tensor | None = None, return_logits: bool = False) -> Tensor | None:
+               attention_mask: Tensor | None = None, impl: Impl | None = None) -> None:
         """Causal encoder pass over `input_ids` (B, S): writes their K/V to the cache at `start` (default: the end of
         what is committed). Committing at an earlier `start` overwrites that span and discards everything after it.
-        `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to.
-        `return_logits`: also return the encoder's fp32 logits (B, S, V), i.e. next-token predictions, which is
+        `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to. `impl`
+        (default: the model's): "reference" or "fast" kernels."""
+        self._encode(input_ids, cache, start, attention_mask, self._impl(impl))
+
+    @torch.no_grad()
+    def next_token_logits(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,
+                          attention_mask: Tensor | None = None, impl: Impl | None = None) -> Tensor:
+        """`commit`, and also the encoder's fp32 logits (B, S, V) at those positions, i.e. next-token predictions:
         what an autoregressive model (objective `ar`) decodes with."""
+        hidden = self._encode(input_ids, cache, start, attention_mask, self._impl(impl))
+        return self.logits(self.final_hidden(hidden))
+
+    def _encode(self, input_ids: Tensor, cache: KVCache, start: int | None, attention_mask: Tensor | None,
+                impl: Impl) -> Tensor:
         check_token_ids(input_ids, self.config.vocab_size)
         start = cache.prepare_write(input_ids, start, attention_mask)
-        S, window = input_ids.shape[1], self.config.sliding_window
+        B, S = input_ids.shape
         if S == 0:  # nothing to encode; still truncates at `start`
-            return self.logits(self.embed_tokens.weight.new_zeros(input_ids.shape[0], 0, self.config.hidden_size)) \
-                if return_logits else None
-        keep = cache.key_padding[:, start:start + S]
-        # Gemma: encoder sliding layers see a causal window of `sliding_window` keys including themselves
-        prefixes = {FULL: None, SLIDING: window - 1}
-        masks: dict[str, kernels.Mask]
-        if self.impl == "reference":
-            masks = {
-                FULL: cache.mask(start, S, prefix=None, causal=True, new_keep=keep),
-                SLIDING: cache.mask(start, S, prefix=window - 1, causal=True, window=window, new_keep=keep),
-            }
-        else:  # fast: "causal", or no mask tensor where none is needed (dgemma/kernels.py)
-            masks = kernels.commit_masks(cache, start, S, window, self.dtype, keep)
-        hidden = self._run_layers(self.embed(input_ids), cache, start, masks, prefixes, encoder=True)
+            return self.embed_tokens.weight.new_zeros(B, 0, self.config.hidden_size)
+        masks = attention.commit_masks(cache, start, S, cache.is_token[:, start:start + S], impl, self.dtype)
+        seen = attention.visible_prefixes(self.config.sliding_window, "encoder")
+        kinds = self.config.layer_types
+        positions = torch.arange(start, start + S, device=input_ids.device)[None]
+        hidden = self.run_layers(self.embed(input_ids), positions, "encoder", masks, impl,
+                                 past=lambda i: cache.visible(i, start, seen[kinds[i]]),
+                                 write=lambda i, k, v: cache.write(i, start, k, v))
         cache.finish_write(start + S)
-        return self.logits(self.final_hidden(hidden)) if return_logits else None
+        return hidden
 
     @torch.no_grad()
     def denoise(self, canvas: Tensor, cache: KVCache, *, self_conditioning_logits: Tensor | None = None,
                 self_conditioning_mask: Tensor | None = None, sliding_prefix: int | None = None,
-                t: Tensor | float | None = None) -> Tensor:
+                t: Tensor | float | None = None, impl: Impl | None = None) -> Tensor:
         """Bidirectional decoder pass over `canvas` (B, L) against everything committed; returns fp32 logits
         (B, L, V). Never writes the cache, so several canvases can be tried at the same position.
-        `self_conditioning_logits` (B, L, V): the previous step's (temperature-scaled) logits; None on the first
-        step of a canvas; its softmax runs in fp32 whatever their dtype (transformers' sampler passes them in the
-        model dtype, so cast them to reproduce it in bf16). `self_conditioning_mask` (B,) bool zeroes the signal
-        per row. `sliding_prefix`: how many committed tokens sliding layers see; default `sliding_window - 1`
-        (transformers); the JAX reference uses `sliding_window`. `t`: the canvas's noise level in [0, 1], a float or
-        (B,), for a time-embedding model."""
-        hidden, soft = self._denoise_hidden(canvas, cache, self_conditioning_logits, self_conditioning_mask,
-                                            sliding_prefix, t)
-        return self.logits(self.final_hidden(hidden, soft))
+        `self_conditioning_logits` (B, L, V): the previous step's logits (temperature-scaled, as transformers'
+        sampler passes them); None on the first step of a canvas; their softmax runs in fp32 whatever their dtype
+        (transformers passes them in the model dtype, so cast them to reproduce it in bf16).
+        `self_conditioning_mask` (B,) bool zeroes the signal per row. `sliding_prefix`: how many committed tokens
+        sliding layers see; default `sliding_window - 1` (transformers); the JAX reference uses `sliding_window`.
+        `t`: the canvas's noise level in [0, 1], a float or (B,), for a time-embedding model. `impl` (default: the
+        model's): "reference" or "fast" kernels."""
+        soft = None
+        if self_conditioning_logits is not None:
+            expected = (*canvas.shape, self.config.vocab_size)
+            if tuple(self_conditioning_logits.shape) != expected:
+                raise ValueError(f"self_conditioning_logits has shape {tuple(self_conditioning_logits.shape)}, "
+                                 f"expected {expected}")
+            soft = self.soft_embedding(self_conditioning_logits, self_conditioning_mask)
+        return self.logits(self.denoise_hidden(canvas, cache, soft=soft, sliding_prefix=sliding_prefix, t=t,
+                                               impl=impl))
 
-    def _denoise_hidden(self, canvas: Tensor, cache: KVCache, sc_logits: Tensor | None, sc_mask: Tensor | None,
-                        sliding_prefix: int | None = None, t: Tensor | float | None = None
-                        ) -> tuple[Tensor, Tensor | None]:
-        """Hidden states (B, L, D) before the final norm, and the self-conditioning soft embedding (or None)."""
+    @torch.no_grad()
+    def denoise_hidden(self, canvas: Tensor, cache: KVCache, *, soft: Tensor | None = None,
+                       sliding_prefix: int | None = None, t: Tensor | float | None = None,
+                       impl: Impl | None = None) -> Tensor:
+        """`denoise` up to the final hidden state (B, L, D) that the head reads, with the self-conditioning signal
+        given as the soft embedding (B, L, D) (`soft_embedding`), or None."""
         cache.check_batch(canvas, "canvas")
+        impl = self._impl(impl)
         if t is not None:
             t = torch.as_tensor(t, dtype=torch.float32, device=canvas.device).reshape(-1, 1)
-        x = self.embed(canvas, t)
-        soft = None
-        if sc_logits is not None:
-            if sc_logits.shape != (*canvas.shape, self.config.vocab_size):
-                raise ValueError(f"self_conditioning_logits has shape {tuple(sc_logits.shape)}, expected "
-                                 f"{(*canvas.shape, self.config.vocab_size)}")
-            soft = self.soft_embedding(sc_logits, sc_mask)
-        x = self.self_conditioning(x, soft)  # Gemma: self-conditioning MLP + weightless post-norm on the input
-        end = cache.length
-        # Gemma: decoder sliding layers see the last `sliding_window - 1` committed tokens plus the whole canvas,
-        # whatever the query's offset in the canvas (transformers' DynamicSlidingWindowLayer keeps that many)
-        prefixes = {FULL: None, SLIDING: self.config.sliding_window - 1 if sliding_prefix is None else sliding_prefix}
-        masks: dict[str, kernels.Mask]
-        if self.impl == "reference":
-            masks = {kind: cache.mask(end, canvas.shape[1], prefix=p, causal=False) for kind, p in prefixes.items()}
-        else:  # fast: no mask tensor unless there is padding (dgemma/kernels.py)
-            masks = kernels.denoise_masks(cache, end, canvas.shape[1], prefixes)
-        return self._run_layers(x, cache, end, masks, prefixes, encoder=False), soft
+        x = self.self_conditioning(self.embed(canvas, t), soft)  # Gemma: SC MLP + weightless post-norm on the input
+        end, L = cache.length, canvas.shape[1]
+        seen = attention.visible_prefixes(self.config.sliding_window, "decoder", sliding_prefix)
+        masks = attention.denoise_masks(cache, end, L, seen, impl)
+        kinds = self.config.layer_types
+        hidden = self.run_layers(x, torch.arange(end, end + L, device=x.device)[None], "decoder", masks, impl,
+                                 past=lambda i: cache.visible(i, end, seen[kinds[i]]))
+        return self.final_hidden(hidden, soft)
 
     def logits(self, final: Tensor) -> Tensor:
         """Tied head and fp32 softcap on the final hidden states (`final_hidden`): (..., D) -> (..., V) fp32."""
@@ -488,7 +496,7 @@ class DiffusionGemma(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, decoder_input_ids: Tensor | None = None,
                 self_conditioning_logits: Tensor | None = None, attention_mask: Tensor | None = None,
-                self_conditioning_mask: Tensor | None = None) -> Tensor:
+                self_conditioning_mask: Tensor | None = None, impl: Impl | None = None) -> Tensor:
         """The transformers-compatible forward: commit `input_ids` (B, T) into a fresh cache, denoise
         `decoder_input_ids` (B, L) against it, return fp32 logits (B, L, V), which equal
         `DiffusionGemmaForBlockDiffusion(...).logits` for the same inputs. With `attention_mask`, padded prompt
@@ -497,9 +505,16 @@ class DiffusionGemma(nn.Module):
             decoder_input_ids = torch.randint(0, self.config.vocab_size, (input_ids.shape[0],
                                               self.config.canvas_length), device=input_ids.device)
         cache = self.new_cache(input_ids.shape[0], max(1, input_ids.shape[1]))
-        self.commit(input_ids, cache, attention_mask=attention_mask)
+        self.commit(input_ids, cache, attention_mask=attention_mask, impl=impl)
         return self.denoise(decoder_input_ids, cache, self_conditioning_logits=self_conditioning_logits,
-                            self_conditioning_mask=self_conditioning_mask)
+                            self_conditioning_mask=self_conditioning_mask, impl=impl)
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
+    """`DiffusionGemma.from_pretrained`: a checkpoint directory in the Hugging Face layout, or a training run (its
+    newest complete checkpoint), with its generation_config attached. Problems raise `CheckpointError`."""
+    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl)
 
 
 def check_token_ids(ids: Tensor, vocab_size: int, name: str = "input_ids") -> None:

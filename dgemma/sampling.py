@@ -23,9 +23,12 @@ multinomial over the (B*L, V) probabilities, then one (B, L) randint.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from dgemma.config import GenerationConfig
 
 ENTROPY_CHUNK_ROWS = 4096  # rows of (V,) logits per entropy chunk: bounds the extra memory to 2 x chunk x V fp32
 
@@ -118,3 +121,31 @@ def lite_commit(argmax: Tensor, confidence: Tensor, prev_argmax: Tensor, prev_co
     when its posterior mode is unchanged from the previous step or its confidence did not drop, and only if it
     is not committed yet, so the committed set only grows."""
     return ((argmax == prev_argmax) | (confidence >= prev_confidence)) & ~committed
+
+
+@dataclass
+class StopState:
+    """What the stop rules remember across the steps of one canvas."""
+
+    history: Tensor | None = None  # entropy-bound/hf: the last `stability_threshold` argmax canvases
+    calm_steps: Tensor | None = None  # lite: consecutive steps with mean entropy under the threshold
+
+
+def stop_rows(config: GenerationConfig, state: StopState, argmax: Tensor, input_canvas: Tensor,
+              mean_entropy: Tensor) -> Tensor:
+    """Which rows stop after this step, (B,) bool; updates `state`. The rule follows `config`:
+    entropy-bound, stop_rule "hf"    argmax stable over `stability_threshold` steps and mean(H) < threshold
+    entropy-bound, stop_rule "jax"   argmax == the step's input canvas and mean(H) <= threshold
+    lite, adaptive                   mean(H) < threshold for `stability_steps` steps in a row (seed 003, 4.4)
+    lite, not adaptive               never (the fixed schedule)"""
+    if config.sampler == "lite":
+        if not config.adaptive:  # the fixed schedule: entropy is never consulted
+            return torch.zeros_like(mean_entropy, dtype=torch.bool)
+        calm = mean_entropy < config.confidence_threshold
+        prev = state.calm_steps if state.calm_steps is not None else torch.zeros_like(calm, dtype=torch.long)
+        state.calm_steps = torch.where(calm, prev + 1, 0)
+        return state.calm_steps >= config.stability_steps
+    if config.stop_rule == "jax":  # the prediction reproduces the canvas it was given, and is confident
+        return (argmax == input_canvas).all(-1) & (mean_entropy <= config.confidence_threshold)
+    stable, state.history = is_stable(state.history, argmax, config.stability_threshold)
+    return stable & (mean_entropy < config.confidence_threshold)

@@ -43,20 +43,20 @@ from typing import Any, TextIO
 import torch
 
 from dgemma import costs
+from dgemma.attention import IMPLS
 from dgemma.checkpoint import (
     CHECKPOINTS,
     STATE,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
-    load_model,
     resolve_model_dir,
     save_pretrained,
 )
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
 from dgemma.data import TokenDataset, check_vocab
 from dgemma.diffusion import OBJECTIVES, training_loss
-from dgemma.model import IMPLS, DiffusionGemma, init_weights
+from dgemma.model import DiffusionGemma, init_weights, load_model
 
 LATEST, CONFIG_JSON = "latest", "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.

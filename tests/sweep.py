@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from dgemma.checkpoint import load_model
 from dgemma.generate import generate
+from dgemma.model import load_model
 from tests.hf_reference import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
 
 S, F = "sliding_attention", "full_attention"
@@ -175,11 +175,7 @@ def _check_forward(case: Case, hf: Any, hf_default: Any, model: Any, dtype: torc
     checks = [("first step", model.denoise(canvas, cache), want)]
     want_sc, _ = hf_logits(hf, None, canvas, self_conditioning_logits=sc, past_key_values=hf_cache)
     checks.append(("self-conditioned step", model.denoise(canvas, cache, self_conditioning_logits=sc), want_sc))
-    fast_first = None
-    if dtype == torch.float32:
-        model.impl = "fast"
-        fast_first = model.denoise(canvas, cache)
-        model.impl = "reference"
+    fast_first = model.denoise(canvas, cache, impl="fast") if dtype == torch.float32 else None
     want2, _ = hf_logits(hf, committed, canvas, past_key_values=hf_cache)
     model.commit(committed, cache)
     checks.append(("second canvas", model.denoise(canvas, cache), want2))

@@ -101,25 +101,24 @@ def test_clean_context_forward_equals_commit_then_denoise(model, impl):
     """Training sees each canvas as sampling will (up to fp32 rounding of different matmul shapes; a role or mask
     mistake shows as O(1)): clean prefix committed, canvas denoised against it, with
     and without self-conditioning (the pre-pass posterior re-embedded == denoise fed the pre-pass logits)."""
-    model.impl = impl
     T, B = 4 * L, 2
     x0, xt = _ids(B, T, seed=1), _ids(B, T, seed=2)
     pos = torch.arange(T)
     tokens, positions, masks = torch.cat([x0, xt], 1), torch.cat([pos, pos])[None], clean_context_masks(T, L, W)
     with torch.no_grad():
-        plain = model.logits(model.sequence_hidden(tokens, positions, masks, num_clean=T)[:, T:])
-        pre = model.sequence_hidden(tokens, positions, masks, num_clean=T)[:, T:]
+        plain = model.logits(model.sequence_hidden(tokens, positions, masks, num_clean=T, impl=impl)[:, T:])
+        pre = model.sequence_hidden(tokens, positions, masks, num_clean=T, impl=impl)[:, T:]
         soft = soft_embedding(model, pre, chunk_rows=7)
-        conditioned = model.logits(model.sequence_hidden(tokens, positions, masks, num_clean=T, soft=soft)[:, T:])
+        conditioned = model.logits(model.sequence_hidden(tokens, positions, masks, num_clean=T, soft=soft,
+                                                         impl=impl)[:, T:])
         sc_logits = model.logits(pre)
     for b in range(T // L):
         cache = model.new_cache(B, T)
-        model.commit(x0[:, : b * L], cache)
+        model.commit(x0[:, : b * L], cache, impl=impl)
         canvas = slice(b * L, (b + 1) * L)
-        torch.testing.assert_close(model.denoise(xt[:, canvas], cache), plain[:, canvas], atol=1e-3, rtol=0)
-        sc = model.denoise(xt[:, canvas], cache, self_conditioning_logits=sc_logits[:, canvas])
+        torch.testing.assert_close(model.denoise(xt[:, canvas], cache, impl=impl), plain[:, canvas], atol=1e-3, rtol=0)
+        sc = model.denoise(xt[:, canvas], cache, self_conditioning_logits=sc_logits[:, canvas], impl=impl)
         torch.testing.assert_close(sc, conditioned[:, canvas], atol=1e-3, rtol=0)
-    model.impl = "reference"
 
 
 def test_noisy_context_and_ar_are_causal_across_canvases(model):
@@ -189,11 +188,11 @@ def test_bad_training_input_is_refused():
 
 
 def test_ar_decoding_with_the_cache_equals_the_ar_training_forward(model):
-    """An `ar` model decodes by committing token after token and reading commit's next-token logits."""
+    """An `ar` model decodes by committing token after token and reading their next-token logits."""
     ids = _ids(2, 20, seed=11)
     cache = model.new_cache(2, 20)
-    pieces = [model.commit(ids[:, :12], cache, return_logits=True)]
-    pieces += [model.commit(ids[:, i:i + 1], cache, return_logits=True) for i in range(12, 20)]
+    pieces = [model.next_token_logits(ids[:, :12], cache)]
+    pieces += [model.next_token_logits(ids[:, i:i + 1], cache) for i in range(12, 20)]
     with torch.no_grad():
         whole = model.logits(model.sequence_hidden(ids, torch.arange(20)[None], causal_masks(20, W), num_clean=20))
     torch.testing.assert_close(torch.cat(pieces, 1), whole, atol=1e-4, rtol=0)

@@ -356,10 +356,10 @@ def pair(tmp_path_factory):
 
 
 def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
-    from dgemma.checkpoint import load_model
     from dgemma.data import TokenDataset
     from dgemma.diffusion import training_loss
     from dgemma.evaluate import heldout_ar_ce, heldout_x0_ce
+    from dgemma.model import load_model
 
     root, runs = pair
     val = TokenDataset(root / "data", "val")

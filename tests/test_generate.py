@@ -53,7 +53,7 @@ def _prefilled(model: DiffusionGemma, prompt: torch.Tensor, extra: int = L) -> K
 
 
 def _snapshot(cache: KVCache) -> list[torch.Tensor]:
-    return [t.clone() for t in (*cache.keys, *cache.values, cache.key_padding)]
+    return [t.clone() for t in (*cache.keys, *cache.values, cache.is_token)]
 
 
 @pytest.fixture(scope="module")
@@ -562,7 +562,7 @@ def test_a_step_holds_at_most_one_vocabulary_tensor_beyond_the_logits(model, sam
     B = 2
     cache = _prefilled(model, _ids(B, 5))
     existing = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), *cache.keys,
-                                                          *cache.values, cache.key_padding)}
+                                                          *cache.values, cache.is_token)}
     full = B * L * V * 4  # one fp32 (B, L, V) tensor
     with LiveVocabTensors(V, exclude=existing) as mode:
         denoise_canvas(model, cache, GenerationConfig(sampler=sampler, **FAST), generator=torch.Generator())

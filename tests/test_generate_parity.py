@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgemma.checkpoint import load_model
 from dgemma.generate import generate
+from dgemma.model import load_model
 from tests.hf_reference import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
 
 CASES = {

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dgemma import DiffusionGemma, init_weights, preset
+from dgemma.attention import reference_mask
 from dgemma.kv_cache import KVCache
 
 ATOL = 1e-5  # cached K/V
@@ -49,12 +50,12 @@ def test_committing_in_pieces_equals_committing_at_once(model):
 def test_denoise_never_writes_the_cache_so_canvases_can_be_compared(model):
     cache = model.new_cache(2, 40)
     model.commit(_ids(2, 12), cache)
-    before = [t.clone() for t in (*cache.keys, *cache.values, cache.key_padding)]
+    before = [t.clone() for t in (*cache.keys, *cache.values, cache.is_token)]
     a, b = _ids(2, 16, seed=2), _ids(2, 16, seed=3)
     first = model.denoise(a, cache)
     model.denoise(b, cache, self_conditioning_logits=torch.randn(2, 16, 512))
     assert cache.length == 12
-    assert all(torch.equal(x, y) for x, y in zip(before, (*cache.keys, *cache.values, cache.key_padding), strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(before, (*cache.keys, *cache.values, cache.is_token), strict=True))
     assert torch.equal(model.denoise(a, cache), first)  # best-of-k: re-scoring the first canvas is reproducible
 
 
@@ -119,13 +120,13 @@ def test_sliding_layers_see_the_reference_window(model):
 
 
 def test_masks_follow_the_reference_rules(model):
-    """Brute-force the visibility rules of every layer type and compare with KVCache.mask."""
+    """Brute-force the visibility rules of every layer type and compare with attention.reference_mask."""
     cfg = model.config
     sw, start, S = cfg.sliding_window, 13, 5
     cache = model.new_cache(1, 30)
     model.commit(_ids(1, start), cache)
     for prefix, window, causal in [(None, None, True), (sw - 1, sw, True), (None, None, False), (sw - 1, None, False)]:
-        mask = cache.mask(start, S, prefix=prefix, causal=causal, window=window)
+        mask = reference_mask(cache, start, S, prefix=prefix, causal=causal, window=window)
         lo = 0 if prefix is None else start - prefix
         keys = list(range(lo, start + S))
         want = torch.tensor([[(k <= q and (window is None or q - k < window)) if causal else True for k in keys]
@@ -135,7 +136,7 @@ def test_masks_follow_the_reference_rules(model):
         else:
             assert mask is not None and torch.equal(mask[0, 0], want)
     # The encoder's sliding queries see exactly `sliding_window` keys including themselves.
-    enc = cache.mask(start, S, prefix=sw - 1, causal=True, window=sw)
+    enc = reference_mask(cache, start, S, prefix=sw - 1, causal=True, window=sw)
     assert enc is not None and (enc[0, 0].sum(-1) == sw).all()
 
 

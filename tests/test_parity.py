@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from dgemma.checkpoint import load_model
+from dgemma.model import load_model
 from tests.hf_reference import GEOMETRIES, build_hf_model, hf_logits, load_hf_model, save_hf_model
 
 PROMPT, CANVAS, BATCH = 11, 16, 2  # the prompt is longer than the tiny window (8)
@@ -72,8 +72,7 @@ def test_fast_path_and_transformers_default_kernels_agree_within_1e4(checkpoints
     prompt, canvas, _, sc = _inputs(model.config.vocab_size, seed=2)
     want, _ = hf_logits(load_hf_model(path, eager=False), prompt, canvas, self_conditioning_logits=sc)
     reference = model(prompt, canvas, self_conditioning_logits=sc)
-    model.impl = "fast"
-    fast = model(prompt, canvas, self_conditioning_logits=sc)
+    fast = model(prompt, canvas, self_conditioning_logits=sc, impl="fast")
     assert (fast - reference).abs().max() <= 1e-4
     assert (reference - want).abs().max() <= 1e-4
     assert (fast - want).abs().max() <= 1e-4
@@ -84,8 +83,7 @@ def test_fast_path_and_transformers_default_kernels_agree_within_1e4(checkpoints
 def test_left_padded_batch_matches_transformers_and_unpadded_rows(checkpoints, impl):
     """transformers crashes with eager attention and padding, so its SDPA path is the reference here."""
     path = checkpoints["tiny"]
-    model = load_model(path)
-    model.impl = impl
+    model = load_model(path, impl=impl)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(3)
     short = torch.randint(3, vocab, (1, 6), generator=g)

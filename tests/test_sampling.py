@@ -1,4 +1,4 @@
-"""The sampler's rules on hand-built logits and canvases: no model involved (dgemma.sampling, dgemma.generate._stop)."""
+"""The sampler's rules on hand-built logits and canvases: no model involved (dgemma.sampling)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 
 from dgemma import GenerationConfig
 from dgemma import sampling as S
-from dgemma.generate import _stop, _StopState
 
 # --- acceptance by entropy ---------------------------------------------------------------------------------------
 
@@ -165,11 +164,11 @@ def test_is_stable_is_decided_per_row():
 
 
 def _stop_sequence(config: GenerationConfig, steps: list[tuple[list[int], float]]) -> list[bool]:
-    state = _StopState()
+    state = S.StopState()
     out = []
     for argmax, mean_entropy in steps:
         am = torch.tensor([argmax])
-        out.append(bool(_stop(config, state, am, am * 0 - 1, torch.tensor([mean_entropy]))[0]))
+        out.append(bool(S.stop_rows(config, state, am, am * 0 - 1, torch.tensor([mean_entropy]))[0]))
     return out
 
 
@@ -191,19 +190,19 @@ def test_hf_stop_with_stability_threshold_zero_is_confidence_only():
 
 def test_jax_stop_compares_the_argmax_with_the_input_canvas():
     config = GenerationConfig(stop_rule="jax", confidence_threshold=0.5)
-    state = _StopState()
+    state = S.StopState()
     argmax = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
     canvas = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 0, 3]])
     mean_entropy = torch.tensor([0.5, 0.9, 0.1])  # inclusive bound in JAX (EntropyEarlyStop: <=)
     # row 0: reproduces its input and is confident -> stop at the very first step (no history needed);
     # row 1: reproduces its input but is not confident; row 2: confident but changed a token.
-    assert _stop(config, state, argmax, canvas, mean_entropy).tolist() == [True, False, False]
+    assert S.stop_rows(config, state, argmax, canvas, mean_entropy).tolist() == [True, False, False]
 
 
 def test_lite_adaptive_stop_counts_consecutive_calm_steps():
     config = GenerationConfig(sampler="lite", confidence_threshold=0.5, stability_steps=2)
-    state = _StopState()
-    seen = [bool(_stop(config, state, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+    state = S.StopState()
+    seen = [bool(S.stop_rows(config, state, torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
                        torch.tensor([h]))[0]) for h in (0.1, 0.9, 0.1, 0.1, 0.1)]
     assert seen == [False, False, False, True, True]  # the calm streak restarts after the 0.9 step
     fixed = GenerationConfig(sampler="lite", adaptive=False, confidence_threshold=0.5, stability_steps=1)

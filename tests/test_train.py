@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 import dgemma.train as T
 from dgemma import cli
-from dgemma.checkpoint import load_model
 from dgemma.config import ConfigError
+from dgemma.model import load_model
 from dgemma.train import TrainConfig, latest_checkpoint, learning_rate, list_checkpoints, resolve_model_dir, train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from dgemma import data
-from dgemma.checkpoint import load_model
 from dgemma.cli.common import Streamer
 from dgemma.generate import generate
+from dgemma.model import load_model
 from dgemma.tokenizer import load_tokenizer
 from dgemma.train import latest_checkpoint, resolve_model_dir, train, train_preset
 

@@ -1,0 +1,170 @@
+"""The fast entropy-bound sampler loop: `generate.denoise_canvas` with every decision taken on the device.
+
+Per step: `DenoiseStep` (the model's denoise up to the final hidden state, optionally with fixed shapes for
+torch.compile and CUDA graphs) -> `kernels.head_and_sample` (head, temperature, draw, argmax, entropy and the next
+self-conditioning input, row-chunked, in reused buffers) -> the readable loop's own rules on device tensors:
+`sampling.accept_by_entropy`, `sampling.renoise`, and the stop rule and step accounting of `canvas.CanvasState`.
+Rows that stopped keep their state through `torch.where`, not a branch on a host value, and the host reads
+`done.all()` only once every `sync_every` steps.
+
+Same decisions as the readable loop given the same logits and noise (tests/test_fast_sampler.py); the random draws
+differ (inverse-CDF or exponential race instead of torch.multinomial). `generate(..., impl="fast")` uses it for the
+settings `supports` accepts and the readable loop on the fast kernels otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from dgemma import attention, kernels, sampling
+from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
+from dgemma.config import SLIDING, GenerationConfig
+from dgemma.kv_cache import KVCache
+from dgemma.model import DiffusionGemma
+
+_COMPILED: dict[str, Callable[..., Tensor]] = {}  # compiled `_static_hidden` per mode, made on first use (not import)
+
+
+def supports(config: GenerationConfig) -> bool:
+    """Whether the fast loop implements `config`: the entropy-bound sampler with transformers' posterior and first
+    self-conditioning input (the Lite sampler and the other switches run the readable loop on fast kernels)."""
+    return config.sampler == "entropy-bound" and config.posterior_rule == "tempered" and \
+        config.initial_self_conditioning == "zeros"
+
+
+class DenoiseStep:
+    """`DiffusionGemma.denoise_hidden` with the fast kernels, taking the self-conditioning signal as the soft
+    embedding (B, L, D), which the fast sampler computes from the probabilities it already holds instead of a second
+    softmax over (B, L, V) logits.
+
+    static=False reads the visible slice of the cache, as `denoise` does (shapes follow the context length).
+    static=True keeps every shape fixed for the life of the cache, so the step can be captured whole: full layers
+    read all preallocated slots and mask those at or past the committed length, which enters as a device scalar (no
+    recompilation per canvas); sliding layers gather a fixed window of `sliding_prefix` slots. compile=True wraps the
+    static step in torch.compile(fullgraph=True), with CUDA graphs ("reduce-overhead") on CUDA; a string names the
+    torch.compile backend instead of inductor."""
+
+    def __init__(self, model: DiffusionGemma, cache: KVCache, *, sliding_prefix: int | None = None,
+                 static: bool = False, compile: bool | str = False):
+        self.model, self.cache, self.sliding_prefix = model, cache, sliding_prefix
+        self.static = static or bool(compile)
+        self._fn: Callable[..., Tensor] = _static_hidden
+        if compile:
+            self._fn = compiled_static_hidden(model.device, cache, compile if isinstance(compile, str) else "inductor")
+        self._end = torch.zeros((), dtype=torch.long, device=model.device)
+
+    @torch.no_grad()
+    def __call__(self, canvas: Tensor, soft: Tensor | None = None, t: Tensor | float | None = None) -> Tensor:
+        if not self.static:
+            return self.model.denoise_hidden(canvas, self.cache, soft=soft, sliding_prefix=self.sliding_prefix, t=t,
+                                             impl="fast")
+        self.cache.check_batch(canvas, "canvas")
+        if t is not None:
+            t = torch.as_tensor(t, dtype=torch.float32, device=canvas.device).reshape(-1, 1)
+        self._end.fill_(self.cache.length)  # a host-to-device write, never a read
+        prefix = attention.visible_prefixes(self.model.config.sliding_window, "decoder", self.sliding_prefix)[SLIDING]
+        c = self.cache
+        return self._fn(self.model, c.keys, c.values, c.is_token, canvas, soft, t, self._end, prefix)
+
+
+def compiled_static_hidden(device: torch.device, cache: KVCache | None = None, backend: str = "inductor"
+                           ) -> Callable[..., Tensor]:
+    """torch.compile(fullgraph=True) of the static denoise step, made on first use. On CUDA: CUDA graphs, with the
+    cache marked as living at a fixed address so that replays read it in place instead of copying it in.
+    `backend="aot_eager"` traces the same whole graph without generating code (what the tests use: seconds, not
+    minutes)."""
+    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+    if device.type == "cuda" and cache is not None:
+        for t in (*cache.keys, *cache.values, cache.is_token):
+            torch._dynamo.mark_static_address(t)
+    kernels.register_expert_loop_op()
+    key = f"{backend}/{mode}"
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(_static_hidden, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+    return _COMPILED[key]
+
+
+def _static_hidden(model: DiffusionGemma, keys: list[Tensor], values: list[Tensor], is_token: Tensor,
+                   canvas: Tensor, soft: Tensor | None, t: Tensor | None, end: Tensor, prefix: int) -> Tensor:
+    """`denoise_hidden` with shapes that do not depend on `end` (a 0-d device tensor): no host reads, no
+    data-dependent shapes, so torch.compile(fullgraph=True) and CUDA graphs can take it whole."""
+    L = canvas.shape[1]
+    device = canvas.device
+    x = model.self_conditioning(model.embed(canvas, t), soft)
+    T = is_token.shape[1]
+    window = end - prefix + torch.arange(prefix, device=device)  # the sliding layers' slots, some maybe < 0
+    slots = window.clamp(0, T - 1)
+    masks = attention.static_denoise_masks(is_token, end, L, slots, window)
+    kinds = model.config.layer_types
+
+    def past(i: int) -> tuple[Tensor, Tensor]:
+        if kinds[i] == SLIDING:
+            return keys[i].index_select(2, slots), values[i].index_select(2, slots)
+        return keys[i], values[i]
+
+    hidden = model.run_layers(x, (end + torch.arange(L, device=device))[None], "decoder", masks, "fast", past=past)
+    return model.final_hidden(hidden, soft)
+
+
+@torch.no_grad()
+def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConfig, *,
+                   generator: torch.Generator | None = None, canvas: Tensor | None = None,
+                   finished: Tensor | None = None, canvas_index: int = 0,
+                   on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
+                   step: Callable[..., Tensor] | None = None,
+                   head: Callable[[Tensor, Tensor | None], Tensor] | None = None,
+                   draw: kernels.Draw | None = None, sync_every: int | None = None, chunk_rows: int | None = None,
+                   compile: bool = False) -> StagedCanvas:
+    """Twin of `generate.denoise_canvas` for the settings `supports` accepts (module docstring). `step`: the
+    denoise step (default `DenoiseStep`); `head`: rows -> fp32 logits (default the model's tied head); `draw`:
+    "cdf" (default on CPU) or "race" (default on CUDA); `sync_every`: steps between host reads of `done.all()`
+    (default: every step on CPU, where a read costs nothing; every 4 on CUDA; steps run after the whole batch stopped
+    are discarded, so the per-row step counts are the readable loop's); `chunk_rows`: rows of (rows, V) logits per
+    chunk."""
+    if not supports(config):
+        raise ValueError("the fast sampler implements the entropy-bound sampler with posterior='tempered' and "
+                         f"initial_self_conditioning='zeros', not {config.sampler!r}, {config.posterior_rule!r}, "
+                         f"{config.initial_self_conditioning!r}")
+    B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
+    device = model.device
+    noise = sampling.uniform_tokens((B, L), V, device, generator)  # drawn even when `canvas` is given
+    x = noise if canvas is None else canvas.to(device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device) if finished is None else finished
+    state = CanvasState(x, finished, config, canvas_index=canvas_index, on_step=on_step, trace=trace)
+    if step is None:
+        sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
+        step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix, compile=compile)
+    weight = model.embed_tokens.weight
+    if head is None:
+        softcap = model.config.final_logit_softcapping
+        head = lambda rows, out: kernels.logits_into(rows, weight, softcap, out)
+    draw = draw or ("race" if device.type == "cuda" else "cdf")
+    sync_every = sync_every or (1 if device.type == "cpu" else 4)
+    chunk_rows = min(B * L, chunk_rows or kernels.default_chunk_rows(V, device))
+    workspace = kernels.Workspace(chunk_rows, V, device)
+    N = config.max_denoising_steps
+    scale = model.config.hidden_size**0.5
+    soft = None
+    entropy = torch.zeros(B, L, device=device)
+    for i, n in enumerate(range(N, 0, -1)):  # n = steps remaining
+        was_done, active = state.begin_step()
+        final = step(state.x, soft, n / N if model.config.time_embedding else None)
+        temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
+        out = kernels.head_and_sample(final, head, temp, generator=generator, draw=draw,
+                                      embed=weight if n > 1 else None, embed_scale=scale, chunk_rows=chunk_rows,
+                                      workspace=workspace)
+        accepted = sampling.accept_by_entropy(out.entropy, config.entropy_bound)
+        new_x = sampling.renoise(out.draw, accepted, V, generator)
+        keep = was_done[:, None]  # rows that already stopped keep everything (the readable loop's freeze)
+        new_argmax = torch.where(keep, state.argmax, out.argmax)
+        new_x = torch.where(keep, state.x, new_x)
+        entropy = torch.where(keep, entropy, out.entropy)
+        if out.soft is not None:
+            soft = out.soft if soft is None else torch.where(keep[..., None], soft, out.soft)
+        state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
+        if ((i + 1) % sync_every == 0 or n == 1) and state.all_done():  # the only host read in the loop
+            break
+    return state.staged(state.x)
