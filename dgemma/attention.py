@@ -160,3 +160,43 @@ def static_denoise_masks(is_token: Tensor, end: Tensor, num_new: int, slots: Ten
     full = torch.cat([is_token & (torch.arange(T, device=is_token.device) < end), canvas], 1)[:, None, None]
     sliding = torch.cat([is_token[:, slots] & (window >= 0), canvas], 1)[:, None, None]
     return {FULL: full, SLIDING: sliding}
+
+
+# --- training masks: whole sequences, no cache (dgemma/diffusion.py's objectives) --------------------------------
+# The same rules over one sequence that holds several canvases: a canvas sees the clean canvases before it (its
+# sliding layers the last `window - 1` of their tokens) and itself bidirectionally; clean tokens attend causally.
+
+def clean_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None
+                        ) -> dict[str, Tensor]:
+    """Masks (1, 1, 2T, 2T) over [clean ; noisy] for both layer types (True = may attend)."""
+    T = length
+    idx = torch.arange(2 * T, device=device)
+    pos, noisy = idx % T, idx >= T
+    block = pos // canvas_length
+    q_pos, k_pos = pos[:, None], pos[None, :]
+    q_noisy, k_noisy = noisy[:, None], noisy[None, :]
+    causal = ~q_noisy & ~k_noisy & (k_pos <= q_pos)  # the encoder role: clean attends causally to clean
+    prefix = q_noisy & ~k_noisy & (k_pos < block[:, None] * canvas_length)  # a canvas sees clean canvases before it
+    own = q_noisy & k_noisy & (block[:, None] == block[None, :])  # ...and itself, bidirectionally
+    full = causal | prefix | own
+    start = block[:, None] * canvas_length
+    sliding = (causal & (q_pos - k_pos < window)) | (prefix & (k_pos >= start - (window - 1))) | own
+    return {FULL: full[None, None], SLIDING: sliding[None, None]}
+
+
+def noisy_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None
+                        ) -> dict[str, Tensor]:
+    """Block-causal masks (1, 1, T, T): canvas b sees canvases < b and itself."""
+    pos = torch.arange(length, device=device)
+    block = pos // canvas_length
+    start = (block * canvas_length)[:, None]
+    earlier, own = pos[None, :] < start, block[:, None] == block[None, :]
+    return {FULL: (earlier | own)[None, None],
+            SLIDING: ((earlier & (pos[None, :] >= start - (window - 1))) | own)[None, None]}
+
+
+def causal_masks(length: int, window: int, device: torch.device | None = None) -> dict[str, Tensor]:
+    """Causal masks (1, 1, T, T), sliding layers with a window of `window` keys including self."""
+    pos = torch.arange(length, device=device)
+    causal = pos[None, :] <= pos[:, None]
+    return {FULL: causal[None, None], SLIDING: (causal & (pos[:, None] - pos[None, :] < window))[None, None]}

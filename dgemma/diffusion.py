@@ -1,4 +1,5 @@
-"""The training side of uniform-state block diffusion (seed 003): forward process, masks, losses.
+"""The training side of uniform-state block diffusion (seed 003): forward process and losses (the masks of each
+objective: dgemma/attention.py).
 
 Forward process (D3PM, uniform state). A clean canvas x0 at noise level t in {1..T} is corrupted in one shot:
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dgemma.config import FULL, SLIDING
+from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.model import DiffusionGemma
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
@@ -59,44 +60,6 @@ def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_si
     keep = torch.rand(x0.shape, generator=generator, device=x0.device) < keep_prob
     noise = torch.randint(0, vocab_size, x0.shape, generator=generator, device=x0.device)
     return torch.where(keep, x0, noise)
-
-
-# --- masks ------------------------------------------------------------------------------------------------------
-
-def clean_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None
-                        ) -> dict[str, Tensor]:
-    """Masks (1, 1, 2T, 2T) over [clean ; noisy] for both layer types (True = may attend)."""
-    T = length
-    idx = torch.arange(2 * T, device=device)
-    pos, noisy = idx % T, idx >= T
-    block = pos // canvas_length
-    q_pos, k_pos = pos[:, None], pos[None, :]
-    q_noisy, k_noisy = noisy[:, None], noisy[None, :]
-    causal = ~q_noisy & ~k_noisy & (k_pos <= q_pos)  # the encoder role: clean attends causally to clean
-    prefix = q_noisy & ~k_noisy & (k_pos < block[:, None] * canvas_length)  # a canvas sees clean canvases before it
-    own = q_noisy & k_noisy & (block[:, None] == block[None, :])  # ...and itself, bidirectionally
-    full = causal | prefix | own
-    start = block[:, None] * canvas_length
-    sliding = (causal & (q_pos - k_pos < window)) | (prefix & (k_pos >= start - (window - 1))) | own
-    return {FULL: full[None, None], SLIDING: sliding[None, None]}
-
-
-def noisy_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None
-                        ) -> dict[str, Tensor]:
-    """Block-causal masks (1, 1, T, T): canvas b sees canvases < b and itself."""
-    pos = torch.arange(length, device=device)
-    block = pos // canvas_length
-    start = (block * canvas_length)[:, None]
-    earlier, own = pos[None, :] < start, block[:, None] == block[None, :]
-    return {FULL: (earlier | own)[None, None],
-            SLIDING: ((earlier & (pos[None, :] >= start - (window - 1))) | own)[None, None]}
-
-
-def causal_masks(length: int, window: int, device: torch.device | None = None) -> dict[str, Tensor]:
-    """Causal masks (1, 1, T, T), sliding layers with a window of `window` keys including self."""
-    pos = torch.arange(length, device=device)
-    causal = pos[None, :] <= pos[:, None]
-    return {FULL: causal[None, None], SLIDING: (causal & (pos[:, None] - pos[None, :] < window))[None, None]}
 
 
 # --- losses -----------------------------------------------------------------------------------------------------

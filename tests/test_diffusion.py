@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from dgemma import DiffusionGemma, init_weights, preset
+from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.config import FULL, SLIDING
 from dgemma.diffusion import (
     OBJECTIVES,
     alpha_bar,
-    causal_masks,
-    clean_context_masks,
-    noisy_context_masks,
     q_sample,
     sample_canvas_t,
     soft_embedding,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from dgemma import DiffusionGemma, generate, init_weights, load_model, preset, save_pretrained
+from dgemma.attention import clean_context_masks
 from dgemma.costs import parameter_counts
-from dgemma.diffusion import clean_context_masks, soft_embedding, training_loss
+from dgemma.diffusion import soft_embedding, training_loss
 
 CFG = preset("lite-tiny")
 
