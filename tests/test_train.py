@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 import dgemma.train as T
 from dgemma import cli
-from dgemma.checkpoint import load_model
+from dgemma.checkpoint import latest_checkpoint, list_checkpoints, load_model, resolve_model_dir
 from dgemma.config import ConfigError
-from dgemma.train import TrainConfig, latest_checkpoint, learning_rate, list_checkpoints, resolve_model_dir, train
+from dgemma.train import TrainConfig, learning_rate, train
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 3  # steps before the interruption; the uninterrupted run does 2N

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from dgemma import data
-from dgemma.checkpoint import load_model
+from dgemma.checkpoint import latest_checkpoint, load_model, resolve_model_dir
 from dgemma.cli.common import Streamer
 from dgemma.generate import generate
 from dgemma.tokenizer import load_tokenizer
-from dgemma.train import latest_checkpoint, resolve_model_dir, train, train_preset
+from dgemma.train import train, train_preset
 
 
 def register(subparsers: Any) -> None:
