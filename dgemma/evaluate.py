@@ -481,8 +481,8 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
     both)."""
     from dgemma.checkpoint import load_model
-    from dgemma.data import TokenDataset, check_vocab
-    from dgemma.tokenizer import load_tokenizer
+    from dgemma.data import TokenDataset
+    from dgemma.tokenizer import check_vocab, load_tokenizer
 
     s = settings or EvalSettings()
     s.check()
@@ -504,7 +504,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     if val.num_tokens == 0:
         raise EvalError(f"{data_dir}: the validation split is empty (0 tokens); prepare the data with "
                         "--val-fraction > 0")
-    check_vocab(val, model.config)
+    check_vocab(val.tokenizer(), model.config)
     if info.tokenizer_path is not None and file_sha256(info.tokenizer_path) != file_sha256(val.tokenizer_path):
         raise EvalError(f"{data_dir} was tokenized with another tokenizer than {model_path} "
                         f"({val.tokenizer_path} differs from {info.tokenizer_path})")

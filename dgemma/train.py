@@ -54,10 +54,11 @@ from dgemma.checkpoint import (
 )
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
 from dgemma.console import Console
-from dgemma.data import TokenDataset, check_vocab
+from dgemma.data import TokenDataset
 from dgemma.diffusion import OBJECTIVES, training_loss
 from dgemma.model import IMPLS, DiffusionGemma, init_weights
 from dgemma.system import available_memory
+from dgemma.tokenizer import check_vocab
 
 LATEST, CONFIG_JSON = "latest", "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
@@ -347,7 +348,7 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
         raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
     train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
     mc = cfg.model_config
-    check_vocab(train_set, mc)
+    check_vocab(train_set.tokenizer(), mc)
     ckpt = latest_checkpoint(run) if resume else None
     if resume and ckpt is None:
         raise CheckpointError(f"--resume: {run} has no complete checkpoint to resume from" + (

@@ -358,7 +358,7 @@ def pair(tmp_path_factory):
     clean-context diffusion and the AR baseline, both on the tiny preset."""
     import io
 
-    from dgemma.data import prepare
+    from dgemma.prepare import prepare
     from dgemma.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("pair")
@@ -435,7 +435,7 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
 
 def test_dgemma_eval_bad_inputs_are_clear_errors(pair, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.data import prepare
+    from dgemma.prepare import prepare
     from dgemma.tokenizer import build_test_tokenizer
 
     root, runs = pair

@@ -245,7 +245,7 @@ def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
         args[1], expected = str(tmp_path / "nowhere"), "no such data directory"
     elif case == "vocab":
         args += ["--vocab-size", "300"]
-        expected = "vocab_size 512 .* vocab_size is 300"
+        expected = "tokenizer.json has 512 ids but the model.s vocab_size is 300"
     elif case == "incompatible resume":
         args += ["--resume", "--lr", "0.5"]
         expected = "cannot resume .*lr 0.003 -> 0.5"
@@ -278,7 +278,7 @@ def test_demo_runs_end_to_end(corpus, tmp_path, capsys, monkeypatch):
         assert corpus_items == ["default"]
         shutil.copytree(corpus, out)
 
-    monkeypatch.setattr(demo.data, "prepare", prepare)
+    monkeypatch.setattr(demo.prepare, "prepare", prepare)
     monkeypatch.setattr(demo, "train_preset", lambda name: T.train_preset("tiny").replace(eval_batches=1))
     code = cli.main(["demo", "--out", str(tmp_path / "demo"), "--minutes", "0.02", "--max-new-tokens", "32",
                      "--prompt", "The young king"])
