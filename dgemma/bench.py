@@ -140,61 +140,6 @@ def measure_bandwidth(device: str, num_bytes: int | None = None) -> float:
     return 2 * n * 4 / seconds
 
 
-# --- random checkpoints ---------------------------------------------------------------------------------------------
-
-def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random weights that give a model opinions (as tests/hf_reference.py): matrices N(0, 1)/sqrt(fan_in),
-    embedding N(0, 0.3), router N(0, 1), norms and scales 1 + 0.2 N(0, 1), layer scalars U(0.5, 1.5). Works on
-    dgemma's and transformers' parameter names alike; tied tensors are drawn once."""
-    device = next(model.parameters()).device
-    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live (26B on a GPU: seconds)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, device=device)
-            if p.ndim == 1:
-                value = 1 + 0.2 * noise
-            elif name.endswith("embed_tokens.weight"):
-                value = 0.3 * noise
-            elif name.endswith("router.proj.weight"):
-                value = noise
-            else:
-                value = noise / math.sqrt(p.shape[-1])
-            p.copy_(value)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g, device=device))
-    return model
-
-
-def build_hf_checkpoint(cfg: ModelConfig, path: str | os.PathLike[str], *, seed: int = 0,
-                        dtype: torch.dtype = torch.float32) -> None:
-    """Write a random transformers `DiffusionGemmaForBlockDiffusion` of geometry `cfg` to `path` (config.json,
-    generation_config.json, model.safetensors), which both transformers and `dgemma.load_model` read."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-
-    hf = cfg.to_hf()
-    V = cfg.vocab_size
-    config = DiffusionGemmaConfig(text_config={k: v for k, v in hf["text_config"].items() if k != "model_type"},
-                                  vision_config=hf["vision_config"], canvas_length=cfg.canvas_length,
-                                  image_token_id=V - 3, boi_token_id=V - 2, eoi_token_id=V - 1)
-    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global generator
-        model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
-    randomize_(model, seed)
-    model.generation_config.update(eos_token_id=None, pad_token_id=None)
-    model.save_pretrained(path)
-
-
-def load_hf_model(path: str | os.PathLike[str], *, dtype: torch.dtype, device: str) -> nn.Module:
-    """transformers' model with its DEFAULT kernels (SDPA attention, grouped-mm experts). Tensors are copied to fresh
-    storage, as `dgemma.load_model` does, so neither side runs on unaligned memory-mapped weights."""
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype)
-    for t in (*model.parameters(), *model.buffers()):
-        t.data = t.data.clone()
-    return model.to(device).eval()
-
-
 # --- generation -------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -374,6 +319,7 @@ def _threads(n: int | None) -> Iterator[None]:
 def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> dict[str, Any]:
     """Load (or build) the model(s) once, warm each implementation up, then run them in alternation."""
     import dgemma
+    from dgemma.testing.hf import build_hf_checkpoint, load_hf_model, randomize_  # transformers only when compared
 
     dtype = s.torch_dtype
     with tempfile.TemporaryDirectory(prefix="dgemma-bench-") as tmp:
@@ -387,7 +333,7 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
             with torch.device("meta"):
                 model = DiffusionGemma(PRESETS[s.preset])  # type: ignore[index]
             model = randomize_(model.to(dtype).to_empty(device=s.device), s.seed).eval()
-        hf = load_hf_model(path, dtype=dtype, device=s.device) if s.compare_transformers else None  # type: ignore[arg-type]
+        hf = load_hf_model(path, dtype=dtype, device=s.device, eager=False) if s.compare_transformers else None  # type: ignore[arg-type]
         cfg = model.config
         prompt_len = s.prompt_length or cfg.sliding_window + max(4, cfg.canvas_length // 4)
         g = torch.Generator().manual_seed(s.seed)
@@ -611,5 +557,5 @@ def to_json(r: dict[str, Any]) -> str:
     return json.dumps(clean(r))
 
 
-__all__ = ["BenchSettings", "build_hf_checkpoint", "format_report", "load_hf_model", "measure_bandwidth",
-           "measure_matmul_peak", "randomize_", "run", "step_bounds", "training_flops", "write_docs"]
+__all__ = ["BenchSettings", "format_report", "measure_bandwidth", "measure_matmul_peak", "run", "step_bounds",
+           "training_flops", "write_docs"]

@@ -180,7 +180,7 @@ def test_ar_objective_trains(corpus, tmp_path):
 
 
 def test_trained_dg_checkpoint_loads_in_transformers(corpus, uninterrupted):
-    from tests.hf_reference import hf_logits, load_hf_model
+    from dgemma.testing.hf import hf_logits, load_hf_model
 
     ckpt = resolve_model_dir(uninterrupted)
     assert ckpt == latest_checkpoint(uninterrupted)
