@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -38,10 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dgemma import costs
+from dgemma import attention, costs
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
 from dgemma.generate import generate
 from dgemma.model import DiffusionGemma
+from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -142,120 +140,6 @@ def measure_bandwidth(device: str, num_bytes: int | None = None) -> float:
     return 2 * n * 4 / seconds
 
 
-def machine_info(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "cpu": _lscpu_model(), "cores": os.cpu_count()}
-    with contextlib.suppress(OSError):
-        info["load_average"] = list(os.getloadavg())
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # without the seconds an import takes
-        info["transformers"] = importlib.metadata.version("transformers")
-    return info
-
-
-def _lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return platform.processor() or "unknown"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-# --- memory ---------------------------------------------------------------------------------------------------------
-
-def _reset_peak(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # Linux: resets VmHWM
-        f.write("5")
-
-
-def _read_peak(device: str) -> int | None:
-    if device == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # not Linux: the process's lifetime peak (an upper bound)
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-# --- random checkpoints ---------------------------------------------------------------------------------------------
-
-def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random weights that give a model opinions (as tests/hf_reference.py): matrices N(0, 1)/sqrt(fan_in),
-    embedding N(0, 0.3), router N(0, 1), norms and scales 1 + 0.2 N(0, 1), layer scalars U(0.5, 1.5). Works on
-    dgemma's and transformers' parameter names alike; tied tensors are drawn once."""
-    device = next(model.parameters()).device
-    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live (26B on a GPU: seconds)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, device=device)
-            if p.ndim == 1:
-                value = 1 + 0.2 * noise
-            elif name.endswith("embed_tokens.weight"):
-                value = 0.3 * noise
-            elif name.endswith("router.proj.weight"):
-                value = noise
-            else:
-                value = noise / math.sqrt(p.shape[-1])
-            p.copy_(value)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.copy_(0.5 + torch.rand(b.shape, generator=g, device=device))
-    return model
-
-
-def build_hf_checkpoint(cfg: ModelConfig, path: str | os.PathLike[str], *, seed: int = 0,
-                        dtype: torch.dtype = torch.float32) -> None:
-    """Write a random transformers `DiffusionGemmaForBlockDiffusion` of geometry `cfg` to `path` (config.json,
-    generation_config.json, model.safetensors), which both transformers and `dgemma.load_model` read."""
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-
-    hf = cfg.to_hf()
-    V = cfg.vocab_size
-    config = DiffusionGemmaConfig(text_config={k: v for k, v in hf["text_config"].items() if k != "model_type"},
-                                  vision_config=hf["vision_config"], canvas_length=cfg.canvas_length,
-                                  image_token_id=V - 3, boi_token_id=V - 2, eoi_token_id=V - 1)
-    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global generator
-        model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
-    randomize_(model, seed)
-    model.generation_config.update(eos_token_id=None, pad_token_id=None)
-    model.save_pretrained(path)
-
-
-def load_hf_model(path: str | os.PathLike[str], *, dtype: torch.dtype, device: str) -> nn.Module:
-    """transformers' model with its DEFAULT kernels (SDPA attention, grouped-mm experts). Tensors are copied to fresh
-    storage, as `dgemma.load_model` does, so neither side runs on unaligned memory-mapped weights."""
-    from transformers import DiffusionGemmaForBlockDiffusion
-
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype)
-    for t in (*model.parameters(), *model.buffers()):
-        t.data = t.data.clone()
-    return model.to(device).eval()
-
-
 # --- generation -------------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -314,7 +198,7 @@ def run_dgemma(model: DiffusionGemma, prompt: Tensor, impl: str, s: BenchSetting
             rt.first_canvas = time.perf_counter() - started
 
     try:
-        _reset_peak(s.device)
+        reset_peak_memory(s.device)
         _sync(s.device)
         started = time.perf_counter()
         result = generate(model, prompt, seed=seed, impl=impl, compile=s.compile and impl == "fast",  # type: ignore[arg-type]
@@ -322,7 +206,7 @@ def run_dgemma(model: DiffusionGemma, prompt: Tensor, impl: str, s: BenchSetting
                           **_sampler_settings(s.steps, model.config.canvas_length, s.canvases))
         _sync(s.device)
         rt.total = time.perf_counter() - started
-        rt.peak_memory = _read_peak(s.device)
+        rt.peak_memory = peak_memory(s.device)
     finally:
         del model.commit
     rt.prefill, rt.commits = watch.laps[0], watch.laps[1:]
@@ -360,14 +244,14 @@ def run_transformers(hf: nn.Module, prompt: Tensor, s: BenchSettings, seed: int)
 
     try:
         torch.manual_seed(seed)
-        _reset_peak(s.device)
+        reset_peak_memory(s.device)
         _sync(s.device)
         started = time.perf_counter()
         out = hf.generate(prompt, streamer=FirstCanvas(), eos_token_id=hf.config.text_config.vocab_size,
                           pad_token_id=None, **settings)
         _sync(s.device)
         rt.total = time.perf_counter() - started
-        rt.peak_memory = _read_peak(s.device)
+        rt.peak_memory = peak_memory(s.device)
     finally:
         for h in hooks:
             h.remove()
@@ -435,6 +319,7 @@ def _threads(n: int | None) -> Iterator[None]:
 def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> dict[str, Any]:
     """Load (or build) the model(s) once, warm each implementation up, then run them in alternation."""
     import dgemma
+    from dgemma.testing.hf import build_hf_checkpoint, load_hf_model, randomize_  # transformers only when compared
 
     dtype = s.torch_dtype
     with tempfile.TemporaryDirectory(prefix="dgemma-bench-") as tmp:
@@ -448,7 +333,7 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
             with torch.device("meta"):
                 model = DiffusionGemma(PRESETS[s.preset])  # type: ignore[index]
             model = randomize_(model.to(dtype).to_empty(device=s.device), s.seed).eval()
-        hf = load_hf_model(path, dtype=dtype, device=s.device) if s.compare_transformers else None  # type: ignore[arg-type]
+        hf = load_hf_model(path, dtype=dtype, device=s.device, eager=False) if s.compare_transformers else None  # type: ignore[arg-type]
         cfg = model.config
         prompt_len = s.prompt_length or cfg.sliding_window + max(4, cfg.canvas_length // 4)
         g = torch.Generator().manual_seed(s.seed)
@@ -522,7 +407,6 @@ def _train_step(model: DiffusionGemma, opt: torch.optim.Optimizer, data: Tensor,
 def bench_training(s: BenchSettings, peak_flops: float) -> dict[str, Any]:
     """Diffusion (clean-context) and AR optimizer steps of the training preset, the impls alternating step by step;
     mean time per step over the timed steps, MFU = model FLOPs / time / the measured fp32 (CPU) matmul peak."""
-    from dgemma import diffusion
     from dgemma.model import init_weights
 
     name = s.train_preset or ("tiny" if s.preset == "tiny" else "lite-380m" if s.device == "cuda" else
@@ -541,7 +425,7 @@ def bench_training(s: BenchSettings, peak_flops: float) -> dict[str, Any]:
     out: dict[str, Any] = {"preset": name, "batch": batch, "seq_len": seq_len,
                            "precision": "bf16 autocast" if use_bf16 else "float32", "results": {}}
     W, L = cfg.sliding_window, cfg.canvas_length
-    masks = {"clean-context": diffusion.clean_context_masks(seq_len, L, W), "ar": diffusion.causal_masks(seq_len, W)}
+    masks = {"clean-context": attention.clean_context_masks(seq_len, L, W), "ar": attention.causal_masks(seq_len, W)}
     runs: dict[str, Any] = {}
     for impl in s.impls:  # one model per impl, same weights, data and noise draws (the self-conditioning coin)
         model = init_weights(DiffusionGemma(cfg, impl=impl)).to(s.device).train()  # type: ignore[arg-type]
@@ -672,5 +556,5 @@ def to_json(r: dict[str, Any]) -> str:
     return json.dumps(clean(r))
 
 
-__all__ = ["BenchSettings", "build_hf_checkpoint", "format_report", "load_hf_model", "measure_bandwidth",
-           "measure_matmul_peak", "randomize_", "run", "step_bounds", "training_flops", "write_docs"]
+__all__ = ["BenchSettings", "format_report", "measure_bandwidth", "measure_matmul_peak", "run", "step_bounds",
+           "training_flops", "write_docs"]

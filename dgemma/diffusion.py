@@ -42,9 +42,10 @@ OBJECTIVES = ("clean-context", "noisy-context", "ar")
 
 # --- forward process ------------------------------------------------------------------------------------------
 
-def alpha_bar(t: Tensor, num_steps: int) -> Tensor:
-    """Probability that a token is still clean at noise level t (cosine schedule)."""
-    return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).float()
+def alpha_bar(t: Tensor, num_steps: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Probability that a token is still clean at noise level t (cosine schedule), computed in float64 and returned
+    in `dtype`: float32 for corruption, float64 for the NELBO (dgemma/nelbo.py), whose logs need it near t = 0."""
+    return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).to(dtype)
 
 
 def sample_canvas_t(batch: int, num_canvases: int, num_steps: int, generator: torch.Generator | None = None,

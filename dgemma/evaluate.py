@@ -1,23 +1,23 @@
 """Evaluation: held-out likelihoods, decoding cost and speed, and sample quality (docs/evaluation.md).
 
-Likelihood (nats per token, with bits per byte beside them):
+Likelihood (nats per token, with bits per byte beside them), each a loop over the held-out windows:
 
     x0 cross-entropy     the training objective at t ~ U{1..T}, without self-conditioning (seed 003 section 7).
                          Not a likelihood: it is what the model is trained on, reported as the seed reports it.
-    NELBO                an upper bound on the held-out NLL of the uniform-state D3PM with the cosine schedule and
-                         T steps, canvas by canvas given the clean prefix (block-autoregressive):
-                             NLL(x) <= sum_b NELBO(canvas_b | canvases < b)
-                         estimated by Monte Carlo over stratified t, with its standard error.
+    NELBO                an upper bound on the held-out NLL, canvas by canvas given the clean prefix; the maths
+                         (reverse KLs, stratified t, the posteriors) is dgemma/nelbo.py.
     AR cross-entropy     next-token loss of an autoregressive run (objective 'ar') on the same held-out tokens.
 
-Cost and speed: `ForwardCounter` wraps a model's `commit` / `denoise` / `sequence_hidden` and counts tokens through
-the backbone; `run_sampler` and `run_ar` decode the same prompts one at a time (batch 1) with wall-clock timing.
+Cost and speed: `run_sampler` and `run_ar` decode the same prompts one at a time (batch 1) with wall-clock timing and
+count the backbone passes and tokens after the prefill from what the decoders did (the steps `generate` reports per
+canvas, the commits; nothing is patched into the model).
 
 Sample quality: generative perplexity of diffusion samples under the AR baseline (samples drawn with the diffusion
 model in float64), distinct-n, per-sample token entropy, and the fraction of accepted tokens re-noised at the next
-step (from traces).
+step (from traces, `dgemma.viz.renoised_fraction`).
 
-`evaluate(...)` runs everything and returns the report as a dict; `dgemma eval` writes it (dgemma/cli/eval.py).
+`evaluate(...)` runs everything and returns the report as a dict; `dgemma.report.write_report` writes it
+(`dgemma eval`, dgemma/cli/eval.py).
 """
 
 from __future__ import annotations
@@ -37,211 +37,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dgemma.attention import causal_masks
 from dgemma.config import GenerationConfig
-from dgemma.diffusion import causal_masks, clean_context_masks, noisy_context_masks, q_sample, sample_canvas_t
-from dgemma.generate import TRACE_FORMAT, Trace, generate
+from dgemma.console import Progress
+from dgemma.diffusion import q_sample, sample_canvas_t
+from dgemma.generate import Trace, generate
 from dgemma.model import DiffusionGemma
+from dgemma.nelbo import (
+    EvalError,
+    Posterior,
+    clean_context_posterior,
+    estimate,
+    noisy_context_posterior,
+    prior_kl,
+    window_nelbo,
+)
+from dgemma.viz import renoised_fraction
 
 REPORT_FORMAT = "dgemma-eval-1"
 PARITY_TOLERANCE = 0.05  # seed 003's verdict: held-out NLL within +5% of the AR baseline's
-KL_CHUNK_ROWS = 256  # rows of (rows, V) float64 temporaries in `reverse_kl`
-
-# posterior(x0 (B, S), x_t (B, S), t (B, C)) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean canvases before)
-Posterior = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-class EvalError(ValueError):
-    """An input `dgemma eval` / `dgemma viz` cannot use; the message says which and why (exit 2 in the CLI)."""
-
-
-# --- statistics ---------------------------------------------------------------------------------------------------
-
-@dataclass
-class Estimate:
-    """A per-token mean over held-out windows, with the standard error of that mean (windows as the unit)."""
-
-    mean: float  # nats per token
-    se: float  # standard error of `mean`; nan with fewer than 2 windows
-    windows: int
-    tokens: int
-    sd: float  # standard deviation of the per-window per-token values
-    bytes: int | None = None  # UTF-8 bytes of the scored tokens' text, for bits per byte
-
-    @property
-    def bits_per_byte(self) -> float | None:
-        return None if not self.bytes else self.mean * self.tokens / (math.log(2) * self.bytes)
-
-    def windows_for_se(self, target_se: float) -> int | None:
-        """Windows needed for a standard error of `target_se` nats/token: (sd / target)^2."""
-        return None if not math.isfinite(self.sd) else max(2, math.ceil((self.sd / target_se) ** 2))
-
-    def to_dict(self, target_se: float = 0.01) -> dict[str, Any]:
-        return {**asdict(self), "bits_per_byte": self.bits_per_byte, "target_se": target_se,
-                "windows_for_target_se": self.windows_for_se(target_se)}
-
-
-def estimate(per_window_nats: Sequence[float], per_window_tokens: Sequence[int], num_bytes: int | None = None
-             ) -> Estimate:
-    """Per-token mean (total nats / total tokens) and its standard error across windows (equal-length windows, so
-    the ratio estimator's SE is that of the per-window means)."""
-    nats, toks = np.asarray(per_window_nats, dtype=np.float64), np.asarray(per_window_tokens, dtype=np.float64)
-    if len(nats) == 0:
-        raise EvalError("nothing to average: no held-out window was scored")
-    per_token = nats / toks
-    sd = float(per_token.std(ddof=1)) if len(nats) > 1 else math.nan
-    return Estimate(float(nats.sum() / toks.sum()), sd / math.sqrt(len(nats)), len(nats), int(toks.sum()), sd,
-                    num_bytes)
-
-
-# --- the NELBO of the uniform-state process -------------------------------------------------------------------------
-
-def alpha_bar64(t: Tensor, num_steps: int) -> Tensor:
-    """The cosine schedule of dgemma.diffusion.alpha_bar, kept in float64 (the bound's logs need it near t=0)."""
-    return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2)
-
-
-def prior_kl(num_steps: int, vocab_size: int) -> float:
-    """KL(q(x_T | x0) || uniform) per token: q keeps x0 with alpha_bar(T) (~1e-33 for the cosine schedule)."""
-    ab = float(alpha_bar64(torch.tensor(float(num_steps)), num_steps))
-    V = vocab_size
-    c = (1 - ab) / V
-    return (ab + c) * math.log(V * (ab + c)) + (V - 1) * c * math.log(V * c) if c > 0 else math.log(V)
-
-
-def reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int,
-               chunk_rows: int = KL_CHUNK_ROWS) -> Tensor:
-    """Per-token KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) of the x0-parameterised reverse step, in nats, float64.
-
-    logits (N, V): the model's p(x0' | x_t); x0, xt, t (N,) with t in 1..T. p(x_{t-1} | x_t) = sum_x0'
-    q(x_{t-1} | x_t, x0') p(x0' | x_t). At t = 1 this is -log p(x0 | x_1), the reconstruction term. The common
-    factor q(x_t | x_{t-1}) of both distributions cancels in the log-ratio (docs/evaluation.md, equation 6)."""
-    out = torch.empty(x0.shape[0], dtype=torch.float64, device=logits.device)
-    for lo in range(0, x0.shape[0], chunk_rows):
-        sl = slice(lo, lo + chunk_rows)
-        out[sl] = _reverse_kl(logits[sl], x0[sl], xt[sl], t[sl], num_steps)
-    return out
-
-
-def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int) -> Tensor:
-    V = logits.shape[-1]
-    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
-    ab_t, ab_s = alpha_bar64(t, num_steps)[:, None], alpha_bar64(t - 1, num_steps)[:, None]  # s = t - 1
-    alpha = ab_t / ab_s  # the one-step keep probability from t-1 to t
-    at_k = F.one_hot(xt, V).bool()  # j == x_t
-    at_i = F.one_hot(x0, V).bool()  # j == x0
-    Z = (1 - ab_t) / V + ab_t * at_k  # (N, V): q(x_t | x0 = j) for every j
-    log_w = logp - Z.log()  # p(j | x_t) / q(x_t | j)
-    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
-    prior_s = ab_s * at_i + (1 - ab_s) / V  # q(x_{t-1} = j | x0)
-    # p(x_{t-1} = j | x_t) / q(x_t | x_{t-1} = j) = ab_s * w_j + (1 - ab_s) / V * S
-    log_den = torch.logaddexp(ab_s.log() + log_w, ((1 - ab_s) / V).log() + log_S)
-    q = (alpha * at_k + (1 - alpha) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
-    q = q / q.sum(-1, keepdim=True)  # the sum is q(x_t | x0) = Z[x0]
-    log_ratio = prior_s.log() - Z.gather(1, x0[:, None]).log() - log_den
-    return torch.where(q > 0, q * log_ratio, torch.zeros_like(q)).sum(-1)  # 0 log 0 = 0 (t = 1: q is one-hot)
-
-
-def stratified_t(num_samples: int, num_steps: int, shape: tuple[int, ...],
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """t for `num_samples` passes, and the weight of each pass (K,): sum_k weight_k * L(t_k) is an unbiased estimate
-    of sum_{t=1..T} L(t). With K = 1, t is uniform on {1..T} (weight T). With K >= 2, pass 0 is t = 1 exactly (the
-    reconstruction term, the largest and most variable one) and pass k >= 1 draws t uniformly in the k-th of K - 1
-    equal strata of {2..T} (weight: the stratum's size). K = T visits every t once. Returns t (K, *shape) int64."""
-    if not 1 <= num_samples <= num_steps:
-        raise ValueError(f"t samples per canvas must be in [1, T={num_steps}], got {num_samples}")
-    first, strata = (1, num_samples) if num_samples == 1 else (2, num_samples - 1)
-    edges = np.round(np.linspace(first - 1, num_steps, strata + 1)).astype(int)
-    sizes = np.diff(edges)
-    view = (-1, *[1] * len(shape))
-    u = torch.rand((strata, *shape), generator=generator, dtype=torch.float64)
-    t = 1 + torch.tensor(edges[:-1], dtype=torch.float64).view(view) + torch.floor(
-        u * torch.tensor(sizes, dtype=torch.float64).view(view))
-    weights = torch.tensor(sizes, dtype=torch.float64)
-    if num_samples > 1:
-        t = torch.cat([torch.ones((1, *shape), dtype=torch.float64), t])
-        weights = torch.cat([torch.ones(1, dtype=torch.float64), weights])
-    return t.long(), weights
-
-
-@dataclass
-class NelboTerms:
-    """Per-canvas NELBO estimates of a batch of windows and what went into them."""
-
-    nelbo: Tensor  # (B, C) nats per canvas: prior + sum over t of the reverse KLs (estimated)
-    t_sums: Tensor  # (T,) per-token KL summed over the sampled (canvas, t) pairs, by t
-    t_counts: Tensor  # (T,) canvas tokens behind each sum
-
-
-def window_nelbo(posterior: Posterior, x0: Tensor, *, canvas_length: int, vocab_size: int, num_steps: int,
-                 num_t_samples: int, generator: torch.Generator | None = None) -> NelboTerms:
-    """NELBO of each canvas of the windows x0 (B, S) given its clean prefix, by stratified Monte Carlo over t.
-
-    Each pass k corrupts every canvas at its own t drawn by `stratified_t` (one `posterior` call scores all
-    canvases, as the clean-context training forward does); the reverse KLs of the canvas's tokens are weighted by the
-    pass's weight."""
-    B, S = x0.shape
-    L = canvas_length
-    if S % L:
-        raise ValueError(f"windows of {S} tokens are not a whole number of canvases of {L}")
-    C = S // L
-    ts, weights = stratified_t(num_t_samples, num_steps, (B, C), generator)
-    nelbo = torch.full((B, C), prior_kl(num_steps, vocab_size) * L, dtype=torch.float64)
-    t_sums = torch.zeros(num_steps, dtype=torch.float64)
-    t_counts = torch.zeros(num_steps, dtype=torch.float64)
-    for k in range(num_t_samples):
-        t = ts[k].to(x0.device)
-        xt = q_sample(x0, t, num_steps, L, vocab_size, generator)
-        logits = posterior(x0, xt, t)  # (B, S, V)
-        t_tok = t.repeat_interleave(L, dim=1)
-        kl = reverse_kl(logits.reshape(B * S, -1), x0.reshape(-1), xt.reshape(-1), t_tok.reshape(-1), num_steps)
-        per_canvas = kl.view(B, C, L).sum(-1).cpu()  # (B, C)
-        nelbo += weights[k] * per_canvas
-        t_sums.index_add_(0, ts[k].reshape(-1) - 1, per_canvas.reshape(-1))
-        t_counts.index_add_(0, ts[k].reshape(-1) - 1, torch.full((B * C,), float(L), dtype=torch.float64))
-    return NelboTerms(nelbo, t_sums, t_counts)
-
-
-def _level(t: Tensor, num_steps: int, L: int) -> Tensor:
-    return (t.float() / num_steps).repeat_interleave(L, dim=1)  # (B, S): each token's canvas noise level in [0, 1]
-
-
-def clean_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
-    """p(x0 | x_t, clean prefix) from the clean-context training forward: [x0 ; x_t] in one pass, each noisy canvas
-    attending to the clean canvases before it and to itself, exactly what denoise sees after the prefix is
-    committed. No self-conditioning input (the first denoising step's situation). Time-embedding models get t/T."""
-    cfg = model.config
-
-    def posterior(x0: Tensor, xt: Tensor, t: Tensor) -> Tensor:
-        S = x0.shape[1]
-        pos = torch.arange(S, device=x0.device)
-        level = _level(t, num_steps, cfg.canvas_length)
-        hidden = model.sequence_hidden(torch.cat([x0, xt], 1), torch.cat([pos, pos])[None],
-                                       clean_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
-                                       num_clean=S, t=torch.cat([torch.zeros_like(level), level], 1))
-        return model.logits(hidden[:, S:])
-
-    return posterior
-
-
-def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
-    """p(x0 | x_t) from the noisy-context training forward: canvas b sees the corrupted canvases before it."""
-    cfg = model.config
-
-    def posterior(x0: Tensor, xt: Tensor, t: Tensor) -> Tensor:
-        S = x0.shape[1]
-        hidden = model.sequence_hidden(xt, torch.arange(S, device=x0.device)[None],
-                                       noisy_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
-                                       num_clean=0, t=_level(t, num_steps, cfg.canvas_length))
-        return model.logits(hidden)
-
-    return posterior
 
 
 # --- held-out likelihoods -------------------------------------------------------------------------------------------
 
-def _progress(desc: str, total: int, enabled: bool, unit: str = "windows") -> Any:
-    from dgemma.data import Progress  # one progress bar style for the whole tool
-
+def _progress(desc: str, total: int, enabled: bool, unit: str = "windows") -> Progress:
     return Progress(desc, total, unit, enabled=enabled)
 
 
@@ -371,53 +190,6 @@ def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
     return nll.view(x.shape[0], T)
 
 
-# --- counting forwards ----------------------------------------------------------------------------------------------
-
-# (kind, method, its token argument): the ways into the layers that ForwardCounter counts
-_COUNTED = (("commit", "commit", "input_ids"), ("commit", "next_token_logits", "input_ids"),
-            ("denoise", "denoise", "canvas"), ("sequence_hidden", "sequence_hidden", "tokens"))
-
-
-@dataclass
-class ForwardCounter:
-    """Counts passes and tokens through the backbone while active: wraps the instance's `commit`, `denoise` and
-    `sequence_hidden` (the three ways into the layers), whatever sampler drives them.
-
-        with ForwardCounter(model) as count:
-            generate(model, ...)
-        count.passes("denoise"), count.tokens("commit")"""
-
-    model: DiffusionGemma
-    events: list[tuple[str, int]] = field(default_factory=list)  # (kind, tokens = batch x sequence length)
-
-    def __enter__(self) -> ForwardCounter:
-        for kind, name, arg in _COUNTED:
-            setattr(self.model, name, self._wrap(kind, getattr(self.model, name), arg))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for _, name, _ in _COUNTED:
-            delattr(self.model, name)  # the class's methods show through again
-
-    def _wrap(self, kind: str, fn: Callable[..., Any], arg: str) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            ids = args[0] if args else kwargs[arg]
-            if ids.numel():  # committing nothing runs no layer
-                self.events.append((kind, int(ids.numel())))
-            return fn(*args, **kwargs)
-
-        return counted
-
-    def passes(self, kind: str | None = None) -> int:
-        return sum(1 for k, _ in self.events if kind is None or k == kind)
-
-    def tokens(self, kind: str | None = None) -> int:
-        return sum(n for k, n in self.events if kind is None or k == kind)
-
-    def reset(self) -> None:
-        self.events.clear()
-
-
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
 
 @dataclass
@@ -494,25 +266,23 @@ def run_sampler(model: DiffusionGemma, prompts: Sequence[Tensor], config: Genera
     if prompts:  # warm-up, untimed: first calls pay for allocations and lazy initialisation
         generate(model, prompts[0].to(model.device)[None], generation_config=config.replace(max_new_tokens=L),
                  seed=seed)
-    with ForwardCounter(model) as count, _progress(f"decode {name}", len(prompts), progress, "prompts") as bar:
+    with _progress(f"decode {name}", len(prompts), progress, "prompts") as bar:
         for i, prompt in enumerate(prompts):
             ids = prompt.to(model.device)[None]
             cache = model.new_cache(1, ids.shape[1] + num_canvases * L)  # preallocated: no growth while timed
-            count.reset()
             started = time.perf_counter()
             result = generate(model, ids, generation_config=config, seed=seed + i, cache=cache, trace=trace)
             model.commit(result.sequences[:, -L:], result.cache)  # leaves the output committed, ready to continue
             run.seconds.append(time.perf_counter() - started)
-            if count.passes("denoise") == 0:
-                raise RuntimeError("the sampler never called DiffusionGemma.denoise (a fast kernel loop?), so its "
-                                   "passes cannot be counted; decode with impl='reference'")
-            prefill = count.events[0][1]  # generate() commits the prompt first
-            run.passes += count.passes() - 1
-            run.token_forwards += count.tokens() - prefill
-            run.denoise_passes += count.passes("denoise")
-            run.commit_passes += count.passes("commit") - 1
+            # Batch 1: each step of a canvas is one denoise pass over its L positions, and each canvas is committed
+            # once (generate commits all but the last, the line above the last), L tokens each.
+            steps = [s[0] for s in result.steps_per_canvas]
+            run.denoise_passes += sum(steps)
+            run.commit_passes += len(steps)
+            run.passes += sum(steps) + len(steps)
+            run.token_forwards += (sum(steps) + len(steps)) * L
             run.generated += result.sequences.shape[1] - ids.shape[1]
-            run.steps_per_canvas += [s[0] for s in result.steps_per_canvas]
+            run.steps_per_canvas += steps
             run.samples.append(useful(result.sequences[0, ids.shape[1]:].tolist(), config.eos_token_id, max_new))
             if trace and result.trace is not None:
                 run.traces.append(result.trace)
@@ -531,11 +301,10 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
         cache = model.new_cache(1, prompts[0].numel() + 2)
         model.next_token_logits(prompts[0].to(model.device)[None], cache)
         model.next_token_logits(prompts[0][:2].to(model.device)[None], cache)
-    with ForwardCounter(model) as count, _progress(f"decode {name}", len(prompts), progress, "prompts") as bar:
+    with _progress(f"decode {name}", len(prompts), progress, "prompts") as bar:
         for i, prompt in enumerate(prompts):
             g = torch.Generator(device=model.device).manual_seed(seed + i)
             ids = prompt.to(model.device)[None]
-            count.reset()
             started = time.perf_counter()
             cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
             logits = model.next_token_logits(ids, cache)  # (1, P, V)
@@ -548,9 +317,9 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
                 if out[-1] in eos:
                     break
             run.seconds.append(time.perf_counter() - started)
-            run.passes += count.passes() - 1
-            run.token_forwards += count.tokens() - count.events[0][1]
-            run.commit_passes += count.passes() - 1
+            run.passes += len(out)  # one commit of one token per new token, after the prompt's prefill
+            run.token_forwards += len(out)
+            run.commit_passes += len(out)
             run.generated += len(out)
             run.samples.append(out)
             bar.update(1)
@@ -591,36 +360,6 @@ def token_entropy(samples: Sequence[Sequence[int]]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
-def renoise_counts(arrays: dict[str, np.ndarray], row: int | None = None) -> dict[str, int]:
-    """Acceptance transitions between consecutive steps of the same canvas, for the steps a row spent (`active`):
-    accepted -> accepted, accepted -> renoised, renoised -> accepted, renoised -> renoised."""
-    canvas, accepted, active = arrays["canvas"], arrays["accepted"], arrays["active"]  # (S,), (S, B, L), (S, B)
-    rows = range(accepted.shape[1]) if row is None else [row]
-    counts = {"kept": 0, "renoised": 0, "accepted": 0, "stayed_noise": 0}
-    for s in range(len(canvas) - 1):
-        if canvas[s + 1] != canvas[s]:
-            continue
-        for b in rows:
-            if not (active[s, b] and active[s + 1, b]):
-                continue
-            a, nxt = accepted[s, b], accepted[s + 1, b]
-            counts["kept"] += int((a & nxt).sum())
-            counts["renoised"] += int((a & ~nxt).sum())
-            counts["accepted"] += int((~a & nxt).sum())
-            counts["stayed_noise"] += int((~a & ~nxt).sum())
-    return counts
-
-
-def renoised_fraction(traces: Sequence[Trace]) -> dict[str, Any]:
-    """Of the tokens accepted at step s that have a step s+1 in the same canvas, the fraction not accepted at s+1
-    (re-noised): seed 000's open question."""
-    total = Counter[str]()
-    for tr in traces:
-        total.update(renoise_counts(tr.arrays()))
-    base = total["kept"] + total["renoised"]
-    return {**dict(total), "fraction": total["renoised"] / base if base else math.nan}
-
-
 def quality(samples: Sequence[Sequence[int]]) -> dict[str, float]:
     return {"distinct_1": distinct_n(samples, 1), "distinct_2": distinct_n(samples, 2),
             "distinct_3": distinct_n(samples, 3), "token_entropy": token_entropy(samples),
@@ -648,7 +387,8 @@ class RunInfo:
 
 def run_info(path: str | Path) -> RunInfo:
     """Resolve a run (RUN/checkpoints/step-*, the newest) or a model directory, with its train config and tokenizer."""
-    from dgemma.train import CONFIG_JSON, resolve_model_dir
+    from dgemma.checkpoint import resolve_model_dir
+    from dgemma.train import CONFIG_JSON
 
     path = Path(path)
     if not path.exists():
@@ -741,9 +481,9 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     """Every metric for a diffusion run (and an AR baseline, if given) on the validation split of `data_dir`: the
     report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
     both)."""
-    from dgemma.data import TokenDataset, check_vocab
+    from dgemma.data import TokenDataset
     from dgemma.model import load_model
-    from dgemma.tokenizer import load_tokenizer
+    from dgemma.tokenizer import check_vocab, load_tokenizer
 
     s = settings or EvalSettings()
     s.check()
@@ -756,8 +496,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     if base is not None and base.objective not in (None, "ar"):
         raise EvalError(f"--baseline {baseline_path} was trained with objective {base.objective!r}; the baseline "
                         "must be an autoregressive run (objective 'ar')")
-    # The reference path: every pass goes through commit / denoise, where ForwardCounter sees it (a fast sampler
-    # loop may run its own static denoise step), and diffusion and AR decode on the same kernels.
+    # The reference path: diffusion and AR decode on the same (readable) kernels.
     model = load_model(info.model_dir, dtype=torch.float32, impl="reference").eval()
     baseline = load_model(base.model_dir, dtype=torch.float32, impl="reference").eval() if base is not None else None
     if base is not None and baseline is not None:
@@ -766,7 +505,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     if val.num_tokens == 0:
         raise EvalError(f"{data_dir}: the validation split is empty (0 tokens); prepare the data with "
                         "--val-fraction > 0")
-    check_vocab(val, model.config)
+    check_vocab(val.tokenizer(), model.config)
     if info.tokenizer_path is not None and file_sha256(info.tokenizer_path) != file_sha256(val.tokenizer_path):
         raise EvalError(f"{data_dir} was tokenized with another tokenizer than {model_path} "
                         f"({val.tokenizer_path} differs from {info.tokenizer_path})")
@@ -882,141 +621,13 @@ def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict
     }
 
 
-# --- the report -----------------------------------------------------------------------------------------------------
-
-def _finite(obj: Any) -> Any:
-    """NaN / inf as null, so report.json is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def _f(x: Any, fmt: str = ".3f") -> str:
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
-
-
-def write_report(report: dict[str, Any], out: str | Path, *, command: str, traces: dict[str, Trace] | None = None
-                 ) -> list[Path]:
-    """report.json, report.md and the figures (frontier.png, likelihood.png) into `out`; traces into out/traces/."""
-    from dgemma.viz import plot_frontier, plot_likelihood
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = _finite({**report, "command": command, "out": str(out)})
-    written = []
-    for name, trace in (traces or {}).items():
-        written += list(trace.save(out / "traces" / name))
-    written.append(plot_frontier(report, out / "frontier.png", command))
-    written.append(plot_likelihood(report, out / "likelihood.png", command))
-    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    (out / "report.md").write_text(render_markdown(report, sorted(traces or {})))
-    return [*written, out / "report.json", out / "report.md"]
-
-
-def _t_scheme(k: int) -> str:
-    return "t uniform on 1..T" if k == 1 else f"t = 1 exactly, then one t uniform in each of {k - 1} equal strata"
-
-
-def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> str:
-    lk, v, st = report["likelihood"], report["verdict"], report["settings"]
-    lines = [f"# dgemma eval: {report['model']['path']}", "", f"Command: `{report['command']}`", "",
-             f"- model: `{report['model']['checkpoint']}` (objective {report['model']['objective']})",
-             f"- baseline: `{report['baseline']['checkpoint']}`" if report["baseline"] else "- baseline: none",
-             f"- data: `{report['data']['path']}`, validation split: {report['data']['tokens']:,} tokens, "
-             f"{report['data']['documents']:,} documents",
-             f"- held-out windows of {st['seq_len']} tokens; NELBO and x0 CE with T = {st['num_steps']}; "
-             f"{report['prompts']['count']} prompts of {report['prompts']['tokens']} tokens, "
-             f"{st['max_new_tokens']} new tokens each", ""]
-    lines += ["## Verdict (seed 003)", ""]
-    if not v["available"]:
-        lines += [f"Not available: {v['reason']}.", ""]
-    else:
-        ok = "yes" if v["nelbo_within_tolerance"] else "no"
-        lines += [f"- Held-out NLL within +{v['tolerance']:.0%} of AR? **{ok}**: NELBO / AR CE = "
-                  f"{_f(v['nelbo_over_ar'])} (with 2 SE: {_f(v['nelbo_upper_ratio'])}). The NELBO is an upper bound "
-                  "on the diffusion model's NLL, so a pass is conservative. Seed 003's own measure, x0 CE / AR CE = "
-                  f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
-                  f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** wall-clock useful tokens/s over the AR "
-                  f"baseline, at max_denoising_steps={v['speedup_setting']['max_denoising_steps']}, entropy_bound="
-                  f"{v['speedup_setting']['entropy_bound']:g}: generative perplexity {_f(v['gen_ppl'], '.1f')} and "
-                  f"token entropy {_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} and "
-                  f"{_f(v['ar_token_entropy'], '.2f')} "
-                  + ("(matched within tolerance)." if v["quality_matched"] else
-                     "(**no setting matched the AR samples' quality**; this is the best-quality setting)."), ""]
-    lines += ["## Likelihood (held-out, nats/token)", "",
-              "| metric | nats/token | ± SE | bits/byte | windows | tokens | windows for SE " +
-              f"{_f(lk['nelbo']['estimate']['target_se'], 'g')} |", "|---|---|---|---|---|---|---|"]
-    names = (("NELBO (upper bound on NLL)", "nelbo"), ("x0 cross-entropy at sampled t", "x0_ce"),
-             ("AR cross-entropy (baseline)", "ar_ce"))
-    for name, key in names:
-        if lk[key] is None:
-            continue
-        e = lk[key]["estimate"]
-        lines.append(f"| {name} | {_f(e['mean'], '.4f')} | {_f(e['se'], '.4f')} | {_f(e['bits_per_byte'], '.4f')} | "
-                     f"{e['windows']} | {e['tokens']:,} | {e['windows_for_target_se']} |")
-    lines += ["", f"NELBO: {lk['nelbo']['num_t_samples']} t per canvas ({_t_scheme(lk['nelbo']['num_t_samples'])} "
-              f"of 2..{lk['nelbo']['num_steps']}), each canvas conditioned on the clean canvases before it in its "
-              "window; prior term "
-              f"{_f(lk['nelbo']['prior_kl_per_token'], '.2e')} nats/token. x0 CE: "
-              f"{lk['x0_ce']['t_sampling']}, objective {lk['x0_ce']['objective']}, no self-conditioning. "
-              "SE over windows (data and Monte Carlo noise together).", "",
-              "![likelihood](likelihood.png)", "", f"*likelihood.png: `{report['command']}`*", ""]
-    lines += ["## Speed / quality frontier", "",
-              "Batch 1, one prompt at a time, same prompts and new-token budget for every sampler; tokens/s counts "
-              "useful tokens (up to the first EOS, at most max_new_tokens), prefill included in the time. "
-              "Tokens/forward: generated positions per backbone pass after the prefill (a fixed schedule of N steps: "
-              "N denoise passes + 1 commit per canvas, L/(N+1)). Quality: samples drawn with the diffusion model in "
-              f"{st['quality_dtype']}.", "",
-              "| N | entropy_bound | tok/s | speedup | tok/forward adaptive | fixed (rule) | steps/canvas | "
-              "gen PPL | distinct-2 | entropy | re-noised |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    ar = report["ar_decode"]
-    for f in report["frontier"]:
-        a, q = f["adaptive"], f["quality"]
-        speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
-        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | {_f(a['tokens_per_second'], '.1f')} | "
-                     f"{_f(speed, '.2f')} | {_f(a['tokens_per_forward'], '.2f')} | "
-                     f"{_f(f['fixed']['tokens_per_forward'], '.2f')} ({_f(f['fixed_rule_tokens_per_forward'], '.2f')})"
-                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_f(q.get('gen_ppl'), '.1f')} | "
-                     f"{_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
-                     f"{_f(q['renoised']['fraction'], '.3%')} |")
-    if ar:
-        q = ar["quality"]
-        lines.append(f"| AR | – | {_f(ar['tokens_per_second'], '.1f')} | 1.00 | "
-                     f"{_f(ar['tokens_per_forward'], '.2f')} | "
-                     f"– | – | {_f(q.get('gen_ppl'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
-                     "| – |")
-    lines += ["", "![frontier](frontier.png)", "", f"*frontier.png: `{report['command']}`*", ""]
-    if trace_names:
-        lines += ["## Traces", "", "The first prompt of each setting, traced (draw them with `dgemma viz`):", ""]
-        lines += [f"- `traces/{n}`: `dgemma viz {Path(report['out']) / 'traces' / n} --out "
-                  f"{Path(report['out']) / 'viz' / n}`" for n in trace_names]
-        lines.append("")
-    lines += ["## Samples (first prompt)", ""]
-    for f in report["frontier"]:
-        lines += [f"**N={f['max_denoising_steps']}, entropy_bound={f['entropy_bound']:g}:**", "", "```",
-                  f["example"].strip()[:600], "```", ""]
-    if ar:
-        lines += ["**AR baseline:**", "", "```", ar["example"].strip()[:600], "```", ""]
-    return "\n".join(lines)
-
-
 __all__ = [
-    "TRACE_FORMAT",
     "DecodeRun",
-    "Estimate",
     "EvalError",
     "EvalSettings",
-    "ForwardCounter",
-    "NelboTerms",
-    "Posterior",
-    "alpha_bar64",
+    "RunInfo",
     "ar_token_nll",
     "check_same_tokenizer",
-    "clean_context_posterior",
     "distinct_n",
     "evaluate",
     "fixed_schedule",
@@ -1024,20 +635,12 @@ __all__ = [
     "heldout_ar_ce",
     "heldout_nelbo",
     "heldout_x0_ce",
-    "noisy_context_posterior",
     "pick_prompts",
-    "prior_kl",
     "quality",
-    "renoise_counts",
-    "renoised_fraction",
-    "reverse_kl",
     "run_ar",
     "run_info",
     "run_sampler",
-    "stratified_t",
     "token_entropy",
     "useful",
     "verdict",
-    "window_nelbo",
-    "write_report",
 ]

@@ -50,18 +50,19 @@ from dgemma.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
-    resolve_model_dir,
     save_pretrained,
 )
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
-from dgemma.data import TokenDataset, check_vocab
+from dgemma.console import Console
+from dgemma.data import TokenDataset
 from dgemma.diffusion import OBJECTIVES, training_loss
 from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.system import available_memory
+from dgemma.tokenizer import check_vocab
 
 LATEST, CONFIG_JSON = "latest", "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
 DEFAULT_PRESET = "cpu-small"
-__all__ = ["CHECKPOINTS", "STATE", "latest_checkpoint", "list_checkpoints", "resolve_model_dir"]  # re-exported
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
 RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device")
@@ -233,19 +234,6 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
             "runtime": 500 * 2**20}
 
 
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free for this run: CUDA's free memory, or MemAvailable of /proc/meminfo; None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool) -> str:
     """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free; else a summary line."""
     parts = estimate_memory(cfg, device.type, use_bf16)
@@ -322,28 +310,6 @@ class TrainResult:
     stopped: str  # "max_steps", "until_step", "time" or "interrupt"
 
 
-class Console:
-    """A live status line: redrawn in place on a terminal, printed every `log_every` steps otherwise."""
-
-    def __init__(self, stream: TextIO, log_every: int):
-        self.out, self.every, self.drawn = stream, log_every, 0.0
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
-
-    def status(self, step: int, text: str) -> None:
-        if self.tty:
-            if time.monotonic() - self.drawn < 0.1:  # terminals are slower than tiny steps
-                return
-            self.drawn = time.monotonic()
-            self.out.write("\r\x1b[K" + text)
-        elif step % self.every == 0:
-            self.out.write(text + "\n")
-        self.out.flush()
-
-    def print(self, text: str) -> None:
-        self.out.write(("\r\x1b[K" if self.tty else "") + text + "\n")
-        self.out.flush()
-
-
 @torch.no_grad()
 def evaluate(model: DiffusionGemma, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool) -> float:
     """Mean held-out loss of the training objective over the first `eval_batches` validation micro-batches, with
@@ -382,7 +348,7 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
         raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
     train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
     mc = cfg.model_config
-    check_vocab(train_set, mc)
+    check_vocab(train_set.tokenizer(), mc)
     ckpt = latest_checkpoint(run) if resume else None
     if resume and ckpt is None:
         raise CheckpointError(f"--resume: {run} has no complete checkpoint to resume from" + (

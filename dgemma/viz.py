@@ -1,15 +1,14 @@
-"""Pictures of denoising, from a trace (`dgemma generate --trace FILE`, or the traces `dgemma eval` keeps), and the
-plots of an evaluation report.
+"""Pictures of denoising, from a trace (`dgemma generate --trace FILE`, or the traces `dgemma eval` keeps).
 
     load_trace(path)            path.json (summary, with "format": "dgemma-trace-1") + path.npz (per-step arrays)
     render_trace(trace, out)    per canvas: entropy in reading order over steps (seed 000's heatmaps), fraction of
                                 positions accepted / finalized per step, acceptance transitions, finalization order,
                                 an animated GIF; and player.html, a self-contained canvas player
-    plot_frontier, plot_likelihood    the figures of `dgemma eval`
+    renoise_counts, renoised_fraction    acceptance transitions counted over a trace (the re-noised fraction)
 
 matplotlib is optional (`pip install 'dgemma[viz]'`) and imported only when a figure is drawn. Every figure carries the
-command that produced it in its footer. Figures have fixed pixel sizes (no tight bounding box), so they can be laid
-out and tested.
+command that produced it in its footer (`figure`, also used by the plots of the eval report, dgemma/report.py).
+Figures have fixed pixel sizes (no tight bounding box), so they can be laid out and tested.
 """
 
 from __future__ import annotations
@@ -18,14 +17,16 @@ import html
 import json
 import math
 import textwrap
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dgemma.evaluate import EvalError, renoise_counts
-from dgemma.generate import TRACE_FORMAT
+from dgemma.generate import TRACE_FORMAT, Trace
+from dgemma.nelbo import EvalError
 
 FIGURE_INCHES = (12.0, 8.0)  # every PNG: 1200 x 800 pixels at DPI
 GIF_INCHES = (6.0, 6.0)  # every GIF frame: 480 x 480 pixels at GIF_DPI
@@ -36,7 +37,7 @@ REQUIRED_ARRAYS = {"canvas": 1, "step": 1, "temperature": 1, "input_canvas": 3, 
                    "entropy": 3, "mean_entropy": 2, "active": 2}  # name -> ndim
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
         import PIL  # noqa: F401  (the GIF writer; matplotlib depends on it too)
@@ -51,7 +52,7 @@ def _pyplot() -> Any:
 
 def check_installed() -> None:
     """Raise ImportError (saying what to install) unless the plotting dependencies are importable."""
-    _pyplot()
+    pyplot()
 
 
 # --- traces -------------------------------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def token_texts(ids: np.ndarray, tokenizer: Any | None) -> dict[int, str]:
 
 # --- figures of a trace ---------------------------------------------------------------------------------------------
 
-def _figure(plt: Any, title: str, command: str, inches: tuple[float, float] = FIGURE_INCHES, dpi: int = DPI) -> Any:
+def figure(plt: Any, title: str, command: str, inches: tuple[float, float] = FIGURE_INCHES, dpi: int = DPI) -> Any:
     """A figure of fixed size with `title` and, in its footer, the command that produced it (wrapped to fit)."""
     fig = plt.figure(figsize=inches, dpi=dpi)
     fig.suptitle(title, fontsize=12 if inches[0] >= 8 else 9)
@@ -168,7 +169,7 @@ def _figure(plt: Any, title: str, command: str, inches: tuple[float, float] = FI
     return fig
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=fig.dpi)  # no bbox_inches="tight": the pixel size stays the figure size
     import matplotlib.pyplot as plt
 
@@ -179,13 +180,13 @@ def _save(fig: Any, path: Path) -> Path:
 def plot_entropy(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
     """Seed 000's heatmaps: the canvas in reading order at several steps, colour = entropy (nats), dots = accepted;
     and below, entropy by position (reading order) against step."""
-    plt = _pyplot()
+    plt = pyplot()
     a, steps = trace.arrays, trace.steps(canvas, row)
     L, W = trace.canvas_length, grid_width(trace.canvas_length)
     ent = a["entropy"][steps, row].astype(np.float64)
     vmax = max(float(ent.max()), 1e-6)
     shown = np.unique(np.linspace(0, len(steps) - 1, min(MAX_PANELS, len(steps))).round().astype(int))
-    fig = _figure(plt, f"Entropy per canvas position over steps (canvas {canvas}, row {row}; reading order, "
+    fig = figure(plt, f"Entropy per canvas position over steps (canvas {canvas}, row {row}; reading order, "
                   f"{W} per line)", command)
     cols = min(len(shown), 6)
     rows = -(-len(shown) // cols)
@@ -208,19 +209,19 @@ def plot_entropy(trace: TraceData, canvas: int, row: int, path: Path, command: s
     ax.set_ylabel("position (reading order)")
     cax = fig.add_axes((0.945, 0.08, 0.012, 0.8))
     fig.colorbar(image, cax=cax, label="entropy (nats); dots: accepted")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_finalized(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
     """Fraction of positions accepted by the sampler and fraction finalized (argmax already at its final value for
     good) at each step, with the mean entropy."""
-    plt = _pyplot()
+    plt = pyplot()
     a, steps = trace.arrays, trace.steps(canvas, row)
     x = a["step"][steps]
     accepted = a["accepted"][steps, row].mean(-1)
     final = finalized_step(a["argmax"][steps, row])
     finalized = [(final <= k).mean() for k in range(len(steps))]
-    fig = _figure(plt, f"Positions finalized per step (canvas {canvas}, row {row})", command)
+    fig = figure(plt, f"Positions finalized per step (canvas {canvas}, row {row})", command)
     ax = fig.add_axes((0.08, 0.1, 0.82, 0.78))
     ax.plot(x, accepted, "o-", label="accepted by the sampler")
     ax.plot(x, finalized, "s-", label="finalized (argmax never changes again)")
@@ -232,7 +233,7 @@ def plot_finalized(trace: TraceData, canvas: int, row: int, path: Path, command:
     ax2.set_ylabel("mean entropy (nats)")
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax.legend(lines, [ln.get_label() for ln in lines], loc="center right")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def transitions(trace: TraceData, canvas: int, row: int) -> dict[str, np.ndarray]:
@@ -245,16 +246,46 @@ def transitions(trace: TraceData, canvas: int, row: int) -> dict[str, np.ndarray
             "stayed noise": (~prev & ~nxt).sum(-1)}
 
 
+def renoise_counts(arrays: dict[str, np.ndarray], row: int | None = None) -> dict[str, int]:
+    """Acceptance transitions between consecutive steps of the same canvas, for the steps a row spent (`active`):
+    accepted -> accepted, accepted -> renoised, renoised -> accepted, renoised -> renoised."""
+    canvas, accepted, active = arrays["canvas"], arrays["accepted"], arrays["active"]  # (S,), (S, B, L), (S, B)
+    rows = range(accepted.shape[1]) if row is None else [row]
+    counts = {"kept": 0, "renoised": 0, "accepted": 0, "stayed_noise": 0}
+    for s in range(len(canvas) - 1):
+        if canvas[s + 1] != canvas[s]:
+            continue
+        for b in rows:
+            if not (active[s, b] and active[s + 1, b]):
+                continue
+            a, nxt = accepted[s, b], accepted[s + 1, b]
+            counts["kept"] += int((a & nxt).sum())
+            counts["renoised"] += int((a & ~nxt).sum())
+            counts["accepted"] += int((~a & nxt).sum())
+            counts["stayed_noise"] += int((~a & ~nxt).sum())
+    return counts
+
+
+def renoised_fraction(traces: Sequence[Trace]) -> dict[str, Any]:
+    """Of the tokens accepted at step s that have a step s+1 in the same canvas, the fraction not accepted at s+1
+    (re-noised): seed 000's open question."""
+    total = Counter[str]()
+    for tr in traces:
+        total.update(renoise_counts(tr.arrays()))
+    base = total["kept"] + total["renoised"]
+    return {**dict(total), "fraction": total["renoised"] / base if base else math.nan}
+
+
 def plot_transitions(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
     """Acceptance transitions between consecutive steps, one panel per kind (re-noising is rare: its own axis)."""
-    plt = _pyplot()
+    plt = pyplot()
     tr = transitions(trace, canvas, row)
     steps = trace.steps(canvas, row)
     x = [f"{int(trace.arrays['step'][s])}→{int(trace.arrays['step'][s]) + 1}" for s in steps[:-1]]
     counts = renoise_counts({k: trace.arrays[k] for k in ("canvas", "accepted", "active")}, row)
     base = counts["kept"] + counts["renoised"]
     frac = counts["renoised"] / base if base else float("nan")
-    fig = _figure(plt, f"Acceptance transitions (canvas {canvas}, row {row}): {frac:.1%} of accepted tokens "
+    fig = figure(plt, f"Acceptance transitions (canvas {canvas}, row {row}): {frac:.1%} of accepted tokens "
                   "re-noised at the next step (all canvases of this row)", command)
     for n, (name, values) in enumerate(tr.items()):
         ax = fig.add_subplot(2, 2, n + 1)
@@ -265,18 +296,18 @@ def plot_transitions(trace: TraceData, canvas: int, row: int, path: Path, comman
         ax.set_ylabel("positions")
         ax.set_ylim(0, max(1, trace.canvas_length))
     fig.subplots_adjust(left=0.07, right=0.97, top=0.88, bottom=0.1, hspace=0.45)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_order(trace: TraceData, canvas: int, row: int, path: Path, command: str) -> Path:
     """The step at which each position was finalized, in reading order, and against position: left to right is the
     'thinks causally' pattern seed 000 reports for prose."""
-    plt = _pyplot()
+    plt = pyplot()
     a, steps = trace.arrays, trace.steps(canvas, row)
     L, W = trace.canvas_length, grid_width(trace.canvas_length)
     final = a["step"][steps][finalized_step(a["argmax"][steps, row])]
     rho = _spearman(np.arange(L), final)
-    fig = _figure(plt, f"Order of finalization (canvas {canvas}, row {row}): Spearman(position, step) = {rho:.2f}",
+    fig = figure(plt, f"Order of finalization (canvas {canvas}, row {row}): Spearman(position, step) = {rho:.2f}",
                   command)
     ax = fig.add_axes((0.05, 0.12, 0.5, 0.75))
     grid = reading_order(final.astype(float), W)
@@ -292,7 +323,7 @@ def plot_order(trace: TraceData, canvas: int, row: int, path: Path, command: str
     ax.scatter(np.arange(L), final, s=10)
     ax.set_xlabel("position in the canvas")
     ax.set_ylabel("finalized at step")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -315,7 +346,7 @@ def _ranks(v: np.ndarray) -> np.ndarray:
 def write_gif(trace: TraceData, canvas: int, row: int, path: Path, command: str, tokenizer: Any = None) -> Path:
     """One frame per step: the canvas in reading order, colour = entropy (dark = certain), text = the argmax token,
     a cyan frame around accepted positions."""
-    plt = _pyplot()
+    plt = pyplot()
     from PIL import Image
 
     a, steps = trace.arrays, trace.steps(canvas, row)
@@ -324,7 +355,7 @@ def write_gif(trace: TraceData, canvas: int, row: int, path: Path, command: str,
     texts = token_texts(a["argmax"][steps, row], tokenizer)
     frames = []
     for s in steps:
-        fig = _figure(plt, f"canvas {canvas}, step {int(a['step'][s])}/{len(steps)}, T={float(a['temperature'][s]):.2f}"
+        fig = figure(plt, f"canvas {canvas}, step {int(a['step'][s])}/{len(steps)}, T={float(a['temperature'][s]):.2f}"
                       f", mean H={float(a['mean_entropy'][s, row]):.2f}", command, GIF_INCHES, GIF_DPI)
         ax = fig.add_axes((0.02, 0.1, 0.96, 0.8))
         ax.imshow(reading_order(a["entropy"][s, row].astype(float), W), cmap="magma", vmin=0, vmax=vmax,
@@ -516,99 +547,23 @@ def render_trace(trace: TraceData, out: str | Path, *, command: str, tokenizer: 
     return written
 
 
-# --- figures of an evaluation report --------------------------------------------------------------------------------
-
-def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
-    """Speed against quality over max_denoising_steps x entropy_bound: generated tokens/s (wall clock) and tokens per
-    forward against the samples' generative perplexity under the AR baseline, and tokens/s against the samples'
-    token entropy (perplexity alone rewards repetitive text); the AR baseline as a star."""
-    plt = _pyplot()
-    fig = _figure(plt, "Speed / quality frontier (each point: one sampler setting; labels N = max_denoising_steps)",
-                  command)
-    ar = report["ar_decode"]
-    panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "token_entropy",
-               "token entropy of the samples (nats; higher = more varied)")]
-    if ar is not None:
-        ppl = "generative perplexity under the AR baseline"
-        panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
-                  ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
-    bounds = sorted({f["entropy_bound"] for f in report["frontier"]})
-    for n, (xkey, xlabel, ykey, ylabel) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), n + 1)
-        for eb in bounds:
-            pts = [f for f in report["frontier"] if f["entropy_bound"] == eb]
-            xs = [f["adaptive"][xkey] for f in pts]
-            ys = [_num(f["quality"].get(ykey)) for f in pts]
-            ax.plot(xs, ys, "o-", label=f"adaptive, entropy_bound={eb:g}")
-            for f, x, y in zip(pts, xs, ys, strict=True):
-                ax.annotate(f"N={f['max_denoising_steps']}", (x, y), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
-        if ar is not None:
-            ax.plot([ar[xkey]], [_num(ar["quality"].get(ykey))], "*", markersize=14, color="k",
-                    label="AR baseline (KV cache)")
-        ax.set_xlabel(xlabel, fontsize=9)
-        ax.set_ylabel(ylabel, fontsize=9)
-        if ykey == "gen_ppl":
-            ax.set_yscale("log")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.12, wspace=0.3)
-    return _save(fig, path)
-
-
-def _num(x: Any) -> float:
-    return math.nan if x is None else float(x)
-
-
-def plot_likelihood(report: dict[str, Any], path: Path, command: str) -> Path:
-    """Held-out nats/token with 2 standard errors: the NELBO bound, the x0 cross-entropy, the AR cross-entropy; and,
-    by noise level t, the x0 cross-entropy and the NELBO's per-step KL terms."""
-    plt = _pyplot()
-    lk = report["likelihood"]
-    fig = _figure(plt, "Held-out likelihood (nats/token; error bars: 2 standard errors over windows)", command)
-    ax = fig.add_subplot(1, 2, 1)
-    rows = [("NELBO (upper bound)", lk["nelbo"]), ("x0 CE at sampled t", lk["x0_ce"]), ("AR CE", lk["ar_ce"])]
-    rows = [(name, r["estimate"]) for name, r in rows if r is not None]
-    ax.bar(range(len(rows)), [e["mean"] for _, e in rows], yerr=[2 * e["se"] for _, e in rows], capsize=6,
-           color=["tab:purple", "tab:orange", "k"][: len(rows)])
-    ax.set_xticks(range(len(rows)), [n for n, _ in rows])
-    for i, (_, e) in enumerate(rows):
-        bpb = f"\n{e['bits_per_byte']:.3f} bpb" if e.get("bits_per_byte") else ""
-        ax.annotate(f"{e['mean']:.3f}{bpb}", (i, e["mean"]), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 6), textcoords="offset points")
-    ax.set_ylabel("nats per token")
-    ax = fig.add_subplot(1, 2, 2)
-    for key, values, style, name in (("x0_ce", "ce_by_t", "o-", "x0 CE at t"),
-                                     ("nelbo", "kl_by_t", "s-", "NELBO term at t (t = 1: reconstruction)")):
-        y = np.array([math.nan if v is None else v for v in lk[key][values]], dtype=np.float64)
-        t = np.arange(1, len(y) + 1)
-        seen = np.isfinite(y)  # t values no canvas drew are left out
-        ax.plot(t[seen], y[seen], style, label=name)
-    if lk["ar_ce"] is not None:
-        ax.axhline(lk["ar_ce"]["estimate"]["mean"], color="k", linestyle="--", label="AR CE")
-    ax.set_xlabel("noise level t (T = pure noise)")
-    ax.set_ylabel("nats per token")
-    ax.set_yscale("symlog", linthresh=1e-2)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.9, bottom=0.1, wspace=0.25)
-    return _save(fig, path)
-
-
 __all__ = [
     "TraceData",
     "check_installed",
+    "figure",
     "grid_width",
     "load_trace",
     "player_data",
     "plot_entropy",
     "plot_finalized",
-    "plot_frontier",
-    "plot_likelihood",
     "plot_order",
     "plot_transitions",
+    "pyplot",
     "reading_order",
     "render_trace",
+    "renoise_counts",
+    "renoised_fraction",
+    "save_figure",
     "token_texts",
     "transitions",
     "write_gif",

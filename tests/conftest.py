@@ -44,10 +44,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
-    """A prepared data directory (`dgemma.data.prepare`, a 512-id BPE): 200 documents, each 12 sentences drawn from
+    """A prepared data directory (`dgemma.prepare.prepare`, a 512-id BPE): 200 documents, each 12 sentences drawn from
     26 toy sentences, so held-out documents share the training text's sentences and a model that learns the corpus
     has a held-out loss far below log(V)."""
-    from dgemma import data
+    from dgemma import prepare
     from dgemma.tokenizer import toy_corpus
 
     root = tmp_path_factory.mktemp("train-corpus")
@@ -56,7 +56,7 @@ def tiny_data(tmp_path_factory) -> Path:
     (root / "text").mkdir()
     for i in range(200):
         (root / "text" / f"d{i:03d}.txt").write_text(" ".join(rng.choice(sentences) for _ in range(12)))
-    data.prepare(root / "data", [str(root / "text")], tokenizer="bpe:512", val_fraction=0.1, quiet=True,
+    prepare.prepare(root / "data", [str(root / "text")], tokenizer="bpe:512", val_fraction=0.1, quiet=True,
                  cache_dir=root / "cache")
     return root / "data"
 

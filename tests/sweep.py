@@ -30,7 +30,7 @@ import torch
 
 from dgemma.generate import generate
 from dgemma.model import load_model
-from tests.hf_reference import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
+from dgemma.testing.hf import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
 
 S, F = "sliding_attention", "full_attention"
 
@@ -161,7 +161,7 @@ def _patch_transformers_padding_bug() -> None:
 
 
 def _check_forward(case: Case, hf: Any, hf_default: Any, model: Any, dtype: torch.dtype, where: str) -> None:
-    from tests.hf_reference import hf_logits
+    from dgemma.testing.hf import hf_logits
 
     V, L = case.text["vocab_size"], case.canvas_length
     g = torch.Generator().manual_seed(case.seed + 1)

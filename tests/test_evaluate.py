@@ -13,24 +13,11 @@ import torch
 
 import dgemma
 from dgemma.config import GenerationConfig
-from dgemma.evaluate import (
-    EvalError,
-    ForwardCounter,
-    clean_context_posterior,
-    distinct_n,
-    estimate,
-    fixed_schedule,
-    prior_kl,
-    renoise_counts,
-    reverse_kl,
-    run_info,
-    run_sampler,
-    stratified_t,
-    token_entropy,
-    useful,
-    window_nelbo,
-)
+from dgemma.evaluate import distinct_n, fixed_schedule, run_ar, run_info, run_sampler, token_entropy, useful
 from dgemma.generate import TRACE_FORMAT
+from dgemma.model import DiffusionGemma
+from dgemma.nelbo import EvalError, clean_context_posterior, estimate, prior_kl, reverse_kl, stratified_t, window_nelbo
+from dgemma.viz import renoise_counts
 
 # --- an exactly solvable case: V = 3 tokens, canvases of 2, a known correlated data distribution --------------------
 
@@ -278,14 +265,49 @@ def test_fixed_schedules_cost_L_over_T_plus_1_and_adaptive_never_more(tiny, samp
             assert adaptive.passes < fixed.passes  # the stop rule does fire here
 
 
-def test_forward_counter_restores_the_model_and_counts_tokens(tiny):
-    cache = tiny.new_cache(2, 64)
-    with ForwardCounter(tiny) as count:
-        tiny.commit(torch.ones(2, 5, dtype=torch.long), cache)
-        tiny.commit(torch.ones(2, 0, dtype=torch.long), cache)  # nothing to encode: not a pass
-        tiny.denoise(torch.ones(2, tiny.config.canvas_length, dtype=torch.long), cache)
-    assert count.events == [("commit", 10), ("denoise", 2 * tiny.config.canvas_length)]
-    assert "denoise" not in vars(tiny) and "commit" not in vars(tiny)
+class CountingGemma(DiffusionGemma):
+    """Records every pass into the layers (kind, batch x tokens), as an independent check of the decoders' counts."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.events = []
+
+    def commit(self, input_ids, *args, **kwargs):
+        if input_ids.numel():  # committing nothing runs no layer
+            self.events.append(("commit", input_ids.numel()))
+        return super().commit(input_ids, *args, **kwargs)
+
+    def next_token_logits(self, input_ids, *args, **kwargs):  # a commit that also returns the encoder's logits
+        if input_ids.numel():
+            self.events.append(("commit", input_ids.numel()))
+        return super().next_token_logits(input_ids, *args, **kwargs)
+
+    def denoise(self, canvas, *args, **kwargs):
+        self.events.append(("denoise", canvas.numel()))
+        return super().denoise(canvas, *args, **kwargs)
+
+
+def test_decode_counts_match_the_passes_the_model_ran(tiny):
+    counting = CountingGemma(tiny.config).eval()
+    counting.load_state_dict(tiny.state_dict())
+    counting.generation_config = tiny.generation_config
+    L = tiny.config.canvas_length
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7)]
+    cfg = GenerationConfig(max_new_tokens=3 * L, max_denoising_steps=5, confidence_threshold=50.0,
+                           stability_threshold=0)  # the stop rule fires: canvases spend different step counts
+    for decode in (lambda m: run_sampler(m, prompts, cfg, progress=False),
+                   lambda m: run_ar(m, prompts, max_new_tokens=5, eos=(), progress=False)):
+        counting.events = []
+        run = decode(counting)
+        # an untimed warm-up first, then per prompt its prefill (the only commits of 3 or 7 tokens) and its passes
+        prefills = [i for i, (kind, n) in enumerate(counting.events) if kind == "commit" and
+                    n in [p.numel() for p in prompts]][-len(prompts):]
+        after = [e for i, e in enumerate(counting.events) if i not in prefills and i >= prefills[0]]
+        assert run.passes == len(after) and run.token_forwards == sum(n for _, n in after)
+        assert run.denoise_passes == sum(1 for k, _ in after if k == "denoise")
+        assert run.commit_passes == sum(1 for k, _ in after if k == "commit")
+        assert decode(tiny).summary() | {"seconds": 0, "tokens_per_second": 0} == \
+            run.summary() | {"seconds": 0, "tokens_per_second": 0}  # same counts and samples without the subclass
 
 
 # --- sample metrics -------------------------------------------------------------------------------------------------
@@ -341,7 +363,7 @@ def pair(tmp_path_factory):
     clean-context diffusion and the AR baseline, both on the tiny preset."""
     import io
 
-    from dgemma.data import prepare
+    from dgemma.prepare import prepare
     from dgemma.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("pair")
@@ -418,7 +440,7 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
 
 def test_dgemma_eval_bad_inputs_are_clear_errors(pair, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.data import prepare
+    from dgemma.prepare import prepare
     from dgemma.tokenizer import build_test_tokenizer
 
     root, runs = pair

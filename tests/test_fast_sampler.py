@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from dgemma import fast_sampler
-from dgemma.bench import randomize_
 from dgemma.config import FULL, SLIDING, GenerationConfig, RopeConfig, preset
 from dgemma.generate import denoise_canvas, generate
 from dgemma.model import DiffusionGemma
+from dgemma.testing.hf import randomize_
 from tests.live_tensors import LiveVocabTensors
 
 TOL = 1e-4  # fp32 logits, fast vs readable

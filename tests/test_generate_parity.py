@@ -12,7 +12,7 @@ import torch
 
 from dgemma.generate import generate
 from dgemma.model import load_model
-from tests.hf_reference import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
+from dgemma.testing.hf import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
 
 CASES = {
     # geometry: (batch, prompt length, overrides)

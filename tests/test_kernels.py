@@ -11,16 +11,16 @@ import torch
 import torch.nn.functional as F
 
 from dgemma import kernels, sampling
-from dgemma.bench import randomize_
 from dgemma.cli import main
 from dgemma.config import RopeConfig, preset
 from dgemma.model import DiffusionGemma, Experts
+from dgemma.testing.hf import randomize_
 
 TOL = 1e-4  # fp32 logits, fast vs readable
 
 GEOMETRIES = {
     "tiny": preset("tiny"),
-    # like tests/hf_reference.py's "k8-of-16": 16 experts top-8, six layers in the default 5:1 pattern, other RoPE
+    # like dgemma/testing/hf.py's "k8-of-16": 16 experts top-8, six layers in the default 5:1 pattern, other RoPE
     "k8-of-16": preset("tiny").replace(
         num_experts=16, top_k_experts=8, num_hidden_layers=6, layer_types=(),
         sliding_rope=RopeConfig("default", 5_000.0), full_rope=RopeConfig("proportional", 200_000.0, 0.5)),

@@ -1,4 +1,4 @@
-"""dgemma against transformers 5.23 on tiny random checkpoints (every tensor randomised, see hf_reference.py).
+"""dgemma against transformers 5.23 on tiny random checkpoints (every tensor randomised, see dgemma/testing/hf.py).
 
 The readable path must equal transformers run with eager attention and eager experts bit for bit (max |diff| = 0)
 in fp32 and bf16; the fast path (SDPA) and transformers' default kernels agree within 1e-4 in fp32.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dgemma.model import load_model
-from tests.hf_reference import GEOMETRIES, build_hf_model, hf_logits, load_hf_model, save_hf_model
+from dgemma.testing.hf import GEOMETRIES, build_hf_model, hf_logits, load_hf_model, save_hf_model
 
 PROMPT, CANVAS, BATCH = 11, 16, 2  # the prompt is longer than the tiny window (8)
 

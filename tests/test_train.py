@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 
 import dgemma.train as T
 from dgemma import cli
+from dgemma.checkpoint import latest_checkpoint, list_checkpoints, resolve_model_dir
 from dgemma.config import ConfigError
 from dgemma.model import load_model
-from dgemma.train import TrainConfig, latest_checkpoint, learning_rate, list_checkpoints, resolve_model_dir, train
+from dgemma.train import TrainConfig, learning_rate, train
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 3  # steps before the interruption; the uninterrupted run does 2N
@@ -180,7 +181,7 @@ def test_ar_objective_trains(corpus, tmp_path):
 
 
 def test_trained_dg_checkpoint_loads_in_transformers(corpus, uninterrupted):
-    from tests.hf_reference import hf_logits, load_hf_model
+    from dgemma.testing.hf import hf_logits, load_hf_model
 
     ckpt = resolve_model_dir(uninterrupted)
     assert ckpt == latest_checkpoint(uninterrupted)
@@ -245,7 +246,7 @@ def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
         args[1], expected = str(tmp_path / "nowhere"), "no such data directory"
     elif case == "vocab":
         args += ["--vocab-size", "300"]
-        expected = "vocab_size 512 .* vocab_size is 300"
+        expected = "tokenizer.json has 512 ids but the model.s vocab_size is 300"
     elif case == "incompatible resume":
         args += ["--resume", "--lr", "0.5"]
         expected = "cannot resume .*lr 0.003 -> 0.5"
@@ -278,7 +279,7 @@ def test_demo_runs_end_to_end(corpus, tmp_path, capsys, monkeypatch):
         assert corpus_items == ["default"]
         shutil.copytree(corpus, out)
 
-    monkeypatch.setattr(demo.data, "prepare", prepare)
+    monkeypatch.setattr(demo.prepare, "prepare", prepare)
     monkeypatch.setattr(demo, "train_preset", lambda name: T.train_preset("tiny").replace(eval_batches=1))
     code = cli.main(["demo", "--out", str(tmp_path / "demo"), "--minutes", "0.02", "--max-new-tokens", "32",
                      "--prompt", "The young king"])

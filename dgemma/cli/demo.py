@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from dgemma import data
+from dgemma import prepare
+from dgemma.checkpoint import latest_checkpoint, resolve_model_dir
 from dgemma.cli.common import Streamer
 from dgemma.generate import generate
 from dgemma.model import load_model
 from dgemma.tokenizer import load_tokenizer
-from dgemma.train import latest_checkpoint, resolve_model_dir, train, train_preset
+from dgemma.train import train, train_preset
 
 
 def register(subparsers: Any) -> None:
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--minutes must be > 0, got {args.minutes}")
     data_dir, run_dir = args.out / "data", args.out / "run"
     print(f"== 1/3 data: the default corpus in {data_dir}", flush=True)
-    data.prepare(data_dir, ["default"])
+    prepare.prepare(data_dir, ["default"])
     resume = latest_checkpoint(run_dir) is not None
     print(f"== 2/3 training cpu-small in {run_dir} for {args.minutes:g} minute(s)"
           f"{' (continuing the previous run)' if resume else ''}; Ctrl-C stops early", flush=True)

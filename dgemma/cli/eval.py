@@ -1,6 +1,7 @@
 """`dgemma eval --model RUN [--baseline AR_RUN] --data DIR --out REPORT_DIR`: held-out likelihoods (NELBO bound, x0
 cross-entropy, AR cross-entropy), decoding speed and cost over a grid of sampler settings, sample quality, and seed
-003's verdict, written as report.md, report.json and plots (dgemma/evaluate.py, docs/evaluation.md)."""
+003's verdict, written as report.md, report.json and plots (dgemma/evaluate.py, dgemma/report.py,
+docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dgemma.evaluate import EvalSettings, evaluate, write_report
+    from dgemma.evaluate import EvalSettings, evaluate
+    from dgemma.report import write_report
     from dgemma.viz import check_installed
 
     settings = EvalSettings(steps=args.steps, entropy_bounds=args.entropy_bounds, num_prompts=args.prompts,

@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dgemma.checkpoint import latest_checkpoint
 from dgemma.config import ConfigError
-from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, latest_checkpoint, train, train_preset
+from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train, train_preset
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int}
 

@@ -1,8 +1,12 @@
-"""Tiny random Hugging Face DiffusionGemma models, used as the numerical reference in tests.
+"""Random transformers DiffusionGemma checkpoints: the numerical reference of the parity tests and of
+`dgemma bench --compare-transformers`. The one module of dgemma that uses transformers (`pip install 'dgemma[dev]'`),
+imported lazily: importing this module does not import transformers; its first use does.
 
 Builds `DiffusionGemmaForBlockDiffusion` from `transformers==5.23.0` with the tiny geometry of the spec
-(shared/reference/hf-diffusiongemma-spec.md, section 5) or a variant of it, and randomises every tensor a checkpoint
-holds (vision tower included) so that no parity bug can hide behind an init value of 0 or 1:
+(shared/reference/hf-diffusiongemma-spec.md, section 5) or a variant of it (`build_hf_model`), or with the geometry of
+a dgemma `ModelConfig` (`build_hf_checkpoint`), and randomises every tensor a checkpoint holds (vision tower
+included) so that no parity bug can hide behind an init value of 0 or 1 (`randomize_`, which works on dgemma's
+models too):
 
 - matrices and expert stacks: N(0, 1) / sqrt(fan_in); the router projection N(0, 1) so that routing is decisive;
 - the token embedding (tied to the LM head): N(0, 0.3), which gives logits of a few units;
@@ -10,21 +14,42 @@ holds (vision tower included) so that no parity bug can hide behind an init valu
 - the `layer_scalar` buffers: U(0.5, 1.5), drawn separately for the decoder and the encoder (they are not tied).
 
 Encoder text parameters are the same tensors as the decoder's (HF ties them); only the buffers differ.
+`EntropyBoundSamplerConfig`, `DiffusionGemmaConfig` and `DiffusionGemmaForBlockDiffusion` are transformers' classes,
+re-exported (lazily) for the tests.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import os
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if TYPE_CHECKING:
+    from transformers import DiffusionGemmaForBlockDiffusion
 
-from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
-from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+    from dgemma.config import ModelConfig
+
+_LAZY = {"DiffusionGemmaConfig": "transformers", "DiffusionGemmaForBlockDiffusion": "transformers",
+         "EntropyBoundSamplerConfig": "transformers.models.diffusion_gemma.generation_diffusion_gemma"}
+
+
+def _transformers() -> SimpleNamespace:
+    """transformers' DiffusionGemma classes, imported on first use (offline: no hub access from tests or bench)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return SimpleNamespace(**{name: getattr(importlib.import_module(module), name) for name, module in _LAZY.items()})
+
+
+def __getattr__(name: str) -> Any:  # the lazy re-exports
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 S, F = "sliding_attention", "full_attention"
 
@@ -66,31 +91,38 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
 # fmt: on
 
 
-def _randomize_(model: DiffusionGemmaForBlockDiffusion, generator: torch.Generator, embedding_std: float = 0.3
-                ) -> None:
-    """Overwrite every parameter and persistent buffer in place (tied parameters once, through the shared tensor)."""
+def randomize_(model: nn.Module, seed: int = 0, *, embedding_std: float = 0.3, strict: bool = False) -> nn.Module:
+    """Overwrite every parameter and the `layer_scalar` buffers in place, deterministically in `seed` (tied parameters
+    once, through the shared tensor), drawn in fp32 on the weights' device and rounded to their dtype by copy_. Works
+    on dgemma's and transformers' parameter names alike. `strict`: any other persistent buffer is an error (the HF
+    reference must leave nothing at its init value)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights live (26B on a GPU: seconds)
 
     def normal(t: torch.Tensor) -> torch.Tensor:
-        return torch.randn(t.shape, generator=generator, dtype=torch.float32)
+        return torch.randn(t.shape, generator=g, dtype=torch.float32, device=device)
 
-    for name, p in model.named_parameters():  # deduplicated: each tied tensor appears once
-        if p.ndim == 1:  # RMSNorm weights, router.scale, router.per_expert_scale
-            value = 1 + 0.2 * normal(p)
-        elif name.endswith("embed_tokens.weight"):
-            value = embedding_std * normal(p)
-        elif name.endswith("router.proj.weight"):
-            value = normal(p)
-        else:  # nn.Linear (out, in) and expert stacks (E, out, in)
-            value = normal(p) / math.sqrt(p.shape[-1])
-        p.data.copy_(value)
-
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    for name, b in model.state_dict(keep_vars=True).items():
-        if name in params:
-            continue
-        if not name.endswith("layer_scalar"):
-            raise AssertionError(f"no randomisation rule for buffer {name} {tuple(b.shape)}")
-        b.data.copy_(0.5 + torch.rand(b.shape, generator=generator, dtype=torch.float32))
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # deduplicated: each tied tensor appears once
+            if p.ndim == 1:  # RMSNorm weights, router.scale, router.per_expert_scale
+                value = 1 + 0.2 * normal(p)
+            elif name.endswith("embed_tokens.weight"):
+                value = embedding_std * normal(p)
+            elif name.endswith("router.proj.weight"):
+                value = normal(p)
+            else:  # nn.Linear (out, in) and expert stacks (E, out, in)
+                value = normal(p) / math.sqrt(p.shape[-1])
+            p.copy_(value)
+        params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        for name, b in model.state_dict(keep_vars=True).items():
+            if name in params:
+                continue
+            if not name.endswith("layer_scalar"):
+                if strict:
+                    raise AssertionError(f"no randomisation rule for buffer {name} {tuple(b.shape)}")
+                continue
+            b.copy_(0.5 + torch.rand(b.shape, generator=g, dtype=torch.float32, device=device))
+    return model
 
 
 def _check_ties(model: DiffusionGemmaForBlockDiffusion) -> None:
@@ -120,21 +152,20 @@ def build_hf_model(
     It runs HF's default kernels (sdpa, grouped_mm). `model.set_attn_implementation("eager")` plus
     `model.set_experts_implementation("eager")` make it compute bit for bit what `load_hf_model(eager=True)` does.
     """
+    hf = _transformers()
     text = copy.deepcopy({**TINY_TEXT, **GEOMETRIES[geometry], **(text_overrides or {})})
     vision = copy.deepcopy(TINY_VISION)
     V = text["vocab_size"]
-    config = DiffusionGemmaConfig(
+    config = hf.DiffusionGemmaConfig(
         text_config=text, vision_config=vision, canvas_length=canvas_length,
         image_token_id=V - 3, boi_token_id=V - 2, eoi_token_id=V - 1,
     )  # fmt: skip
     with torch.random.fork_rng(devices=[]):  # HF's own init draws from the global RNG; keep the caller's stream
         # Constructed like from_pretrained(dtype=...): RoPE inv_freq stays fp32 (model.to(bf16) would round it).
-        model = DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
-    with torch.no_grad():
-        # drawn in fp32, rounded to dtype by copy_
-        _randomize_(model, torch.Generator().manual_seed(seed), embedding_std)
+        model = hf.DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
+    randomize_(model, seed, embedding_std=embedding_std, strict=True)  # drawn in fp32, rounded to dtype by copy_
     _check_ties(model)
-    model.generation_config.update(sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), **GENERATION)
+    model.generation_config.update(sampler_config=hf.EntropyBoundSamplerConfig(entropy_bound=0.1), **GENERATION)
     return model.eval()
 
 
@@ -144,20 +175,24 @@ def save_hf_model(model: DiffusionGemmaForBlockDiffusion, path: str | os.PathLik
 
 
 def load_hf_model(
-    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, eager: bool = True
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, eager: bool = True, device: str | None = None
 ) -> DiffusionGemmaForBlockDiffusion:
-    """Load a saved model in eval mode; `eager=True` selects the bit-exact eager attention and experts kernels.
+    """Load a saved model in eval mode; `eager=True` selects the bit-exact eager attention and experts kernels, and
+    `eager=False` transformers' defaults (SDPA attention, grouped-mm experts: what `dgemma bench` compares against).
 
     The loaded tensors are views into the safetensors buffer, at whatever 4-byte offsets the file layout gives them.
     CPU matmuls depend on the weights' address alignment (an expert slice `gate_up_proj[e]` at a 4-byte offset gives
-    logits ~4e-6 off the same weights 64-byte aligned), so every tensor is copied into fresh, aligned storage. The
-    loaded model then computes exactly what the built one does. Ties survive: each shared tensor is copied once.
+    logits ~4e-6 off the same weights 64-byte aligned), so every tensor is copied into fresh, aligned storage (as
+    `dgemma.load_model` does). The loaded model then computes exactly what the built one does. Ties survive: each
+    shared tensor is copied once. `device` moves it afterwards.
     """
     kernels = dict(attn_implementation="eager", experts_implementation="eager") if eager else {}
-    model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kernels)
+    model = _transformers().DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype, **kernels)
     for tensor in (*model.parameters(), *model.buffers()):
         tensor.data = tensor.data.clone()
     _check_ties(model)
+    if device is not None:
+        model = model.to(device)
     return model.eval()
 
 
@@ -182,3 +217,24 @@ def hf_logits(
         past_key_values=past_key_values,
     )
     return out.logits.float(), out.past_key_values
+
+
+def build_hf_checkpoint(cfg: ModelConfig, path: str | os.PathLike[str], *, seed: int = 0,
+                        dtype: torch.dtype = torch.float32) -> None:
+    """Write a random transformers `DiffusionGemmaForBlockDiffusion` of geometry `cfg` to `path` (config.json,
+    generation_config.json, model.safetensors), which both transformers and `dgemma.load_model` read."""
+    hf = _transformers()
+    spec = cfg.to_hf()
+    V = cfg.vocab_size
+    config = hf.DiffusionGemmaConfig(text_config={k: v for k, v in spec["text_config"].items() if k != "model_type"},
+                                     vision_config=spec["vision_config"], canvas_length=cfg.canvas_length,
+                                     image_token_id=V - 3, boi_token_id=V - 2, eoi_token_id=V - 1)
+    with torch.random.fork_rng(devices=[]):  # transformers' own init draws from the global generator
+        model = hf.DiffusionGemmaForBlockDiffusion._from_config(config, dtype=dtype)
+    randomize_(model, seed)
+    model.generation_config.update(eos_token_id=None, pad_token_id=None)
+    model.save_pretrained(path)
+
+
+__all__ = ["GENERATION", "GEOMETRIES", "TINY_TEXT", "TINY_VISION", "build_hf_checkpoint", "build_hf_model", "hf_logits",
+           "load_hf_model", "randomize_", "save_hf_model"]  # and, lazily, the three transformers classes of _LAZY

@@ -1,0 +1,223 @@
+"""The report of `dgemma eval`: report.json, report.md and its two figures (frontier.png, likelihood.png), from the
+dict `dgemma.evaluate.evaluate` returns (docs/evaluation.md, section 4).
+
+    write_report(report, out, command=..., traces=...)   everything into `out`, traces into out/traces/
+    render_markdown(report)                              report.md
+    plot_frontier, plot_likelihood                       the figures (matplotlib, as `dgemma viz`: dgemma.viz)
+
+Every figure carries the command that produced it in its footer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dgemma.generate import Trace
+from dgemma.viz import figure, pyplot, save_figure
+
+# --- the report -----------------------------------------------------------------------------------------------------
+
+def _finite(obj: Any) -> Any:
+    """NaN / inf as null, so report.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _f(x: Any, fmt: str = ".3f") -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def write_report(report: dict[str, Any], out: str | Path, *, command: str, traces: dict[str, Trace] | None = None
+                 ) -> list[Path]:
+    """report.json, report.md and the figures (frontier.png, likelihood.png) into `out`; traces into out/traces/."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = _finite({**report, "command": command, "out": str(out)})
+    written = []
+    for name, trace in (traces or {}).items():
+        written += list(trace.save(out / "traces" / name))
+    written.append(plot_frontier(report, out / "frontier.png", command))
+    written.append(plot_likelihood(report, out / "likelihood.png", command))
+    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    (out / "report.md").write_text(render_markdown(report, sorted(traces or {})))
+    return [*written, out / "report.json", out / "report.md"]
+
+
+def _t_scheme(k: int) -> str:
+    return "t uniform on 1..T" if k == 1 else f"t = 1 exactly, then one t uniform in each of {k - 1} equal strata"
+
+
+def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> str:
+    lk, v, st = report["likelihood"], report["verdict"], report["settings"]
+    lines = [f"# dgemma eval: {report['model']['path']}", "", f"Command: `{report['command']}`", "",
+             f"- model: `{report['model']['checkpoint']}` (objective {report['model']['objective']})",
+             f"- baseline: `{report['baseline']['checkpoint']}`" if report["baseline"] else "- baseline: none",
+             f"- data: `{report['data']['path']}`, validation split: {report['data']['tokens']:,} tokens, "
+             f"{report['data']['documents']:,} documents",
+             f"- held-out windows of {st['seq_len']} tokens; NELBO and x0 CE with T = {st['num_steps']}; "
+             f"{report['prompts']['count']} prompts of {report['prompts']['tokens']} tokens, "
+             f"{st['max_new_tokens']} new tokens each", ""]
+    lines += ["## Verdict (seed 003)", ""]
+    if not v["available"]:
+        lines += [f"Not available: {v['reason']}.", ""]
+    else:
+        ok = "yes" if v["nelbo_within_tolerance"] else "no"
+        lines += [f"- Held-out NLL within +{v['tolerance']:.0%} of AR? **{ok}**: NELBO / AR CE = "
+                  f"{_f(v['nelbo_over_ar'])} (with 2 SE: {_f(v['nelbo_upper_ratio'])}). The NELBO is an upper bound "
+                  "on the diffusion model's NLL, so a pass is conservative. Seed 003's own measure, x0 CE / AR CE = "
+                  f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
+                  f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** wall-clock useful tokens/s over the AR "
+                  f"baseline, at max_denoising_steps={v['speedup_setting']['max_denoising_steps']}, entropy_bound="
+                  f"{v['speedup_setting']['entropy_bound']:g}: generative perplexity {_f(v['gen_ppl'], '.1f')} and "
+                  f"token entropy {_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} and "
+                  f"{_f(v['ar_token_entropy'], '.2f')} "
+                  + ("(matched within tolerance)." if v["quality_matched"] else
+                     "(**no setting matched the AR samples' quality**; this is the best-quality setting)."), ""]
+    lines += ["## Likelihood (held-out, nats/token)", "",
+              "| metric | nats/token | ± SE | bits/byte | windows | tokens | windows for SE " +
+              f"{_f(lk['nelbo']['estimate']['target_se'], 'g')} |", "|---|---|---|---|---|---|---|"]
+    names = (("NELBO (upper bound on NLL)", "nelbo"), ("x0 cross-entropy at sampled t", "x0_ce"),
+             ("AR cross-entropy (baseline)", "ar_ce"))
+    for name, key in names:
+        if lk[key] is None:
+            continue
+        e = lk[key]["estimate"]
+        lines.append(f"| {name} | {_f(e['mean'], '.4f')} | {_f(e['se'], '.4f')} | {_f(e['bits_per_byte'], '.4f')} | "
+                     f"{e['windows']} | {e['tokens']:,} | {e['windows_for_target_se']} |")
+    lines += ["", f"NELBO: {lk['nelbo']['num_t_samples']} t per canvas ({_t_scheme(lk['nelbo']['num_t_samples'])} "
+              f"of 2..{lk['nelbo']['num_steps']}), each canvas conditioned on the clean canvases before it in its "
+              "window; prior term "
+              f"{_f(lk['nelbo']['prior_kl_per_token'], '.2e')} nats/token. x0 CE: "
+              f"{lk['x0_ce']['t_sampling']}, objective {lk['x0_ce']['objective']}, no self-conditioning. "
+              "SE over windows (data and Monte Carlo noise together).", "",
+              "![likelihood](likelihood.png)", "", f"*likelihood.png: `{report['command']}`*", ""]
+    lines += ["## Speed / quality frontier", "",
+              "Batch 1, one prompt at a time, same prompts and new-token budget for every sampler; tokens/s counts "
+              "useful tokens (up to the first EOS, at most max_new_tokens), prefill included in the time. "
+              "Tokens/forward: generated positions per backbone pass after the prefill (a fixed schedule of N steps: "
+              "N denoise passes + 1 commit per canvas, L/(N+1)). Quality: samples drawn with the diffusion model in "
+              f"{st['quality_dtype']}.", "",
+              "| N | entropy_bound | tok/s | speedup | tok/forward adaptive | fixed (rule) | steps/canvas | "
+              "gen PPL | distinct-2 | entropy | re-noised |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ar = report["ar_decode"]
+    for f in report["frontier"]:
+        a, q = f["adaptive"], f["quality"]
+        speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
+        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | {_f(a['tokens_per_second'], '.1f')} | "
+                     f"{_f(speed, '.2f')} | {_f(a['tokens_per_forward'], '.2f')} | "
+                     f"{_f(f['fixed']['tokens_per_forward'], '.2f')} ({_f(f['fixed_rule_tokens_per_forward'], '.2f')})"
+                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_f(q.get('gen_ppl'), '.1f')} | "
+                     f"{_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
+                     f"{_f(q['renoised']['fraction'], '.3%')} |")
+    if ar:
+        q = ar["quality"]
+        lines.append(f"| AR | – | {_f(ar['tokens_per_second'], '.1f')} | 1.00 | "
+                     f"{_f(ar['tokens_per_forward'], '.2f')} | "
+                     f"– | – | {_f(q.get('gen_ppl'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
+                     "| – |")
+    lines += ["", "![frontier](frontier.png)", "", f"*frontier.png: `{report['command']}`*", ""]
+    if trace_names:
+        lines += ["## Traces", "", "The first prompt of each setting, traced (draw them with `dgemma viz`):", ""]
+        lines += [f"- `traces/{n}`: `dgemma viz {Path(report['out']) / 'traces' / n} --out "
+                  f"{Path(report['out']) / 'viz' / n}`" for n in trace_names]
+        lines.append("")
+    lines += ["## Samples (first prompt)", ""]
+    for f in report["frontier"]:
+        lines += [f"**N={f['max_denoising_steps']}, entropy_bound={f['entropy_bound']:g}:**", "", "```",
+                  f["example"].strip()[:600], "```", ""]
+    if ar:
+        lines += ["**AR baseline:**", "", "```", ar["example"].strip()[:600], "```", ""]
+    return "\n".join(lines)
+
+
+# --- the figures ----------------------------------------------------------------------------------------------------
+
+def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
+    """Speed against quality over max_denoising_steps x entropy_bound: generated tokens/s (wall clock) and tokens per
+    forward against the samples' generative perplexity under the AR baseline, and tokens/s against the samples'
+    token entropy (perplexity alone rewards repetitive text); the AR baseline as a star."""
+    plt = pyplot()
+    fig = figure(plt, "Speed / quality frontier (each point: one sampler setting; labels N = max_denoising_steps)",
+                  command)
+    ar = report["ar_decode"]
+    panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "token_entropy",
+               "token entropy of the samples (nats; higher = more varied)")]
+    if ar is not None:
+        ppl = "generative perplexity under the AR baseline"
+        panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
+                  ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
+    bounds = sorted({f["entropy_bound"] for f in report["frontier"]})
+    for n, (xkey, xlabel, ykey, ylabel) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), n + 1)
+        for eb in bounds:
+            pts = [f for f in report["frontier"] if f["entropy_bound"] == eb]
+            xs = [f["adaptive"][xkey] for f in pts]
+            ys = [_num(f["quality"].get(ykey)) for f in pts]
+            ax.plot(xs, ys, "o-", label=f"adaptive, entropy_bound={eb:g}")
+            for f, x, y in zip(pts, xs, ys, strict=True):
+                ax.annotate(f"N={f['max_denoising_steps']}", (x, y), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        if ar is not None:
+            ax.plot([ar[xkey]], [_num(ar["quality"].get(ykey))], "*", markersize=14, color="k",
+                    label="AR baseline (KV cache)")
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        if ykey == "gen_ppl":
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.12, wspace=0.3)
+    return save_figure(fig, path)
+
+
+def _num(x: Any) -> float:
+    return math.nan if x is None else float(x)
+
+
+def plot_likelihood(report: dict[str, Any], path: Path, command: str) -> Path:
+    """Held-out nats/token with 2 standard errors: the NELBO bound, the x0 cross-entropy, the AR cross-entropy; and,
+    by noise level t, the x0 cross-entropy and the NELBO's per-step KL terms."""
+    plt = pyplot()
+    lk = report["likelihood"]
+    fig = figure(plt, "Held-out likelihood (nats/token; error bars: 2 standard errors over windows)", command)
+    ax = fig.add_subplot(1, 2, 1)
+    rows = [("NELBO (upper bound)", lk["nelbo"]), ("x0 CE at sampled t", lk["x0_ce"]), ("AR CE", lk["ar_ce"])]
+    rows = [(name, r["estimate"]) for name, r in rows if r is not None]
+    ax.bar(range(len(rows)), [e["mean"] for _, e in rows], yerr=[2 * e["se"] for _, e in rows], capsize=6,
+           color=["tab:purple", "tab:orange", "k"][: len(rows)])
+    ax.set_xticks(range(len(rows)), [n for n, _ in rows])
+    for i, (_, e) in enumerate(rows):
+        bpb = f"\n{e['bits_per_byte']:.3f} bpb" if e.get("bits_per_byte") else ""
+        ax.annotate(f"{e['mean']:.3f}{bpb}", (i, e["mean"]), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 6), textcoords="offset points")
+    ax.set_ylabel("nats per token")
+    ax = fig.add_subplot(1, 2, 2)
+    for key, values, style, name in (("x0_ce", "ce_by_t", "o-", "x0 CE at t"),
+                                     ("nelbo", "kl_by_t", "s-", "NELBO term at t (t = 1: reconstruction)")):
+        y = np.array([math.nan if v is None else v for v in lk[key][values]], dtype=np.float64)
+        t = np.arange(1, len(y) + 1)
+        seen = np.isfinite(y)  # t values no canvas drew are left out
+        ax.plot(t[seen], y[seen], style, label=name)
+    if lk["ar_ce"] is not None:
+        ax.axhline(lk["ar_ce"]["estimate"]["mean"], color="k", linestyle="--", label="AR CE")
+    ax.set_xlabel("noise level t (T = pure noise)")
+    ax.set_ylabel("nats per token")
+    ax.set_yscale("symlog", linthresh=1e-2)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.9, bottom=0.1, wspace=0.25)
+    return save_figure(fig, path)
+
+
+__all__ = ["plot_frontier", "plot_likelihood", "render_markdown", "write_report"]
