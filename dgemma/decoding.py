@@ -1,0 +1,215 @@
+"""Decoding runs and sample quality, for evaluation (docs/evaluation.md).
+
+Cost and speed: `run_sampler` and `run_ar` decode the same prompts one at a time (batch 1) with wall-clock timing and
+count the backbone passes and tokens after the prefill from what the decoders did (the steps `generate` reports per
+canvas, the commits; nothing is patched into the model).
+
+Sample quality: generative perplexity of diffusion samples under the AR baseline (samples drawn with the diffusion
+model in float64), distinct-n and per-sample token entropy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dgemma.attention import causal_masks
+from dgemma.config import GenerationConfig
+from dgemma.console import Progress
+from dgemma.generate import Trace, generate
+from dgemma.model import DiffusionGemma
+
+# --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
+
+@dataclass
+class DecodeRun:
+    """One sampler over all prompts, batch 1 each. Counts exclude the prompt's prefill."""
+
+    name: str
+    samples: list[list[int]]  # useful new tokens per prompt: up to and including the first EOS, at most max_new
+    seconds: list[float]  # wall-clock per prompt, prefill included
+    passes: int = 0  # backbone passes after the prefill (denoise + commit, or AR commits)
+    token_forwards: int = 0  # tokens through the backbone after the prefill
+    generated: int = 0  # positions produced (whole canvases for diffusion), useful or not
+    denoise_passes: int = 0
+    commit_passes: int = 0
+    steps_per_canvas: list[int] = field(default_factory=list)
+    traces: list[Trace] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(map(len, self.samples))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.useful_tokens / max(sum(self.seconds), 1e-12)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Positions generated per backbone pass: L / (T + 1) for a fixed schedule of T steps."""
+        return self.generated / max(self.passes, 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "settings": self.settings, "prompts": len(self.samples),
+                "useful_tokens": self.useful_tokens, "generated_positions": self.generated,
+                "seconds": sum(self.seconds), "tokens_per_second": self.tokens_per_second,
+                "passes": self.passes, "denoise_passes": self.denoise_passes, "commit_passes": self.commit_passes,
+                "token_forwards": self.token_forwards, "tokens_per_forward": self.tokens_per_forward,
+                "token_forwards_per_useful_token": self.token_forwards / max(self.useful_tokens, 1),
+                "mean_steps_per_canvas": float(np.mean(self.steps_per_canvas)) if self.steps_per_canvas else None}
+
+
+def useful(tokens: Sequence[int], eos: Sequence[int], max_new: int) -> list[int]:
+    """New tokens up to and including the first EOS, at most `max_new`: what a reader gets."""
+    out: list[int] = []
+    for tok in list(tokens)[:max_new]:
+        out.append(int(tok))
+        if tok in eos:
+            break
+    return out
+
+
+def fixed_schedule(config: GenerationConfig) -> GenerationConfig:
+    """The same sampler with early stopping off: every canvas spends exactly max_denoising_steps passes."""
+    if config.sampler == "lite":
+        return config.replace(adaptive=False)
+    # The entropy-bound stop needs the argmax unchanged over `stability_threshold` earlier steps; a history longer
+    # than the schedule never fills, so the rule never fires.
+    return config.replace(stability_threshold=config.max_denoising_steps + 1)
+
+
+@torch.no_grad()
+def run_sampler(model: DiffusionGemma, prompts: Sequence[Tensor], config: GenerationConfig, *, seed: int = 0,
+                trace: bool = False, name: str = "diffusion", progress: bool = True) -> DecodeRun:
+    """Block-diffusion decoding of each prompt (1-D ids) alone, timed. Per canvas the sampler spends its denoise
+    passes and one commit; the last canvas is committed too (as it must be to continue), so a fixed schedule of T
+    steps costs exactly T + 1 passes per canvas. The prompt's prefill is timed but not counted. One untimed
+    warm-up generation comes first."""
+    L = model.config.canvas_length
+    max_new = config.max_new_tokens
+    num_canvases = math.ceil(max_new / L)
+    run = DecodeRun(name, [], [], settings={"max_denoising_steps": config.max_denoising_steps,
+                                            "entropy_bound": config.entropy_bound, "sampler": config.sampler,
+                                            "max_new_tokens": max_new})
+    if prompts:  # warm-up, untimed: first calls pay for allocations and lazy initialisation
+        generate(model, prompts[0].to(model.device)[None], generation_config=config.replace(max_new_tokens=L),
+                 seed=seed)
+    with Progress(f"decode {name}", len(prompts), "prompts", enabled=progress) as bar:
+        for i, prompt in enumerate(prompts):
+            ids = prompt.to(model.device)[None]
+            cache = model.new_cache(1, ids.shape[1] + num_canvases * L)  # preallocated: no growth while timed
+            started = time.perf_counter()
+            result = generate(model, ids, generation_config=config, seed=seed + i, cache=cache, trace=trace)
+            model.commit(result.sequences[:, -L:], result.cache)  # leaves the output committed, ready to continue
+            run.seconds.append(time.perf_counter() - started)
+            # Batch 1: each step of a canvas is one denoise pass over its L positions, and each canvas is committed
+            # once (generate commits all but the last, the line above the last), L tokens each.
+            steps = [s[0] for s in result.steps_per_canvas]
+            run.denoise_passes += sum(steps)
+            run.commit_passes += len(steps)
+            run.passes += sum(steps) + len(steps)
+            run.token_forwards += (sum(steps) + len(steps)) * L
+            run.generated += result.sequences.shape[1] - ids.shape[1]
+            run.steps_per_canvas += steps
+            run.samples.append(useful(result.sequences[0, ids.shape[1]:].tolist(), config.eos_token_id, max_new))
+            if trace and result.trace is not None:
+                run.traces.append(result.trace)
+            bar.update(1)
+    return run
+
+
+@torch.no_grad()
+def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: int, eos: Sequence[int],
+           seed: int = 0, temperature: float = 1.0, name: str = "ar", progress: bool = True) -> DecodeRun:
+    """Autoregressive decoding of each prompt alone with the KV cache, timed: commit the prompt, then per token read
+    the next-token logits `commit` returns, sample (temperature 1: ancestral sampling) and commit the token, so that
+    each new token costs one backbone pass over one token. The prompt's prefill is timed but not counted."""
+    run = DecodeRun(name, [], [], settings={"max_new_tokens": max_new_tokens, "temperature": temperature})
+    if prompts:  # warm-up, untimed, as in run_sampler
+        cache = model.new_cache(1, prompts[0].numel() + 2)
+        model.next_token_logits(prompts[0].to(model.device)[None], cache)
+        model.next_token_logits(prompts[0][:2].to(model.device)[None], cache)
+    with Progress(f"decode {name}", len(prompts), "prompts", enabled=progress) as bar:
+        for i, prompt in enumerate(prompts):
+            g = torch.Generator(device=model.device).manual_seed(seed + i)
+            ids = prompt.to(model.device)[None]
+            started = time.perf_counter()
+            cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
+            logits = model.next_token_logits(ids, cache)  # (1, P, V)
+            out: list[int] = []
+            for _ in range(max_new_tokens):
+                probs = torch.softmax(logits[:, -1].double() / temperature, dim=-1)
+                tok = torch.multinomial(probs, 1, generator=g)  # (1, 1)
+                out.append(int(tok))
+                logits = model.next_token_logits(tok, cache)  # leaves the output committed, as run_sampler
+                if out[-1] in eos:
+                    break
+            run.seconds.append(time.perf_counter() - started)
+            run.passes += len(out)  # one commit of one token per new token, after the prompt's prefill
+            run.token_forwards += len(out)
+            run.commit_passes += len(out)
+            run.generated += len(out)
+            run.samples.append(out)
+            bar.update(1)
+    return run
+
+
+def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
+    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1) fp32, one causal encoder pass."""
+    inputs = x[:, :-1]
+    T = inputs.shape[1]
+    hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
+                                   causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
+    logits = model.logits(hidden)  # (B, T, V)
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
+    return nll.view(x.shape[0], T)
+
+
+# --- sample quality -------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generative_perplexity(scorer: DiffusionGemma, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]]
+                          ) -> dict[str, float]:
+    """exp(mean NLL) of the samples' tokens under the AR scorer, each given its prompt (teacher forcing)."""
+    total, n = 0.0, 0
+    for prompt, sample in zip(prompts, samples, strict=True):
+        if not sample:
+            continue
+        x = torch.cat([prompt.cpu(), torch.tensor(sample, dtype=torch.long)])[None].to(scorer.device)
+        nll = ar_token_nll(scorer, x)[0, prompt.numel() - 1:]  # the sample's tokens only
+        total, n = total + float(nll.double().sum()), n + nll.numel()
+    return {"gen_ppl": math.exp(total / n) if n else math.nan, "nll_per_token": total / n if n else math.nan,
+            "tokens": n}
+
+
+def distinct_n(samples: Sequence[Sequence[int]], n: int) -> float:
+    """Distinct n-grams / all n-grams, pooled over samples (higher = more varied; 1 = no n-gram repeats)."""
+    grams = [tuple(s[i:i + n]) for s in samples for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else math.nan
+
+
+def token_entropy(samples: Sequence[Sequence[int]]) -> float:
+    """Mean over samples of the entropy (nats) of the sample's own unigram distribution: low for repetitive text."""
+    values = []
+    for s in samples:
+        if not s:
+            continue
+        p = np.array(list(Counter(s).values()), dtype=np.float64) / len(s)
+        values.append(float(-(p * np.log(p)).sum()))
+    return float(np.mean(values)) if values else math.nan
+
+
+def quality(samples: Sequence[Sequence[int]]) -> dict[str, float]:
+    return {"distinct_1": distinct_n(samples, 1), "distinct_2": distinct_n(samples, 2),
+            "distinct_3": distinct_n(samples, 3), "token_entropy": token_entropy(samples),
+            "mean_length": float(np.mean([len(s) for s in samples])) if samples else math.nan}
