@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dgemma import attention, costs
+from dgemma import attention, costs, diffusion
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
 from dgemma.generate import generate
-from dgemma.model import DiffusionGemma
+from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
@@ -318,7 +318,6 @@ def _threads(n: int | None) -> Iterator[None]:
 
 def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> dict[str, Any]:
     """Load (or build) the model(s) once, warm each implementation up, then run them in alternation."""
-    import dgemma
     from dgemma.testing.hf import build_hf_checkpoint, load_hf_model, randomize_  # transformers only when compared
 
     dtype = s.torch_dtype
@@ -328,7 +327,7 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
             path = tmp
             build_hf_checkpoint(PRESETS[s.preset], path, seed=s.seed, dtype=dtype)  # type: ignore[index]
         if path is not None:
-            model = dgemma.load_model(path, dtype=dtype, device=s.device)
+            model = load_model(path, dtype=dtype, device=s.device)
         else:  # allocated once, in the target dtype, on the device (26B in fp32 first would not fit an H200)
             with torch.device("meta"):
                 model = DiffusionGemma(PRESETS[s.preset])  # type: ignore[index]
@@ -389,8 +388,6 @@ def training_flops(cfg: ModelConfig, batch: int, seq_len: int, objective: str, s
 def _train_step(model: DiffusionGemma, opt: torch.optim.Optimizer, data: Tensor, objective: str,
                 g: torch.Generator, sc_prob: float, chunk: int, device: str, use_bf16: bool) -> tuple[float, bool]:
     """One timed optimizer step on `data` (B, S + 1): seconds, and whether it ran the self-conditioning pre-pass."""
-    from dgemma import diffusion
-
     _sync(device)
     start = time.perf_counter()
     with torch.autocast(device, torch.bfloat16, enabled=use_bf16):
@@ -407,8 +404,6 @@ def _train_step(model: DiffusionGemma, opt: torch.optim.Optimizer, data: Tensor,
 def bench_training(s: BenchSettings, peak_flops: float) -> dict[str, Any]:
     """Diffusion (clean-context) and AR optimizer steps of the training preset, the impls alternating step by step;
     mean time per step over the timed steps, MFU = model FLOPs / time / the measured fp32 (CPU) matmul peak."""
-    from dgemma.model import init_weights
-
     name = s.train_preset or ("tiny" if s.preset == "tiny" else "lite-380m" if s.device == "cuda" else
                               "cpu-small" if "cpu-small" in PRESETS else "tiny")
     if name not in PRESETS:
