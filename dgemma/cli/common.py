@@ -25,6 +25,17 @@ class UsageError(ConfigError):
     and exits 2."""
 
 
+def shown_path(path: Path) -> str:
+    """A path as a command printed in a report or a figure's footer shows it: relative to the current directory when
+    it lies inside it (so pictures made from a run directory carry no absolute temporary paths), else as given."""
+    if path.is_absolute():
+        try:
+            return str(path.relative_to(Path.cwd()))
+        except ValueError:
+            pass
+    return str(path)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, metavar="DIR", help="checkpoint directory (Hugging Face layout)")
     p.add_argument("--preset", metavar="NAME", help="a named preset, with --random-init (smoke tests)")
