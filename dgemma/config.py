@@ -457,6 +457,28 @@ class GenerationConfig:
             raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
         return dataclasses.replace(self, **changes)
 
+    def overrides(self, **changes: Any) -> dict[str, Any]:
+        """`generate()`'s keyword overrides: the `changes` that are not None, each checked against this config first
+        (an invalid value or an unknown name raises a ConfigError naming the field)."""
+        kw = {k: v for k, v in changes.items() if v is not None}
+        self.replace(**kw)
+        return kw
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> GenerationConfig:
+        """transformers' defaults with the model's own special tokens: the settings of a model that comes without a
+        generation_config.json (a preset with random weights)."""
+        eos = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (config.eos_token_id,)
+        return cls(eos_token_id=tuple(e for e in eos if e is not None), pad_token_id=config.pad_token_id,
+                   bos_token_id=config.bos_token_id)
+
+    def stopping_at(self, token_id: int | None) -> GenerationConfig:
+        """A copy that also stops at `token_id` (Gemma's generation_config.json stops at the chat template's <turn|>);
+        itself when it already does or `token_id` is None."""
+        if token_id is None or token_id in self.eos_token_id:
+            return self
+        return self.replace(eos_token_id=(*self.eos_token_id, token_id))
+
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
         if not isinstance(d, dict):
