@@ -18,6 +18,7 @@ from dgemma.cli import main
 from dgemma.config import FULL, SLIDING, GenerationConfig, RopeConfig, preset
 from dgemma.generate import denoise_canvas, generate
 from dgemma.model import DiffusionGemma, Experts, reference_attention
+from tests.helpers import random_ids
 from tests.live_tensors import LiveVocabTensors
 
 TOL = 1e-4  # fp32 logits, fast vs readable
@@ -33,10 +34,6 @@ GEOMETRIES = {
 
 def _model(name: str, seed: int = 0) -> DiffusionGemma:
     return randomize_(DiffusionGemma(GEOMETRIES[name]), seed).eval()
-
-
-def _ids(shape: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
 # --- attention and masks ------------------------------------------------------------------------------------------
@@ -79,14 +76,14 @@ def test_fast_masks_equal_kv_cache_masks(padding):
     model = DiffusionGemma(config)
     cache = model.new_cache(2, 64)
     W, L = config.sliding_window, config.canvas_length
-    prompt = _ids((2, 11), config.vocab_size, 0)
+    prompt = random_ids(config.vocab_size, 2, 11, seed=0)
     attention_mask = torch.ones_like(prompt)
     if padding:
         attention_mask[0, :4] = 0
     for start, S, keep in ((0, 11, attention_mask), (11, L, None), (0, 5, None)):  # prefill, a canvas, a short one
         if start == 0:
             cache = model.new_cache(2, 64)
-        cache.prepare_write(_ids((2, S), config.vocab_size, 1), start, keep if padding else None)
+        cache.prepare_write(random_ids(config.vocab_size, 2, S, seed=1), start, keep if padding else None)
         new_keep = cache.key_padding[:, start:start + S]
         fast = kernels.commit_masks(cache, start, S, W, torch.float32, new_keep)
         for kind, prefix, window in ((FULL, None, None), (SLIDING, W - 1, W)):
@@ -155,7 +152,7 @@ def test_fast_logits_match_reference(geometry, padding):
     encoder's own logits: the fast path within 1e-4 of the readable one."""
     model = _model(geometry)
     V, L = model.config.vocab_size, model.config.canvas_length
-    prompt, canvas, second = _ids((2, 11), V, 5), _ids((2, L), V, 6), _ids((2, L), V, 7)
+    prompt, canvas, second = random_ids(V, 2, 11, seed=5), random_ids(V, 2, L, seed=6), random_ids(V, 2, L, seed=7)
     mask = torch.ones_like(prompt)
     if padding:
         mask[0, :5] = 0
@@ -181,8 +178,8 @@ def test_denoise_step_matches_denoise(static, padding):
     if padding:
         mask[1, :3] = 0
     cache = model.new_cache(2, 11 + 2 * L)  # spare slots: the static step must mask them
-    model.commit(_ids((2, 11), V, 9), cache, attention_mask=mask)
-    canvas = _ids((2, L), V, 10)
+    model.commit(random_ids(V, 2, 11, seed=9), cache, attention_mask=mask)
+    canvas = random_ids(V, 2, L, seed=10)
     sc = torch.randn(2, L, V, generator=torch.Generator().manual_seed(11)) * 4
     step = kernels.DenoiseStep(model, cache, static=static)
     for _ in range(2):  # before and after a second commit (the sliding window then cuts into the context)
@@ -203,9 +200,9 @@ def test_denoise_step_compiles_whole():
                                                              num_experts=4)), 0).eval()
     V, L = model.config.vocab_size, model.config.canvas_length
     cache = model.new_cache(1, 11 + L)
-    model.commit(_ids((1, 11), V, 12), cache)
+    model.commit(random_ids(V, 1, 11, seed=12), cache)
     step = kernels.DenoiseStep(model, cache, compile="aot_eager")
-    canvas = _ids((1, L), V, 13)
+    canvas = random_ids(V, 1, L, seed=13)
     assert (model.logits(step(canvas)) - model.denoise(canvas, cache)).abs().max() <= TOL
     model.commit(canvas, cache)
     counters = torch._dynamo.utils.counters
@@ -221,15 +218,15 @@ def test_denoise_step_compiles_with_inductor():
     model = _model("tiny")
     V, L = model.config.vocab_size, model.config.canvas_length
     cache = model.new_cache(1, 11 + L)
-    model.commit(_ids((1, 11), V, 12), cache)
+    model.commit(random_ids(V, 1, 11, seed=12), cache)
     try:
         step = kernels.DenoiseStep(model, cache, compile=True)
-        got = model.logits(step(_ids((1, L), V, 13)))
+        got = model.logits(step(random_ids(V, 1, L, seed=13)))
     except Exception as e:  # no C++ toolchain for inductor: not this code's failure
         if "compiler" in str(e).lower() or "InductorError" in type(e).__name__:
             pytest.skip(f"inductor unavailable: {e}")
         raise
-    assert (got - model.denoise(_ids((1, L), V, 13), cache)).abs().max() <= TOL
+    assert (got - model.denoise(random_ids(V, 1, L, seed=13), cache)).abs().max() <= TOL
 
 
 # --- sampling -------------------------------------------------------------------------------------------------------
@@ -365,7 +362,7 @@ def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
     model = _model("tiny")
     B, L, V = 2, model.config.canvas_length, model.config.vocab_size
     cache = model.new_cache(B, 11)
-    model.commit(_ids((B, 11), V, 20), cache)
+    model.commit(random_ids(V, B, 11, seed=20), cache)
     rows = chunk_rows or B * L
     with LiveVocabTensors(V, {p.untyped_storage().data_ptr() for p in model.parameters()}) as mode:
         kernels.denoise_canvas(model, cache, GenerationConfig(max_denoising_steps=3), chunk_rows=chunk_rows,
@@ -377,7 +374,7 @@ def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
 
 def test_generate_fast_runs_and_restores_the_model_impl():
     model = _model("tiny")
-    prompt = _ids((2, 11), 500, 19)
+    prompt = random_ids(500, 2, 11, seed=19)
     a = generate(model, prompt, seed=0, impl="fast", max_new_tokens=32, max_denoising_steps=3, trace=True)
     b = generate(model, prompt, seed=0, impl="fast", max_new_tokens=32, max_denoising_steps=3)
     assert model.impl == "reference"
