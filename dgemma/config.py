@@ -75,32 +75,40 @@ class RopeConfig:
         return d
 
 
+def default_layer_types(num_layers: int) -> tuple[LayerType, ...]:
+    """transformers' layer pattern, 5 sliding : 1 full: every 6th layer full, and the last layer always full."""
+    return tuple(FULL if (i + 1) % 6 == 0 or i == num_layers - 1 else SLIDING for i in range(num_layers))
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Geometry of a DiffusionGemma text model. Per-layer geometry comes from `layer_types`: full-attention
     layers use `global_head_dim` and `num_global_key_value_heads`, sliding layers `head_dim` and
-    `num_key_value_heads` (see `layer_head_dim` / `layer_num_kv_heads`)."""
+    `num_key_value_heads` (see `layer_head_dim` / `layer_num_kv_heads`).
+
+    The defaults are transformers' (`DiffusionGemmaTextConfig`): what a config.json that omits a key means. The
+    released 26B-A4B geometry is the preset `diffusiongemma-26b-a4b`."""
 
     vocab_size: int = 262_144
-    hidden_size: int = 2816
-    intermediate_size: int = 2112
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
     num_hidden_layers: int = 30
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
     head_dim: int = 256
     global_head_dim: int = 512
-    num_global_key_value_heads: int | None = 2
-    layer_types: tuple[LayerType, ...] = ()
-    sliding_window: int = 1024
+    num_global_key_value_heads: int | None = None  # None: as num_key_value_heads
+    layer_types: tuple[LayerType, ...] = ()  # empty: default_layer_types(num_hidden_layers)
+    sliding_window: int = 512
     sliding_rope: RopeConfig = RopeConfig("default", 10_000.0)
     full_rope: RopeConfig = RopeConfig("proportional", 1_000_000.0, 0.25)
-    num_experts: int = 128  # 0 = dense feed-forward only (a dgemma extension for small from-scratch models)
+    num_experts: int = 0  # 0 = dense feed-forward only (a dgemma extension for small from-scratch models)
     top_k_experts: int = 8
     moe_intermediate_size: int = 704
     rms_norm_eps: float = 1e-6
     final_logit_softcapping: float | None = 30.0
     canvas_length: int = 256
-    max_position_embeddings: int = 262_144
+    max_position_embeddings: int = 131_072
     hidden_activation: str = "gelu_pytorch_tanh"
     use_bidirectional_attention: str | None = None
     pad_token_id: int | None = 0
@@ -112,13 +120,8 @@ class ModelConfig:
     time_embedding: bool = False  # add a per-canvas sinusoidal embedding of the noise level t/T to each token
 
     def __post_init__(self) -> None:
-        if not self.layer_types:  # transformers' default: every 6th layer full, and the last layer always full
-            types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_hidden_layers)]
-            if types:
-                types[-1] = FULL
-            object.__setattr__(self, "layer_types", tuple(types))
-        else:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        types = self.layer_types or default_layer_types(self.num_hidden_layers)
+        object.__setattr__(self, "layer_types", tuple(types))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -227,7 +230,7 @@ class ModelConfig:
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             if name in text and text[name] is None:  # transformers writes None for "no MoE"
                 kw[name] = 0
-        kw.setdefault("final_logit_softcapping", 30.0)  # a class attribute in transformers: never in config.json
+        # final_logit_softcapping is a class attribute in transformers, never in config.json: the default 30 holds.
         canvas = top.get("canvas_length", text.get("canvas_length"))
         if canvas is not None:
             kw["canvas_length"] = canvas
@@ -236,9 +239,6 @@ class ModelConfig:
         plc = text.get("per_layer_config")
         if plc is not None:  # {} too: transformers writes {} when full layers share the sliding geometry
             kw.update(_geometry_from_per_layer_config(plc, text, source))
-        else:
-            kw.setdefault("global_head_dim", 512)
-            kw.setdefault("num_global_key_value_heads", None)
         rope = text.get("rope_parameters")
         if rope is not None:
             if not isinstance(rope, dict) or not set(rope) <= {SLIDING, FULL}:
@@ -248,14 +248,7 @@ class ModelConfig:
                 kw["sliding_rope"] = RopeConfig.from_hf(rope[SLIDING], f"{source}: rope_parameters.{SLIDING}")
             if FULL in rope:
                 kw["full_rope"] = RopeConfig.from_hf(rope[FULL], f"{source}: rope_parameters.{FULL}")
-        else:
-            kw["sliding_rope"] = RopeConfig("default", 10_000.0)
-            kw["full_rope"] = RopeConfig("proportional", 1_000_000.0, 0.25)
-        if not text.get("layer_types"):
-            n = kw.get("num_hidden_layers", _HF_TEXT_DEFAULTS["num_hidden_layers"])
-            kw["layer_types"] = tuple(FULL if (i + 1) % 6 == 0 or i == n - 1 else SLIDING for i in range(n))
-        for k, v in _HF_TEXT_DEFAULTS.items():
-            kw.setdefault(k, v)
+        # Keys config.json omits (layer_types included) take the dataclass defaults, which are transformers'.
         try:
             return cls(**kw)
         except ConfigError as e:
@@ -323,14 +316,6 @@ class ModelConfig:
             if o:
                 out[str(i).zfill(width)] = o
         return out
-
-
-# transformers' class defaults for keys a config.json may omit (they differ from the 26B values). A module constant:
-# a slots=True dataclass's class attribute is a member descriptor, never the field's default.
-_HF_TEXT_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512,
-    "max_position_embeddings": 131_072, "num_experts": 0, "canvas_length": 256}
 
 
 def _geometry_from_per_layer_config(plc: Any, text: dict[str, Any], source: str) -> dict[str, Any]:
@@ -457,6 +442,28 @@ class GenerationConfig:
             raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
         return dataclasses.replace(self, **changes)
 
+    def overrides(self, **changes: Any) -> dict[str, Any]:
+        """`generate()`'s keyword overrides: the `changes` that are not None, each checked against this config first
+        (an invalid value or an unknown name raises a ConfigError naming the field)."""
+        kw = {k: v for k, v in changes.items() if v is not None}
+        self.replace(**kw)
+        return kw
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> GenerationConfig:
+        """transformers' defaults with the model's own special tokens: the settings of a model that comes without a
+        generation_config.json (a preset with random weights)."""
+        eos = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (config.eos_token_id,)
+        return cls(eos_token_id=tuple(e for e in eos if e is not None), pad_token_id=config.pad_token_id,
+                   bos_token_id=config.bos_token_id)
+
+    def stopping_at(self, token_id: int | None) -> GenerationConfig:
+        """A copy that also stops at `token_id` (Gemma's generation_config.json stops at the chat template's <turn|>);
+        itself when it already does or `token_id` is None."""
+        if token_id is None or token_id in self.eos_token_id:
+            return self
+        return self.replace(eos_token_id=(*self.eos_token_id, token_id))
+
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
         if not isinstance(d, dict):
@@ -533,7 +540,11 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=32, canvas_length=16, max_position_embeddings=4096,
     ),
     # The released google/diffusiongemma-26B-A4B-it text geometry (spec section 1.4).
-    "diffusiongemma-26b-a4b": ModelConfig(),
+    "diffusiongemma-26b-a4b": ModelConfig(
+        hidden_size=2816, intermediate_size=2112, num_attention_heads=16, num_key_value_heads=8,
+        num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+        max_position_embeddings=262_144,
+    ),
     # DiffusionGemma scaled down to train on a laptop CPU: the `dg` architecture (dense MLP beside 8 experts top-2,
     # sliding/full 2:1 with K=V and partial RoPE on full layers, self-conditioning MLP) at hidden 256, 6 layers, a
     # 32-token canvas, and the 8,192-id BPE that `dgemma data prepare` trains by default. 10,282,544 parameters
@@ -550,7 +561,7 @@ PRESETS: dict[str, ModelConfig] = {
     "dg-380m": ModelConfig(
         vocab_size=50_257, hidden_size=1024, intermediate_size=1408, num_hidden_layers=24, num_attention_heads=16,
         num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=2,
-        layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(24)), sliding_window=1024,
+        sliding_window=1024,
         num_experts=16, top_k_experts=4, moe_intermediate_size=128, canvas_length=256,
         max_position_embeddings=8192, pad_token_id=None, eos_token_id=50_256, bos_token_id=None,
     ),
@@ -599,6 +610,7 @@ __all__ = [
     "GenerationConfig",
     "ModelConfig",
     "RopeConfig",
+    "default_layer_types",
     "preset",
     "read_json",
 ]

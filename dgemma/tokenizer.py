@@ -143,6 +143,17 @@ _EXTRA = ("Hello! How are you today?", "I am fine, thank you. And you?", "What i
           "user\n", "model\n", "system\n", "Thanks for your help.")
 
 
+def left_pad(rows: list[list[int]], pad_id: int, device: Any = None) -> tuple[Any, Any]:
+    """(B, T) token ids of `rows` left-padded with `pad_id`, and their attention mask (1 = token, 0 = padding), or
+    None for the mask when no row is padded: generate()'s `input_ids` and `attention_mask` for a batch of prompts."""
+    import torch
+
+    T = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, (None if bool(mask.all()) else mask)
+
+
 def toy_corpus(n: int = 400) -> list[str]:
     """`n` + 14 deterministic English sentences (subject, verb, object, adverbial, cycled with coprime strides)."""
     out = list(_EXTRA)

@@ -43,6 +43,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def tok_path(tmp_path_factory) -> Path:
+    """A toy chat tokenizer.json (`build_test_tokenizer(512)`: the Gemma special tokens at ids 0..4)."""
+    from dgemma.tokenizer import build_test_tokenizer
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_test_tokenizer(512, path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared data directory (`dgemma.prepare.prepare`, a 512-id BPE): 200 documents, each 12 sentences drawn from
     26 toy sentences, so held-out documents share the training text's sentences and a model that learns the corpus

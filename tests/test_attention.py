@@ -9,10 +9,7 @@ import torch
 from dgemma.attention import Mask, commit_masks, denoise_masks, reference_attention, reference_mask, sdpa_attention
 from dgemma.config import FULL, SLIDING, preset
 from dgemma.model import DiffusionGemma
-
-
-def _ids(shape: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+from tests.helpers import random_ids
 
 
 @pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive-with-empty-row"])
@@ -53,14 +50,14 @@ def test_fast_masks_equal_reference_masks(padding):
     model = DiffusionGemma(config)
     cache = model.new_cache(2, 64)
     W, L = config.sliding_window, config.canvas_length
-    prompt = _ids((2, 11), config.vocab_size, 0)
+    prompt = random_ids(config.vocab_size, 2, 11, seed=0)
     attention_mask = torch.ones_like(prompt)
     if padding:
         attention_mask[0, :4] = 0
     for start, S, keep in ((0, 11, attention_mask), (11, L, None), (0, 5, None)):  # prefill, a canvas, a short one
         if start == 0:
             cache = model.new_cache(2, 64)
-        cache.prepare_write(_ids((2, S), config.vocab_size, 1), start, keep if padding else None)
+        cache.prepare_write(random_ids(config.vocab_size, 2, S, seed=1), start, keep if padding else None)
         new_keep = cache.is_token[:, start:start + S]
         fast = commit_masks(cache, start, S, new_keep, "fast", torch.float32)
         slow = commit_masks(cache, start, S, new_keep, "reference", torch.float32)

@@ -14,7 +14,7 @@ import torch
 import dgemma
 from dgemma import cli
 from dgemma.checkpoint import latest_checkpoint
-from dgemma.tokenizer import build_test_tokenizer, load_tokenizer
+from dgemma.tokenizer import load_tokenizer
 from dgemma.train import TRAIN_PRESETS
 from dgemma.viz import load_trace
 
@@ -22,13 +22,6 @@ TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L, V = TINY.canvas_length, TINY.vocab_size
 RANDOM = ["--preset", "tiny", "--random-init"]
 FAST = ["--steps", "3", "--max-new-tokens", "32"]  # two canvases of at most 3 denoising passes each
-
-
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    build_test_tokenizer(512, path)
-    return path
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

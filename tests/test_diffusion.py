@@ -20,6 +20,7 @@ from dgemma.diffusion import (
     training_loss,
     x0_cross_entropy,
 )
+from tests.helpers import random_ids
 
 CFG = preset("tiny")  # canvas 16, window 8, vocab 512
 L, W, V = CFG.canvas_length, CFG.sliding_window, CFG.vocab_size
@@ -33,10 +34,6 @@ def model() -> DiffusionGemma:
             block.layer_scalar.fill_(0.8 + 0.1 * i)
             block.encoder_layer_scalar.fill_(1.25 - 0.1 * i)
     return m
-
-
-def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def test_alpha_bar_runs_from_clean_to_noise():
@@ -100,7 +97,7 @@ def test_clean_context_forward_equals_commit_then_denoise(model, impl):
     mistake shows as O(1)): clean prefix committed, canvas denoised against it, with
     and without self-conditioning (the pre-pass posterior re-embedded == denoise fed the pre-pass logits)."""
     T, B = 4 * L, 2
-    x0, xt = _ids(B, T, seed=1), _ids(B, T, seed=2)
+    x0, xt = random_ids(V, B, T, seed=1), random_ids(V, B, T, seed=2)
     pos = torch.arange(T)
     tokens, positions, masks = torch.cat([x0, xt], 1), torch.cat([pos, pos])[None], clean_context_masks(T, L, W)
     with torch.no_grad():
@@ -121,7 +118,7 @@ def test_clean_context_forward_equals_commit_then_denoise(model, impl):
 
 def test_noisy_context_and_ar_are_causal_across_canvases(model):
     T = 3 * L
-    x, y = _ids(1, T, seed=4), _ids(1, T, seed=4)
+    x, y = random_ids(V, 1, T, seed=4), random_ids(V, 1, T, seed=4)
     y[0, 2 * L + 3] = (y[0, 2 * L + 3] + 1) % V  # change one token of the last canvas
     pos = torch.arange(T)[None]
     with torch.no_grad():
@@ -136,7 +133,7 @@ def test_noisy_context_and_ar_are_causal_across_canvases(model):
 
 def test_chunked_cross_entropy_equals_eager_loss_and_gradients(model):
     hidden = torch.randn(300, CFG.hidden_size, generator=torch.Generator().manual_seed(5), requires_grad=True)
-    targets = _ids(300, seed=6)
+    targets = random_ids(V, 300, seed=6)
     results = []
     for chunk in (None, 64):
         model.zero_grad()
@@ -159,7 +156,7 @@ def test_soft_embedding_chunking_is_exact(model):
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_training_loss_is_reproducible_and_trains_every_parameter_it_should(objective):
     m = init_weights(DiffusionGemma(CFG), seed=8)
-    x0 = _ids(2, 2 * L + (objective == "ar"), seed=9)
+    x0 = random_ids(V, 2, 2 * L + (objective == "ar"), seed=9)
     runs = []
     for _ in range(2):
         m.zero_grad()
@@ -180,14 +177,14 @@ def test_training_loss_is_reproducible_and_trains_every_parameter_it_should(obje
 def test_bad_training_input_is_refused():
     m = DiffusionGemma(CFG)
     with pytest.raises(ValueError, match="not a whole number of canvases of 16"):
-        training_loss(m, _ids(1, 20))
+        training_loss(m, random_ids(V, 1, 20))
     with pytest.raises(ValueError, match="unknown objective 'mlm'"):
-        training_loss(m, _ids(1, 16), objective="mlm")  # type: ignore[arg-type]
+        training_loss(m, random_ids(V, 1, 16), objective="mlm")  # type: ignore[arg-type]
 
 
 def test_ar_decoding_with_the_cache_equals_the_ar_training_forward(model):
     """An `ar` model decodes by committing token after token and reading their next-token logits."""
-    ids = _ids(2, 20, seed=11)
+    ids = random_ids(V, 2, 20, seed=11)
     cache = model.new_cache(2, 20)
     pieces = [model.next_token_logits(ids[:, :12], cache)]
     pieces += [model.next_token_logits(ids[:, i:i + 1], cache) for i in range(12, 20)]

@@ -77,10 +77,11 @@ def test_architecture_doc_covers_the_gemma_quirks() -> None:
 #   [long]       runs only under `pytest --runslow` (minutes, or the network)
 #   [GPU]        runs only under `pytest --runslow`, on a machine with CUDA
 #   [CI]         run as written by .ci/run (the README's install and test commands); checked to be there
-#   [unshipped]  a measurement script under runs/ that the repository does not ship (.gitignore); nothing to run
 # The other commands run for real in the default suite, in a fresh directory per block, in order (a block's later
 # commands use what the earlier ones wrote). To keep them fast, TINY_ARGS appends flags to some (argparse: the last
 # value of a flag wins), and a data prepare without --corpus reads a toy corpus instead of fetching the default one.
+# The measurement scripts under runs/ (`python runs/X.py`, `bash runs/X.sh`) run the same way, from the repository's
+# runs/ folder, in their tiny mode (TINY_ARGS); test_every_runs_script_is_quoted_and_exercised keeps that true.
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
@@ -89,9 +90,7 @@ import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-MARKERS = ("[long]", "[GPU]", "[CI]", "[unshipped]")
-TINY_TRAIN = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1",
-              "--max-steps", "2"]
+MARKERS = ("[long]", "[GPU]", "[CI]")
 TINY_ARGS: dict[str, list[str]] = {
     # README: generate at 3 denoising steps (the model is random; the flags' parsing is what is shown)
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32": ["--steps", "3"],
@@ -103,12 +102,12 @@ TINY_ARGS: dict[str, list[str]] = {
     "dgemma train --data data --out runs/small": ["--until-step", "1", "--eval-batches", "1"],
     "dgemma train --data data --out runs/small --resume": ["--until-step", "2", "--eval-batches", "1"],
     "dgemma train --data data --out runs/ar --objective ar": ["--until-step", "1", "--eval-batches", "1"],
-    # docs/evaluation.md: the tiny preset for two steps, a small evaluation grid
-    "dgemma train --preset cpu-small --data data/default --out runs/cpu-small-diffusion": TINY_TRAIN,
-    "dgemma train --preset cpu-small --objective ar --data data/default --out runs/cpu-small-ar": TINY_TRAIN,
-    "OMP_NUM_THREADS=2 dgemma eval --model runs/cpu-small-diffusion --baseline runs/cpu-small-ar --data data/default "
-    "--out reports/cpu-small --prompts 16 --steps 4,8,16,32 --entropy-bounds 0.1,1 --max-windows 0":
-        ["--prompts", "2", "--steps", "16", "--entropy-bounds", "0.1", "--max-windows", "2", "--t-samples", "1"],
+    # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
+    "bash runs/cpu_small_results.sh 400": ["--smoke"],
+    "python runs/bench_train.py --preset cpu-small --batch-size 4 --seq-len 128 --steps 12 --threads 2":
+        ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--threads", "1"],
+    "python runs/bench_ce_memory.py": ["--rows", "64", "--vocab", "1000"],
+    "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
 }
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).
 DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,
@@ -140,7 +139,32 @@ def test_every_tiny_args_entry_is_a_doc_command():
     assert not set(TINY_ARGS) - quoted, f"TINY_ARGS entries no doc quotes: {sorted(set(TINY_ARGS) - quoted)}"
 
 
-def test_ci_and_unshipped_markers_are_true():
+FILE_MENTION = re.compile(r"(?<![\w./-])((?:runs|dgemma|docs|tests)/[\w./-]*\w\.(?:py|sh|md|png|html|json))\b")
+
+
+@pytest.mark.parametrize("doc", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_files_exist(doc: Path) -> None:
+    """Every repository file a doc names (runs/..., dgemma/..., docs/..., tests/...) is there."""
+    named = dict.fromkeys(FILE_MENTION.findall(doc.read_text(encoding="utf-8")))
+    missing = [f for f in named if not (ROOT / f).is_file()]
+    assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+def test_every_runs_script_is_quoted_and_exercised():
+    """Each script under runs/ is quoted as a command in a doc, and that command runs: in the default suite (in its
+    tiny mode, TINY_ARGS) or, marked [long], under --runslow. A doc may name only scripts that exist
+    (test_named_files_exist)."""
+    scripts = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "runs").glob("*") if p.suffix in (".py", ".sh"))
+    assert scripts, "runs/ has no scripts"
+    commands = [(code, marker) for _, cmds in doc_blocks() for code, marker in cmds]
+    for script in scripts:
+        quoted = [(c, m) for c, m in commands if c.split()[1:2] == [script] and c.split()[0] in ("python", "bash")]
+        assert quoted, f"{script} is quoted in no doc's command block"
+        assert any(m == "[long]" or (not m and c in TINY_ARGS) for c, m in quoted), (
+            f"{script}: no quoted command runs it in a test (add its tiny flags to TINY_ARGS, or mark it [long])")
+
+
+def test_ci_markers_are_true():
     ci = (ROOT / ".ci" / "run").read_text()
     for where, cmds in doc_blocks():
         for code, marker in cmds:
@@ -152,9 +176,6 @@ def test_ci_and_unshipped_markers_are_true():
                         assert not missing, f"{where}: .ci/run never installs {sorted(missing)}"
                     else:
                         assert part in ci, f"{where}: .ci/run never runs {part!r}"
-            if marker == "[unshipped]":
-                script = code.split()[1]
-                assert script.startswith("runs/") and "/runs/" in (ROOT / ".gitignore").read_text(), (where, code)
 
 
 def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
@@ -167,8 +188,14 @@ def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
     argv = shlex.split(code)
     while argv and "=" in argv[0] and not argv[0].startswith("-"):  # VAR=value prefixes
         argv.pop(0)
-    if argv[0] == "python":
-        subprocess.run([sys.executable, *argv[1:]], cwd=cwd, check=True, timeout=120)
+    if argv[0] in ("python", "bash"):
+        args = argv[1:] + TINY_ARGS.get(code, [])
+        if args[0].startswith("runs/"):  # a measurement script of the repository, run from the block's folder
+            args[0] = str(ROOT / args[0])
+        exe = [sys.executable] if argv[0] == "python" else ["bash"]
+        env = {**os.environ, "PYTHON": sys.executable, "OUT": str(cwd / "out")}
+        done = subprocess.run([*exe, *args], cwd=cwd, env=env, timeout=300, capture_output=True, text=True)
+        assert done.returncode == 0, f"{code!r} -> exit {done.returncode}: {done.stderr[-3000:]}"
         return
     assert argv[0] == "dgemma", f"no way to run {code!r}: add it to TINY_ARGS or mark it in the doc"
     argv = argv[1:] + TINY_ARGS.get(code, [])
@@ -194,11 +221,11 @@ def _block_params():
     params = []
     for where, cmds in doc_blocks():
         markers = {m for _, m in cmds}
-        runnable = [c for c, m in cmds if m not in ("[CI]", "[unshipped]")]
+        runnable = [c for c, m in cmds if m != "[CI]"]
         if not runnable:
             continue
         marks = [pytest.mark.slow] if markers & {"[long]", "[GPU]"} else []
-        params.append(pytest.param(where, [(c, m) for c, m in cmds if m not in ("[CI]", "[unshipped]")],
+        params.append(pytest.param(where, [(c, m) for c, m in cmds if m != "[CI]"],
                                    id=where, marks=marks))
         if marks:  # the block's unmarked commands still run by default, without the marked ones
             fast = [(c, m) for c, m in cmds if not m]

@@ -16,6 +16,7 @@ from dgemma.config import FULL, SLIDING, GenerationConfig, RopeConfig, preset
 from dgemma.generate import denoise_canvas, generate
 from dgemma.model import DiffusionGemma
 from dgemma.testing.hf import randomize_
+from tests.helpers import random_ids
 from tests.live_tensors import LiveVocabTensors
 
 TOL = 1e-4  # fp32 logits, fast vs readable
@@ -32,9 +33,6 @@ def _model(name: str, seed: int = 0) -> DiffusionGemma:
     return randomize_(DiffusionGemma(GEOMETRIES[name]), seed).eval()
 
 
-def _ids(shape: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
-
 
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("static", [False, True])
@@ -45,8 +43,8 @@ def test_denoise_step_matches_denoise(static, padding):
     if padding:
         mask[1, :3] = 0
     cache = model.new_cache(2, 11 + 2 * L)  # spare slots: the static step must mask them
-    model.commit(_ids((2, 11), V, 9), cache, attention_mask=mask)
-    canvas = _ids((2, L), V, 10)
+    model.commit(random_ids(V, 2, 11, seed=9), cache, attention_mask=mask)
+    canvas = random_ids(V, 2, L, seed=10)
     sc = torch.randn(2, L, V, generator=torch.Generator().manual_seed(11)) * 4
     step = fast_sampler.DenoiseStep(model, cache, static=static)
     for _ in range(2):  # before and after a second commit (the sliding window then cuts into the context)
@@ -67,9 +65,9 @@ def test_denoise_step_compiles_whole():
                                                              num_experts=4)), 0).eval()
     V, L = model.config.vocab_size, model.config.canvas_length
     cache = model.new_cache(1, 11 + L)
-    model.commit(_ids((1, 11), V, 12), cache)
+    model.commit(random_ids(V, 1, 11, seed=12), cache)
     step = fast_sampler.DenoiseStep(model, cache, compile="aot_eager")
-    canvas = _ids((1, L), V, 13)
+    canvas = random_ids(V, 1, L, seed=13)
     assert (model.logits(step(canvas)) - model.denoise(canvas, cache)).abs().max() <= TOL
     model.commit(canvas, cache)
     counters = torch._dynamo.utils.counters
@@ -85,15 +83,15 @@ def test_denoise_step_compiles_with_inductor():
     model = _model("tiny")
     V, L = model.config.vocab_size, model.config.canvas_length
     cache = model.new_cache(1, 11 + L)
-    model.commit(_ids((1, 11), V, 12), cache)
+    model.commit(random_ids(V, 1, 11, seed=12), cache)
     try:
         step = fast_sampler.DenoiseStep(model, cache, compile=True)
-        got = model.logits(step(_ids((1, L), V, 13)))
+        got = model.logits(step(random_ids(V, 1, L, seed=13)))
     except Exception as e:  # no C++ toolchain for inductor: not this code's failure
         if "compiler" in str(e).lower() or "InductorError" in type(e).__name__:
             pytest.skip(f"inductor unavailable: {e}")
         raise
-    assert (got - model.denoise(_ids((1, L), V, 13), cache)).abs().max() <= TOL
+    assert (got - model.denoise(random_ids(V, 1, L, seed=13), cache)).abs().max() <= TOL
 
 
 # --- the sampler loop ---------------------------------------------------------------------------------------------
@@ -168,7 +166,7 @@ def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
     model = _model("tiny")
     B, L, V = 2, model.config.canvas_length, model.config.vocab_size
     cache = model.new_cache(B, 11)
-    model.commit(_ids((B, 11), V, 20), cache)
+    model.commit(random_ids(V, B, 11, seed=20), cache)
     rows = chunk_rows or B * L
     with LiveVocabTensors(V, {p.untyped_storage().data_ptr() for p in model.parameters()}) as mode:
         fast_sampler.denoise_canvas(model, cache, GenerationConfig(max_denoising_steps=3), chunk_rows=chunk_rows,
@@ -180,7 +178,7 @@ def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
 
 def test_generate_fast_runs_and_never_touches_the_model():
     model = _model("tiny")
-    prompt = _ids((2, 11), 500, 19)
+    prompt = random_ids(500, 2, 11, seed=19)
     a = generate(model, prompt, seed=0, impl="fast", max_new_tokens=32, max_denoising_steps=3, trace=True)
     b = generate(model, prompt, seed=0, impl="fast", max_new_tokens=32, max_denoising_steps=3)
     assert model.impl == "reference"
@@ -199,7 +197,7 @@ def test_generate_from_several_threads_on_one_model(impl):
     from concurrent.futures import ThreadPoolExecutor
 
     model = _model("tiny")
-    prompts = [_ids((1, 5 + i), 500, 30 + i) for i in range(4)]
+    prompts = [random_ids(500, 1, 5 + i, seed=30 + i) for i in range(4)]
     run = lambda i: generate(model, prompts[i], seed=i, impl=impl, max_new_tokens=32, max_denoising_steps=3)
     alone = [run(i).sequences for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
@@ -236,7 +234,7 @@ def test_grouped_mm_bf16_experts_match_the_loop_on_cuda():
 @pytest.mark.parametrize("sync_every", [1, 4])
 def test_fast_loop_on_cuda_takes_the_reference_step_counts(sync_every):
     model = _model("tiny").to("cuda")
-    prompt = _ids((2, 11), 500, 40).cuda()
+    prompt = random_ids(500, 2, 11, seed=40).cuda()
     config = dict(max_new_tokens=32, max_denoising_steps=6, confidence_threshold=10.0)
     ref = generate(model, prompt, seed=0, **config)
     cache = model.new_cache(2, 11 + 16)
@@ -252,9 +250,9 @@ def test_cuda_graph_denoise_step_matches_denoise():
     model = _model("tiny").to("cuda")
     V, L = model.config.vocab_size, model.config.canvas_length
     cache = model.new_cache(1, 11 + L)
-    model.commit(_ids((1, 11), V, 12).cuda(), cache)
+    model.commit(random_ids(V, 1, 11, seed=12).cuda(), cache)
     step = fast_sampler.DenoiseStep(model, cache, compile=True)
-    canvas = _ids((1, L), V, 13).cuda()
+    canvas = random_ids(V, 1, L, seed=13).cuda()
     for _ in range(3):  # capture, then replays
         got = model.logits(step(canvas).clone())
     assert (got - model.denoise(canvas, cache)).abs().max() <= TOL

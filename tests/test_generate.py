@@ -21,6 +21,7 @@ from dgemma import ConfigError, DiffusionGemma, GenerationConfig, init_weights, 
 from dgemma import sampling as S
 from dgemma.generate import GenerationResult, StepInfo, Trace, denoise_canvas, generate
 from dgemma.kv_cache import KVCache
+from tests.helpers import random_ids
 from tests.live_tensors import LiveVocabTensors
 
 L, V = 16, 512  # the tiny preset's canvas and vocabulary
@@ -31,10 +32,6 @@ LOGITS_ATOL = 1e-4  # committing in pieces vs at once changes fp32 rounding (see
 @pytest.fixture(scope="module")
 def model() -> DiffusionGemma:
     return init_weights(DiffusionGemma(preset("tiny")), seed=3, std=0.2)
-
-
-def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, V, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _canvas(result: GenerationResult, c: int) -> torch.Tensor:
@@ -59,7 +56,7 @@ def _snapshot(cache: KVCache) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def two_rows(model) -> GenerationResult:
     """Batch 2, three canvases, traced: shared by the tests that only read a run."""
-    return generate(model, _ids(2, 5), seed=0, max_new_tokens=3 * L, trace=True, **FAST)
+    return generate(model, random_ids(V, 2, 5), seed=0, max_new_tokens=3 * L, trace=True, **FAST)
 
 
 # --- what a canvas commits ---------------------------------------------------------------------------------------
@@ -75,7 +72,7 @@ def test_default_commit_is_the_argmax_of_the_last_step(two_rows):
 def test_generate_commits_what_denoise_canvas_stages(model):
     # generate draws nothing before the first canvas, so a hand-driven denoise_canvas with the same seed stages the
     # same canvas; commit="sample" (the JAX reference) then commits the last accepted/renoised canvas instead.
-    prompt = _ids(2, 5)
+    prompt = random_ids(V, 2, 5)
     for commit in ("argmax", "sample"):
         config = GenerationConfig(commit=commit, **FAST)
         staged = denoise_canvas(model, _prefilled(model, prompt), config, generator=torch.Generator().manual_seed(4))
@@ -90,7 +87,7 @@ def test_generate_commits_what_denoise_canvas_stages(model):
 
 
 def test_same_seed_same_tokens_and_generator_equals_seed(model):
-    prompt = _ids(2, 5)
+    prompt = random_ids(V, 2, 5)
     run = functools.partial(generate, model, prompt, max_new_tokens=2 * L, **FAST)
     a = run(seed=1).sequences
     assert torch.equal(run(seed=1).sequences, a)
@@ -109,7 +106,7 @@ def test_rows_of_a_batch_stop_independently(model, two_rows):
     assert first[0] != first[1]
     calm = int(torch.argmin(first))
     bar = float(first.mean())
-    r = generate(model, _ids(2, 5), seed=0, max_new_tokens=L, trace=True, stability_threshold=0,
+    r = generate(model, random_ids(V, 2, 5), seed=0, max_new_tokens=L, trace=True, stability_threshold=0,
                  confidence_threshold=bar, **FAST)
     steps = r.steps_per_canvas[0]
     assert steps[calm] == 1 and steps[1 - calm] > 1
@@ -126,7 +123,7 @@ def test_rows_of_a_batch_stop_independently(model, two_rows):
 
 
 def test_stability_zero_and_a_huge_bar_stop_every_row_after_one_step(model):
-    r = generate(model, _ids(2, 5, seed=3), seed=0, max_new_tokens=2 * L, stability_threshold=0,
+    r = generate(model, random_ids(V, 2, 5, seed=3), seed=0, max_new_tokens=2 * L, stability_threshold=0,
                  confidence_threshold=1e9, **FAST)
     assert r.steps_per_canvas == [[1, 1], [1, 1]]
     assert r.stop_reasons == [["stable+confident"] * 2] * 2
@@ -201,7 +198,7 @@ def test_jax_stop_rule_compares_the_prediction_with_its_input_canvas():
 
 
 def test_lite_fixed_schedule_is_bit_identical_to_an_adaptive_run_that_never_triggers(model):
-    prompt = _ids(2, 6, seed=5)
+    prompt = random_ids(V, 2, 6, seed=5)
     run = functools.partial(generate, model, prompt, seed=9, max_new_tokens=2 * L, trace=True, sampler="lite",
                             max_denoising_steps=5)
     fixed = run(adaptive=False, confidence_threshold=1e9)  # a bar any step clears: proves entropy is ignored
@@ -215,14 +212,15 @@ def test_lite_fixed_schedule_is_bit_identical_to_an_adaptive_run_that_never_trig
 
 @pytest.mark.parametrize("stability_steps", [1, 3])
 def test_lite_adaptive_stops_after_stability_steps_calm_steps(model, stability_steps):
-    r = generate(model, _ids(2, 6, seed=5), seed=9, max_new_tokens=2 * L, sampler="lite", max_denoising_steps=5,
+    r = generate(model, random_ids(V, 2, 6, seed=5), seed=9, max_new_tokens=2 * L, sampler="lite",
+                 max_denoising_steps=5,
                  confidence_threshold=1e9, stability_steps=stability_steps)
     assert r.steps_per_canvas == [[stability_steps] * 2] * 2
     assert r.stop_reasons == [["adaptive"] * 2] * 2
 
 
 def test_lite_frozen_tokens_never_change_and_are_what_a_sample_commit_returns(model):
-    r = generate(model, _ids(2, 6, seed=5), seed=9, max_new_tokens=2 * L, trace=True, sampler="lite",
+    r = generate(model, random_ids(V, 2, 6, seed=5), seed=9, max_new_tokens=2 * L, trace=True, sampler="lite",
                  max_denoising_steps=6, commit="sample")
     grew = False
     for c in range(2):
@@ -297,12 +295,13 @@ def test_initial_self_conditioning_is_zeros_as_transformers_or_uniform_as_seed_0
     stub, _ = _stub_run(peaked, max_denoising_steps=2, confidence_threshold=1e-30, initial_self_conditioning="uniform")
     assert torch.equal(stub.self_conditioning[0], torch.zeros(2, 6, 16))  # all-equal logits: a uniform posterior
     # On a real model the uniform input changes the first step (the mean embedding goes through the MLP).
-    cache = _prefilled(model, _ids(1, 5))
-    canvas = _ids(1, L, seed=3)
+    cache = _prefilled(model, random_ids(V, 1, 5))
+    canvas = random_ids(V, 1, L, seed=3)
     plain = model.denoise(canvas, cache)
     uniform = model.denoise(canvas, cache, self_conditioning_logits=torch.zeros(1, L, V))
     assert not torch.allclose(plain, uniform, atol=1e-3)
-    r = generate(model, _ids(1, 5), seed=1, max_new_tokens=L, initial_self_conditioning="uniform", trace=True, **FAST)
+    r = generate(model, random_ids(V, 1, 5), seed=1, max_new_tokens=L, initial_self_conditioning="uniform",
+                 trace=True, **FAST)
     assert r.trace.summary["generation_config"]["initial_self_conditioning"] == "uniform"
 
 
@@ -310,7 +309,7 @@ def test_initial_self_conditioning_is_zeros_as_transformers_or_uniform_as_seed_0
 
 
 def test_best_of_k_canvases_at_one_position_then_commit_the_best(model):
-    prompt = _ids(1, 6, seed=2)
+    prompt = random_ids(V, 1, 6, seed=2)
     cache = _prefilled(model, prompt)
     before = _snapshot(cache)
     config = GenerationConfig(**FAST)
@@ -327,7 +326,7 @@ def test_best_of_k_canvases_at_one_position_then_commit_the_best(model):
     model.commit(best.tokens, cache)
     assert cache.length == 6 + L
     fresh = _prefilled(model, torch.cat([prompt, best.tokens], dim=-1), extra=0)
-    probe = _ids(1, L, seed=9)
+    probe = random_ids(V, 1, L, seed=9)
     torch.testing.assert_close(model.denoise(probe, cache), model.denoise(probe, fresh), atol=LOGITS_ATOL, rtol=0)
     # Changing one's mind: committing another candidate at the same start overwrites the first one.
     other = next(s for s in candidates if s is not best)
@@ -338,7 +337,7 @@ def test_best_of_k_canvases_at_one_position_then_commit_the_best(model):
 
 
 def test_commit_only_the_confident_prefix_of_a_canvas(model):
-    prompt = _ids(1, 6, seed=2)
+    prompt = random_ids(V, 1, 6, seed=2)
     cache = _prefilled(model, prompt)
     staged = denoise_canvas(model, cache, GenerationConfig(**FAST), generator=torch.Generator().manual_seed(0),
                             trace=True)
@@ -351,7 +350,7 @@ def test_commit_only_the_confident_prefix_of_a_canvas(model):
     model.commit(staged.tokens[:, :j], cache)
     assert cache.length == 6 + j
     fresh = _prefilled(model, torch.cat([prompt, staged.tokens[:, :j]], dim=-1), extra=0)
-    probe = _ids(1, L, seed=9)
+    probe = random_ids(V, 1, L, seed=9)
     torch.testing.assert_close(model.denoise(probe, cache), model.denoise(probe, fresh), atol=LOGITS_ATOL, rtol=0)
     # The next canvas then starts right after the prefix: generate continues from this cache.
     r = generate(model, torch.empty(1, 0, dtype=torch.long), cache=cache, seed=0, max_new_tokens=L, **FAST)
@@ -393,7 +392,7 @@ def test_trace_arrays_have_consistent_shapes_and_save_without_vocabulary_tensors
 
 def test_on_step_and_on_canvas_are_called_once_per_step_and_canvas(model, two_rows):
     steps, canvases = [], []
-    r = generate(model, _ids(2, 5), seed=0, max_new_tokens=3 * L, **FAST,
+    r = generate(model, random_ids(V, 2, 5), seed=0, max_new_tokens=3 * L, **FAST,
                  on_step=lambda info: steps.append((info.canvas, info.step, info.num_steps)),
                  on_canvas=lambda c, tokens: canvases.append((c, tokens.clone())))
     assert steps == [(c, s, 3) for c in range(3) for s in (1, 2, 3)]
@@ -422,7 +421,8 @@ def _eos_setup(two_rows) -> tuple[int, int, int]:
 
 def test_eos_pads_the_rest_of_its_canvas_and_every_later_canvas_of_that_row(model, two_rows):
     eos, p, pad = _eos_setup(two_rows)
-    r = generate(model, _ids(2, 5), seed=0, max_new_tokens=3 * L, trace=True, eos_token_id=eos, pad_token_id=pad,
+    r = generate(model, random_ids(V, 2, 5), seed=0, max_new_tokens=3 * L, trace=True, eos_token_id=eos,
+                 pad_token_id=pad,
                  **FAST)
     first = _canvas(two_rows, 0)
     assert r.sequences.shape == (2, 5 + 3 * L)  # row 1 goes on, so every canvas is generated
@@ -448,7 +448,7 @@ def test_eos_pads_the_rest_of_its_canvas_and_every_later_canvas_of_that_row(mode
 def test_generation_ends_when_every_row_has_seen_an_eos(model, two_rows):
     first = _canvas(two_rows, 0)
     eos = (int(first[0, 3]), int(first[1, 7]))
-    r = generate(model, _ids(2, 5), seed=0, max_new_tokens=3 * L, eos_token_id=eos, **FAST)
+    r = generate(model, random_ids(V, 2, 5), seed=0, max_new_tokens=3 * L, eos_token_id=eos, **FAST)
     assert r.sequences.shape == (2, 5 + L) and len(r.steps_per_canvas) == 1
     # Without a pad id nothing is overwritten (as transformers): the canvas is kept as generated.
     assert torch.equal(_canvas(r, 0), first)
@@ -458,7 +458,8 @@ def test_everything_after_the_first_eos_is_padding_even_a_second_eos(model, two_
     first = _canvas(two_rows, 0)
     eos = {int(first[0, 3]), int(first[0, 10]), int(first[1, 7])}  # row 0 holds an EOS at 3 and another at 10
     pad = next(t for t in range(V) if t not in set(two_rows.sequences.flatten().tolist()))
-    r = generate(model, _ids(2, 5), seed=0, max_new_tokens=3 * L, eos_token_id=tuple(eos), pad_token_id=pad, **FAST)
+    r = generate(model, random_ids(V, 2, 5), seed=0, max_new_tokens=3 * L, eos_token_id=tuple(eos), pad_token_id=pad,
+                 **FAST)
     for b in range(2):
         row = first[b].tolist()
         cut = next(i for i, t in enumerate(row) if t in eos)
@@ -473,15 +474,15 @@ def test_everything_after_the_first_eos_is_padding_even_a_second_eos(model, two_
 def test_jax_sliding_prefix_differs_only_once_the_context_exceeds_the_window(model, context, same):
     # transformers lets a canvas see the last sliding_window - 1 = 7 committed tokens in sliding layers, JAX the
     # last 8: the same keys while the context has at most 7 tokens.
-    cache = _prefilled(model, _ids(2, context, seed=context))
-    canvas = _ids(2, L, seed=1)
+    cache = _prefilled(model, random_ids(V, 2, context, seed=context))
+    canvas = random_ids(V, 2, L, seed=1)
     hf = model.denoise(canvas, cache)
     jax = model.denoise(canvas, cache, sliding_prefix=model.config.sliding_window)
     assert torch.equal(hf, jax) is same
 
 
 def test_sliding_prefix_switch_reaches_generate(model):
-    run = functools.partial(generate, model, _ids(1, 5), seed=0, max_new_tokens=2 * L, trace=True, **FAST)
+    run = functools.partial(generate, model, random_ids(V, 1, 5), seed=0, max_new_tokens=2 * L, trace=True, **FAST)
     hf, jax = run(), run(sliding_prefix="jax")
     entropy = lambda r, c: torch.stack([s.entropy for s in r.trace.steps if s.canvas == c])
     assert torch.equal(entropy(hf, 0), entropy(jax, 0))  # 5 context tokens: inside both windows
@@ -489,7 +490,7 @@ def test_sliding_prefix_switch_reaches_generate(model):
 
 
 def test_truncate_cuts_to_max_new_tokens(model):
-    run = functools.partial(generate, model, _ids(2, 5), seed=0, max_new_tokens=L + 4, **FAST)
+    run = functools.partial(generate, model, random_ids(V, 2, 5), seed=0, max_new_tokens=L + 4, **FAST)
     whole, cut = run(), run(truncate=True)
     assert whole.sequences.shape == (2, 5 + 2 * L)  # transformers keeps whole canvases
     assert cut.sequences.shape == (2, 5 + L + 4)
@@ -497,7 +498,7 @@ def test_truncate_cuts_to_max_new_tokens(model):
 
 
 def test_truncate_counts_only_the_kept_tokens_per_forward(model):
-    r = generate(model, _ids(1, 5), seed=0, max_new_tokens=4, max_denoising_steps=2, truncate=True)
+    r = generate(model, random_ids(V, 1, 5), seed=0, max_new_tokens=4, max_denoising_steps=2, truncate=True)
     assert r.sequences.shape == (1, 5 + 4)
     assert r.tokens_per_forward.tolist() == [4 / 2]  # 4 kept tokens over 2 denoising passes
 
@@ -517,7 +518,7 @@ def test_truncate_counts_only_the_kept_tokens_per_forward(model):
 ])
 def test_bad_settings_get_a_clear_error(model, kwargs, error, message):
     with pytest.raises(error, match=message):
-        generate(model, _ids(1, 5), **kwargs)
+        generate(model, random_ids(V, 1, 5), **kwargs)
 
 
 @pytest.mark.parametrize(("input_ids", "message"), [
@@ -537,7 +538,7 @@ def test_prompt_that_does_not_fit_the_context_gets_a_clear_error(prompt_length):
     # 40 positions: a 30-token prompt leaves no room for a 16-token canvas, a 50-token one does not even fit.
     small = DiffusionGemma(preset("tiny").replace(max_position_embeddings=40))
     with pytest.raises(ValueError, match=r"exceed the model's context \(max_position_embeddings=40\)"):
-        generate(small, _ids(1, prompt_length))
+        generate(small, random_ids(V, 1, prompt_length))
 
 
 # --- memory (issue item 7) ---------------------------------------------------------------------------------------
@@ -547,7 +548,7 @@ def test_entropy_chunking_does_not_change_a_single_bit(model, monkeypatch, two_r
     # Entropy is computed in row chunks so that only a chunk of (rows, V) fp32 temporaries is alive at a time. One
     # row per chunk is the extreme: the run must be bit-identical to the default chunking (one chunk here).
     monkeypatch.setattr(S, "token_entropy", functools.partial(S.token_entropy, chunk_rows=1))
-    r = generate(model, _ids(2, 5), seed=0, max_new_tokens=3 * L, trace=True, **FAST)
+    r = generate(model, random_ids(V, 2, 5), seed=0, max_new_tokens=3 * L, trace=True, **FAST)
     assert torch.equal(r.sequences, two_rows.sequences)
     assert np.array_equal(r.trace.arrays()["entropy"], two_rows.trace.arrays()["entropy"])
     assert np.array_equal(r.trace.arrays()["mean_entropy"], two_rows.trace.arrays()["mean_entropy"])
@@ -560,7 +561,7 @@ def test_a_step_holds_at_most_one_vocabulary_tensor_beyond_the_logits(model, sam
     # Issue item 7: per step, at most one fp32 (B, L, V) tensor beyond the logits (entropy chunks count by size).
     # The previous step's logits are freed once denoise has read them; entropy runs in place on half-size chunks.
     B = 2
-    cache = _prefilled(model, _ids(B, 5))
+    cache = _prefilled(model, random_ids(V, B, 5))
     existing = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), *cache.keys,
                                                           *cache.values, cache.is_token)}
     full = B * L * V * 4  # one fp32 (B, L, V) tensor

@@ -15,6 +15,7 @@ from dgemma.cli import main
 from dgemma.config import RopeConfig, preset
 from dgemma.model import DiffusionGemma, Experts
 from dgemma.testing.hf import randomize_
+from tests.helpers import random_ids
 
 TOL = 1e-4  # fp32 logits, fast vs readable
 
@@ -30,9 +31,6 @@ GEOMETRIES = {
 def _model(name: str, seed: int = 0) -> DiffusionGemma:
     return randomize_(DiffusionGemma(GEOMETRIES[name]), seed).eval()
 
-
-def _ids(shape: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
 # --- routed experts -------------------------------------------------------------------------------------------------
@@ -85,7 +83,7 @@ def test_fast_logits_match_reference(geometry, padding):
     encoder's own logits: the fast path within 1e-4 of the readable one."""
     model = _model(geometry)
     V, L = model.config.vocab_size, model.config.canvas_length
-    prompt, canvas, second = _ids((2, 11), V, 5), _ids((2, L), V, 6), _ids((2, L), V, 7)
+    prompt, canvas, second = random_ids(V, 2, 11, seed=5), random_ids(V, 2, L, seed=6), random_ids(V, 2, L, seed=7)
     mask = torch.ones_like(prompt)
     if padding:
         mask[0, :5] = 0

@@ -9,6 +9,7 @@ import torch
 from dgemma import DiffusionGemma, init_weights, preset
 from dgemma.attention import reference_mask
 from dgemma.kv_cache import KVCache
+from tests.helpers import random_ids
 
 ATOL = 1e-5  # cached K/V
 LOGITS_ATOL = 1e-4  # logits of order 10: different span shapes change fp32 rounding
@@ -25,16 +26,12 @@ def model() -> DiffusionGemma:
     return m
 
 
-def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _committed(cache: KVCache) -> list[torch.Tensor]:
     return [t[:, :, : cache.length].clone() for t in (*cache.keys, *cache.values)]
 
 
 def test_committing_in_pieces_equals_committing_at_once(model):
-    seq = _ids(2, 30)  # crosses the sliding window (8) several times
+    seq = random_ids(512, 2, 30)  # crosses the sliding window (8) several times
     whole = model.new_cache(2, 40)
     model.commit(seq, whole)
     pieces = model.new_cache(2, 40)
@@ -43,15 +40,15 @@ def test_committing_in_pieces_equals_committing_at_once(model):
     assert whole.length == pieces.length == 30
     for a, b in zip(_committed(whole), _committed(pieces), strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-    canvas = _ids(2, 16, seed=1)
+    canvas = random_ids(512, 2, 16, seed=1)
     torch.testing.assert_close(model.denoise(canvas, whole), model.denoise(canvas, pieces), atol=LOGITS_ATOL, rtol=0)
 
 
 def test_denoise_never_writes_the_cache_so_canvases_can_be_compared(model):
     cache = model.new_cache(2, 40)
-    model.commit(_ids(2, 12), cache)
+    model.commit(random_ids(512, 2, 12), cache)
     before = [t.clone() for t in (*cache.keys, *cache.values, cache.is_token)]
-    a, b = _ids(2, 16, seed=2), _ids(2, 16, seed=3)
+    a, b = random_ids(512, 2, 16, seed=2), random_ids(512, 2, 16, seed=3)
     first = model.denoise(a, cache)
     model.denoise(b, cache, self_conditioning_logits=torch.randn(2, 16, 512))
     assert cache.length == 12
@@ -60,7 +57,7 @@ def test_denoise_never_writes_the_cache_so_canvases_can_be_compared(model):
 
 
 def test_overwriting_a_span_invalidates_everything_after_it(model):
-    prompt, old, new = _ids(1, 10), _ids(1, 16, seed=4), _ids(1, 6, seed=5)
+    prompt, old, new = random_ids(512, 1, 10), random_ids(512, 1, 16, seed=4), random_ids(512, 1, 6, seed=5)
     cache = model.new_cache(1, 40)
     model.commit(prompt, cache)
     model.commit(old, cache)
@@ -68,7 +65,7 @@ def test_overwriting_a_span_invalidates_everything_after_it(model):
     assert cache.length == 19
     fresh = model.new_cache(1, 40)
     model.commit(torch.cat([prompt, old[:, :3], new], 1), fresh)
-    canvas = _ids(1, 16, seed=6)
+    canvas = random_ids(512, 1, 16, seed=6)
     torch.testing.assert_close(model.denoise(canvas, cache), model.denoise(canvas, fresh), atol=LOGITS_ATOL, rtol=0)
     # Stale slots past `length` are never read: scribbling on them changes nothing.
     for t in (*cache.keys, *cache.values):
@@ -77,7 +74,7 @@ def test_overwriting_a_span_invalidates_everything_after_it(model):
 
 
 def test_truncate_then_recommit_equals_fresh(model):
-    seq = _ids(1, 20, seed=7)
+    seq = random_ids(512, 1, 20, seed=7)
     cache = model.new_cache(1, 20)
     model.commit(seq, cache)
     cache.truncate(9)
@@ -91,8 +88,8 @@ def test_truncate_then_recommit_equals_fresh(model):
 def _perturbed_slot_changes(model, slot: int, *, encoder: bool) -> bool:
     """Scribble on one cached slot of the sliding layers only; does the next pass notice?"""
     cache = model.new_cache(1, 40)
-    model.commit(_ids(1, 20, seed=8), cache)
-    nxt = _ids(1, 16, seed=9)
+    model.commit(random_ids(512, 1, 20, seed=8), cache)
+    nxt = random_ids(512, 1, 16, seed=9)
 
     def run() -> torch.Tensor:
         if encoder:
@@ -124,7 +121,7 @@ def test_masks_follow_the_reference_rules(model):
     cfg = model.config
     sw, start, S = cfg.sliding_window, 13, 5
     cache = model.new_cache(1, 30)
-    model.commit(_ids(1, start), cache)
+    model.commit(random_ids(512, 1, start), cache)
     for prefix, window, causal in [(None, None, True), (sw - 1, sw, True), (None, None, False), (sw - 1, None, False)]:
         mask = reference_mask(cache, start, S, prefix=prefix, causal=causal, window=window)
         lo = 0 if prefix is None else start - prefix
@@ -141,20 +138,24 @@ def test_masks_follow_the_reference_rules(model):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda m, c: m.commit(_ids(1, 4), c, start=30), r"commit start=30 is outside the committed prefix \[0, 10\]"),
-    (lambda m, c: m.commit(_ids(1, 15), c), r"cache overflow: committing 15 tokens at position 10 needs 25 slots"),
-    (lambda m, c: m.commit(_ids(2, 4), c), r"input_ids must have shape \(batch_size=1, length\), got \(2, 4\)"),
-    (lambda m, c: m.commit(_ids(1, 4), c, attention_mask=torch.ones(1, 5)), r"attention_mask has shape \(1, 5\)"),
-    (lambda m, c: m.commit(_ids(1, 4), c, attention_mask=torch.full((1, 4), 2)), r"only 0/1"),
+    (lambda m, c: m.commit(random_ids(512, 1, 4), c, start=30),
+     r"commit start=30 is outside the committed prefix \[0, 10\]"),
+    (lambda m, c: m.commit(random_ids(512, 1, 15), c),
+     r"cache overflow: committing 15 tokens at position 10 needs 25 slots"),
+    (lambda m, c: m.commit(random_ids(512, 2, 4), c),
+     r"input_ids must have shape \(batch_size=1, length\), got \(2, 4\)"),
+    (lambda m, c: m.commit(random_ids(512, 1, 4), c, attention_mask=torch.ones(1, 5)),
+     r"attention_mask has shape \(1, 5\)"),
+    (lambda m, c: m.commit(random_ids(512, 1, 4), c, attention_mask=torch.full((1, 4), 2)), r"only 0/1"),
     (lambda m, c: m.commit(torch.tensor([[1, 512]]), c), r"input_ids must lie in \[0, vocab_size=512\)"),
-    (lambda m, c: m.denoise(_ids(1, 16), c, self_conditioning_logits=torch.zeros(1, 16, 7)),
+    (lambda m, c: m.denoise(random_ids(512, 1, 16), c, self_conditioning_logits=torch.zeros(1, 16, 7)),
      r"self_conditioning_logits has shape \(1, 16, 7\), expected \(1, 16, 512\)"),
-    (lambda m, c: m.denoise(_ids(16), c), r"canvas must have shape \(batch_size=1, length\)"),
+    (lambda m, c: m.denoise(random_ids(512, 16), c), r"canvas must have shape \(batch_size=1, length\)"),
     (lambda m, c: c.truncate(11), r"cannot truncate a cache of length 10 to 11"),
 ])
 def test_bad_input_gets_a_clear_error(model, bad, message):
     cache = model.new_cache(1, 20)
-    model.commit(_ids(1, 10), cache)
+    model.commit(random_ids(512, 1, 10), cache)
     with pytest.raises(ValueError, match=message):
         bad(model, cache)
     assert cache.length == 10  # a refused commit leaves the cache as it was

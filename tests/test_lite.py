@@ -9,12 +9,9 @@ from dgemma import DiffusionGemma, generate, init_weights, load_model, preset, s
 from dgemma.attention import clean_context_masks
 from dgemma.costs import parameter_counts
 from dgemma.diffusion import soft_embedding, training_loss
+from tests.helpers import random_ids
 
 CFG = preset("lite-tiny")
-
-
-def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, CFG.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> DiffusionGemma:
@@ -26,8 +23,8 @@ def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> DiffusionGemma:
 def test_zero_init_self_conditioning_is_bit_identical_to_none_in_fp64():
     m = _model(dtype=torch.float64)
     cache = m.new_cache(2, 8)
-    m.commit(_ids(2, 8), cache)
-    canvas = _ids(2, 16, seed=1)
+    m.commit(random_ids(CFG.vocab_size, 2, 8), cache)
+    canvas = random_ids(CFG.vocab_size, 2, 16, seed=1)
     sc = torch.randn(2, 16, CFG.vocab_size, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     assert torch.equal(m.denoise(canvas, cache, self_conditioning_logits=sc, t=0.5), m.denoise(canvas, cache, t=0.5))
     with torch.no_grad():
@@ -50,7 +47,7 @@ def test_time_embedding_is_read_and_training_matches_sampling():
     with torch.no_grad():
         m.self_conditioning.proj.weight.normal_(0, 0.1)
     T, L = 2 * CFG.canvas_length, CFG.canvas_length
-    x0, xt = _ids(1, T, seed=4), _ids(1, T, seed=5)
+    x0, xt = random_ids(CFG.vocab_size, 1, T, seed=4), random_ids(CFG.vocab_size, 1, T, seed=5)
     cache = m.new_cache(1, T)
     m.commit(x0[:, :L], cache)
     assert not torch.allclose(m.denoise(xt[:, L:], cache, t=0.25), m.denoise(xt[:, L:], cache, t=0.75))
@@ -67,7 +64,8 @@ def test_time_embedding_is_read_and_training_matches_sampling():
 
 def test_lite_trains_saves_loads_and_generates(tmp_path):
     m = _model(seed=6)
-    out = training_loss(m, _ids(2, 32, seed=7), self_conditioning_prob=1.0, generator=torch.Generator().manual_seed(8))
+    out = training_loss(m, random_ids(CFG.vocab_size, 2, 32, seed=7), self_conditioning_prob=1.0,
+                        generator=torch.Generator().manual_seed(8))
     out.loss.backward()
     assert m.self_conditioning.proj.weight.grad.abs().sum() > 0 and m.time_proj.weight.grad.abs().sum() > 0
     save_pretrained(m, tmp_path)
@@ -76,5 +74,6 @@ def test_lite_trains_saves_loads_and_generates(tmp_path):
     for a, b in zip(m.state_dict().values(), back.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     for sampler in ("entropy-bound", "lite"):
-        result = generate(back, _ids(1, 5, seed=9), seed=0, max_new_tokens=32, max_denoising_steps=4, sampler=sampler)
+        result = generate(back, random_ids(CFG.vocab_size, 1, 5, seed=9), seed=0, max_new_tokens=32,
+                          max_denoising_steps=4, sampler=sampler)
         assert result.sequences.shape == (1, 5 + 32)

@@ -8,6 +8,7 @@ import torch
 from dgemma import DiffusionGemma, init_weights, preset
 from dgemma.config import FULL
 from dgemma.model import rope_cos_sin, rope_inv_freq
+from tests.helpers import random_ids
 
 
 @pytest.fixture(scope="module")
@@ -15,16 +16,12 @@ def model() -> DiffusionGemma:
     return init_weights(DiffusionGemma(preset("tiny")), seed=1, std=0.2)
 
 
-def _ids(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(seed))
-
-
 def test_shapes_and_dtypes(model):
-    logits = model(_ids(3, 7), _ids(3, 16, seed=1))
+    logits = model(random_ids(512, 3, 7), random_ids(512, 3, 16, seed=1))
     assert logits.shape == (3, 16, 512) and logits.dtype == torch.float32
     bf16 = DiffusionGemma(preset("tiny")).to(torch.bfloat16)
     bf16.load_state_dict(model.state_dict())
-    out = bf16(_ids(3, 7), _ids(3, 16, seed=1))
+    out = bf16(random_ids(512, 3, 7), random_ids(512, 3, 16, seed=1))
     assert out.dtype == torch.float32  # logits are fp32 whatever the weights
     cos = torch.nn.functional.cosine_similarity(out.flatten(), logits.flatten(), dim=0)
     assert cos > 0.95  # bf16 tracks fp32 (a random model amplifies rounding, so no elementwise bound)
@@ -35,12 +32,12 @@ def test_softcap_bounds_the_logits(model):
     big.load_state_dict(model.state_dict())
     with torch.no_grad():
         big.embed_tokens.weight.mul_(50)
-    logits = big(_ids(1, 5), _ids(1, 16, seed=2))
+    logits = big(random_ids(512, 1, 5), random_ids(512, 1, 16, seed=2))
     assert logits.abs().max() <= 30.0 and logits.abs().max() > 25.0
 
 
 def test_zero_self_conditioning_mask_equals_no_self_conditioning(model):
-    prompt, canvas = _ids(2, 9), _ids(2, 16, seed=3)
+    prompt, canvas = random_ids(512, 2, 9), random_ids(512, 2, 16, seed=3)
     sc = torch.randn(2, 16, 512) * 3
     plain = model(prompt, canvas)
     masked = model(prompt, canvas, self_conditioning_logits=sc, self_conditioning_mask=torch.tensor([False, True]))
@@ -72,7 +69,7 @@ def test_full_layers_share_keys_and_values():
 def test_encoder_and_decoder_layer_scalars_are_separate(model):
     m = DiffusionGemma(preset("tiny"))
     m.load_state_dict(model.state_dict())
-    prompt, canvas = _ids(1, 9), _ids(1, 16, seed=4)
+    prompt, canvas = random_ids(512, 1, 9), random_ids(512, 1, 16, seed=4)
     base = m(prompt, canvas)
     with torch.no_grad():
         m.layers[1].layer_scalar.fill_(0.5)  # decoder only
@@ -90,11 +87,11 @@ def test_encoder_and_decoder_layer_scalars_are_separate(model):
 def test_dense_model_without_experts_runs():
     m = init_weights(DiffusionGemma(preset("tiny").replace(num_experts=0)))
     assert not any("experts" in n or "router" in n for n, _ in m.named_parameters())
-    assert torch.isfinite(m(_ids(2, 5), _ids(2, 16, seed=5))).all()
+    assert torch.isfinite(m(random_ids(512, 2, 5), random_ids(512, 2, 16, seed=5))).all()
 
 
 def test_empty_prompt_denoises_against_nothing(model):
-    assert model(torch.zeros(2, 0, dtype=torch.long), _ids(2, 16)).shape == (2, 16, 512)
+    assert model(torch.zeros(2, 0, dtype=torch.long), random_ids(512, 2, 16)).shape == (2, 16, 512)
 
 
 def test_gradients_flow_through_the_training_forward(model):
@@ -103,5 +100,5 @@ def test_gradients_flow_through_the_training_forward(model):
 
     m = DiffusionGemma(preset("tiny"))
     m.load_state_dict(model.state_dict())
-    training_loss(m, _ids(1, 32), self_conditioning_prob=0.0).loss.backward()
+    training_loss(m, random_ids(512, 1, 32), self_conditioning_prob=0.0).loss.backward()
     assert m.embed_tokens.weight.grad is not None and m.layers[0].experts.gate_up_proj.grad.abs().sum() > 0

@@ -14,7 +14,7 @@ import torch
 
 import dgemma
 from dgemma import cli
-from dgemma.cli.chat import next_turn_text
+from dgemma.chat import next_turn_text
 from dgemma.cli.generate import Streamer
 from dgemma.tokenizer import (
     build_test_tokenizer,
@@ -27,13 +27,6 @@ from dgemma.tokenizer import (
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L = TINY.canvas_length
-
-
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    build_test_tokenizer(512, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 
 import dgemma
 from dgemma.config import ConfigError, GenerationConfig
-from dgemma.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LIVE_INTERVAL_S = 0.1  # redraw the refining canvas at most 10 times a second: terminals are slow, steps are not
@@ -23,6 +23,17 @@ LIVE_INTERVAL_S = 0.1  # redraw the refining canvas at most 10 times a second: t
 class UsageError(ConfigError):
     """A bad command-line input (prompt, ids, tokenizer, flags). A ConfigError, so `dgemma` prints it on one line
     and exits 2."""
+
+
+def shown_path(path: Path) -> str:
+    """A path as a command printed in a report or a figure's footer shows it: relative to the current directory when
+    it lies inside it (so pictures made from a run directory carry no absolute temporary paths), else as given."""
+    if path.is_absolute():
+        try:
+            return str(path.relative_to(Path.cwd()))
+        except ValueError:
+            pass
+    return str(path)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,12 +57,9 @@ def add_sampler_args(p: argparse.ArgumentParser) -> None:
 
 
 def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:
-    """generate()'s keyword overrides from the flags given; invalid values fail here, naming the field."""
-    kw = {k: v for k, v in (("sampler", args.sampler), ("max_new_tokens", args.max_new_tokens),
-                            ("max_denoising_steps", args.steps), ("entropy_bound", args.entropy_bound),
-                            ("t_min", args.t_min), ("t_max", args.t_max)) if v is not None}
-    gcfg.replace(**{k: v for k, v in kw.items() if k in GenerationConfig.__dataclass_fields__})
-    return kw
+    """generate()'s keyword overrides from the sampler flags given (GenerationConfig.overrides checks them)."""
+    return gcfg.overrides(sampler=args.sampler, max_new_tokens=args.max_new_tokens, max_denoising_steps=args.steps,
+                          entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max)
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
@@ -66,10 +74,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
             raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
         model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset(args.preset)))
         model = model.to(dtype=dtype or torch.float32, device=args.device).eval()
-        c = model.config
-        eos = c.eos_token_id if isinstance(c.eos_token_id, tuple) else (c.eos_token_id,)
-        model.generation_config = GenerationConfig(eos_token_id=tuple(e for e in eos if e is not None),
-                                                   pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id)
+        model.generation_config = GenerationConfig.for_model(model.config)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
@@ -82,11 +87,8 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
             check_vocab(tok, model.config)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        end = tok.token_to_id("<turn|>")
-        if args.preset is not None and end is not None and end not in model.generation_config.eos_token_id:
-            # Gemma's generation_config.json stops on <turn|> too; a random model with a chat tokenizer should.
-            gc = model.generation_config
-            model.generation_config = gc.replace(eos_token_id=(*gc.eos_token_id, end))
+        if args.preset is not None:  # a random model with a chat tokenizer stops at <turn|>, as Gemma's does
+            model.generation_config = model.generation_config.stopping_at(tok.token_to_id(TURN_END))
     return model, tok
 
 

@@ -10,6 +10,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from dgemma.cli.common import shown_path
+
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
@@ -76,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _argv(args: argparse.Namespace) -> list[str]:
     """The command line as it determines the report (paths and every setting), printed on every figure."""
-    out = ["--model", str(args.model)]
+    out = ["--model", shown_path(args.model)]
     if args.baseline is not None:
-        out += ["--baseline", str(args.baseline)]
-    out += ["--data", str(args.data), "--out", str(args.out), "--prompts", str(args.prompts),
+        out += ["--baseline", shown_path(args.baseline)]
+    out += ["--data", shown_path(args.data), "--out", shown_path(args.out), "--prompts", str(args.prompts),
             "--steps", ",".join(map(str, args.steps)),
             "--entropy-bounds", ",".join(f"{x:g}" for x in args.entropy_bounds)]
     for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--max-new-tokens", args.max_new_tokens),

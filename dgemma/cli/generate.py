@@ -14,7 +14,7 @@ import torch
 
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
 from dgemma.generate import generate
-from dgemma.tokenizer import Tokenizer, chat_token_ids
+from dgemma.tokenizer import Tokenizer, chat_token_ids, left_pad
 
 
 def register(subparsers: Any) -> None:
@@ -68,14 +68,6 @@ def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: in
     # Without --chat the tokenizer's own post-processor decides on <bos> (Gemma's prepends it).
     rows = [chat_token_ids(tok, [{"role": "user", "content": t}]) if args.chat else tok.encode(t) for t in texts]
     return rows, texts
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) ids left-padded with `pad_id`, and the attention mask (None when no row is padded)."""
-    T = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], device=device)
-    return ids, (None if bool(mask.all()) else mask)
 
 
 def run(args: argparse.Namespace) -> int:

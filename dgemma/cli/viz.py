@@ -7,6 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from dgemma.cli.common import shown_path
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("viz", help="plots, a GIF and an HTML player of a trace (dgemma generate --trace FILE)",
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         if tok_path is None:
             print(f"dgemma viz: {args.model} has no tokenizer.json; showing token ids", file=sys.stderr)
     tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
-    command = "dgemma viz " + shlex.join([str(args.trace), "--out", str(args.out), *_flags(args)])
+    command = "dgemma viz " + shlex.join([shown_path(args.trace), "--out", shown_path(args.out), *_flags(args)])
     try:
         written = render_trace(trace, args.out, command=command, tokenizer=tokenizer, row=args.row,
                                canvases=args.canvas, gif_canvas=args.gif_canvas)
@@ -52,7 +54,7 @@ def _flags(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for flag, value in (("--tokenizer", args.tokenizer), ("--model", args.model), ("--gif-canvas", args.gif_canvas)):
         if value is not None:
-            out += [flag, str(value)]
+            out += [flag, shown_path(value) if isinstance(value, Path) else str(value)]
     if args.row:
         out += ["--row", str(args.row)]
     for c in args.canvas or []:
