@@ -96,8 +96,15 @@ def random_case(seed: int) -> Case:
     prompt = r.randint(1, 80)
     padded = batch > 1 and r.random() < 0.3
     left_pad = tuple(r.randint(0, prompt - 1) if padded and i > 0 else 0 for i in range(batch))
-    return Case(seed, text, canvas, r.choice([0.3, 1.0, 3.0]), generation, batch, prompt, left_pad,
-                bf16=r.random() < 0.25)
+    embedding_std, bf16 = r.choice([0.3, 1.0, 3.0]), r.random() < 0.25
+    # Drawn last, so that adding them left every earlier case as it was. `max_length` stops generation after the
+    # canvas that reaches it; with the literal default max_new_tokens=256 it also sets the number of canvases
+    # (transformers' rule), which is only valid while it leaves room after the prompt.
+    if r.random() < 0.3:
+        generation["max_length"] = r.randint(1, prompt + 3 * canvas)
+        if r.random() < 0.5 and generation["max_length"] > prompt:
+            generation["max_new_tokens"] = 256
+    return Case(seed, text, canvas, embedding_std, generation, batch, prompt, left_pad, bf16=bf16)
 
 
 def _hf_kwargs(generation: dict[str, Any]) -> dict[str, Any]:
@@ -263,6 +270,7 @@ if __name__ == "__main__":
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and other work on the machine cannot stall it
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     failed = 0

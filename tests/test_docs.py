@@ -194,7 +194,8 @@ def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
             args[0] = str(ROOT / args[0])
         exe = [sys.executable] if argv[0] == "python" else ["bash"]
         env = {**os.environ, "PYTHON": sys.executable, "OUT": str(cwd / "out")}
-        done = subprocess.run([*exe, *args], cwd=cwd, env=env, timeout=300, capture_output=True, text=True)
+        here = ROOT if args[:2] == ["-m", "pytest"] else cwd  # the repository's own tests run from its root
+        done = subprocess.run([*exe, *args], cwd=here, env=env, timeout=300, capture_output=True, text=True)
         assert done.returncode == 0, f"{code!r} -> exit {done.returncode}: {done.stderr[-3000:]}"
         return
     assert argv[0] == "dgemma", f"no way to run {code!r}: add it to TINY_ARGS or mark it in the doc"

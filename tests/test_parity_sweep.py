@@ -43,3 +43,5 @@ def test_the_sweep_covers_every_knob():
     assert any(c.generation["pad_token_id"] is None for c in cases)
     assert {len(c.generation["eos_token_id"]) for c in cases} == {0, 1, 2, 3}
     assert {c.generation["stability_threshold"] for c in cases} == {0, 1, 2, 3}
+    assert any(c.generation.get("max_length") for c in cases)
+    assert any(c.generation.get("max_length") and c.generation["max_new_tokens"] == 256 for c in cases)
