@@ -75,6 +75,18 @@ class CanvasState:
         self._stop = sampling.StopState()
         self._started = 0.0
 
+    @classmethod
+    def start(cls, shape: tuple[int, int], vocab_size: int, device: torch.device, config: GenerationConfig, *,
+              generator: torch.Generator | None = None, canvas: Tensor | None = None, finished: Tensor | None = None,
+              canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None, trace: bool = False
+              ) -> CanvasState:
+        """A canvas of `shape` (B, L) starting from uniform noise, which is drawn even when `canvas` replaces it (the
+        random stream stays aligned with transformers'); `finished` (B,) defaults to no row finished."""
+        noise = sampling.uniform_tokens(shape, vocab_size, device, generator)
+        x = noise if canvas is None else canvas.to(device)
+        finished = torch.zeros(shape[0], dtype=torch.bool, device=device) if finished is None else finished
+        return cls(x, finished, config, canvas_index=canvas_index, on_step=on_step, trace=trace)
+
     def begin_step(self) -> tuple[Tensor, Tensor]:
         """Count the step: returns `was_done` (rows stopped before it) and `active` (rows it is spent on)."""
         self.step += 1

@@ -130,10 +130,8 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
                          f"{config.initial_self_conditioning!r}")
     B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
     device = model.device
-    noise = sampling.uniform_tokens((B, L), V, device, generator)  # drawn even when `canvas` is given
-    x = noise if canvas is None else canvas.to(device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device) if finished is None else finished
-    state = CanvasState(x, finished, config, canvas_index=canvas_index, on_step=on_step, trace=trace)
+    state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas, finished=finished,
+                              canvas_index=canvas_index, on_step=on_step, trace=trace)
     if step is None:
         sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
         step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix, compile=compile)

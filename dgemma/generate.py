@@ -122,17 +122,15 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     the model's kernels (default: the model's); this loop is the readable one whatever the kernels."""
     B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
     device = model.device
-    noise = sampling.uniform_tokens((B, L), V, device, generator)  # drawn even when `canvas` is given
-    x = noise if canvas is None else canvas.to(device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device) if finished is None else finished
-    state = CanvasState(x, finished, config, canvas_index=canvas_index, on_step=on_step, trace=trace)
+    state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas, finished=finished,
+                              canvas_index=canvas_index, on_step=on_step, trace=trace)
     sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
     lite, N = config.sampler == "lite", config.max_denoising_steps
     raw = config.posterior_rule == "raw"
     sc = self_conditioning_logits
     if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
         sc = torch.zeros(B, L, V, dtype=model.dtype, device=device)
-    draw = x
+    draw = state.x
     # Lite state: the committed set, and the previous step's mode and confidence (+inf: nothing commits at step 1).
     committed = torch.zeros(B, L, dtype=torch.bool, device=device)
     prev_argmax = torch.full((B, L), -1, dtype=torch.long, device=device)

@@ -12,32 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from dgemma import fast_sampler
-from dgemma.config import FULL, SLIDING, GenerationConfig, RopeConfig, preset
+from dgemma.config import FULL, SLIDING, GenerationConfig, preset
 from dgemma.generate import denoise_canvas, generate
 from dgemma.model import DiffusionGemma
 from dgemma.testing.hf import randomize_
-from tests.helpers import random_ids
+from tests.helpers import random_ids, random_model
 from tests.live_tensors import LiveVocabTensors
 
 TOL = 1e-4  # fp32 logits, fast vs readable
-
-GEOMETRIES = {
-    "tiny": preset("tiny"),
-    "k8-of-16": preset("tiny").replace(
-        num_experts=16, top_k_experts=8, num_hidden_layers=6, layer_types=(),
-        sliding_rope=RopeConfig("default", 5_000.0), full_rope=RopeConfig("proportional", 200_000.0, 0.5)),
-}
-
-
-def _model(name: str, seed: int = 0) -> DiffusionGemma:
-    return randomize_(DiffusionGemma(GEOMETRIES[name]), seed).eval()
-
 
 
 @pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("static", [False, True])
 def test_denoise_step_matches_denoise(static, padding):
-    model = _model("k8-of-16")
+    model = random_model("k8-of-16")
     V, L = model.config.vocab_size, model.config.canvas_length
     mask = torch.ones(2, 11, dtype=torch.long)
     if padding:
@@ -80,7 +68,7 @@ def test_denoise_step_compiles_whole():
 @pytest.mark.skipif(not os.environ.get("DGEMMA_TEST_INDUCTOR"), reason="inductor codegen takes minutes on 2 cores; "
                     "set DGEMMA_TEST_INDUCTOR=1")
 def test_denoise_step_compiles_with_inductor():
-    model = _model("tiny")
+    model = random_model("tiny")
     V, L = model.config.vocab_size, model.config.canvas_length
     cache = model.new_cache(1, 11 + L)
     model.commit(random_ids(V, 1, 11, seed=12), cache)
@@ -163,7 +151,7 @@ def test_fast_sampler_takes_the_reference_decisions(stop_rule, sync_every):
 def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
     """The fast loop never holds (B, L, V) logits from one step to the next: per step, a chunk of logits and one of
     probabilities (the workspace), so memory is bounded by the chunk, not by the batch."""
-    model = _model("tiny")
+    model = random_model("tiny")
     B, L, V = 2, model.config.canvas_length, model.config.vocab_size
     cache = model.new_cache(B, 11)
     model.commit(random_ids(V, B, 11, seed=20), cache)
@@ -177,7 +165,7 @@ def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
 # --- generate ---------------------------------------------------------------------------------------------------------
 
 def test_generate_fast_runs_and_never_touches_the_model():
-    model = _model("tiny")
+    model = random_model("tiny")
     prompt = random_ids(500, 2, 11, seed=19)
     a = generate(model, prompt, seed=0, impl="fast", max_new_tokens=32, max_denoising_steps=3, trace=True)
     b = generate(model, prompt, seed=0, impl="fast", max_new_tokens=32, max_denoising_steps=3)
@@ -196,7 +184,7 @@ def test_generate_from_several_threads_on_one_model(impl):
     make them) give what the same calls give one after another."""
     from concurrent.futures import ThreadPoolExecutor
 
-    model = _model("tiny")
+    model = random_model("tiny")
     prompts = [random_ids(500, 1, 5 + i, seed=30 + i) for i in range(4)]
     run = lambda i: generate(model, prompts[i], seed=i, impl=impl, max_new_tokens=32, max_denoising_steps=3)
     alone = [run(i).sequences for i in range(4)]
@@ -233,7 +221,7 @@ def test_grouped_mm_bf16_experts_match_the_loop_on_cuda():
 @cuda
 @pytest.mark.parametrize("sync_every", [1, 4])
 def test_fast_loop_on_cuda_takes_the_reference_step_counts(sync_every):
-    model = _model("tiny").to("cuda")
+    model = random_model("tiny").to("cuda")
     prompt = random_ids(500, 2, 11, seed=40).cuda()
     config = dict(max_new_tokens=32, max_denoising_steps=6, confidence_threshold=10.0)
     ref = generate(model, prompt, seed=0, **config)
@@ -247,7 +235,7 @@ def test_fast_loop_on_cuda_takes_the_reference_step_counts(sync_every):
 @pytest.mark.gpu
 @cuda
 def test_cuda_graph_denoise_step_matches_denoise():
-    model = _model("tiny").to("cuda")
+    model = random_model("tiny").to("cuda")
     V, L = model.config.vocab_size, model.config.canvas_length
     cache = model.new_cache(1, 11 + L)
     model.commit(random_ids(V, 1, 11, seed=12).cuda(), cache)

@@ -12,25 +12,12 @@ import torch.nn.functional as F
 
 from dgemma import kernels, sampling
 from dgemma.cli import main
-from dgemma.config import RopeConfig, preset
-from dgemma.model import DiffusionGemma, Experts
+from dgemma.config import preset
+from dgemma.model import Experts
 from dgemma.testing.hf import randomize_
-from tests.helpers import random_ids
+from tests.helpers import GEOMETRY_NAMES, random_ids, random_model
 
 TOL = 1e-4  # fp32 logits, fast vs readable
-
-GEOMETRIES = {
-    "tiny": preset("tiny"),
-    # like dgemma/testing/hf.py's "k8-of-16": 16 experts top-8, six layers in the default 5:1 pattern, other RoPE
-    "k8-of-16": preset("tiny").replace(
-        num_experts=16, top_k_experts=8, num_hidden_layers=6, layer_types=(),
-        sliding_rope=RopeConfig("default", 5_000.0), full_rope=RopeConfig("proportional", 200_000.0, 0.5)),
-}
-
-
-def _model(name: str, seed: int = 0) -> DiffusionGemma:
-    return randomize_(DiffusionGemma(GEOMETRIES[name]), seed).eval()
-
 
 
 # --- routed experts -------------------------------------------------------------------------------------------------
@@ -77,11 +64,11 @@ def test_moe_dispatch_gradients_match_reference():
 # --- the model forward ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("padding", [False, True])
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("geometry", list(GEOMETRY_NAMES))
 def test_fast_logits_match_reference(geometry, padding):
     """commit (prefill, then a canvas past the window) and denoise (with and without self-conditioning), and the
     encoder's own logits: the fast path within 1e-4 of the readable one."""
-    model = _model(geometry)
+    model = random_model(geometry)
     V, L = model.config.vocab_size, model.config.canvas_length
     prompt, canvas, second = random_ids(V, 2, 11, seed=5), random_ids(V, 2, L, seed=6), random_ids(V, 2, L, seed=7)
     mask = torch.ones_like(prompt)
@@ -121,7 +108,7 @@ def test_tempered_stats_match_reference():
 
 
 def test_logits_into_matches_model_logits():
-    model = _model("tiny")
+    model = random_model("tiny")
     h = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(14)) * 3
     weight, cap = model.embed_tokens.weight, model.config.final_logit_softcapping
     torch.testing.assert_close(kernels.logits_into(h, weight, cap), model.logits(h), atol=2e-5, rtol=0)
@@ -145,7 +132,7 @@ def test_draws_follow_the_distribution(draw):
 
 
 def test_head_and_sample_matches_reference_and_ignores_chunking():
-    model = _model("tiny")
+    model = random_model("tiny")
     B, L, V, D = 2, 16, model.config.vocab_size, model.config.hidden_size
     final = torch.randn(B, L, D, generator=torch.Generator().manual_seed(16)) * 2
     temp = sampling.temperature(5, 12, 0.4, 0.8)
