@@ -1,0 +1,75 @@
+"""Where one denoising step of the fast path spends its time (docs/benchmarks.md, "Where the fast step's time goes").
+
+Times, on a random model of a preset (default bench-small, fp32, batch 1, the bench's prompt length): the layers
+(`fast_sampler.DenoiseStep`, final norm included), one vocabulary matmul (the tied head over the canvas), the fused
+sampler pass (`kernels.head_and_sample`: head, temperature, stats, draw, next soft embedding), and the two ways to
+draw one token per position: `torch.multinomial` (the readable path and transformers) against the two-level
+inverse-CDF draw (`kernels.draw_cdf`). Medians over --repeats, printed as one JSON object. Run it on a quiet machine.
+
+    python runs/profile_fast_step.py --preset bench-small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from dgemma import fast_sampler, kernels, sampling
+from dgemma.config import PRESETS
+from dgemma.model import DiffusionGemma
+from dgemma.testing.hf import randomize_
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="bench-small")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = PRESETS[args.preset]
+    model = randomize_(DiffusionGemma(config), 0).eval()
+    L, V, D = config.canvas_length, config.vocab_size, config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, V, (1, config.sliding_window + L // 4), generator=g)
+    cache = model.new_cache(1, prompt.shape[1])
+    model.commit(prompt, cache, impl="fast")
+    canvas = torch.randint(0, V, (1, L), generator=g)
+    step = fast_sampler.DenoiseStep(model, cache)
+    final = step(canvas)
+    weight, cap = model.embed_tokens.weight, config.final_logit_softcapping
+    head = lambda rows, out: kernels.logits_into(rows, weight, cap, out)
+    temp = sampling.temperature(8, 16, 0.4, 0.8)
+    probs = torch.softmax(model.logits(final).div_(temp), -1).view(-1, V)
+    uniforms = torch.rand(L, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        result = {
+            "preset": args.preset, "threads": torch.get_num_threads(), "load": os.getloadavg()[0],
+            "ms_layers": median_ms(lambda: step(canvas), args.repeats),
+            "ms_head_matmul": median_ms(lambda: head(final.view(-1, D), None), args.repeats),
+            "ms_head_and_sample": median_ms(lambda: kernels.head_and_sample(
+                final, head, temp, generator=g, embed=weight, embed_scale=D**0.5), args.repeats),
+            "ms_multinomial": median_ms(lambda: torch.multinomial(probs, 1, generator=g), args.repeats),
+            "ms_draw_cdf": median_ms(lambda: kernels.draw_cdf(probs, uniforms), args.repeats),
+        }
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
