@@ -240,8 +240,9 @@ def newest_intact(run: Path, load: Callable[[Path], T], warn: Callable[[str], No
         try:
             loaded = load(ckpt)
         except Exception as e:  # any failure to read a checkpoint means it is not intact
-            skipped.append(f"{ckpt.name} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-            warn(f"warning: skipping checkpoint {ckpt}: it does not load ({skipped[-1]})")
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            skipped.append(f"{ckpt.name} ({why})")
+            warn(f"warning: skipping checkpoint {ckpt}: it does not load ({why})")
             continue
         return ckpt, loaded
     if skipped:

@@ -317,11 +317,11 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     mc = cfg.model_config
     check_vocab(train_set.tokenizer(), mc)
     run_dir.check_unlocked(run)
+    verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
+    check_token_range(data_dir, mc.vocab_size, train_set.meta)
     fingerprint = run_dir.data_fingerprint(train_set.meta)
     check_config = lambda saved, source: check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run)
     run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
-    verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
-    check_token_range(data_dir, mc.vocab_size, train_set.meta)
     console.print(preflight(cfg, device, use_bf16))
 
     # Nothing above wrote anything; from here on the run directory is ours, and the checks are redone under its lock.
@@ -341,7 +341,10 @@ def _load_checkpoint(ckpt: Path, cfg: TrainConfig, device: torch.device) -> tupl
     check_resumable(TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON)),
                     cfg, ckpt)
     model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
-    state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, or not a torch file
+        raise ValueError(f"{ckpt / STATE}: unreadable ({str(e).split('. ')[0]})") from None
     missing = {"step", "tokens", "elapsed_s", "optimizer", "rng_cpu"} - set(state)
     if missing:
         raise ValueError(f"{ckpt / STATE}: no {', '.join(sorted(missing))}")
@@ -469,9 +472,10 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
 
 def _nonfinite_message(cfg: TrainConfig, step: int, loss: float, grad_norm: float, streak: int,
                        saved: Path | None) -> str:
-    when = f"on {streak} steps in a row" if streak > 1 else f"on step {step}, one of the first {NONFINITE_FIRST_STEPS}"
+    when = f"{streak} steps in a row" if streak > 1 else f"one of the first {NONFINITE_FIRST_STEPS} steps"
     where = f"its last checkpoint {saved.name} is intact" if saved else "it has no checkpoint yet"
-    return (f"step {step}: non-finite loss {loss} or gradient norm {grad_norm} {when}; training stopped ({where}). "
+    return (f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not finite ({when}); training stopped "
+            f"({where}). "
             f"Likely cause: a learning rate too high for this model (--lr {cfg.lr:g}, --weight-decay "
             f"{cfg.weight_decay:g}, --clip {cfg.clip:g}); start a new run with a lower --lr")
 
