@@ -174,6 +174,26 @@ def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None
                                 f"{shard['sha256'][:16]}...): the shard is corrupted; re-run dgemma data prepare")
 
 
+def check_token_range(directory: str | os.PathLike[str], vocab_size: int, meta: dict[str, Any] | None = None,
+                      block: int = 1 << 22) -> None:
+    """Every token id in every shard is < `vocab_size` (what the model can embed): a DataError naming the first shard
+    with an id out of range, instead of an IndexError in the middle of training. Reads the shards in blocks."""
+    directory = Path(directory)
+    meta = meta or load_meta(directory)
+    dtype = np.dtype(meta["dtype"])
+    for split in meta["splits"].values():
+        for shard in split["shards"]:
+            path = directory / shard["file"]
+            tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.empty(0, dtype)
+            for start in range(0, len(tokens), block):
+                top = int(tokens[start:start + block].max())
+                if top >= vocab_size:
+                    at = start + int(np.argmax(tokens[start:start + block] >= vocab_size))
+                    raise DataError(f"{path}: token id {int(tokens[at]):,} at position {at:,} is out of range for "
+                                    f"a vocabulary of {vocab_size:,} (a damaged shard, or data prepared with another "
+                                    "tokenizer); re-run dgemma data prepare")
+
+
 class Windows:
     """Consecutive, non-overlapping windows over a split's token stream: window i starts at token i * seq_len and
     holds seq_len + shift tokens (with shift=1 the last token is the first of the next window: the AR target)."""

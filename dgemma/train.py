@@ -15,6 +15,8 @@ non-finite loss still consumes its micro-batches and its learning-rate slot, so 
 
 Run directory:
 
+    RUN/.lock, RUN/run.json             the writer's lock and the run's record (config, data fingerprint):
+                                        dgemma/run_dir.py
     RUN/metrics.jsonl                   one JSON object per step, evaluation and skipped step
     RUN/tokenizer.json                  copied from the data, so `dgemma generate --model RUN` can read text
     RUN/checkpoints/step-0000200/       config.json, generation_config.json, model.safetensors (the Hugging Face
@@ -22,7 +24,8 @@ Run directory:
     RUN/checkpoints/latest              the name of the newest complete checkpoint, written last
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a `step-*` directory is always
-complete, whenever the process dies.
+complete, whenever the process dies. One process at a time writes a run (dgemma/run_dir.py's lock); a non-finite
+loss or gradient on the first NONFINITE_FIRST_STEPS steps, or on NONFINITE_STREAK steps in a row, stops the run.
 """
 
 from __future__ import annotations
@@ -42,30 +45,27 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import costs
+from dgemma import costs, run_dir
 from dgemma.attention import IMPLS
-from dgemma.checkpoint import (
-    CHECKPOINTS,
-    STATE,
-    CheckpointError,
-    latest_checkpoint,
-    list_checkpoints,
-    save_pretrained,
-)
+from dgemma.checkpoint import STATE
 from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
 from dgemma.console import Console
-from dgemma.data import TokenDataset
+from dgemma.data import TokenDataset, check_token_range, verify
 from dgemma.diffusion import OBJECTIVES, training_loss
 from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.run_dir import NonFiniteError
 from dgemma.system import available_memory
 from dgemma.tokenizer import check_vocab
 
-LATEST, CONFIG_JSON = "latest", "train_config.json"
+CONFIG_JSON = "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
 DEFAULT_PRESET = "cpu-small"
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
 RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device")
+# A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
+# steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
+NONFINITE_FIRST_STEPS, NONFINITE_STREAK = 3, 5
 
 
 def _opt(help: str, default: Any, **meta: Any) -> Any:
@@ -126,6 +126,11 @@ class TrainConfig:
               "must be a positive int or None")
         check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        for f in dataclasses.fields(self):
+            if f.type == "float":
+                v = getattr(self, f.name)
+                check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f.name,
+                      "must be a finite number")
         check(self.lr > 0, "lr", "must be > 0")
         check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
         check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
@@ -249,46 +254,6 @@ def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool) -> str:
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
-def save_checkpoint(run: Path, model: DiffusionGemma, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-                    state: dict[str, Any]) -> Path:
-    """Write checkpoints/step-XXXXXXX atomically (temporary directory, fsync, rename), then `latest`, then prune."""
-    root = run / CHECKPOINTS
-    final = root / f"step-{state['step']:07d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)  # fsyncs each file
-    if (run / "tokenizer.json").is_file():
-        shutil.copyfile(run / "tokenizer.json", tmp / "tokenizer.json")
-    (tmp / CONFIG_JSON).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-    state = {**state, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
-             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save(state, tmp / STATE)
-    for f in (tmp / "tokenizer.json", tmp / CONFIG_JSON, tmp / STATE):
-        _fsync(f)
-    if final.exists():  # only after resuming from an older checkpoint by hand: same step, same content
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(root)
-    marker = root / f".{LATEST}.tmp"
-    marker.write_text(final.name + "\n")
-    os.replace(marker, root / LATEST)
-    for old in list_checkpoints(run)[:-cfg.keep_last]:
-        shutil.rmtree(old)
-    return final
-
-
-def _fsync(path: Path) -> None:
-    if not path.exists():
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # directories cannot be fsynced everywhere
-        pass
-    finally:
-        os.close(fd)
-
-
 def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path) -> None:
     """A resumed run must compute the same steps: only the RESUMABLE fields may differ."""
     diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
@@ -330,11 +295,13 @@ def evaluate(model: DiffusionGemma, val: Any, cfg: TrainConfig, device: torch.de
 
 
 def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-          resume: bool = False, max_minutes: float | None = None, until_step: int | None = None,
-          stream: TextIO | None = None) -> TrainResult:
+          resume: bool = False, allow_new_data: bool = False, max_minutes: float | None = None,
+          until_step: int | None = None, stream: TextIO | None = None) -> TrainResult:
     """Train (or, with `resume`, continue) the run in `out_dir` on the shards in `data_dir`, up to `cfg.max_steps`, or
-    to `until_step` (the schedule still spans max_steps), or for `max_minutes`; it checkpoints where it stops. Every
-    input problem raises (ConfigError, CheckpointError, ValueError, FileNotFoundError) before `out_dir` is touched."""
+    to `until_step` (the schedule still spans max_steps), or for `max_minutes`; it checkpoints where it stops. With
+    `resume`, a run with no checkpoint yet (or no directory) starts at step 0, so one command line serves the first
+    start and every restart. Every input problem raises (ConfigError, ValueError, FileNotFoundError) before `out_dir`
+    is touched; the run is written under its lock (run_dir.RunBusyError if another process holds it)."""
     console = Console(stream or sys.stdout, cfg.log_every)
     run, data_dir = Path(out_dir), Path(data_dir)
     if not data_dir.is_dir():
@@ -349,30 +316,56 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
     mc = cfg.model_config
     check_vocab(train_set.tokenizer(), mc)
-    ckpt = latest_checkpoint(run) if resume else None
-    if resume and ckpt is None:
-        raise CheckpointError(f"--resume: {run} has no complete checkpoint to resume from" + (
-            " (delete it to start over)" if run.exists() else ""))
-    if not resume and run.exists() and (not run.is_dir() or any(run.iterdir())):
-        raise ValueError(f"{run} exists and is not an empty directory: pass --resume to continue it, or choose "
-                         "another --out")
-    if ckpt is not None:
-        saved = json.loads((ckpt / CONFIG_JSON).read_text())
-        check_resumable(TrainConfig.from_json(saved, str(ckpt / CONFIG_JSON)), cfg, run)
+    run_dir.check_unlocked(run)
+    verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
+    check_token_range(data_dir, mc.vocab_size, train_set.meta)
+    fingerprint = run_dir.data_fingerprint(train_set.meta)
+    check_config = lambda saved, source: check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run)
+    run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
     console.print(preflight(cfg, device, use_bf16))
 
-    # Nothing above wrote anything; from here on the run directory is ours.
-    if ckpt is None:
+    # Nothing above wrote anything; from here on the run directory is ours, and the checks are redone under its lock.
+    with run_dir.locked(run):
+        record = run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
+        change = record and "data" in record and run_dir.describe_data_change(record["data"], fingerprint)
+        if change:
+            console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
+        run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir)})
+        run_dir.clean_temporaries(run)
+        found = run_dir.newest_intact(run, lambda p: _load_checkpoint(p, cfg, device), console.print)
+        return _train_locked(cfg, run, train_set, val_set, found, device, use_bf16, console, max_minutes, until_step)
+
+
+def _load_checkpoint(ckpt: Path, cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma, dict[str, Any]]:
+    """A checkpoint's model and trainer state, or an exception if any part is damaged (run_dir.newest_intact)."""
+    check_resumable(TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON)),
+                    cfg, ckpt)
+    model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
+    try:
+        state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, corrupt, or not a torch file
+        raise ValueError(f"{ckpt / STATE}: unreadable ({str(e).split('. ')[0]})") from None
+    missing = {"step", "tokens", "elapsed_s", "optimizer", "rng_cpu"} - set(state)
+    if missing:
+        raise ValueError(f"{ckpt / STATE}: no {', '.join(sorted(missing))}")
+    bad = run_dir.nonfinite_tensor(iter(model.state_dict().items()))
+    if bad:
+        raise NonFiniteError(f"{ckpt}: {bad} has non-finite values")
+    return model, state
+
+
+def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset,
+                  found: tuple[Path, tuple[DiffusionGemma, dict[str, Any]]] | None, device: torch.device,
+                  use_bf16: bool, console: Console, max_minutes: float | None, until_step: int | None) -> TrainResult:
+    mc = cfg.model_config
+    if found is None:
+        ckpt = None
         model = init_weights(DiffusionGemma(mc, impl=cfg.impl), seed=cfg.seed).to(device)
-        run.mkdir(parents=True, exist_ok=True)
         if train_set.tokenizer_path.is_file():
             shutil.copyfile(train_set.tokenizer_path, run / "tokenizer.json")
         state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     else:
-        model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
-        state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
-        for tmp in (run / CHECKPOINTS).glob(".tmp-*"):  # a save that a killed process did not finish
-            shutil.rmtree(tmp, ignore_errors=True)
+        ckpt, (model, state) = found
         console.print(f"resuming {ckpt} at step {state['step']}")
     # Documents end with the data's end-of-text id, so that is where generation stops.
     model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
@@ -387,8 +380,8 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     if cfg.compile and device.type == "cuda":
         for block in model.layers:  # per block; corruption, masks and the loss stay eager (seed 003, section 5)
             block.compile()
-    metrics = run / "metrics.jsonl"
-    _truncate_metrics(metrics, state["step"])
+    metrics = run / run_dir.METRICS
+    run_dir.repair_metrics(run, state["step"] if ckpt is not None else None, console.print)
 
     step = start_step = state["step"]
     end = cfg.max_steps if until_step is None else min(until_step, cfg.max_steps)
@@ -400,6 +393,7 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     loss = val_loss = None
     stopped, saved = "max_steps" if step >= cfg.max_steps else "until_step", ckpt
     interrupted: list[int] = []
+    streak = 0  # non-finite steps in a row
     previous_handler = _on_sigint(lambda: interrupted.append(1))
     with metrics.open("a") as log:
         def record(**rec: Any) -> None:
@@ -438,8 +432,13 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
                 if math.isfinite(loss) and math.isfinite(grad_norm):
                     optimizer.step()
                     state["tokens"] += tokens_per_step
+                    streak = 0
                 else:  # the NaN guard: drop this gradient; the step's data and noise stay consumed
+                    streak += 1
                     record(step=step, event="skipped_nonfinite", loss=loss, grad_norm=grad_norm, lr=lr)
+                    if step <= NONFINITE_FIRST_STEPS or streak >= NONFINITE_STREAK:
+                        record(step=step, event="stopped_nonfinite")
+                        raise NonFiniteError(_nonfinite_message(cfg, step, loss, grad_norm, streak, saved))
                     console.print(f"step {step} | skipped: non-finite loss {loss} or gradient norm {grad_norm}")
                 optimizer.zero_grad(set_to_none=True)
                 now = time.monotonic()
@@ -461,7 +460,7 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
                     val_loss = run_eval()
                 if step % cfg.save_every == 0 or last:
                     state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start)
-                    saved = save_checkpoint(run, model, optimizer, cfg, state)
+                    saved = run_dir.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state)
                 if last:
                     break
         finally:
@@ -471,14 +470,14 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     return TrainResult(step, saved, loss, val_loss, rate, stopped)
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop the records an interrupted process logged after its last checkpoint (they are redone)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+def _nonfinite_message(cfg: TrainConfig, step: int, loss: float, grad_norm: float, streak: int,
+                       saved: Path | None) -> str:
+    when = f"{streak} steps in a row" if streak > 1 else f"one of the first {NONFINITE_FIRST_STEPS} steps"
+    where = f"its last checkpoint {saved.name} is intact" if saved else "it has no checkpoint yet"
+    return (f"step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not finite ({when}); training stopped "
+            f"({where}). "
+            f"Likely cause: a learning rate too high for this model (--lr {cfg.lr:g}, --weight-decay "
+            f"{cfg.weight_decay:g}, --clip {cfg.clip:g}); start a new run with a lower --lr")
 
 
 def _on_sigint(handler: Any) -> Any:

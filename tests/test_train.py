@@ -142,21 +142,22 @@ def test_nan_guard_skips_the_step_and_logs_it(corpus, tmp_path, monkeypatch):
         out = real(*args, **kw)
         if kw["self_conditioning_prob"] > 0:
             calls.append(1)
-            if len(calls) == 2:  # step 2's loss
+            if len(calls) == 5:  # step 5's loss (after the first NONFINITE_FIRST_STEPS, which stop the run)
                 out.loss = out.loss * float("nan")
         return out
 
+    assert T.NONFINITE_FIRST_STEPS < 5 and T.NONFINITE_STREAK > 1
     monkeypatch.setattr(T, "training_loss", poisoned)
     run = tmp_path / "run"
-    quiet_train(BASE.replace(max_steps=3, save_every=1), corpus, run)
+    quiet_train(BASE.replace(max_steps=6, save_every=1), corpus, run)
     ckpts = {p.name: load_file(p / "model.safetensors") for p in list_checkpoints(run)}
-    assert_bit_identical(ckpts["step-0000001"], ckpts["step-0000002"])  # step 2 changed nothing
-    assert not torch.equal(ckpts["step-0000002"]["model.decoder.embed_tokens.weight"],
-                           ckpts["step-0000003"]["model.decoder.embed_tokens.weight"])  # step 3 trained
+    assert_bit_identical(ckpts["step-0000004"], ckpts["step-0000005"])  # step 5 changed nothing
+    assert not torch.equal(ckpts["step-0000005"]["model.decoder.embed_tokens.weight"],
+                           ckpts["step-0000006"]["model.decoder.embed_tokens.weight"])  # step 6 trained
     skipped = [m for m in metrics(run) if m.get("event") == "skipped_nonfinite"]
-    assert [m["step"] for m in skipped] == [2]
+    assert [m["step"] for m in skipped] == [5]
     state = torch.load(latest_checkpoint(run) / "trainer_state.pt", weights_only=True)
-    assert all(int(s["step"]) == 2 for s in state["optimizer"]["state"].values())  # AdamW stepped twice, not 3 times
+    assert max(int(s["step"]) for s in state["optimizer"]["state"].values()) == 5  # AdamW stepped 5 times, not 6
 
 
 # --- learning ------------------------------------------------------------------------------------------------------
@@ -235,8 +236,8 @@ def test_cli_trains_and_resumes(corpus, tmp_path, capsys):
     assert code == 0 and latest_checkpoint(run).name == "step-0000003"
 
 
-@pytest.mark.parametrize("case", ["missing data", "vocab", "incompatible resume", "resume without checkpoint",
-                                  "non-empty run", "memory"])
+@pytest.mark.parametrize("case", ["missing data", "vocab", "incompatible resume", "resume a foreign directory",
+                                  "non-empty run", "memory", "lr inf", "weight decay inf", "new data without resume"])
 def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     args = ["--data", str(corpus), "--out", str(run), *TINY_FLAGS, "--max-steps", "1"]
@@ -250,11 +251,20 @@ def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
     elif case == "incompatible resume":
         args += ["--resume", "--lr", "0.5"]
         expected = "cannot resume .*lr 0.003 -> 0.5"
-    elif case == "resume without checkpoint":
+    elif case == "resume a foreign directory":
         run.mkdir()
         (run / "notes.txt").write_text("mine")
         args += ["--resume"]
-        expected = "no complete checkpoint to resume from"
+        expected = "has no checkpoint to resume from and is not a dgemma run"
+    elif case == "lr inf":
+        args += ["--lr", "inf"]
+        expected = "TrainConfig.lr: must be a finite number, got inf"
+    elif case == "weight decay inf":
+        args += ["--weight-decay", "inf"]
+        expected = "TrainConfig.weight_decay: must be a finite number, got inf"
+    elif case == "new data without resume":
+        args += ["--allow-new-data"]
+        expected = "--allow-new-data goes with --resume"
     elif case == "non-empty run":
         expected = "exists and is not an empty directory: pass --resume"
     else:

@@ -12,6 +12,7 @@ from typing import Any
 
 from dgemma.checkpoint import latest_checkpoint
 from dgemma.config import ConfigError
+from dgemma.run_dir import read_record
 from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train, train_preset
 
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int}
@@ -37,7 +38,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="a directory from `dgemma data prepare`")
     p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (must be new or empty, "
                    "unless --resume)")
-    p.add_argument("--resume", action="store_true", help="continue RUN from its latest checkpoint (bit-exact)")
+    p.add_argument("--resume", action="store_true", help="continue RUN from its newest intact checkpoint (bit-exact), "
+                   "or start it when it has none: the same command starts a run and restarts it after a kill")
+    p.add_argument("--allow-new-data", action="store_true", help="with --resume: continue on a data directory other "
+                   "than the one the run was trained on (the resume is then not bit-exact)")
     p.add_argument("--minutes", type=float, metavar="M", help="stop (and checkpoint) after M minutes")
     p.add_argument("--until-step", type=int, metavar="N", help="stop (and checkpoint) at step N; the learning-rate "
                    "schedule still spans --max-steps")
@@ -47,16 +51,16 @@ def register(subparsers: Any) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
-    """The preset's recipe (or, with --resume, the run's saved config), then the flags given."""
+    """The preset's recipe (or, with --resume, the config the run recorded, when it has one), then the flags given."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
              if getattr(args, f.name) is not None}
-    if args.resume:
-        ckpt = latest_checkpoint(args.out)
-        if ckpt is None:
-            raise ConfigError(f"--resume: {args.out} has no complete checkpoint to resume from"
-                              + (" (delete it to start over)" if args.out.exists() else ""))
+    record = read_record(args.out) if args.resume else None
+    ckpt = latest_checkpoint(args.out) if args.resume and record is None else None
+    if record is not None:
+        base = TrainConfig.from_json(record["train_config"], str(args.out / "run.json"))
+    elif ckpt is not None:  # a run from before run.json
         base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
-    else:
+    else:  # a new run, or one killed before it recorded anything: --resume starts it
         base = train_preset(given.get("preset", DEFAULT_PRESET))
     return base.replace(**given)
 
@@ -68,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_json(), indent=2))
         return 0
-    result = train(cfg, args.data, args.out, resume=args.resume, max_minutes=args.minutes,
-                   until_step=args.until_step)
+    if args.allow_new_data and not args.resume:
+        raise ConfigError("--allow-new-data goes with --resume")
+    result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
+                   max_minutes=args.minutes, until_step=args.until_step)
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     print(f"done: step {result.step}{val}; generate with: dgemma generate --model {args.out} --prompt ...")
     return 0

@@ -1,0 +1,306 @@
+"""A training run directory's state: who writes it (the lock), what it was started with (run.json), its checkpoints
+(atomic publishing, the newest intact one) and its metrics log (repaired after a kill).
+
+    RUN/.lock                  an fcntl.flock lock held by the one process writing the run, for as long as it trains;
+                               the kernel releases it when that process dies, however it dies. The file holds the
+                               holder's pid, host and start time, for the error a second writer gets
+    RUN/run.json               the run's record, written when a writer starts: its TrainConfig and the fingerprint
+                               of its data (shard checksums from the data's meta.json, the tokenizer's sha256)
+    RUN/metrics.jsonl          one JSON object per line
+    RUN/checkpoints/step-*/    published by renaming a complete temporary directory; `latest` is written last
+
+Readers (`load_model`, `dgemma generate`, `dgemma eval`) never take the lock: a `step-*` directory is complete from
+the moment it has its name, and a reader only looks at those.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from dgemma.checkpoint import CHECKPOINTS, STATE, list_checkpoints, save_pretrained
+
+LOCK, RECORD, METRICS, LATEST = ".lock", "run.json", "metrics.jsonl", "latest"
+T = TypeVar("T")
+
+
+class RunBusyError(ValueError):
+    """Another live process writes this run directory. A ValueError, so `dgemma` prints it on one line (exit 2)."""
+
+
+class NonFiniteError(ValueError):
+    """A NaN or an infinity where training needs a number (a loss, a gradient, a tensor about to be saved)."""
+
+
+class RunStateError(ValueError):
+    """A run directory whose state cannot be continued as asked (foreign content, another data directory, no intact
+    checkpoint, a damaged metrics log); the message says what to do."""
+
+
+# --- the writer's lock ---------------------------------------------------------------------------------------------
+
+def _holder(path: Path) -> str:
+    """What the lock file says about its holder (written right after it took the lock: retry a moment if empty)."""
+    for _ in range(20):
+        try:
+            info = json.loads(path.read_text() or "null")
+        except (OSError, json.JSONDecodeError):
+            info = None
+        if isinstance(info, dict):
+            return f"pid {info.get('pid')} on host {info.get('host')} (since {info.get('since')})"
+        time.sleep(0.05)
+    return "another process (its pid is not recorded yet)"
+
+
+def _busy(run: Path, path: Path) -> RunBusyError:
+    return RunBusyError(f"run {run} is being written by {_holder(path)}; wait for it to finish or stop it, then run "
+                        "the same command again")
+
+
+def check_unlocked(run: Path) -> None:
+    """Raise RunBusyError if a live process holds `run`'s lock; touches nothing (a read-only probe)."""
+    path = Path(run) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(Path(run), path) from None
+    finally:
+        os.close(fd)  # closing drops the probe's lock, if it got it
+
+
+@contextmanager
+def locked(run: Path) -> Iterator[None]:
+    """Create `run` if needed and hold its writer lock for the block (RunBusyError if a live process holds it). The
+    lock file is never deleted: deleting it could let two processes lock two different files."""
+    run = Path(run)
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(run, path) from None
+        since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": since}).encode() + b"\n"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock (the kernel does the same when the process dies)
+
+
+# --- the run's record ----------------------------------------------------------------------------------------------
+
+def read_record(run: Path) -> dict[str, Any] | None:
+    path = Path(run) / RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunStateError(f"{path}: unreadable ({e}); it is replaced atomically, so something else wrote it") \
+            from None
+    if not isinstance(record, dict) or not isinstance(record.get("train_config"), dict):
+        raise RunStateError(f"{path}: not a dgemma run record (no train_config object)")
+    return record
+
+
+def write_record(run: Path, record: dict[str, Any]) -> None:
+    write_atomic(Path(run) / RECORD, json.dumps(record, indent=2) + "\n")
+
+
+def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:
+    """What makes two data directories the same data: the tokenizer's sha256 and every shard's name and sha256, from
+    meta.json (`dgemma data prepare` checksums each shard as it writes it)."""
+    return {"tokenizer_sha256": meta["tokenizer"]["sha256"],
+            "shards": {s["file"]: s["sha256"] for split in meta["splits"].values() for s in split["shards"]}}
+
+
+def describe_data_change(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """None when the fingerprints match, else what differs, in a few words."""
+    parts = []
+    if old.get("tokenizer_sha256") != new["tokenizer_sha256"]:
+        parts.append("another tokenizer")
+    a, b = old.get("shards", {}), new["shards"]
+    changed = sorted(f for f in a.keys() & b.keys() if a[f] != b[f])
+    gone, added = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+    for what, files in (("changed", changed), ("missing", gone), ("new", added)):
+        if files:
+            parts.append(f"{len(files)} {what} shard(s), e.g. {files[0]}")
+    return "; ".join(parts) or None
+
+
+def is_fresh(run: Path) -> bool:
+    """True when `run` does not exist or holds nothing but its lock file."""
+    run = Path(run)
+    return not run.exists() or (run.is_dir() and all(p.name == LOCK for p in run.iterdir()))
+
+
+def check_writable(run: Path, resume: bool, fingerprint: dict[str, Any], allow_new_data: bool, data_dir: Path,
+                   check_config: Callable[[dict[str, Any], Path], None]) -> dict[str, Any] | None:
+    """Whether a writer may train in `run` (read-only): a new or empty directory; with `resume` (or for a run killed
+    before its first checkpoint) a run whose recorded config passes `check_config(saved, source)` and whose data is
+    the same (unless `allow_new_data`). Returns the run's record (None for a new run)."""
+    run = Path(run)
+    record = read_record(run)
+    if is_fresh(run):
+        return None
+    if not resume and (record is None or list_checkpoints(run)):
+        raise ValueError(f"{run} exists and is not an empty directory: pass --resume to continue it, or choose "
+                         "another --out")
+    if record is None:
+        ckpts = list_checkpoints(run)
+        if not ckpts:
+            raise RunStateError(f"--resume: {run} has no checkpoint to resume from and is not a dgemma run (no "
+                                f"{RECORD}); choose another --out")
+        source = ckpts[-1] / "train_config.json"  # a run from before run.json: its newest checkpoint's config
+        record = {"train_config": json.loads(source.read_text())}
+    else:
+        source = run / RECORD
+    check_config(record["train_config"], source)
+    change = "data" in record and describe_data_change(record["data"], fingerprint)
+    if change and not allow_new_data:
+        raise RunStateError(f"cannot resume {run} on {data_dir}: it was trained on other data ({change}); pass "
+                            "--allow-new-data to continue on this data anyway (no longer a bit-exact resume)")
+    return record
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+def nonfinite_tensor(named: Iterator[tuple[str, Any]]) -> str | None:
+    """The name of the first tensor (nested in dicts and lists too) with a NaN or an infinity, else None."""
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                return name
+        elif isinstance(value, dict):
+            found = nonfinite_tensor((f"{name}.{k}", v) for k, v in value.items())
+            if found:
+                return found
+        elif isinstance(value, (list, tuple)):
+            found = nonfinite_tensor((f"{name}.{i}", v) for i, v in enumerate(value))
+            if found:
+                return found
+    return None
+
+
+def save_checkpoint(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_config: dict[str, Any],
+                    keep_last: int, state: dict[str, Any]) -> Path:
+    """Write checkpoints/step-XXXXXXX atomically (temporary directory, fsync, rename), then `latest`, then prune to
+    the last `keep_last`. Refuses (NonFiniteError) weights or optimizer state with a non-finite value."""
+    opt_state = optimizer.state_dict()
+    bad = nonfinite_tensor(iter(model.state_dict().items())) or nonfinite_tensor(iter([("optimizer", opt_state)]))
+    if bad:
+        raise NonFiniteError(f"step {state['step']}: {bad} has non-finite values; no checkpoint written")
+    root = run / CHECKPOINTS
+    final = root / f"step-{state['step']:07d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(model, tmp)  # fsyncs each file
+    if (run / "tokenizer.json").is_file():
+        shutil.copyfile(run / "tokenizer.json", tmp / "tokenizer.json")
+    (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
+    state = {**state, "optimizer": opt_state, "rng_cpu": torch.get_rng_state(),
+             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save(state, tmp / STATE)
+    for f in (tmp / "tokenizer.json", tmp / "train_config.json", tmp / STATE):
+        fsync(f)
+    if final.exists():  # only after resuming from an older checkpoint: same step, same content
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync(root)
+    write_atomic(root / LATEST, final.name + "\n")
+    for old in list_checkpoints(run)[:-keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def newest_intact(run: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
+    """The newest checkpoint that `load` reads without an error, with what it returned; each newer one that fails
+    (a truncated or corrupt trainer_state.pt or weights file) is named in a warning and left in place. None when
+    the run has no checkpoint; RunStateError when it has some and none is intact."""
+    ckpts, skipped = list_checkpoints(run), []
+    for ckpt in reversed(ckpts):
+        try:
+            loaded = load(ckpt)
+        except Exception as e:  # any failure to read a checkpoint means it is not intact
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            skipped.append(f"{ckpt.name} ({why})")
+            warn(f"warning: skipping checkpoint {ckpt}: it does not load ({why})")
+            continue
+        return ckpt, loaded
+    if skipped:
+        raise RunStateError(f"{run}: no intact checkpoint to resume from (skipped {'; '.join(skipped)}); delete the "
+                            f"damaged ones to start the run over")
+    return None
+
+
+def clean_temporaries(run: Path) -> None:
+    """Remove what a save killed half-way left (only a lock holder may: another writer's save could be in flight)."""
+    for tmp in (Path(run) / CHECKPOINTS).glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- the metrics log -----------------------------------------------------------------------------------------------
+
+def repair_metrics(run: Path, step: int | None, warn: Callable[[str], None]) -> None:
+    """Keep the records up to `step` (None: none; they are redone), dropping a torn last line (a writer killed
+    mid-write) with a warning; rewritten atomically. A damaged line elsewhere is a RunStateError naming it."""
+    path = Path(run) / METRICS
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            ok = isinstance(rec, dict) and isinstance(rec.get("step"), int)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:
+            if n == len(lines):
+                warn(f"warning: {path}: dropping its last line, torn by a killed writer: {line[:60]!r}")
+                break
+            raise RunStateError(f"{path}:{n}: not a metrics record ({line[:60]!r}); fix or delete that line")
+        if step is not None and rec["step"] <= step:
+            kept.append(line)
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+# --- files ---------------------------------------------------------------------------------------------------------
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync(path: Path) -> None:
+    if not path.exists():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # directories cannot be fsynced everywhere
+        pass
+    finally:
+        os.close(fd)
