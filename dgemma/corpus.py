@@ -136,6 +136,9 @@ def read_jsonl(data: bytes, where: str) -> list[str]:
     return docs
 
 
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO never waits for a writer (POSIX)
+
+
 def _file_kind(mode: int) -> str:
     """What a non-regular, non-directory file is, for an error message."""
     for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -194,7 +197,8 @@ def _walk(top: Path, log: Log) -> _Walk:
                 if e.errno == errno.ELOOP:
                     log.warn(f"{path}: a symlink loop (too many levels of symbolic links); not followed")
                 elif text_suffix or e.errno != errno.ENOENT:
-                    why = f"a broken symlink to {os.readlink(path)}" if e.errno == errno.ENOENT else e.strerror
+                    broken = e.errno == errno.ENOENT and entry.is_symlink()
+                    why = f"a broken symlink to {os.readlink(path)}" if broken else (e.strerror or str(e))
                     found.unreadable.append((path, why))
                 else:
                     found.other_suffix.append(path)
@@ -211,7 +215,7 @@ def _walk(top: Path, log: Log) -> _Walk:
                 found.unreadable.append((path, _file_kind(st.st_mode)))
             else:
                 try:  # can it be opened? so that every unreadable path is known before anything is read
-                    os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+                    os.close(os.open(path, os.O_RDONLY | _NONBLOCK))
                     found.files.append(path)
                 except OSError as e:
                     found.unreadable.append((path, e.strerror or str(e)))
@@ -223,7 +227,7 @@ def _walk(top: Path, log: Log) -> _Walk:
 def _read_regular(path: Path) -> bytes:
     """The bytes of a regular file. Opened non-blocking and checked before reading, so a FIFO never blocks: OSError
     (with the reason in strerror) for anything else."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
