@@ -33,6 +33,12 @@ def no_downloads(monkeypatch):
     monkeypatch.setattr(corpora.subprocess, "run", refuse)
 
 
+def letters(n: int, seed: int) -> str:
+    """`n` random lowercase letters: one pre-token, with every letter pair in it."""
+    rng = random.Random(seed)
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
+
+
 def words(text: str) -> list[str]:
     """The pre-tokens BPE training counts pairs in (GPT-2's regex), as text."""
     return [text[a:b] for _, (a, b) in _PRE.pre_tokenize_str(text)]
@@ -47,7 +53,8 @@ def test_bpe_training_text_is_untouched_without_over_long_pre_tokens():
 
 
 @pytest.mark.parametrize("text", [
-    "before " + "".join(random.Random(0).choice(string.ascii_lowercase) for _ in range(20 * B + 7)) + " after",
+    "before " + letters(20 * B + 7, seed=0) + " after",
+    "y" * (5 * B),
     "digits " + "7" * (3 * B) + ", spaces " + " " * (2 * B + 3) + "x and " + "!?" * B,
     "emoji " + "\U0001F600" * (B + 1) + " ok",
     "\x1c" * (2 * B) + " separators: a space to Python, not to the pre-tokenizer",
@@ -62,13 +69,14 @@ def test_bpe_training_cuts_over_long_pre_tokens_only(text):
 
 
 def test_bpe_training_on_a_long_line_without_whitespace():
-    """A 100k-character line of letters (one pre-token) took about 10 s to train on before the cut (quadratic: 300k
-    took 65 s); now it is a few hundred pieces of B characters and trains in well under a second."""
-    line = "".join(random.Random(1).choice(string.ascii_lowercase) for _ in range(100_000))
+    """Uncut, a line of 100k random letters (one pre-token) trains in quadratic time: 6.4 s at bpe:8192 on a loaded
+    2-core machine, and 300k took 65 s. Cut, it is a few hundred pieces of B characters and trains in a fraction of a
+    second (no wall-clock assertion: the structure is checked above and here)."""
+    line = letters(100_000, seed=1)
     pieces = list(bpe_training_texts([line]))
     assert len(pieces) == -(-len(line) // B) and max(map(len, pieces)) == B
     tok = train_bpe_tokenizer([*toy_corpus(50), line], 1000)
-    assert tok.vocab_size > 261 + 300  # merges were learned (random letters support about 730 ids, cut or not)
+    assert tok.vocab_size == 1000
     assert tok.decode(tok.encode(line, add_special_tokens=False)) == line
 
 
