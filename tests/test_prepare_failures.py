@@ -4,6 +4,7 @@ Offline, like tests/test_data.py: corpora are built in tmp_path and pip is never
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import random
@@ -85,7 +86,7 @@ def test_bpe_training_on_a_long_line_without_whitespace():
 @pytest.fixture
 def deny(monkeypatch):
     """deny(path): make `path` unreadable and unwritable. chmod 000, restored afterwards; as root, who ignores
-    modes, the calls dgemma makes on it (os.open, os.scandir, os.access) fail instead, as they would for a user."""
+    modes, the calls dgemma makes on it (os.open, os.scandir, open, os.access) fail instead, as for a user."""
     changed: list[tuple[Path, int]] = []
 
     def apply(path: Path) -> None:
@@ -94,14 +95,14 @@ def deny(monkeypatch):
         if os.geteuid() != 0:
             return
         denied = os.fspath(path)
-        for name in ("open", "scandir"):
-            real = getattr(os, name)
+        for module, name in ((os, "open"), (os, "scandir"), (builtins, "open")):
+            real = getattr(module, name)
 
             def guarded(p, *args, _real=real, **kwargs):
-                if os.fspath(p) == denied:
+                if isinstance(p, (str, os.PathLike)) and os.fspath(p) == denied:
                     raise PermissionError(errno.EACCES, "Permission denied", denied)
                 return _real(p, *args, **kwargs)
-            monkeypatch.setattr(os, name, guarded)
+            monkeypatch.setattr(module, name, guarded)
         real_access = os.access
         monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: os.fspath(p) != denied and real_access(p, mode,
                                                                                                            *a, **k))
@@ -289,3 +290,18 @@ def test_a_failing_write_is_one_error_and_leaves_nothing(tmp_path, monkeypatch, 
     with pytest.raises(DataError, match=r"--out .*out: cannot write .*out/tokenizer.json \(No space left on device\)"):
         run_prepare(tmp_path / "out", root)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []  # the shards written so far are removed
+
+
+def test_bad_tokenizer_file_and_cache_directory(tmp_path, deny):
+    root = good_corpus(tmp_path)
+    os.mkfifo(tmp_path / "tok.json")
+    with pytest.raises(DataError, match=r"--tokenizer .*tok.json: not a regular file"):
+        run_prepare(tmp_path / "out", root, tokenizer=str(tmp_path / "tok.json"))
+    (tmp_path / "secret.json").write_text("{}")
+    deny(tmp_path / "secret.json")
+    with pytest.raises(DataError, match=r"--tokenizer .*secret.json: cannot read \(Permission denied\)"):
+        run_prepare(tmp_path / "out", root, tokenizer=str(tmp_path / "secret.json"))
+    (tmp_path / "cache").write_text("a file, not a directory")
+    with pytest.raises(DataError, match=r"cache directory .*cache: cannot write \(File exists\); set --cache-dir"):
+        pipeline.prepare(tmp_path / "out", ["default"], cache_dir=tmp_path / "cache", quiet=True)
+    assert not (tmp_path / "out").exists()
