@@ -157,7 +157,7 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             v = getattr(self, name)
-            _check(_token_ids(v) and (name == "eos_token_id" or not isinstance(v, tuple)), name,
+            _check(_token_ids(v) and (name == "eos_token_id" or not isinstance(v, (list, tuple))), name,
                    f"must be an int >= 0{' (or a list of them)' if name == 'eos_token_id' else ''} or None, got {v!r}")
         for name in ("head_dim", "global_head_dim"):
             _check(getattr(self, name) % 2 == 0, name, f"must be even for rotate-half RoPE, got {getattr(self, name)}")

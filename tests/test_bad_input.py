@@ -136,6 +136,8 @@ CHECKPOINT_CASES = [
      CheckpointError, "rms_norm_eps.*nan"),
     ("pad_token_id: -5", lambda p: edit_config(p, "config.json", text_edit(pad_token_id=-5)), CheckpointError,
      "pad_token_id.*-5"),
+    ("pad_token_id: [] (found by the fuzzer)", lambda p: edit_config(p, "config.json", text_edit(pad_token_id=[])),
+     CheckpointError, r"pad_token_id.*\[\]"),
     ("bos_token_id: 1.5", lambda p: edit_config(p, "config.json", text_edit(bos_token_id=1.5)), CheckpointError,
      "bos_token_id.*1.5"),
     ("attention_k_eq_v: 'yes'", lambda p: edit_config(p, "config.json", text_edit(attention_k_eq_v="yes")),
@@ -429,7 +431,8 @@ GEN_KEYS = ["max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_m
 VALUES = JSON | st.sampled_from([math.inf, -math.inf, math.nan, -5, 0, 1, 4, 16, "full_attention",
                                  ["sliding_attention", "full_attention"], {"1": 5}, {"1": {"head_dim": 8}},
                                  {"full_attention": {"rope_theta": "x"}}, {"entropy_bound": math.inf}])
-FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+EXAMPLES = int(os.environ.get("DGEMMA_FUZZ_EXAMPLES", "0")) or None  # a longer fuzz: DGEMMA_FUZZ_EXAMPLES=5000
+FUZZ = settings(max_examples=EXAMPLES or 80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                        HealthCheck.too_slow])
 
 
@@ -447,7 +450,7 @@ def test_fuzzed_generation_config_raises_only_config_error(d):
         GenerationConfig.from_hf(d, "fuzz.json")
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES or 40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.dictionaries(st.sampled_from(MODEL_KEYS), VALUES, max_size=4))
 def test_fuzzed_config_json_on_disk_raises_only_checkpoint_error(tmp_path_factory, d):
     path = tmp_path_factory.mktemp("fuzzcfg")
@@ -456,7 +459,7 @@ def test_fuzzed_config_json_on_disk_raises_only_checkpoint_error(tmp_path_factor
         dgemma.load_model(path)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES or 80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.one_of(
     st.binary(max_size=64),
     st.dictionaries(st.text(max_size=6), st.dictionaries(st.sampled_from(["dtype", "shape", "data_offsets"]),
