@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("chat needs a tokenizer: pass --tokenizer PATH or put tokenizer.json in the model directory")
     gcfg = model.generation_config
     session = ChatSession(model, tok, system=args.system, max_context=args.max_context, seed=args.seed,
-                          **overrides(args, gcfg))
+                          force=args.force, **overrides(args, gcfg))  # force: generate's memory pre-flight
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
