@@ -174,6 +174,13 @@ CHECKPOINT_CASES = [
     ("shard symlink out of the directory",
      lambda p: (os.symlink("/etc/hostname", p / "link.safetensors"), _sharded_with("link.safetensors")(p)),
      CheckpointError, "link.safetensors' points outside"),
+    ("weight_map is a list", lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+     CheckpointError, "no 'weight_map' object"),
+    ("index is not JSON", lambda p: (p / "model.safetensors.index.json").write_text("{"), CheckpointError,
+     "index.json: invalid JSON"),
+    ("shard named in the index is missing", _sharded_with("model-00002-of-00002.safetensors"), CheckpointError,
+     "does not exist"),
+    ("dtype int64", lambda p: None, "dtype", "floating-point dtype"),
     ("truncated weights", lambda p: os.truncate(p / "model.safetensors", 100), CheckpointError,
      "not a readable safetensors file"),
 ]
@@ -183,6 +190,10 @@ CHECKPOINT_CASES = [
 def test_bad_checkpoint_is_one_error(ckpt, tmp_path, name, edit, error, message):
     path = copy_ckpt(ckpt, tmp_path)
     edit(path)
+    if error == "dtype":  # the argument, not the files
+        with pytest.raises(ValueError, match=message):
+            dgemma.load_model(path, dtype=torch.int64)
+        return
     with pytest.raises(error, match=message) as e:
         dgemma.load_model(path)
     assert str(path) in str(e.value)  # names the file
@@ -349,6 +360,12 @@ CLI_CASES = [
     ("generate --prompt-ids negative", lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2,-4"], "outside"),
     ("generate on a config with a bad value", _generate_bad_config, "num_hidden_layers.*'4'"),
     ("generate on NaN weights", _generate_nan_weights, "non-finite"),
+    ("generate --prompt-ids x", lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2,x"], "comma-separated integers"),
+    ("generate --max-new-tokens 0", lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2", "--max-new-tokens", "0"],
+     "max_new_tokens"),
+    ("generate --steps -1", lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2", "--steps", "-1"],
+     "max_denoising_steps"),
+    ("generate --prompt blank", lambda t, c: ["generate", *RANDOM, "--prompt", "  "], "empty prompt"),
     ("generate --model missing", lambda t, c: ["generate", "--model", str(t / "nope"), "--prompt-ids", "2"],
      "does not exist"),
     ("generate 26B preset past free memory",
