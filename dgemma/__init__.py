@@ -1,10 +1,10 @@
 """dgemma: uniform-state block-diffusion language models (DiffusionGemma) in pure PyTorch."""
 
 from dgemma.checkpoint import CheckpointError, save_pretrained
-from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig, RopeConfig, preset
+from dgemma.config import PRESETS, ConfigError, GenerationConfig, GenerationError, ModelConfig, RopeConfig, preset
 from dgemma.generate import GenerationResult, generate
 from dgemma.kv_cache import KVCache
-from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.model import DiffusionGemma, MemoryPreflightError, init_weights, load_model
 
 __version__ = "0.1.0"
 
@@ -14,8 +14,10 @@ __all__ = [
     "ConfigError",
     "DiffusionGemma",
     "GenerationConfig",
+    "GenerationError",
     "GenerationResult",
     "KVCache",
+    "MemoryPreflightError",
     "ModelConfig",
     "RopeConfig",
     "generate",

@@ -80,6 +80,9 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
         for key, shard in weight_map.items():
             if not isinstance(shard, str) or not shard:
                 raise CheckpointError(f"{index}: weight_map[{key!r}] must be a shard file name, got {shard!r}")
+            if not _confined(path, shard):
+                raise CheckpointError(f"{index}: weight_map[{key!r}] = {shard!r} points outside the checkpoint "
+                                      f"directory {path}; shards must be files inside it")
             f = path / shard
             if not f.is_file():
                 raise CheckpointError(f"{index}: shard {shard!r} (holding {key!r}) does not exist in {path}")
@@ -95,6 +98,18 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
     leftovers = sorted(p.name for p in path.glob(".model*.tmp"))
     hint = f" (only temporary files of an interrupted save, never loaded: {', '.join(leftovers)})" if leftovers else ""
     raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}{hint}")
+
+
+def _confined(root: Path, name: str) -> bool:
+    """Whether the shard file `name` names a file inside `root`: relative, no `..`, and (after symlinks are resolved)
+    still under `root`."""
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or "\x00" in name:
+        return False
+    try:
+        return (root / rel).resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, an unencodable name
+        return False
 
 
 def _open(file: Path) -> Any:
@@ -139,11 +154,14 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
 
 
 def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.Module],
-         dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Any:
+         dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+         preflight: Callable[[ModelConfig, torch.dtype], None] | None = None) -> Any:
     """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint, into the module
     `build(config)` makes (on the meta device; `DiffusionGemma.from_pretrained` passes the class). `dtype` defaults
     to the checkpoint's (that of `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises
-    `CheckpointError`."""
+    `CheckpointError`: a malformed config, a shard outside the directory, a missing, misshapen or non-finite tensor.
+    `preflight(config, dtype)` runs once the config and dtype are known, before any memory is allocated (the
+    memory pre-flight of `dgemma.load_model`)."""
     path = resolve_model_dir(path)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
@@ -151,7 +169,12 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
         raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (does not exist)"))
     config_path, gen_path = path / "config.json", path / "generation_config.json"
     try:
-        config = ModelConfig.from_hf(read_json(config_path), source=str(config_path))
+        raw = read_json(config_path)
+        text = raw.get("text_config", raw)
+        if not isinstance(text, dict) or not {"hidden_size", "num_hidden_layers", "vocab_size"} & set(text):
+            raise ConfigError(f"{config_path}: no text_config and no model geometry (hidden_size, num_hidden_layers, "
+                              "vocab_size): not a DiffusionGemma config.json")
+        config = ModelConfig.from_hf(raw, source=str(config_path))
         generation_config = (GenerationConfig.from_hf(read_json(gen_path), source=str(gen_path))
                              if gen_path.exists() else GenerationConfig())
     except ConfigError as e:
@@ -200,6 +223,8 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
         if dtype is None:
             embed = to_checkpoint_key("embed_tokens.weight")
             dtype = _SAFETENSORS_DTYPES.get(handles[files[embed]].get_slice(embed).get_dtype(), torch.float32)
+        if preflight is not None:
+            preflight(config, dtype)
         # Allocated once, in the target dtype; each checkpoint tensor is read, cast into place and released before
         # the next is read, so peak host memory is the model plus its largest tensor.
         model = model.to(dtype=dtype).to_empty(device=device or "cpu")
@@ -207,8 +232,12 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
         for key, name in wanted.items():
             try:
                 tensor = handles[files[key]].get_tensor(key)
-            except (SafetensorError, OSError, RuntimeError, TypeError) as e:
+            except (SafetensorError, OSError, RuntimeError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{files[key]}: cannot read {key!r} ({e})") from None
+            if not bool(torch.isfinite(tensor).all()):  # checked as read: one cheap pass per tensor
+                nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+                raise CheckpointError(f"{files[key]}: tensor {key!r} holds non-finite values ({nan} NaN, {inf} inf "
+                                      f"of {tensor.numel()}); the checkpoint is corrupt or from a diverged run")
             target[name].copy_(tensor)  # casts to the model dtype and moves to its device
             del tensor
     model.generation_config = generation_config

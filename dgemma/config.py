@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,11 @@ class ConfigError(ValueError):
     """A config value is invalid; the message names the field (and the file, when read from one)."""
 
 
+class GenerationError(ValueError):
+    """Generation cannot go on: non-finite logits (NaN or inf weights or activations), a bad seed or canvas. The
+    message names the canvas and step, or the argument and its value."""
+
+
 def _check(ok: bool, where: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"{where}: {msg}")
@@ -30,6 +36,22 @@ def _check(ok: bool, where: str, msg: str) -> None:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    """A finite int or float (not a bool, a string, NaN or an infinity: JSON's `Infinity` parses to a float)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _token_ids(v: Any) -> bool:
+    """None, an int >= 0, or a list/tuple of them."""
+    ids = () if v is None else (v,) if not isinstance(v, (list, tuple)) else tuple(v)
+    return all(_is_int(i) and i >= 0 for i in ids)
+
+
+MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
+
+_PARSE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +67,11 @@ class RopeConfig:
     def __post_init__(self) -> None:
         _check(self.rope_type in ("default", "proportional"), "rope_type",
                f"must be 'default' or 'proportional', got {self.rope_type!r}")
-        _check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta!r}")
-        _check(0.0 <= self.partial_rotary_factor <= 1.0, "partial_rotary_factor",
-               f"must be in [0, 1], got {self.partial_rotary_factor!r}")
-        _check(self.factor > 0, "factor", f"must be > 0, got {self.factor!r}")
+        _check(_is_real(self.rope_theta) and self.rope_theta > 0, "rope_theta",
+               f"must be > 0 (and finite), got {self.rope_theta!r}")
+        _check(_is_real(self.partial_rotary_factor) and 0.0 <= self.partial_rotary_factor <= 1.0,
+               "partial_rotary_factor", f"must be in [0, 1], got {self.partial_rotary_factor!r}")
+        _check(_is_real(self.factor) and self.factor > 0, "factor", f"must be > 0 (and finite), got {self.factor!r}")
         if self.rope_type == "default":
             # transformers sizes a default RoPE's cos/sin by the partial width but applies it to the whole head,
             # which fails for any factor < 1; only proportional RoPE is partial.
@@ -59,6 +82,7 @@ class RopeConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str) -> RopeConfig:
         known = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
+        _check(isinstance(d, dict), where, f"must be an object of RoPE settings, got {d!r}")
         extra = set(d) - known
         _check(not extra, where, f"unsupported RoPE keys {sorted(extra)} (supported: {sorted(known)})")
         try:
@@ -120,20 +144,26 @@ class ModelConfig:
     time_embedding: bool = False  # add a per-canvas sinusoidal embedding of the noise level t/T to each token
 
     def __post_init__(self) -> None:
-        types = self.layer_types or default_layer_types(self.num_hidden_layers)
-        object.__setattr__(self, "layer_types", tuple(types))
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "global_head_dim", "sliding_window", "canvas_length",
                      "max_position_embeddings"):
             v = getattr(self, name)
             _check(_is_int(v) and v > 0, name, f"must be a positive int, got {v!r}")
+        _check(isinstance(self.layer_types, (tuple, list)), "layer_types",
+               f"must be a list of {SLIDING!r} / {FULL!r}, got {self.layer_types!r}")
+        types = self.layer_types or default_layer_types(self.num_hidden_layers)
+        object.__setattr__(self, "layer_types", tuple(types))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            v = getattr(self, name)
+            _check(_token_ids(v) and (name == "eos_token_id" or not isinstance(v, (list, tuple))), name,
+                   f"must be an int >= 0{' (or a list of them)' if name == 'eos_token_id' else ''} or None, got {v!r}")
         for name in ("head_dim", "global_head_dim"):
             _check(getattr(self, name) % 2 == 0, name, f"must be even for rotate-half RoPE, got {getattr(self, name)}")
         _check(len(self.layer_types) == self.num_hidden_layers, "layer_types",
                f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
-        bad = [t for t in self.layer_types if t not in (SLIDING, FULL)]
+        bad = [t for t in self.layer_types if not isinstance(t, str) or t not in (SLIDING, FULL)]
         _check(not bad, "layer_types", f"entries must be {SLIDING!r} or {FULL!r}, got {bad[0]!r}" if bad else "")
         _check(self.layer_types[-1] == FULL, "layer_types",
                "the last layer must be 'full_attention' (transformers forces it; a checkpoint saying otherwise is "
@@ -158,9 +188,13 @@ class ModelConfig:
                    f"must be in [1, num_experts={self.num_experts}], got {self.top_k_experts!r}")
             _check(_is_int(self.moe_intermediate_size) and self.moe_intermediate_size > 0, "moe_intermediate_size",
                    f"must be a positive int, got {self.moe_intermediate_size!r}")
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps!r}")
+        _check(_is_real(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
+               f"must be > 0 (and finite), got {self.rms_norm_eps!r}")
         sc = self.final_logit_softcapping
-        _check(sc is None or sc > 0, "final_logit_softcapping", f"must be > 0 or None, got {sc!r}")
+        _check(sc is None or (_is_real(sc) and sc > 0), "final_logit_softcapping",
+               f"must be > 0 or None (and finite), got {sc!r}")
+        for name in ("attention_k_eq_v", "time_embedding"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         _check(self.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh"), "hidden_activation",
                f"only 'gelu_pytorch_tanh' (alias 'gelu_tanh') is supported, got {self.hidden_activation!r}")
         _check(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
@@ -203,7 +237,17 @@ class ModelConfig:
     # --- Hugging Face config.json ---------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Read a `diffusion_gemma` config (with `text_config`) or a bare `diffusion_gemma_text` config."""
+        """Read a `diffusion_gemma` config (with `text_config`) or a bare `diffusion_gemma_text` config. Every
+        problem raises ConfigError naming `source`, the key and the value."""
+        try:
+            return cls._from_hf(cfg, source)
+        except ConfigError:
+            raise
+        except _PARSE_ERRORS as e:  # a value of a type no check anticipated: still one error naming the file
+            raise ConfigError(f"{source}: malformed config ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict[str, Any], source: str) -> ModelConfig:
         if not isinstance(cfg, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
         top: dict[str, Any] = {}
@@ -223,7 +267,7 @@ class ModelConfig:
         for name in names:
             if name in text and (text[name] is not None or name.endswith("token_id")):  # None: "no such token"
                 kw[name] = text[name]
-        if "layer_types" in kw:
+        if isinstance(kw.get("layer_types"), list):
             kw["layer_types"] = tuple(kw["layer_types"])
         if "eos_token_id" in kw and isinstance(kw["eos_token_id"], list):
             kw["eos_token_id"] = tuple(kw["eos_token_id"])
@@ -321,7 +365,7 @@ class ModelConfig:
 def _geometry_from_per_layer_config(plc: Any, text: dict[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(plc, dict):
         raise ConfigError(f"{source}: per_layer_config must be an object keyed by layer index, got {plc!r}")
-    types = text.get("layer_types") or []
+    types = text.get("layer_types") if isinstance(text.get("layer_types"), list) else []
     head_dim = text.get("head_dim", 256)
     nkv = text.get("num_key_value_heads", 4)
     full_geoms: set[tuple[int, int]] = set()
@@ -330,13 +374,20 @@ def _geometry_from_per_layer_config(plc: Any, text: dict[str, Any], source: str)
             i = int(key)
         except ValueError:
             raise ConfigError(f"{source}: per_layer_config key {key!r} is not a layer index") from None
+        if not isinstance(over, dict) or i < 0:
+            raise ConfigError(f"{source}: per_layer_config[{key!r}] must be an object overriding a layer's geometry "
+                              f"(keyed by a layer index >= 0), got {over!r}")
         extra = set(over) - {"head_dim", "num_key_value_heads"}
         if extra:
             raise ConfigError(f"{source}: per_layer_config[{key!r}] overrides {sorted(extra)}; dgemma supports "
                               "only head_dim and num_key_value_heads on full-attention layers")
         if types and (i >= len(types) or types[i] != FULL):
             raise ConfigError(f"{source}: per_layer_config[{key!r}] overrides a layer that is not full_attention")
-        full_geoms.add((over.get("head_dim", head_dim), over.get("num_key_value_heads", nkv)))
+        geom = (over.get("head_dim", head_dim), over.get("num_key_value_heads", nkv))
+        if not all(_is_int(v) and v > 0 for v in geom):
+            raise ConfigError(f"{source}: per_layer_config[{key!r}]: head_dim and num_key_value_heads must be positive "
+                              f"ints, got {over!r}")
+        full_geoms.add(geom)
     n_full = sum(t == FULL for t in types) if types else len(plc)
     if len(full_geoms) > 1 or (full_geoms and len(plc) != n_full):
         raise ConfigError(f"{source}: per_layer_config gives full-attention layers different geometries "
@@ -390,31 +441,31 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
-        if eos is None:
-            eos = ()
-        elif _is_int(eos):
-            eos = (eos,)
-        object.__setattr__(self, "eos_token_id", tuple(eos))  # type: ignore[arg-type]
-        _check(all(_is_int(e) and e >= 0 for e in self.eos_token_id), "eos_token_id",
-               f"must be an int >= 0 or a list of them, got {self.eos_token_id!r}")
+        _check(_token_ids(eos), "eos_token_id", f"must be an int >= 0 or a list of them, got {eos!r}")
+        eos = () if eos is None else (eos,) if _is_int(eos) else tuple(eos)  # type: ignore[arg-type]
+        object.__setattr__(self, "eos_token_id", eos)
         _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
                f"must be a positive int, got {self.max_new_tokens!r}")
         _check(self.max_length is None or (_is_int(self.max_length) and self.max_length > 0), "max_length",
                f"must be a positive int or None, got {self.max_length!r}")
         _check(_is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
                f"must be a positive int, got {self.max_denoising_steps!r}")
-        _check(isinstance(self.entropy_bound, (int, float)) and not isinstance(self.entropy_bound, bool)
-               and self.entropy_bound > 0, "entropy_bound", f"must be a number > 0, got {self.entropy_bound!r}")
-        _check(isinstance(self.t_min, (int, float)) and self.t_min >= 0, "t_min", f"must be >= 0, got {self.t_min!r}")
-        _check(isinstance(self.t_max, (int, float)) and self.t_max > self.t_min, "t_max",
-               f"must be > t_min={self.t_min!r}, got {self.t_max!r}")
+        _check(_is_real(self.entropy_bound) and self.entropy_bound > 0, "entropy_bound",
+               f"must be a number > 0 (and finite), got {self.entropy_bound!r}")
+        _check(_is_real(self.t_min) and self.t_min >= 0, "t_min", f"must be >= 0 (and finite), got {self.t_min!r}")
+        _check(_is_real(self.t_max), "t_max", f"must be a finite number, got {self.t_max!r}")
+        _check(self.t_max > self.t_min, "t_max", f"must be > t_min={self.t_min!r}, got {self.t_max!r}")
+        _check(self.t_max >= MIN_TEMPERATURE, "t_max", f"must be >= {MIN_TEMPERATURE} (a smaller temperature "
+               f"overflows the tempered logits), got {self.t_max!r}")
         _check(_is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
                f"must be an int >= 0, got {self.stability_threshold!r}")
-        _check(isinstance(self.confidence_threshold, (int, float)) and self.confidence_threshold > 0,
-               "confidence_threshold", f"must be > 0, got {self.confidence_threshold!r}")
+        _check(_is_real(self.confidence_threshold) and self.confidence_threshold > 0,
+               "confidence_threshold", f"must be > 0 (and finite), got {self.confidence_threshold!r}")
         for name in ("pad_token_id", "bos_token_id"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
+        for name in ("truncate", "adaptive"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")), ("stop_rule", ("hf", "jax")),
                     ("sliding_prefix", ("hf", "jax")), ("posterior", (None, "tempered", "raw")),
                     ("initial_self_conditioning", ("zeros", "uniform")))
@@ -466,6 +517,16 @@ class GenerationConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
+        """Read generation_config.json; every problem raises ConfigError naming `source`, the key and the value."""
+        try:
+            return cls._from_hf(d, source)
+        except ConfigError:
+            raise
+        except _PARSE_ERRORS as e:
+            raise ConfigError(f"{source}: malformed generation config ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_hf(cls, d: dict[str, Any], source: str) -> GenerationConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         kw: dict[str, Any] = {}
@@ -519,10 +580,14 @@ def read_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: file not found") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:  # a directory, a symlink loop, no permission, an I/O error
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply to be a config") from None
     if not isinstance(obj, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -608,6 +673,7 @@ __all__ = [
     "SLIDING",
     "ConfigError",
     "GenerationConfig",
+    "GenerationError",
     "ModelConfig",
     "RopeConfig",
     "default_layer_types",

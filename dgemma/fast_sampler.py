@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dgemma import attention, kernels, sampling
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.config import SLIDING, GenerationConfig
+from dgemma.config import SLIDING, GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma
 
@@ -147,6 +147,8 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     scale = model.config.hidden_size**0.5
     soft = None
     entropy = torch.zeros(B, L, device=device)
+    finite = torch.ones((), dtype=torch.bool, device=device)  # all entropies so far finite (NaN/inf logits make NaN)
+    first_bad = torch.full((), N + 1, dtype=torch.long, device=device)  # the first step that was not: read on error
     for i, n in enumerate(range(N, 0, -1)):  # n = steps remaining
         was_done, active = state.begin_step()
         final = step(state.x, soft, n / N if model.config.time_embedding else None)
@@ -154,6 +156,9 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         out = kernels.head_and_sample(final, head, temp, generator=generator, draw=draw,
                                       embed=weight if n > 1 else None, embed_scale=scale, chunk_rows=chunk_rows,
                                       workspace=workspace)
+        ok = torch.isfinite(out.entropy).all()  # a device tensor: no host read here
+        first_bad = torch.where(finite & ~ok, i + 1, first_bad)
+        finite = finite & ok
         accepted = sampling.accept_by_entropy(out.entropy, config.entropy_bound)
         new_x = sampling.renoise(out.draw, accepted, V, generator)
         keep = was_done[:, None]  # rows that already stopped keep everything (the readable loop's freeze)
@@ -163,6 +168,10 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         if out.soft is not None:
             soft = out.soft if soft is None else torch.where(keep[..., None], soft, out.soft)
         state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
-        if ((i + 1) % sync_every == 0 or n == 1) and state.all_done():  # the only host read in the loop
-            break
+        if (i + 1) % sync_every == 0 or n == 1:  # the only host reads in the loop
+            if not bool(finite):
+                raise GenerationError(f"non-finite logits at canvas {canvas_index}, step {int(first_bad)}: the model's "
+                                      "weights or activations hold NaN or inf (check the checkpoint; try float32)")
+            if state.all_done():
+                break
     return state.staged(state.x)

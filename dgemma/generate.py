@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,9 @@ from torch import Tensor
 from dgemma import fast_sampler, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.config import ConfigError, GenerationConfig
+from dgemma.config import ConfigError, GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
-from dgemma.model import DiffusionGemma, check_token_ids
+from dgemma.model import DiffusionGemma, check_memory, check_token_ids
 
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
 
@@ -140,6 +141,7 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         level = n / N if model.config.time_embedding else None  # Lite models are told the noise level t/T
         logits = model.denoise(state.x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level,
                                impl=impl)
+        check_finite_logits(logits, canvas_index, N - n + 1)
         # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
         sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
         sc = None
@@ -181,12 +183,23 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     return state.staged(torch.where(committed, state.x, draw) if lite else state.x)
 
 
+def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:
+    """Refuse NaN or +-inf logits (non-finite weights or an overflow) before they reach the draw, where
+    torch.multinomial would fail obscurely or a sampler would silently pick token 0."""
+    finite = torch.isfinite(logits.sum(-1))  # (B, L): NaN or inf anywhere in a row of V makes its sum non-finite
+    if not bool(finite.all()):
+        rows = (~finite).any(-1).nonzero().flatten().tolist()
+        raise GenerationError(f"non-finite logits at canvas {canvas_index}, step {step} (batch rows {rows[:8]}): the "
+                              "model's weights or activations hold NaN or inf (check the checkpoint; try float32)")
+
+
 def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: GenerationConfig | None = None,
              attention_mask: Tensor | None = None, seed: int | None = None, generator: torch.Generator | None = None,
              on_step: Callable[[StepInfo], None] | None = None,
              on_canvas: Callable[[int, Tensor], None] | None = None, trace: bool = False,
              cache: KVCache | None = None, decoder_input_ids: Tensor | None = None,
-             impl: Impl | None = None, compile: bool = False, **overrides: Any) -> GenerationResult:
+             impl: Impl | None = None, compile: bool = False, force: bool = False,
+             **overrides: Any) -> GenerationResult:
     """Generate whole canvases after `input_ids` (B, T).
 
     Settings come from `overrides` (any GenerationConfig field), then `generation_config`, then the checkpoint's
@@ -199,7 +212,9 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     `impl` (default: the model's, `model.impl`): "fast" runs the fast kernels and, where it implements the
     settings, the sync-free sampler loop of dgemma/fast_sampler.py (the same decisions, other random draws);
     `compile=True` (fast only) compiles its denoise step. The model is never modified: calls on different caches
-    may run concurrently."""
+    may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
+    cache and sampler buffers larger than the free memory unless `force`; NaN or inf logits raise GenerationError
+    naming the canvas and step."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
     if compile and impl != "fast":
@@ -222,8 +237,23 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     if end > model.config.max_position_embeddings:
         raise ValueError(f"{cur_len} context tokens + {num_canvases} canvases of {L} = {end} positions exceed the "
                          f"model's context (max_position_embeddings={model.config.max_position_embeddings})")
+    if decoder_input_ids is not None:
+        if not isinstance(decoder_input_ids, Tensor) or tuple(decoder_input_ids.shape) != (B, L):
+            got = tuple(decoder_input_ids.shape) if isinstance(decoder_input_ids, Tensor) else type(decoder_input_ids)
+            raise GenerationError(f"decoder_input_ids must be one canvas per row, shape (batch={B}, "
+                                  f"canvas_length={L}), got {got}")
+        check_token_ids(decoder_input_ids, model.config.vocab_size, "decoder_input_ids")
     if generator is None and seed is not None:
+        try:
+            ok = not isinstance(seed, bool) and -(2**63) <= operator.index(seed) < 2**64
+        except TypeError:
+            ok = False
+        if not ok:
+            raise GenerationError(f"seed must be an int in [-2**63, 2**64) (what torch.Generator takes), got {seed!r}")
         generator = torch.Generator(device=device).manual_seed(seed)
+    new_slots = end - L - (cache.max_length if cache is not None else 0)
+    check_memory(model.config, model.dtype, device, batch_size=B, cache_length=max(new_slots, 0), prompt_length=T,
+                 force=force)
     if cache is None:
         cache = model.new_cache(B, end - L)  # the last canvas is never committed
     else:

@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dgemma import attention, checkpoint, kernels
+from dgemma import attention, checkpoint, costs, kernels
 from dgemma.attention import Impl, Mask, check_impl
 from dgemma.config import ModelConfig, RopeConfig
 from dgemma.kv_cache import KVCache
+from dgemma.system import available_memory
 
 TIME_FEATURES = 256  # width of the sinusoidal noise-level features (Lite)
 Role = Literal["encoder", "decoder"]  # commit (causal, encoder layer scalars) or denoise (bidirectional, decoder)
@@ -329,10 +330,15 @@ class DiffusionGemma(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
-                        device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
-        """`dgemma.load_model(path, dtype=, device=, impl=)`: a checkpoint directory in the Hugging Face layout, or
-        a training run (its newest complete checkpoint), with its generation_config attached."""
-        return checkpoint.load(path, lambda config: cls(config, impl=impl), dtype=dtype, device=device)
+                        device: torch.device | str | None = None, impl: Impl = "reference",
+                        force: bool = False) -> DiffusionGemma:
+        """`dgemma.load_model(path, dtype=, device=, impl=, force=)`: a checkpoint directory in the Hugging Face
+        layout, or a training run (its newest complete checkpoint), with its generation_config attached. Refuses
+        (MemoryPreflightError) weights larger than the free memory unless `force`."""
+        dev = torch.device(device or "cpu")
+        preflight = lambda config, dt: check_memory(config, dt, dev, weights=True, force=force)
+        return checkpoint.load(path, lambda config: cls(config, impl=impl), dtype=dtype, device=device,
+                               preflight=preflight)
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """A preallocated cache for `max_length` committed tokens, in the model's dtype and device."""
@@ -453,6 +459,7 @@ class DiffusionGemma(nn.Module):
         sliding layers see; default `sliding_window - 1` (transformers); the JAX reference uses `sliding_window`.
         `t`: the canvas's noise level in [0, 1], a float or (B,), for a time-embedding model. `impl` (default: the
         model's): "reference" or "fast" kernels."""
+        check_token_ids(canvas, self.config.vocab_size, "canvas")
         soft = None
         if self_conditioning_logits is not None:
             expected = (*canvas.shape, self.config.vocab_size)
@@ -501,6 +508,12 @@ class DiffusionGemma(nn.Module):
         `decoder_input_ids` (B, L) against it, return fp32 logits (B, L, V), which equal
         `DiffusionGemmaForBlockDiffusion(...).logits` for the same inputs. With `attention_mask`, padded prompt
         positions are hidden from the canvas too (transformers needs `decoder_attention_mask` for that)."""
+        check_token_ids(input_ids, self.config.vocab_size)
+        if decoder_input_ids is not None:
+            check_token_ids(decoder_input_ids, self.config.vocab_size, "decoder_input_ids")
+            if decoder_input_ids.ndim != 2 or decoder_input_ids.shape[0] != input_ids.shape[0]:
+                raise ValueError(f"decoder_input_ids must have shape (batch={input_ids.shape[0]}, canvas length), "
+                                 f"got {tuple(decoder_input_ids.shape)}")
         if decoder_input_ids is None:  # as transformers: a uniformly random canvas from the global generator
             decoder_input_ids = torch.randint(0, self.config.vocab_size, (input_ids.shape[0],
                                               self.config.canvas_length), device=input_ids.device)
@@ -511,15 +524,62 @@ class DiffusionGemma(nn.Module):
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None, impl: Impl = "reference") -> DiffusionGemma:
+               device: torch.device | str | None = None, impl: Impl = "reference", force: bool = False
+               ) -> DiffusionGemma:
     """`DiffusionGemma.from_pretrained`: a checkpoint directory in the Hugging Face layout, or a training run (its
-    newest complete checkpoint), with its generation_config attached. Problems raise `CheckpointError`."""
-    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl)
+    newest complete checkpoint), with its generation_config attached. Problems raise `CheckpointError`; weights
+    that do not fit in free memory raise `MemoryPreflightError` (before anything is allocated) unless `force`."""
+    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl, force=force)
+
+
+class MemoryPreflightError(ValueError):
+    """A load or a generation would need more memory than is free; the message gives the numbers."""
+
+
+RUNTIME_BYTES = 256 * 2**20  # allocator slack, the interpreter, small temporaries
+
+
+def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = False, batch_size: int = 0,
+                  cache_length: int = 0, prompt_length: int = 0) -> dict[str, int]:
+    """Bytes by part (costs.py's accounting, nothing is built): the weights in `dtype`, a KVCache of
+    `cache_length` slots for `batch_size` rows (every layer is preallocated at full length), the sampler's
+    (batch, canvas, vocab) buffers (fp32 logits and probabilities, the self-conditioning logits, the entropy's
+    temporary), and the prefill's attention scores for a `prompt_length`-token prompt."""
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    B, L, V = batch_size, config.canvas_length, config.vocab_size
+    parts = {"weights": costs.parameter_counts(config)["total"] * nbytes if weights else 0,
+             "kv_cache": B * cache_length * costs.kv_cache_bytes_per_token(config, nbytes),
+             "sampler": B * L * V * (3 * 4 + nbytes),
+             "activations": 2 * B * config.num_attention_heads * prompt_length * max(prompt_length, L) * 4,
+             "runtime": RUNTIME_BYTES}
+    return {k: v for k, v in parts.items() if v}
+
+
+def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                 weights: bool = False, batch_size: int = 0, cache_length: int = 0, prompt_length: int = 0,
+                 force: bool = False) -> dict[str, int]:
+    """The memory pre-flight: refuse (MemoryPreflightError, with the numbers) when `memory_needed` exceeds what
+    `system.available_memory` says is free (RAM, or free device memory on CUDA), unless `force`. Returns the parts."""
+    parts = memory_needed(config, dtype, weights=weights, batch_size=batch_size, cache_length=cache_length,
+                          prompt_length=prompt_length)
+    device = torch.device(device)
+    free = available_memory(device) if device.type in ("cpu", "cuda") else None
+    need = sum(parts.values())
+    if not force and free is not None and need > free:
+        gb = lambda b: f"{b / 1e9:.2f} GB"
+        detail = ", ".join(f"{k} {gb(v)}" for k, v in parts.items())
+        raise MemoryPreflightError(f"needs about {gb(need)} ({detail}) but only {gb(free)} is free on {device.type}; "
+                                   "use a smaller model, dtype, batch or max_new_tokens, or --force / force=True to "
+                                   "try anyway")
+    return parts
 
 
 def check_token_ids(ids: Tensor, vocab_size: int, name: str = "input_ids") -> None:
     """Refuse ids outside [0, vocab_size) with a message naming the range found (an embedding lookup would fail
     with a bare index error, or silently on some devices)."""
+    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be an integer tensor of token ids, got {got}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in "
                          f"[{int(ids.min())}, {int(ids.max())}]")

@@ -17,6 +17,8 @@ import html
 import json
 import math
 import textwrap
+import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,8 +104,8 @@ def load_trace(path: str | Path) -> TraceData:
     try:
         with np.load(npz, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise EvalError(f"{npz}: not a readable trace archive ({e})") from None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:  # truncated, CRC, not npz
+        raise EvalError(f"{npz}: not a readable trace archive ({type(e).__name__}: {e})") from None
     missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
     if missing:
         raise EvalError(f"{npz}: not a {TRACE_FORMAT} trace (missing arrays {', '.join(missing)})")
@@ -115,6 +117,13 @@ def load_trace(path: str | Path) -> TraceData:
             raise EvalError(f"{npz}: array {name!r} has shape {a.shape}, inconsistent with argmax {S_B_L}")
     if S == 0:
         raise EvalError(f"{npz}: the trace has no steps")
+    for name in ("input_canvas", "argmax"):
+        a = arrays[name]
+        if not np.issubdtype(a.dtype, np.integer):
+            raise EvalError(f"{npz}: array {name!r} holds {a.dtype}, not token ids")
+        if a.size and int(a.min()) < 0:
+            raise EvalError(f"{npz}: array {name!r} holds negative token ids (min {int(a.min())}); the trace is "
+                            "corrupt")
     if "canvas_length" in summary and summary["canvas_length"] != S_B_L[2]:
         raise EvalError(f"{js}: canvas_length {summary['canvas_length']} but the arrays hold {S_B_L[2]} positions")
     return TraceData(stem, arrays, summary)

@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dgemma", description="Block-diffusion language models (DiffusionGemma) in PyTorch: run, train, "
         "evaluate and measure them. `dgemma demo` shows the whole path on a CPU in a few minutes.")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         module.register(sub)
@@ -30,13 +31,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. Errors a user can fix (bad paths, configs, checkpoints, inputs) print one line and exit 2."""
-    from dgemma.checkpoint import CheckpointError
-    from dgemma.config import ConfigError
-
+    """Entry point. Errors a user can fix (bad paths, configs, checkpoints, data, inputs, memory) print one line and
+    exit 2; `dgemma --debug COMMAND` raises them with their traceback instead."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:  # input a user can fix
-        print(f"dgemma {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # ConfigError, CheckpointError, DataError, GenerationError, files: fixable
+        if args.debug:
+            raise
+        print(f"dgemma {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: its message with line breaks folded (an OSError with its file name)."""
+    text = str(e)
+    if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in text:
+        text = f"{e.filename}: {text}"
+    return " ".join(text.split()) or type(e).__name__

@@ -28,12 +28,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("chat needs a tokenizer: pass --tokenizer PATH or put tokenizer.json in the model directory")
     gcfg = model.generation_config
     session = ChatSession(model, tok, system=args.system, max_context=args.max_context, seed=args.seed,
-                          **overrides(args, gcfg))
+                          force=args.force, **overrides(args, gcfg))  # force: generate's memory pre-flight
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
             print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
+        line = _read_line()
+        if line is None:
+            print("dgemma chat: error: that line is not UTF-8 text; it was skipped (the conversation goes on)",
+                  file=sys.stderr)
+            continue
         if not line or line.strip() == "/quit":
             break
         text = line.strip()
@@ -54,3 +58,16 @@ def run(args: argparse.Namespace) -> int:
         if not streamer.shown[0]:
             print(flush=True)  # an empty answer still ends its line, so a pipe reads one line per turn
     return 0
+
+
+def _read_line() -> str | None:
+    """One line of stdin ("" at EOF), or None when it is not UTF-8 (read as bytes, so one bad line costs only
+    itself: the session survives it)."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text stream without bytes underneath (tests)
+        return sys.stdin.readline()
+    raw = buffer.readline()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None

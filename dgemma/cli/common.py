@@ -14,6 +14,7 @@ import torch
 
 import dgemma
 from dgemma.config import ConfigError, GenerationConfig
+from dgemma.model import check_memory
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -43,6 +44,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json or its folder (default: in --model)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's (float32 for a preset)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--force", action="store_true",
+                   help="skip the memory pre-flight (load and generate even if the estimate exceeds free memory)")
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
@@ -72,13 +75,17 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     if args.preset is not None:
         if not args.random_init:
             raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
-        model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset(args.preset)))
+        config = dgemma.preset(args.preset)
+        # Before anything is built: the weights and one canvas's sampler buffers must fit in free memory.
+        check_memory(config, dtype or torch.float32, args.device, weights=True, batch_size=1,
+                     force=getattr(args, "force", False))
+        model = dgemma.init_weights(dgemma.DiffusionGemma(config))
         model = model.to(dtype=dtype or torch.float32, device=args.device).eval()
         model.generation_config = GenerationConfig.for_model(model.config)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
-        model = dgemma.load_model(args.model, dtype=dtype, device=args.device)
+        model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=getattr(args, "force", False))
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):

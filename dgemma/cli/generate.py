@@ -55,7 +55,15 @@ def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: in
             raise UsageError("empty prompt: --prompt-ids has no ids")
         return [ids], [None]
     if args.batch_file is not None:
-        texts = [line.strip() for line in args.batch_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            content = args.batch_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            line = args.batch_file.read_bytes()[:e.start].count(b"\n") + 1
+            raise UsageError(f"--batch-file {args.batch_file}: line {line} is not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from None
+        except OSError as e:  # a directory, no permission, missing
+            raise UsageError(f"--batch-file {args.batch_file}: cannot read ({e.strerror or e})") from None
+        texts = [line.strip() for line in content.splitlines() if line.strip()]
         if not texts:
             raise UsageError(f"empty prompt: {args.batch_file} has no non-blank lines")
     else:
@@ -80,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         result = generate(model, input_ids, attention_mask=mask, seed=args.seed, on_step=streamer.on_step,
-                              on_canvas=streamer.on_canvas, trace=args.trace is not None, **kw)
+                          on_canvas=streamer.on_canvas, trace=args.trace is not None, force=args.force, **kw)
     finally:
         streamer.close()
     wall = time.perf_counter() - t0

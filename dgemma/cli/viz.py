@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dgemma.cli.common import shown_path
+from dgemma.cli.common import UsageError, shown_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.tokenizer import load_tokenizer
     from dgemma.viz import load_trace, render_trace
 
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
     trace = load_trace(args.trace)
     tok_path = args.tokenizer
     if tok_path is None and args.model is not None:  # a run keeps tokenizer.json at its root and in checkpoints
@@ -37,6 +39,12 @@ def run(args: argparse.Namespace) -> int:
         if tok_path is None:
             print(f"dgemma viz: {args.model} has no tokenizer.json; showing token ids", file=sys.stderr)
     tokenizer = load_tokenizer(tok_path) if tok_path is not None else None
+    if tokenizer is not None:
+        top = max(int(trace.arrays[k].max()) for k in ("input_canvas", "argmax"))
+        if top >= tokenizer.vocab_size:
+            print(f"dgemma viz: warning: the trace holds token ids up to {top} but {tokenizer.source} knows "
+                  f"{tokenizer.vocab_size:,}; ids beyond it show as nothing (a model with a larger vocabulary, or "
+                  "the wrong tokenizer?)", file=sys.stderr)
     command = "dgemma viz " + shlex.join([shown_path(args.trace), "--out", shown_path(args.out), *_flags(args)])
     try:
         written = render_trace(trace, args.out, command=command, tokenizer=tokenizer, row=args.row,
