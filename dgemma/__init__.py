@@ -1,8 +1,9 @@
 """dgemma: uniform-state block-diffusion language models (DiffusionGemma) in pure PyTorch."""
 
 from dgemma.checkpoint import CheckpointError, save_pretrained
-from dgemma.config import PRESETS, ConfigError, GenerationConfig, GenerationError, ModelConfig, RopeConfig, preset
+from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset
 from dgemma.generate import GenerationResult, generate
+from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, MemoryPreflightError, init_weights, load_model
 

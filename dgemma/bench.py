@@ -36,8 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from dgemma import attention, costs, diffusion
-from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
+from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
+from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 

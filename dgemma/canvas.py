@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dgemma import sampling
-from dgemma.config import GenerationConfig
+from dgemma.generation_config import GenerationConfig
 
 
 @dataclass

@@ -31,7 +31,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dgemma.config import ConfigError, GenerationConfig, ModelConfig, read_json
+from dgemma.config import ConfigError, ModelConfig, read_json
+from dgemma.generation_config import GenerationConfig
 
 DECODER = "model.decoder."
 ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")

@@ -24,34 +24,27 @@ class ConfigError(ValueError):
     """A config value is invalid; the message names the field (and the file, when read from one)."""
 
 
-class GenerationError(ValueError):
-    """Generation cannot go on: non-finite logits (NaN or inf weights or activations), a bad seed or canvas. The
-    message names the canvas and step, or the argument and its value."""
-
-
-def _check(ok: bool, where: str, msg: str) -> None:
+def require(ok: bool, where: str, msg: str) -> None:
     if not ok:
         raise ConfigError(f"{where}: {msg}")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v: Any) -> bool:
+def is_real(v: Any) -> bool:
     """A finite int or float (not a bool, a string, NaN or an infinity: JSON's `Infinity` parses to a float)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _token_ids(v: Any) -> bool:
+def is_token_ids(v: Any) -> bool:
     """None, an int >= 0, or a list/tuple of them."""
     ids = () if v is None else (v,) if not isinstance(v, (list, tuple)) else tuple(v)
-    return all(_is_int(i) and i >= 0 for i in ids)
+    return all(is_int(i) and i >= 0 for i in ids)
 
 
-MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
-
-_PARSE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)
+PARSE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,26 +58,26 @@ class RopeConfig:
     factor: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.rope_type in ("default", "proportional"), "rope_type",
+        require(self.rope_type in ("default", "proportional"), "rope_type",
                f"must be 'default' or 'proportional', got {self.rope_type!r}")
-        _check(_is_real(self.rope_theta) and self.rope_theta > 0, "rope_theta",
+        require(is_real(self.rope_theta) and self.rope_theta > 0, "rope_theta",
                f"must be > 0 (and finite), got {self.rope_theta!r}")
-        _check(_is_real(self.partial_rotary_factor) and 0.0 <= self.partial_rotary_factor <= 1.0,
+        require(is_real(self.partial_rotary_factor) and 0.0 <= self.partial_rotary_factor <= 1.0,
                "partial_rotary_factor", f"must be in [0, 1], got {self.partial_rotary_factor!r}")
-        _check(_is_real(self.factor) and self.factor > 0, "factor", f"must be > 0 (and finite), got {self.factor!r}")
+        require(is_real(self.factor) and self.factor > 0, "factor", f"must be > 0 (and finite), got {self.factor!r}")
         if self.rope_type == "default":
             # transformers sizes a default RoPE's cos/sin by the partial width but applies it to the whole head,
             # which fails for any factor < 1; only proportional RoPE is partial.
-            _check(self.partial_rotary_factor == 1.0, "partial_rotary_factor",
+            require(self.partial_rotary_factor == 1.0, "partial_rotary_factor",
                    "must be 1.0 for rope_type 'default' (use 'proportional' for partial RoPE)")
-            _check(self.factor == 1.0, "factor", "must be 1.0 for rope_type 'default'")
+            require(self.factor == 1.0, "factor", "must be 1.0 for rope_type 'default'")
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], where: str) -> RopeConfig:
         known = {"rope_type", "rope_theta", "partial_rotary_factor", "factor"}
-        _check(isinstance(d, dict), where, f"must be an object of RoPE settings, got {d!r}")
+        require(isinstance(d, dict), where, f"must be an object of RoPE settings, got {d!r}")
         extra = set(d) - known
-        _check(not extra, where, f"unsupported RoPE keys {sorted(extra)} (supported: {sorted(known)})")
+        require(not extra, where, f"unsupported RoPE keys {sorted(extra)} (supported: {sorted(known)})")
         try:
             return cls(**{k: d[k] for k in known if k in d})
         except ConfigError as e:
@@ -148,8 +141,8 @@ class ModelConfig:
                      "num_key_value_heads", "head_dim", "global_head_dim", "sliding_window", "canvas_length",
                      "max_position_embeddings"):
             v = getattr(self, name)
-            _check(_is_int(v) and v > 0, name, f"must be a positive int, got {v!r}")
-        _check(isinstance(self.layer_types, (tuple, list)), "layer_types",
+            require(is_int(v) and v > 0, name, f"must be a positive int, got {v!r}")
+        require(isinstance(self.layer_types, (tuple, list)), "layer_types",
                f"must be a list of {SLIDING!r} / {FULL!r}, got {self.layer_types!r}")
         types = self.layer_types or default_layer_types(self.num_hidden_layers)
         object.__setattr__(self, "layer_types", tuple(types))
@@ -157,52 +150,52 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             v = getattr(self, name)
-            _check(_token_ids(v) and (name == "eos_token_id" or not isinstance(v, (list, tuple))), name,
+            require(is_token_ids(v) and (name == "eos_token_id" or not isinstance(v, (list, tuple))), name,
                    f"must be an int >= 0{' (or a list of them)' if name == 'eos_token_id' else ''} or None, got {v!r}")
         for name in ("head_dim", "global_head_dim"):
-            _check(getattr(self, name) % 2 == 0, name, f"must be even for rotate-half RoPE, got {getattr(self, name)}")
-        _check(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+            require(getattr(self, name) % 2 == 0, name, f"must be even for rotate-half RoPE, got {getattr(self, name)}")
+        require(len(self.layer_types) == self.num_hidden_layers, "layer_types",
                f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
         bad = [t for t in self.layer_types if not isinstance(t, str) or t not in (SLIDING, FULL)]
-        _check(not bad, "layer_types", f"entries must be {SLIDING!r} or {FULL!r}, got {bad[0]!r}" if bad else "")
-        _check(self.layer_types[-1] == FULL, "layer_types",
+        require(not bad, "layer_types", f"entries must be {SLIDING!r} or {FULL!r}, got {bad[0]!r}" if bad else "")
+        require(self.layer_types[-1] == FULL, "layer_types",
                "the last layer must be 'full_attention' (transformers forces it; a checkpoint saying otherwise is "
                "inconsistent)")
         if self.num_global_key_value_heads is None:  # transformers: full layers then keep num_key_value_heads
             object.__setattr__(self, "num_global_key_value_heads", self.num_key_value_heads)
         nkv_full = self.num_global_key_value_heads
-        _check(nkv_full is None or (_is_int(nkv_full) and nkv_full > 0), "num_global_key_value_heads",
+        require(nkv_full is None or (is_int(nkv_full) and nkv_full > 0), "num_global_key_value_heads",
                f"must be a positive int or None, got {nkv_full!r}")
         for name, nkv in (("num_key_value_heads", self.num_key_value_heads),
                           ("num_global_key_value_heads", self.num_global_key_value_heads)):
             if nkv is not None:
-                _check(self.num_attention_heads % nkv == 0, name,
+                require(self.num_attention_heads % nkv == 0, name,
                        f"{nkv} must divide num_attention_heads={self.num_attention_heads} (grouped-query attention)")
-        _check(_is_int(self.num_experts) and self.num_experts >= 0, "num_experts",
+        require(is_int(self.num_experts) and self.num_experts >= 0, "num_experts",
                f"must be an int >= 0, got {self.num_experts!r}")
         if not self.num_experts:  # dense: the MoE sizes mean nothing; one canonical form keeps configs comparable
             object.__setattr__(self, "top_k_experts", 0)
             object.__setattr__(self, "moe_intermediate_size", 0)
         if self.num_experts:
-            _check(_is_int(self.top_k_experts) and 0 < self.top_k_experts <= self.num_experts, "top_k_experts",
+            require(is_int(self.top_k_experts) and 0 < self.top_k_experts <= self.num_experts, "top_k_experts",
                    f"must be in [1, num_experts={self.num_experts}], got {self.top_k_experts!r}")
-            _check(_is_int(self.moe_intermediate_size) and self.moe_intermediate_size > 0, "moe_intermediate_size",
+            require(is_int(self.moe_intermediate_size) and self.moe_intermediate_size > 0, "moe_intermediate_size",
                    f"must be a positive int, got {self.moe_intermediate_size!r}")
-        _check(_is_real(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
+        require(is_real(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
                f"must be > 0 (and finite), got {self.rms_norm_eps!r}")
         sc = self.final_logit_softcapping
-        _check(sc is None or (_is_real(sc) and sc > 0), "final_logit_softcapping",
+        require(sc is None or (is_real(sc) and sc > 0), "final_logit_softcapping",
                f"must be > 0 or None (and finite), got {sc!r}")
         for name in ("attention_k_eq_v", "time_embedding"):
-            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
-        _check(self.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh"), "hidden_activation",
+            require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+        require(self.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh"), "hidden_activation",
                f"only 'gelu_pytorch_tanh' (alias 'gelu_tanh') is supported, got {self.hidden_activation!r}")
-        _check(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
+        require(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
                f"only None or 'vision' (a causal encoder for text) are supported, got "
                f"{self.use_bidirectional_attention!r}")
-        _check(self.self_conditioning in ("mlp", "linear"), "self_conditioning",
+        require(self.self_conditioning in ("mlp", "linear"), "self_conditioning",
                f"must be 'mlp' or 'linear', got {self.self_conditioning!r}")
-        _check(isinstance(self.sliding_rope, RopeConfig) and isinstance(self.full_rope, RopeConfig),
+        require(isinstance(self.sliding_rope, RopeConfig) and isinstance(self.full_rope, RopeConfig),
                "rope", "sliding_rope and full_rope must be RopeConfig")
 
     # --- derived per-layer geometry -------------------------------------------------------------------------
@@ -243,7 +236,7 @@ class ModelConfig:
             return cls._from_hf(cfg, source)
         except ConfigError:
             raise
-        except _PARSE_ERRORS as e:  # a value of a type no check anticipated: still one error naming the file
+        except PARSE_ERRORS as e:  # a value of a type no check anticipated: still one error naming the file
             raise ConfigError(f"{source}: malformed config ({type(e).__name__}: {e})") from None
 
     @classmethod
@@ -384,7 +377,7 @@ def _geometry_from_per_layer_config(plc: Any, text: dict[str, Any], source: str)
         if types and (i >= len(types) or types[i] != FULL):
             raise ConfigError(f"{source}: per_layer_config[{key!r}] overrides a layer that is not full_attention")
         geom = (over.get("head_dim", head_dim), over.get("num_key_value_heads", nkv))
-        if not all(_is_int(v) and v > 0 for v in geom):
+        if not all(is_int(v) and v > 0 for v in geom):
             raise ConfigError(f"{source}: per_layer_config[{key!r}]: head_dim and num_key_value_heads must be positive "
                               f"ints, got {over!r}")
         full_geoms.add(geom)
@@ -402,173 +395,6 @@ _MINIMAL_VISION_CONFIG: dict[str, Any] = {
     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "position_embedding_size": 64,
     "patch_size": 4, "pooling_kernel_size": 2,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationConfig:
-    """Sampler settings, read from `generation_config.json` (`entropy_bound` sits under `sampler_config`).
-    Defaults are transformers' global defaults for DiffusionGemma."""
-
-    max_new_tokens: int = 256
-    max_length: int | None = None
-    max_denoising_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    eos_token_id: tuple[int, ...] = ()
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
-    # generation_config.json.
-    sampler: str = "entropy-bound"  # or "lite" (seed 003: monotone unchanged-or-stronger commits)
-    # What a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (the JAX reference's final canvas;
-    # for Lite, seed 003's committed tokens, else the last draw). None: "sample" for lite, "argmax" otherwise.
-    commit: str | None = None
-    stop_rule: str = "hf"  # "hf": argmax stable over history + confident; "jax": argmax == input canvas + confident
-    sliding_prefix: str = "hf"  # committed tokens a canvas sees in sliding layers: "hf" sw - 1, "jax" sw
-    truncate: bool = False  # cut the output to max_new_tokens (transformers keeps whole canvases)
-    adaptive: bool = True  # lite: stop once mean entropy < confidence_threshold for `stability_steps` steps
-    stability_steps: int = 2  # lite
-    # Which distribution entropy, confidence and the self-conditioning input read: "tempered" (logits / T, as
-    # transformers) or "raw" (the untempered posterior, seed 003 section 4.2); the draw is always tempered. None:
-    # "raw" for lite, "tempered" otherwise.
-    posterior: str | None = None
-    # The first step's self-conditioning input: "zeros" (transformers: the MLP sees 0 and adds nothing) or "uniform"
-    # (seed 000: the softmax of all-equal logits, i.e. the mean token embedding).
-    initial_self_conditioning: str = "zeros"
-
-    def __post_init__(self) -> None:
-        eos = self.eos_token_id
-        _check(_token_ids(eos), "eos_token_id", f"must be an int >= 0 or a list of them, got {eos!r}")
-        eos = () if eos is None else (eos,) if _is_int(eos) else tuple(eos)  # type: ignore[arg-type]
-        object.__setattr__(self, "eos_token_id", eos)
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
-               f"must be a positive int, got {self.max_new_tokens!r}")
-        _check(self.max_length is None or (_is_int(self.max_length) and self.max_length > 0), "max_length",
-               f"must be a positive int or None, got {self.max_length!r}")
-        _check(_is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
-               f"must be a positive int, got {self.max_denoising_steps!r}")
-        _check(_is_real(self.entropy_bound) and self.entropy_bound > 0, "entropy_bound",
-               f"must be a number > 0 (and finite), got {self.entropy_bound!r}")
-        _check(_is_real(self.t_min) and self.t_min >= 0, "t_min", f"must be >= 0 (and finite), got {self.t_min!r}")
-        _check(_is_real(self.t_max), "t_max", f"must be a finite number, got {self.t_max!r}")
-        _check(self.t_max > self.t_min, "t_max", f"must be > t_min={self.t_min!r}, got {self.t_max!r}")
-        _check(self.t_max >= MIN_TEMPERATURE, "t_max", f"must be >= {MIN_TEMPERATURE} (a smaller temperature "
-               f"overflows the tempered logits), got {self.t_max!r}")
-        _check(_is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
-               f"must be an int >= 0, got {self.stability_threshold!r}")
-        _check(_is_real(self.confidence_threshold) and self.confidence_threshold > 0,
-               "confidence_threshold", f"must be > 0 (and finite), got {self.confidence_threshold!r}")
-        for name in ("pad_token_id", "bos_token_id"):
-            v = getattr(self, name)
-            _check(v is None or (_is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
-        for name in ("truncate", "adaptive"):
-            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
-        switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")), ("stop_rule", ("hf", "jax")),
-                    ("sliding_prefix", ("hf", "jax")), ("posterior", (None, "tempered", "raw")),
-                    ("initial_self_conditioning", ("zeros", "uniform")))
-        for name, choices in switches:
-            v = getattr(self, name)
-            _check(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
-        _check(_is_int(self.stability_steps) and self.stability_steps >= 1, "stability_steps",
-               f"must be an int >= 1, got {self.stability_steps!r}")
-
-    @property
-    def commit_rule(self) -> str:
-        """The resolved `commit` switch."""
-        return self.commit or ("sample" if self.sampler == "lite" else "argmax")
-
-    @property
-    def posterior_rule(self) -> str:
-        """The resolved `posterior` switch."""
-        return self.posterior or ("raw" if self.sampler == "lite" else "tempered")
-
-    def replace(self, **changes: Any) -> GenerationConfig:
-        """A copy with `changes`; unknown names raise a ConfigError listing the valid ones."""
-        valid = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - valid)
-        if unknown:
-            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
-        return dataclasses.replace(self, **changes)
-
-    def overrides(self, **changes: Any) -> dict[str, Any]:
-        """`generate()`'s keyword overrides: the `changes` that are not None, each checked against this config first
-        (an invalid value or an unknown name raises a ConfigError naming the field)."""
-        kw = {k: v for k, v in changes.items() if v is not None}
-        self.replace(**kw)
-        return kw
-
-    @classmethod
-    def for_model(cls, config: ModelConfig) -> GenerationConfig:
-        """transformers' defaults with the model's own special tokens: the settings of a model that comes without a
-        generation_config.json (a preset with random weights)."""
-        eos = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (config.eos_token_id,)
-        return cls(eos_token_id=tuple(e for e in eos if e is not None), pad_token_id=config.pad_token_id,
-                   bos_token_id=config.bos_token_id)
-
-    def stopping_at(self, token_id: int | None) -> GenerationConfig:
-        """A copy that also stops at `token_id` (Gemma's generation_config.json stops at the chat template's <turn|>);
-        itself when it already does or `token_id` is None."""
-        if token_id is None or token_id in self.eos_token_id:
-            return self
-        return self.replace(eos_token_id=(*self.eos_token_id, token_id))
-
-    @classmethod
-    def from_hf(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
-        """Read generation_config.json; every problem raises ConfigError naming `source`, the key and the value."""
-        try:
-            return cls._from_hf(d, source)
-        except ConfigError:
-            raise
-        except _PARSE_ERRORS as e:
-            raise ConfigError(f"{source}: malformed generation config ({type(e).__name__}: {e})") from None
-
-    @classmethod
-    def _from_hf(cls, d: dict[str, Any], source: str) -> GenerationConfig:
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        kw: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if f.name in _HF_GENERATION_KEYS and d.get(f.name) is not None:
-                kw[f.name] = d[f.name]
-        sc = d.get("sampler_config")
-        if sc is not None:
-            if not isinstance(sc, dict) or "entropy_bound" not in sc:
-                raise ConfigError(f"{source}: sampler_config must be an object with 'entropy_bound', got {sc!r}")
-            kw["entropy_bound"] = sc["entropy_bound"]
-        if isinstance(kw.get("eos_token_id"), list):
-            kw["eos_token_id"] = tuple(kw["eos_token_id"])
-        try:
-            return cls(**kw)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
-
-    def to_hf(self) -> dict[str, Any]:
-        eos: int | list[int] | None = list(self.eos_token_id) or None
-        if eos is not None and len(eos) == 1:
-            eos = eos[0]
-        d: dict[str, Any] = {
-            "max_new_tokens": self.max_new_tokens,
-            "max_denoising_steps": self.max_denoising_steps,
-            "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": float(self.entropy_bound)},
-            "t_min": self.t_min,
-            "t_max": self.t_max,
-            "stability_threshold": self.stability_threshold,
-            "confidence_threshold": self.confidence_threshold,
-            "return_dict_in_generate": True,
-        }
-        for k, v in (("max_length", self.max_length), ("eos_token_id", eos), ("pad_token_id", self.pad_token_id),
-                     ("bos_token_id", self.bos_token_id)):
-            if v is not None:
-                d[k] = v
-        return d
-
-
-SAMPLERS = ("entropy-bound", "lite")
-_HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
-                       "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
@@ -672,8 +498,6 @@ __all__ = [
     "PRESETS",
     "SLIDING",
     "ConfigError",
-    "GenerationConfig",
-    "GenerationError",
     "ModelConfig",
     "RopeConfig",
     "default_layer_types",

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.attention import causal_masks
-from dgemma.config import GenerationConfig
 from dgemma.console import Progress
 from dgemma.generate import Trace, generate
+from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------

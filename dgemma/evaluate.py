@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.config import GenerationConfig
 from dgemma.console import Progress
 from dgemma.decoding import (
     DecodeRun,
@@ -44,6 +43,7 @@ from dgemma.decoding import (
 )
 from dgemma.diffusion import q_sample, sample_canvas_t
 from dgemma.generate import Trace
+from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 from dgemma.nelbo import (
     EvalError,

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from dgemma import attention, kernels, sampling
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.config import SLIDING, GenerationConfig, GenerationError
+from dgemma.config import SLIDING
+from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma
 

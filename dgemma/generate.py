@@ -32,7 +32,8 @@ from torch import Tensor
 from dgemma import fast_sampler, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.config import ConfigError, GenerationConfig, GenerationError
+from dgemma.config import ConfigError
+from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, check_memory, check_token_ids
 

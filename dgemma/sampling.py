@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dgemma.config import GenerationConfig
+from dgemma.generation_config import GenerationConfig
 
 ENTROPY_CHUNK_ROWS = 4096  # rows of (V,) logits per entropy chunk: bounds the extra memory to 2 x chunk x V fp32
 

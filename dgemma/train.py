@@ -48,10 +48,11 @@ import torch
 from dgemma import costs, run_dir
 from dgemma.attention import IMPLS
 from dgemma.checkpoint import STATE
-from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig
+from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.console import Console
 from dgemma.data import TokenDataset, check_token_range, verify
 from dgemma.diffusion import OBJECTIVES, training_loss
+from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.run_dir import NonFiniteError
 from dgemma.system import available_memory

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 import dgemma
 from dgemma import cli
 from dgemma.checkpoint import CheckpointError
-from dgemma.config import ConfigError, GenerationConfig, GenerationError, ModelConfig, RopeConfig
+from dgemma.config import ConfigError, ModelConfig, RopeConfig
+from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.model import MemoryPreflightError, check_memory
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16

@@ -8,7 +8,8 @@ import torch
 
 import dgemma
 from dgemma.chat import ChatSession, ContextFullError
-from dgemma.config import ConfigError, GenerationConfig
+from dgemma.config import ConfigError
+from dgemma.generation_config import GenerationConfig
 from dgemma.tokenizer import TURN_END, chat_token_ids, left_pad, load_tokenizer
 
 FAST = {"max_denoising_steps": 3, "max_new_tokens": 32}

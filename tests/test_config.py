@@ -6,17 +6,8 @@ import json
 
 import pytest
 
-from dgemma.config import (
-    FULL,
-    PRESETS,
-    SLIDING,
-    ConfigError,
-    GenerationConfig,
-    ModelConfig,
-    RopeConfig,
-    preset,
-    read_json,
-)
+from dgemma.config import FULL, PRESETS, SLIDING, ConfigError, ModelConfig, RopeConfig, preset, read_json
+from dgemma.generation_config import GenerationConfig
 
 
 def _google_style_text() -> dict:

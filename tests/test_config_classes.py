@@ -17,8 +17,9 @@ import pytest
 
 import dgemma
 from dgemma.bench import BenchSettings
-from dgemma.config import PRESETS, ConfigError, GenerationConfig, ModelConfig, RopeConfig
+from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig
 from dgemma.evaluate import EvalError, EvalSettings
+from dgemma.generation_config import GenerationConfig
 from dgemma.train import TRAIN_PRESETS, TrainConfig
 
 PACKAGE = Path(dgemma.__file__).parent

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.config import GenerationConfig
 from dgemma.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, token_entropy, useful
 from dgemma.evaluate import run_info
 from dgemma.generate import TRACE_FORMAT
+from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 from dgemma.nelbo import EvalError, clean_context_posterior, estimate, prior_kl, reverse_kl, stratified_t, window_nelbo
 from dgemma.viz import renoise_counts

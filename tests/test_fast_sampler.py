@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from dgemma import fast_sampler
-from dgemma.config import FULL, SLIDING, GenerationConfig, preset
+from dgemma.config import FULL, SLIDING, preset
 from dgemma.generate import denoise_canvas, generate
+from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 from dgemma.testing.hf import randomize_
 from tests.helpers import random_ids, random_model

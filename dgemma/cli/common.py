@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 import dgemma
-from dgemma.config import ConfigError, GenerationConfig
+from dgemma.config import ConfigError
+from dgemma.generation_config import GenerationConfig
 from dgemma.model import check_memory
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 

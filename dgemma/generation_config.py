@@ -1,0 +1,184 @@
+"""Sampler settings: `GenerationConfig`, read from and written to transformers' `generation_config.json`, plus
+dgemma's switches between the documented reference samplers (docs/sampling.md), and `GenerationError`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from dgemma.config import PARSE_ERRORS, ConfigError, ModelConfig, is_int, is_real, is_token_ids, require
+
+MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
+
+
+class GenerationError(ValueError):
+    """Generation cannot go on: non-finite logits (NaN or inf weights or activations), a bad seed or canvas. The
+    message names the canvas and step, or the argument and its value."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    """Sampler settings, read from `generation_config.json` (`entropy_bound` sits under `sampler_config`).
+    Defaults are transformers' global defaults for DiffusionGemma."""
+
+    max_new_tokens: int = 256
+    max_length: int | None = None
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
+    # generation_config.json.
+    sampler: str = "entropy-bound"  # or "lite" (seed 003: monotone unchanged-or-stronger commits)
+    # What a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (the JAX reference's final canvas;
+    # for Lite, seed 003's committed tokens, else the last draw). None: "sample" for lite, "argmax" otherwise.
+    commit: str | None = None
+    stop_rule: str = "hf"  # "hf": argmax stable over history + confident; "jax": argmax == input canvas + confident
+    sliding_prefix: str = "hf"  # committed tokens a canvas sees in sliding layers: "hf" sw - 1, "jax" sw
+    truncate: bool = False  # cut the output to max_new_tokens (transformers keeps whole canvases)
+    adaptive: bool = True  # lite: stop once mean entropy < confidence_threshold for `stability_steps` steps
+    stability_steps: int = 2  # lite
+    # Which distribution entropy, confidence and the self-conditioning input read: "tempered" (logits / T, as
+    # transformers) or "raw" (the untempered posterior, seed 003 section 4.2); the draw is always tempered. None:
+    # "raw" for lite, "tempered" otherwise.
+    posterior: str | None = None
+    # The first step's self-conditioning input: "zeros" (transformers: the MLP sees 0 and adds nothing) or "uniform"
+    # (seed 000: the softmax of all-equal logits, i.e. the mean token embedding).
+    initial_self_conditioning: str = "zeros"
+
+    def __post_init__(self) -> None:
+        eos = self.eos_token_id
+        require(is_token_ids(eos), "eos_token_id", f"must be an int >= 0 or a list of them, got {eos!r}")
+        eos = () if eos is None else (eos,) if is_int(eos) else tuple(eos)  # type: ignore[arg-type]
+        object.__setattr__(self, "eos_token_id", eos)
+        require(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
+               f"must be a positive int, got {self.max_new_tokens!r}")
+        require(self.max_length is None or (is_int(self.max_length) and self.max_length > 0), "max_length",
+               f"must be a positive int or None, got {self.max_length!r}")
+        require(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
+               f"must be a positive int, got {self.max_denoising_steps!r}")
+        require(is_real(self.entropy_bound) and self.entropy_bound > 0, "entropy_bound",
+               f"must be a number > 0 (and finite), got {self.entropy_bound!r}")
+        require(is_real(self.t_min) and self.t_min >= 0, "t_min", f"must be >= 0 (and finite), got {self.t_min!r}")
+        require(is_real(self.t_max), "t_max", f"must be a finite number, got {self.t_max!r}")
+        require(self.t_max > self.t_min, "t_max", f"must be > t_min={self.t_min!r}, got {self.t_max!r}")
+        require(self.t_max >= MIN_TEMPERATURE, "t_max", f"must be >= {MIN_TEMPERATURE} (a smaller temperature "
+               f"overflows the tempered logits), got {self.t_max!r}")
+        require(is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
+               f"must be an int >= 0, got {self.stability_threshold!r}")
+        require(is_real(self.confidence_threshold) and self.confidence_threshold > 0,
+               "confidence_threshold", f"must be > 0 (and finite), got {self.confidence_threshold!r}")
+        for name in ("pad_token_id", "bos_token_id"):
+            v = getattr(self, name)
+            require(v is None or (is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
+        for name in ("truncate", "adaptive"):
+            require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+        switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")), ("stop_rule", ("hf", "jax")),
+                    ("sliding_prefix", ("hf", "jax")), ("posterior", (None, "tempered", "raw")),
+                    ("initial_self_conditioning", ("zeros", "uniform")))
+        for name, choices in switches:
+            v = getattr(self, name)
+            require(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
+        require(is_int(self.stability_steps) and self.stability_steps >= 1, "stability_steps",
+               f"must be an int >= 1, got {self.stability_steps!r}")
+
+    @property
+    def commit_rule(self) -> str:
+        """The resolved `commit` switch."""
+        return self.commit or ("sample" if self.sampler == "lite" else "argmax")
+
+    @property
+    def posterior_rule(self) -> str:
+        """The resolved `posterior` switch."""
+        return self.posterior or ("raw" if self.sampler == "lite" else "tempered")
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        """A copy with `changes`; unknown names raise a ConfigError listing the valid ones."""
+        valid = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - valid)
+        if unknown:
+            raise ConfigError(f"unknown generation setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+        return dataclasses.replace(self, **changes)
+
+    def overrides(self, **changes: Any) -> dict[str, Any]:
+        """`generate()`'s keyword overrides: the `changes` that are not None, each checked against this config first
+        (an invalid value or an unknown name raises a ConfigError naming the field)."""
+        kw = {k: v for k, v in changes.items() if v is not None}
+        self.replace(**kw)
+        return kw
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> GenerationConfig:
+        """transformers' defaults with the model's own special tokens: the settings of a model that comes without a
+        generation_config.json (a preset with random weights)."""
+        eos = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (config.eos_token_id,)
+        return cls(eos_token_id=tuple(e for e in eos if e is not None), pad_token_id=config.pad_token_id,
+                   bos_token_id=config.bos_token_id)
+
+    def stopping_at(self, token_id: int | None) -> GenerationConfig:
+        """A copy that also stops at `token_id` (Gemma's generation_config.json stops at the chat template's <turn|>);
+        itself when it already does or `token_id` is None."""
+        if token_id is None or token_id in self.eos_token_id:
+            return self
+        return self.replace(eos_token_id=(*self.eos_token_id, token_id))
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
+        """Read generation_config.json; every problem raises ConfigError naming `source`, the key and the value."""
+        try:
+            return cls._from_hf(d, source)
+        except ConfigError:
+            raise
+        except PARSE_ERRORS as e:
+            raise ConfigError(f"{source}: malformed generation config ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_hf(cls, d: dict[str, Any], source: str) -> GenerationConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in _HF_GENERATION_KEYS and d.get(f.name) is not None:
+                kw[f.name] = d[f.name]
+        sc = d.get("sampler_config")
+        if sc is not None:
+            if not isinstance(sc, dict) or "entropy_bound" not in sc:
+                raise ConfigError(f"{source}: sampler_config must be an object with 'entropy_bound', got {sc!r}")
+            kw["entropy_bound"] = sc["entropy_bound"]
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = tuple(kw["eos_token_id"])
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        eos: int | list[int] | None = list(self.eos_token_id) or None
+        if eos is not None and len(eos) == 1:
+            eos = eos[0]
+        d: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "max_denoising_steps": self.max_denoising_steps,
+            "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": float(self.entropy_bound)},
+            "t_min": self.t_min,
+            "t_max": self.t_max,
+            "stability_threshold": self.stability_threshold,
+            "confidence_threshold": self.confidence_threshold,
+            "return_dict_in_generate": True,
+        }
+        for k, v in (("max_length", self.max_length), ("eos_token_id", eos), ("pad_token_id", self.pad_token_id),
+                     ("bos_token_id", self.bos_token_id)):
+            if v is not None:
+                d[k] = v
+        return d
+
+
+SAMPLERS = ("entropy-bound", "lite")
+_HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
+                       "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")
