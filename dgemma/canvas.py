@@ -2,7 +2,7 @@
 (dgemma/fast_sampler.py): per-row step and pass counts, the stop rule and its reasons, per-step records for
 callbacks and traces, and the staged result. The loops differ only in how a step computes its numbers.
 
-    state = CanvasState(x, finished, config, ...)
+    state = CanvasState.start((B, L), V, device, config, ...)
     for n in N..1:
         was_done, active = state.begin_step()
         ... denoise, draw, accept / commit, renoise; freeze the rows in `was_done` ...

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+T = TypeVar("T")
 LayerType = Literal["sliding_attention", "full_attention"]
 
 
@@ -232,17 +234,10 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Read a `diffusion_gemma` config (with `text_config`) or a bare `diffusion_gemma_text` config. Every
         problem raises ConfigError naming `source`, the key and the value."""
-        try:
-            return cls._from_hf(cfg, source)
-        except ConfigError:
-            raise
-        except PARSE_ERRORS as e:  # a value of a type no check anticipated: still one error naming the file
-            raise ConfigError(f"{source}: malformed config ({type(e).__name__}: {e})") from None
+        return parse_json_object(cls._from_hf, cfg, source, "config")
 
     @classmethod
     def _from_hf(cls, cfg: dict[str, Any], source: str) -> ModelConfig:
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
         top: dict[str, Any] = {}
         text = cfg
         if "text_config" in cfg:
@@ -395,6 +390,19 @@ _MINIMAL_VISION_CONFIG: dict[str, Any] = {
     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "position_embedding_size": 64,
     "patch_size": 4, "pooling_kernel_size": 2,
 }
+
+
+def parse_json_object(parse: Callable[[dict[str, Any], str], T], obj: Any, source: str, what: str) -> T:
+    """`parse(obj, source)` for a JSON object read from `source`, with one ConfigError naming `source` for anything
+    wrong: not an object, a ConfigError of `parse`, or a value of a type no check anticipated."""
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(obj).__name__}")
+    try:
+        return parse(obj, source)
+    except ConfigError:
+        raise
+    except PARSE_ERRORS as e:
+        raise ConfigError(f"{source}: malformed {what} ({type(e).__name__}: {e})") from None
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dgemma.config import PARSE_ERRORS, ConfigError, ModelConfig, is_int, is_real, is_token_ids, require
+from dgemma.config import ConfigError, ModelConfig, is_int, is_real, is_token_ids, parse_json_object, require
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
 
@@ -131,17 +131,10 @@ class GenerationConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any], source: str = "generation_config.json") -> GenerationConfig:
         """Read generation_config.json; every problem raises ConfigError naming `source`, the key and the value."""
-        try:
-            return cls._from_hf(d, source)
-        except ConfigError:
-            raise
-        except PARSE_ERRORS as e:
-            raise ConfigError(f"{source}: malformed generation config ({type(e).__name__}: {e})") from None
+        return parse_json_object(cls._from_hf, d, source, "generation config")
 
     @classmethod
     def _from_hf(cls, d: dict[str, Any], source: str) -> GenerationConfig:
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name in _HF_GENERATION_KEYS and d.get(f.name) is not None:
