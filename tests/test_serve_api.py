@@ -102,6 +102,7 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
     ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
     ({"temperature": 0}, "temperature", "greedy"),
     ({"temperature": 3}, "temperature", "(0, 2]"),
+    ({"temperature": 1e-7}, "temperature", "out of range: t_max: must be >="),
     ({"n": 0}, "n", "from 1 to 8"),
     ({"n": 9}, "n", "from 1 to 8"),
     ({"seed": -1}, "seed", "seed"),
