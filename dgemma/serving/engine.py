@@ -5,7 +5,7 @@ preallocated KV cache.
     loop, between denoising steps:
         drop cancelled rows                               their slots are free at once
         admit waiting requests into free rows             prefill: commit(prompt) into the row
-        one batched denoising pass over every active row  each row at its own committed length (`denoise(lengths=)`)
+        one batched denoising pass over every active row  each row at its own committed length (`denoise(x, rows)`)
         each row's own sampler step                       generate.CanvasSampler with B = 1 and its own generator
         rows whose canvas finished: emit its tokens, then end (EOS, max_new_tokens) or commit it and start the next
 
@@ -297,7 +297,7 @@ class Engine:
             r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
             self._commit(r, r.prompt)
             self._start_canvas(r)
-        rows = sorted((r for r in self._active.values() if r.sampler is not None), key=lambda r: r.slot)
+        rows = [r for r in self._active.values() if r.sampler is not None]
         by_prefix: dict[str, list[Request]] = {}
         for r in rows:
             by_prefix.setdefault(r.config.sliding_prefix, []).append(r)
@@ -316,7 +316,8 @@ class Engine:
                                   on_step=on_step)
 
     def _denoise_step(self, rows: list[Request]) -> None:
-        """One batched pass over `rows` (sorted by slot, one sliding-prefix rule), then each row's sampler step."""
+        """One batched pass over `rows` (one sliding-prefix rule), each at its own length, then each row's sampler
+        step."""
         inputs = [r.sampler.inputs() for r in rows]  # type: ignore[union-attr]
         device = self.model.device
         x = torch.cat([canvas for canvas, _, _ in inputs])
@@ -329,16 +330,10 @@ class Engine:
         if self.model.config.time_embedding:
             level = torch.tensor([t for _, _, t in inputs], dtype=torch.float32, device=device)
         del inputs
-        slots = [r.slot for r in rows]
-        end = max(r.length for r in rows)
-        if slots == list(range(slots[0], slots[-1] + 1)):
-            cache = self.pool.rows(slots[0], slots[-1] + 1, length=end)
-        else:
-            cache = self.pool.gather(slots, end)
-        lengths = torch.tensor([r.length for r in rows], dtype=torch.long, device=device)
+        caches = [self.pool.rows(r.slot, r.slot + 1, length=r.length) for r in rows]
         sliding_prefix = self.model.config.sliding_window if rows[0].config.sliding_prefix == "jax" else None
-        logits = self.model.denoise(x, cache, self_conditioning_logits=sc, self_conditioning_mask=mask,
-                                    sliding_prefix=sliding_prefix, t=level, lengths=lengths, impl=self.impl)
+        logits = self.model.denoise(x, caches, self_conditioning_logits=sc, self_conditioning_mask=mask,
+                                    sliding_prefix=sliding_prefix, t=level, impl=self.impl)
         del sc
         self._count("denoise_forwards")
         self._count("denoise_rows", len(rows))
