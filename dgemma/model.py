@@ -428,13 +428,39 @@ class DiffusionGemma(nn.Module):
         return impl
 
     @torch.no_grad()
-    def commit(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,
+    def commit(self, input_ids: Tensor, cache: KVCache | Sequence[KVCache], *, start: int | None = None,
                attention_mask: Tensor | None = None, impl: Impl | None = None) -> None:
         """Causal encoder pass over `input_ids` (B, S): writes their K/V to the cache at `start` (default: the end of
         what is committed). Committing at an earlier `start` overwrites that span and discards everything after it.
         `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to. `impl`
-        (default: the model's): "reference" or "fast" kernels."""
-        self._encode(input_ids, cache, start, attention_mask, self._impl(impl))
+        (default: the model's): "reference" or "fast" kernels. `cache` may also be a list of B one-row caches, as
+        for `denoise`: each row appends at its own committed length, computing what it would alone."""
+        rows = _one_row_caches(cache, input_ids)
+        if rows is None:
+            self._encode(input_ids, cache, start, attention_mask, self._impl(impl))  # type: ignore[arg-type]
+            return
+        if start is not None or attention_mask is not None:
+            raise ValueError("a commit over one-row caches appends at each row's end: no start or attention_mask")
+        check_token_ids(input_ids, self.config.vocab_size)
+        impl = self._impl(impl)
+        S = input_ids.shape[1]
+        starts = [c.prepare_write(input_ids[r:r + 1], None, None) for r, c in enumerate(rows)]
+        row_masks = [attention.commit_masks(c, p, S, c.is_token[:, p:p + S], impl, self.dtype)
+                     for c, p in zip(rows, starts, strict=True)]
+        seen = attention.visible_prefixes(self.config.sliding_window, "encoder")
+        kinds = self.config.layer_types
+
+        def write(i: int, k: Tensor, v: Tensor) -> None:
+            for r, (c, p) in enumerate(zip(rows, starts, strict=True)):
+                c.write(i, p, k[r:r + 1], v[r:r + 1])
+
+        device = input_ids.device
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)
+        self.run_layers(self.embed(input_ids), positions, "encoder", {k: [m[k] for m in row_masks] for k in seen},
+                        impl, write=write,
+                        past=lambda i: [c.visible(i, p, seen[kinds[i]]) for c, p in zip(rows, starts, strict=True)])
+        for c, p in zip(rows, starts, strict=True):
+            c.finish_write(p + S)
 
     @torch.no_grad()
     def next_token_logits(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,

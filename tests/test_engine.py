@@ -232,6 +232,27 @@ def test_a_batched_pass_over_rows_of_different_lengths_equals_each_rows_own_bit_
         model.denoise(canvas, rows[:2])
 
 
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_a_batched_commit_over_rows_of_different_lengths_writes_what_each_row_would_alone(impl):
+    model = random_model("tiny")
+    V, lengths = 512, [2, 19, 9]
+    pools = [model.new_cache(3, 48) for _ in range(2)]
+    for pool in pools:
+        for r, n in enumerate(lengths):
+            model.commit(random_ids(V, 1, n, seed=r), pool.rows(r, r + 1, length=0))
+    canvas = random_ids(V, 3, 16, seed=5)
+    batched = [pools[0].rows(r, r + 1, length=n) for r, n in enumerate(lengths)]
+    model.commit(canvas, batched, impl=impl)
+    for r, n in enumerate(lengths):  # reference: generate's own lone commit; fast: the same row alone
+        view = pools[1].rows(r, r + 1, length=n)
+        model.commit(canvas[r:r + 1], view if impl == "reference" else [view], impl=impl)
+        assert batched[r].length == view.length == n + 16
+    for a, b in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="no start or attention_mask"):
+        model.commit(canvas, batched, start=0)
+
+
 def test_row_views_share_the_pool():
     model = random_model("tiny")
     pool = model.new_cache(3, 16)

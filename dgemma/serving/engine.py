@@ -15,8 +15,9 @@ N. Each request draws from its own generator (seeded by its `seed`) with the sam
 What can differ is floating-point rounding, since a batched pass sums over other shapes than a lone one; the tests find
 the tokens identical to `generate(..., impl="reference")` in fp32 (tests/test_engine.py).
 
-Commits (prefills, finished canvases) run per row through a view of the pool (`KVCache.rows`), exactly as `generate`
-commits for one row; a long prompt therefore holds the other rows for one prefill.
+The canvases that finish at the same step are committed in one batched pass over their rows' views of the pool
+(`KVCache.rows`); a prompt is prefilled on its own when its request is admitted, so a long prompt holds the other rows
+for one prefill.
 """
 
 from __future__ import annotations
@@ -337,6 +338,7 @@ class Engine:
         del sc
         self._count("denoise_forwards")
         self._count("denoise_rows", len(rows))
+        going_on: list[tuple[Request, list[int]]] = []
         for i, r in enumerate(rows):
             r.passes += 1
             try:
@@ -345,9 +347,21 @@ class Engine:
                 self._finish(r, "error", error=str(e))
                 continue
             if finished:
-                self._end_canvas(r)
+                tokens = self._end_canvas(r)
+                if tokens is not None:
+                    going_on.append((r, tokens))
+        if going_on:  # one batched commit of the canvases that finished at this step, each at its row's end
+            views = [self.pool.rows(r.slot, r.slot + 1, length=r.length) for r, _ in going_on]
+            ids = torch.tensor([tokens for _, tokens in going_on], device=device)
+            self.model.commit(ids, views, impl=self.impl)
+            self._count("commits")
+            for (r, _), view in zip(going_on, views, strict=True):
+                r.length = view.length
+                r.canvas += 1
+                self._start_canvas(r)
 
-    def _end_canvas(self, r: Request) -> None:
+    def _end_canvas(self, r: Request) -> list[int] | None:
+        """Emit a finished canvas; end the request or return the tokens to commit before its next canvas."""
         staged = r.sampler.staged()  # type: ignore[union-attr]
         r.sampler = None
         tokens = staged.tokens[0].tolist()
@@ -365,9 +379,8 @@ class Engine:
         elif r.emitted >= r.max_new:
             self._finish(r, "length")
         elif not r.cancelled:
-            self._commit(r, tokens)
-            r.canvas += 1
-            self._start_canvas(r)
+            return tokens
+        return None
 
     def _on_step(self, r: Request, info: StepInfo) -> None:
         self._emit(r, StepEvent(info.canvas, info.step, info.num_steps, info.argmax[0].tolist(),
