@@ -69,6 +69,8 @@ class BenchSettings:
     train_preset: str | None = None  # default: cpu-small (CPU) / lite-380m (CUDA), tiny with the tiny preset
     train_steps: int | None = None  # timed optimizer steps per objective; default: `repeats`
     threads: int | None = None
+    quantize: str | None = None  # "int8" / "int4": weight-only (dgemma/quantize.py), for dgemma's paths only
+    offload_experts: bool = False  # experts read from a memory-mapped file per layer (dgemma/offload.py)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.model_dir is None):
@@ -90,12 +92,21 @@ class BenchSettings:
             raise ConfigError("--device cuda but no CUDA device is available")
         if self.device == "cpu" and self.preset in GPU_ONLY and self.model_dir is None:
             cfg = PRESETS[self.preset]
-            gb = costs.parameter_counts(cfg)["total"] * 2 / 1e9
-            raise ConfigError(f"preset {self.preset} is a GPU benchmark: its random bf16 weights alone take "
+            gb = costs.weight_bytes(cfg, 2, self.quantize)["total"] / 1e9
+            kind = f"{self.quantize} (embedding in bf16)" if self.quantize else "bf16"
+            raise ConfigError(f"preset {self.preset} is a GPU benchmark: its random {kind} weights alone take "
                               f"{gb:.0f} GB ({costs.parameter_counts(cfg)['total']:,} parameters), more than a CPU "
                               "host should hold; run it with --device cuda")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantize is not None and self.quantize not in costs.QUANTIZE_MODES:
+            raise ConfigError(f"quantize must be one of {', '.join(costs.QUANTIZE_MODES)}, got {self.quantize!r}")
+        if self.quantize is not None and self.compile:
+            raise ConfigError("--compile does not take a quantized model (the compiled step's expert op reads plain "
+                              "tensors); drop one of --compile and --quantize")
+        if self.offload_experts and (self.quantize is not None or self.compile):
+            raise ConfigError("--offload-experts runs the unquantized model without --compile; drop --quantize / "
+                              "--compile")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -284,16 +295,17 @@ def summarize(runs: list[RunTimes]) -> dict[str, Any]:
 
 
 def step_bounds(cfg: ModelConfig, context: int, batch: int, dtype_bytes: int, peak_flops: float,
-                bandwidth: float) -> dict[str, Any]:
-    """Lower bounds for one denoise step and one canvas commit at `context` committed tokens."""
+                bandwidth: float, quantize: str | None = None) -> dict[str, Any]:
+    """Lower bounds for one denoise step and one canvas commit at `context` committed tokens; the weight bytes are
+    those of `quantize` ("int8", "int4") when given (costs.weight_bytes)."""
     flops = costs.flops_per_denoise_step(cfg, context, batch)
-    p = costs.parameter_counts(cfg)["breakdown"]
+    w = costs.weight_bytes(cfg, dtype_bytes, quantize)
     tokens = batch * cfg.canvas_length
-    dense = sum(v for k, v in p.items() if k != "experts")  # includes the embedding (head and soft embedding)
+    dense = w["total"] - w["experts"]  # includes the embedding (head and soft embedding)
     touched = cfg.num_experts * (1 - (1 - cfg.top_k_experts / cfg.num_experts) ** tokens) if cfg.is_moe else 0
-    expert_bytes = (p["experts"] / max(cfg.num_experts, 1)) * touched * dtype_bytes if cfg.is_moe else 0
+    expert_bytes = (w["experts"] / max(cfg.num_experts, 1)) * touched if cfg.is_moe else 0
     cache = batch * costs.kv_cache_bytes(cfg, context, dtype_bytes)
-    weight_bytes = dense * dtype_bytes + expert_bytes
+    weight_bytes = dense + expert_bytes
     commit_flops = tokens * costs.flops_per_committed_token(cfg, context)
     return {
         "denoise_step": {"flops": flops, "bytes": int(weight_bytes + cache), "experts_touched_per_layer": touched,
@@ -319,7 +331,7 @@ def _threads(n: int | None) -> Iterator[None]:
 
 def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> dict[str, Any]:
     """Load (or build) the model(s) once, warm each implementation up, then run them in alternation."""
-    from dgemma.testing.hf import build_hf_checkpoint, load_hf_model, randomize_  # transformers only when compared
+    from dgemma.testing.hf import build_hf_checkpoint, load_hf_model  # transformers only when compared
 
     dtype = s.torch_dtype
     with tempfile.TemporaryDirectory(prefix="dgemma-bench-") as tmp:
@@ -328,11 +340,13 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
             path = tmp
             build_hf_checkpoint(PRESETS[s.preset], path, seed=s.seed, dtype=dtype)  # type: ignore[index]
         if path is not None:
-            model = load_model(path, dtype=dtype, device=s.device)
+            model = load_model(path, dtype=dtype, device=s.device, quantize=s.quantize)
         else:  # allocated once, in the target dtype, on the device (26B in fp32 first would not fit an H200)
-            with torch.device("meta"):
-                model = DiffusionGemma(PRESETS[s.preset])  # type: ignore[index]
-            model = randomize_(model.to(dtype).to_empty(device=s.device), s.seed).eval()
+            model = _random_model(PRESETS[s.preset], dtype, s.device, s.seed, s.quantize)  # type: ignore[index]
+        if s.offload_experts:
+            from dgemma.offload import offload_experts
+
+            offload_experts(model, Path(tmp) / "experts.safetensors")
         hf = load_hf_model(path, dtype=dtype, device=s.device, eager=False) if s.compare_transformers else None  # type: ignore[arg-type]
         cfg = model.config
         prompt_len = s.prompt_length or cfg.sliding_window + max(4, cfg.canvas_length // 4)
@@ -355,11 +369,36 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
         if a in results and b in results:
             ratios[f"{a}/{b}"] = results[a]["tokens_per_second"] / results[b]["tokens_per_second"]
     context = prompt_len + (s.canvases - 1) * cfg.canvas_length // 2  # a middle canvas's context, for the bounds
-    bounds = step_bounds(cfg, context, s.batch, torch.finfo(dtype).bits // 8, peak_flops, bandwidth)
+    bounds = step_bounds(cfg, context, s.batch, torch.finfo(dtype).bits // 8, peak_flops, bandwidth, s.quantize)
     return {"model": s.model_dir or s.preset, "prompt_length": prompt_len, "batch": s.batch, "steps": s.steps,
-            "canvases": s.canvases, "canvas_length": cfg.canvas_length, "dtype": str(dtype).removeprefix("torch."),
+            "canvases": s.canvases, "canvas_length": cfg.canvas_length, "dtype": str(dtype).removeprefix("torch.")
+            + (f", {s.quantize} weights" if s.quantize else "") + (", experts offloaded" if s.offload_experts else ""),
             "compile": s.compile, "results": results, "ratios": ratios, "bounds": bounds,
             "bound_context": context}
+
+
+def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int, quantize: str | None
+                  ) -> DiffusionGemma:
+    """Random weights (`testing.hf.randomize_`) made in `dtype` on `device`; with `quantize`, each layer is
+    quantized as soon as it is filled, so the 26B-A4B never exists whole in bf16 (peak: quantized model + a layer)."""
+    from dgemma.testing.hf import randomize_
+
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    if quantize is None:
+        return randomize_(model.to(dtype).to_empty(device=device), seed).eval()
+    from dgemma import quantize as q
+
+    q.check_supported(quantize, device, dtype)
+    layers, model.layers = model.layers, nn.ModuleList()
+    parts = [model.to(dtype), *layers]  # the model without its layers (embedding, norm, self-conditioning) first
+    for i, part in enumerate(parts):
+        randomize_(part.to_empty(device=device), seed + i)
+        for name in list(q.quantized_names(part)):
+            q.replace(part, name, quantize)
+    model.layers = layers
+    model.quantization = quantize  # type: ignore[assignment]
+    return model.eval()
 
 
 # --- training -------------------------------------------------------------------------------------------------------

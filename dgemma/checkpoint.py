@@ -156,13 +156,16 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
 
 def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.Module],
          dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-         preflight: Callable[[ModelConfig, torch.dtype], None] | None = None) -> Any:
+         preflight: Callable[[ModelConfig, torch.dtype], None] | None = None,
+         stream: tuple[Callable[[torch.nn.Module], set[str]], Callable[[torch.nn.Module, str, torch.Tensor], None]]
+         | None = None) -> Any:
     """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint, into the module
     `build(config)` makes (on the meta device; `DiffusionGemma.from_pretrained` passes the class). `dtype` defaults
     to the checkpoint's (that of `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises
     `CheckpointError`: a malformed config, a shard outside the directory, a missing, misshapen or non-finite tensor.
     `preflight(config, dtype)` runs once the config and dtype are known, before any memory is allocated (the
-    memory pre-flight of `dgemma.load_model`)."""
+    memory pre-flight of `dgemma.load_model`). `stream = (names, place)`: the state-dict names `names(model)` are
+    not allocated; each is handed to `place(model, name, tensor)` as it is read (a quantized load: `quantize.py`)."""
     path = resolve_model_dir(path)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
@@ -228,7 +231,8 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
             preflight(config, dtype)
         # Allocated once, in the target dtype; each checkpoint tensor is read, cast into place and released before
         # the next is read, so peak host memory is the model plus its largest tensor.
-        model = model.to(dtype=dtype).to_empty(device=device or "cpu")
+        streamed = stream[0](model) if stream is not None else set()
+        model = _allocate(model.to(dtype=dtype), device or "cpu", skip=streamed)
         target = model.state_dict()
         for key, name in wanted.items():
             try:
@@ -239,10 +243,27 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
                 nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
                 raise CheckpointError(f"{files[key]}: tensor {key!r} holds non-finite values ({nan} NaN, {inf} inf "
                                       f"of {tensor.numel()}); the checkpoint is corrupt or from a diverged run")
-            target[name].copy_(tensor)  # casts to the model dtype and moves to its device
+            if name in streamed:
+                stream[1](model, name, tensor)  # type: ignore[index]
+            else:
+                target[name].copy_(tensor)  # casts to the model dtype and moves to its device
             del tensor
     model.generation_config = generation_config
     return model.eval()
+
+
+def _allocate(model: torch.nn.Module, device: torch.device | str, skip: set[str]) -> torch.nn.Module:
+    """`model.to_empty(device=device)`, except that the tensors named in `skip` stay unallocated (meta)."""
+    if not skip:
+        return model.to_empty(device=device)
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is not None and f"{prefix}.{key}".lstrip(".") not in skip:
+                    empty = torch.empty_like(t, device=device)
+                    table[key] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) \
+                        else empty
+    return model
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -271,6 +292,9 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes
     it was overwriting the shards of an earlier sharded save, no index at all, so nothing half-old half-new loads)."""
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    if getattr(model, "quantization", None):
+        raise ValueError(f"a model quantized to {model.quantization} cannot be saved in the checkpoint layout (its "
+                         "weights are no longer float tensors): save the unquantized model, quantize when loading")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()

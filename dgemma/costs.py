@@ -166,5 +166,60 @@ def flops_per_committed_token(cfg: ModelConfig, context_len: int) -> int:
     return flops
 
 
+# --- weight memory, quantized or not ----------------------------------------------------------------------------
+
+QUANTIZE_MODES = ("int8", "int4")
+INT4_GROUP = 128  # int4: one scale and zero per 128 input weights (torchao's tinygemm layout)
+INT4_PAD_IN, INT4_PAD_OUT = 1024, 8  # tinygemm pads a matrix's input width to a multiple of 1024, outputs to 8
+
+
+def quantized_matrices(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """The weight matrices `--quantize` replaces (dgemma/quantize.py): (kind, out, in, how many), counting each expert
+    matrix once. Every linear projection is quantized except the router's (routing is discrete: a rounding can swap
+    an expert) and the Lite time projection; the embedding (the tied head) stays in the model dtype."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    out: list[tuple[str, int, int, int]] = []
+    for i in range(cfg.num_hidden_layers):
+        H, K, Dh = cfg.num_attention_heads, cfg.layer_num_kv_heads(i), cfg.layer_head_dim(i)
+        out += [("attention", H * Dh, D, 1), ("attention", K * Dh, D, 1 if cfg.shares_kv(i) else 2),
+                ("attention", D, H * Dh, 1), ("dense_mlp", F, D, 2), ("dense_mlp", D, F, 1)]
+        if cfg.is_moe:
+            Ie, E = cfg.moe_intermediate_size, cfg.num_experts
+            out += [("experts", 2 * Ie, D, E), ("experts", D, Ie, E)]
+    if cfg.self_conditioning == "linear":
+        out.append(("self_conditioning", D, D, 1))
+    else:
+        out += [("self_conditioning", F, D, 2), ("self_conditioning", D, F, 1)]
+    return out
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def quantized_matrix_bytes(out_features: int, in_features: int, mode: str) -> int:
+    """Bytes of one quantized (out, in) matrix as torchao stores it. int8 (weight-only, per output row): one byte per
+    weight and one fp32 scale per row. int4 (tinygemm, `Int4TilePackedTo4dTensor`): both widths padded
+    (INT4_PAD_IN, INT4_PAD_OUT), half a byte per weight, a bf16 scale and zero per group of INT4_GROUP inputs."""
+    if mode == "int8":
+        return out_features * in_features + 4 * out_features
+    if mode == "int4":
+        o, i = _ceil_to(out_features, INT4_PAD_OUT), _ceil_to(in_features, INT4_PAD_IN)
+        return o * i // 2 + o * (i // INT4_GROUP) * 2 * 2
+    raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)} or None, got {mode!r}")
+
+
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2, quantize: str | None = None) -> dict[str, int]:
+    """Bytes of the weights by part (the `parameter_counts` breakdown) in the model dtype, or with `quantize`
+    ("int8" or "int4") applied to the matrices `quantized_matrices` lists; `total` is their sum. The layer_scalar
+    buffers are not counted (as in `parameter_counts`)."""
+    parts = {k: v * dtype_bytes for k, v in parameter_counts(cfg)["breakdown"].items()}
+    if quantize is not None:
+        for kind, o, i, n in quantized_matrices(cfg):
+            parts[kind] += n * (quantized_matrix_bytes(o, i, quantize) - o * i * dtype_bytes)
+    return {**parts, "total": sum(parts.values())}
+
+
 __all__ = ["flops_per_committed_token", "flops_per_denoise_step", "kv_cache_bytes", "kv_cache_bytes_breakdown",
-           "kv_cache_bytes_per_token", "parameter_counts", "per_layer_table"]
+           "kv_cache_bytes_per_token", "parameter_counts", "per_layer_table", "quantized_matrices",
+           "weight_bytes"]

@@ -31,7 +31,10 @@ Draw = Literal["cdf", "race"]
 def _grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
     """Whether one grouped matmul can run every expert: `torch.nn.functional.grouped_mm` (torch >= 2.10, CPU and CUDA)
     or `torch._grouped_mm`, bf16 on CUDA (compute capability >= 8.0), inference only (its CPU backward is
-    incomplete), and 16-byte aligned rows and pointers, which the kernel requires."""
+    incomplete), plain weight tensors (not quantized: dgemma/quantize.py), and 16-byte aligned rows and pointers,
+    which the kernel requires."""
+    if any(type(w) not in (Tensor, torch.nn.Parameter) for w in weights):  # quantized or offloaded experts
+        return False
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if fn is None or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))):
         return False

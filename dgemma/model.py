@@ -346,14 +346,25 @@ class DiffusionGemma(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None, impl: Impl = "reference",
-                        force: bool = False) -> DiffusionGemma:
-        """`dgemma.load_model(path, dtype=, device=, impl=, force=)`: a checkpoint directory in the Hugging Face
-        layout, or a training run (its newest complete checkpoint), with its generation_config attached. Refuses
-        (MemoryPreflightError) weights larger than the free memory unless `force`."""
+                        force: bool = False, quantize: str | None = None) -> DiffusionGemma:
+        """`dgemma.load_model(path, dtype=, device=, impl=, force=, quantize=)`: a checkpoint directory in the Hugging
+        Face layout, or a training run (its newest complete checkpoint), with its generation_config attached. Refuses
+        (MemoryPreflightError) weights larger than the free memory unless `force`. `quantize`: "int8" or "int4"
+        weight-only (dgemma/quantize.py), each tensor quantized as it is read."""
+        from dgemma import quantize as q  # torchao, when asked for
+
         dev = torch.device(device or "cpu")
-        preflight = lambda config, dt: check_memory(config, dt, dev, weights=True, force=force)
-        return checkpoint.load(path, lambda config: cls(config, impl=impl), dtype=dtype, device=device,
-                               preflight=preflight)
+
+        def preflight(config: ModelConfig, dt: torch.dtype) -> None:
+            if quantize is not None:
+                q.check_supported(quantize, dev, dt)
+            check_memory(config, dt, dev, weights=True, force=force, quantize=quantize)
+
+        model = checkpoint.load(path, lambda config: cls(config, impl=impl), dtype=dtype, device=device,
+                                preflight=preflight, stream=q.streaming_loader(quantize) if quantize else None)
+        if quantize is not None:
+            model.quantization = quantize
+        return model
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         """A preallocated cache for `max_length` committed tokens, in the model's dtype and device."""
@@ -576,12 +587,13 @@ class DiffusionGemma(nn.Module):
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None, impl: Impl = "reference", force: bool = False
-               ) -> DiffusionGemma:
+               device: torch.device | str | None = None, impl: Impl = "reference", force: bool = False,
+               quantize: str | None = None) -> DiffusionGemma:
     """`DiffusionGemma.from_pretrained`: a checkpoint directory in the Hugging Face layout, or a training run (its
     newest complete checkpoint), with its generation_config attached. Problems raise `CheckpointError`; weights
-    that do not fit in free memory raise `MemoryPreflightError` (before anything is allocated) unless `force`."""
-    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl, force=force)
+    that do not fit in free memory raise `MemoryPreflightError` (before anything is allocated) unless `force`.
+    `quantize="int8"|"int4"`: weight-only quantization with torchao (`pip install 'dgemma[quant]'`)."""
+    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl, force=force, quantize=quantize)
 
 
 class MemoryPreflightError(ValueError):
@@ -592,14 +604,14 @@ RUNTIME_BYTES = 256 * 2**20  # allocator slack, the interpreter, small temporari
 
 
 def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = False, batch_size: int = 0,
-                  cache_length: int = 0, prompt_length: int = 0) -> dict[str, int]:
-    """Bytes by part (costs.py's accounting, nothing is built): the weights in `dtype`, a KVCache of
+                  cache_length: int = 0, prompt_length: int = 0, quantize: str | None = None) -> dict[str, int]:
+    """Bytes by part (costs.py's accounting, nothing is built): the weights in `dtype` (or `quantize`d), a KVCache of
     `cache_length` slots for `batch_size` rows (every layer is preallocated at full length), the sampler's
     (batch, canvas, vocab) buffers (fp32 logits and probabilities, the self-conditioning logits, the entropy's
     temporary), and the prefill's attention scores for a `prompt_length`-token prompt."""
     nbytes = torch.empty((), dtype=dtype).element_size()
     B, L, V = batch_size, config.canvas_length, config.vocab_size
-    parts = {"weights": costs.parameter_counts(config)["total"] * nbytes if weights else 0,
+    parts = {"weights": costs.weight_bytes(config, nbytes, quantize)["total"] if weights else 0,
              "kv_cache": B * cache_length * costs.kv_cache_bytes_per_token(config, nbytes),
              "sampler": B * L * V * (3 * 4 + nbytes),
              "activations": 2 * B * config.num_attention_heads * prompt_length * max(prompt_length, L) * 4,
@@ -609,11 +621,11 @@ def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = Fa
 
 def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                  weights: bool = False, batch_size: int = 0, cache_length: int = 0, prompt_length: int = 0,
-                 force: bool = False) -> dict[str, int]:
+                 force: bool = False, quantize: str | None = None) -> dict[str, int]:
     """The memory pre-flight: refuse (MemoryPreflightError, with the numbers) when `memory_needed` exceeds what
     `system.available_memory` says is free (RAM, or free device memory on CUDA), unless `force`. Returns the parts."""
     parts = memory_needed(config, dtype, weights=weights, batch_size=batch_size, cache_length=cache_length,
-                          prompt_length=prompt_length)
+                          prompt_length=prompt_length, quantize=quantize)
     device = torch.device(device)
     free = available_memory(device) if device.type in ("cpu", "cuda") else None
     need = sum(parts.values())
@@ -621,8 +633,8 @@ def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device |
         gb = lambda b: f"{b / 1e9:.2f} GB"
         detail = ", ".join(f"{k} {gb(v)}" for k, v in parts.items())
         raise MemoryPreflightError(f"needs about {gb(need)} ({detail}) but only {gb(free)} is free on {device.type}; "
-                                   "use a smaller model, dtype, batch or max_new_tokens, or --force / force=True to "
-                                   "try anyway")
+                                   "use a smaller model, dtype (or --quantize), batch or max_new_tokens, or --force / "
+                                   "force=True to try anyway")
     return parts
 
 

@@ -30,6 +30,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=sorted(bench.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast path's denoise step")
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help="weight-only quantization of dgemma's model (torchao; int4 on CUDA); transformers stays float")
+    p.add_argument("--offload-experts", action="store_true",
+                   help="keep the expert weights in a memory-mapped file, read per layer (docs/benchmarks.md)")
     p.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-train", action="store_true", help="skip the training-throughput measurement")
     p.add_argument("--train-preset", metavar="NAME", help="default: cpu-small on CPU, lite-380m on CUDA")
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         compare_transformers=args.compare_transformers, steps=args.steps, canvases=args.canvases,
         repeats=args.repeats, batch=args.batch, prompt_length=args.prompt_length, device=args.device,
         dtype=args.dtype, compile=args.compile, seed=args.seed, train=not args.no_train,
-        train_preset=args.train_preset, train_steps=args.train_steps, threads=args.threads)
+        train_preset=args.train_preset, train_steps=args.train_steps, threads=args.threads, quantize=args.quantize,
+        offload_experts=args.offload_experts)
     report = bench.run(settings)
     print(bench.to_json(report) if args.json else bench.format_report(report))
     if args.write_docs:

@@ -16,6 +16,7 @@ import dgemma
 from dgemma.config import ConfigError
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import check_memory
+from dgemma.quantize import check_supported, quantize_model
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -47,6 +48,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--force", action="store_true",
                    help="skip the memory pre-flight (load and generate even if the estimate exceeds free memory)")
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help="weight-only quantization at load time (torchao: pip install 'dgemma[quant]'); int4 on CUDA")
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
@@ -78,15 +81,19 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
             raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
         config = dgemma.preset(args.preset)
         # Before anything is built: the weights and one canvas's sampler buffers must fit in free memory.
+        quantize = getattr(args, "quantize", None)
+        if quantize is not None:
+            check_supported(quantize, args.device, dtype or torch.float32)
         check_memory(config, dtype or torch.float32, args.device, weights=True, batch_size=1,
-                     force=getattr(args, "force", False))
+                     force=getattr(args, "force", False), quantize=quantize)
         model = dgemma.init_weights(dgemma.DiffusionGemma(config))
-        model = model.to(dtype=dtype or torch.float32, device=args.device).eval()
+        model = quantize_model(model.to(dtype=dtype or torch.float32, device=args.device).eval(), quantize)
         model.generation_config = GenerationConfig.for_model(model.config)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
-        model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=getattr(args, "force", False))
+        model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=getattr(args, "force", False),
+                                  quantize=getattr(args, "quantize", None))
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):

@@ -8,9 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dgemma import costs
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ModelConfig, preset, read_json
+from dgemma.model import memory_needed
 
 
 def register(subparsers: Any) -> None:
@@ -21,6 +24,8 @@ def register(subparsers: Any) -> None:
                      "(its newest complete checkpoint); reads config.json only")
     src.add_argument("--preset", help="a named preset from dgemma.config.PRESETS")
     p.add_argument("--context", type=int, default=4096, help="committed tokens in the cache, for FLOPs (default 4096)")
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help="also report the weights' memory with --quantize int8 / int4 (torchao's layouts)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -39,8 +44,13 @@ def load_config(path: Path | None, preset_name: str | None) -> ModelConfig:
     return ModelConfig.from_hf(read_json(config_path), source=str(config_path))
 
 
-def report(cfg: ModelConfig, context: int) -> dict[str, Any]:
-    return {"config": cfg.to_hf()["text_config"] | {"canvas_length": cfg.canvas_length},
+def report(cfg: ModelConfig, context: int, quantize: str | None = None) -> dict[str, Any]:
+    modes = {name: mode for name, mode in (("bf16", None), (quantize, quantize)) if name}
+    preflight = {name: memory_needed(cfg, torch.bfloat16, weights=True, batch_size=1, cache_length=context,
+                                     quantize=mode) for name, mode in modes.items()}
+    return {"weight_bytes": {name: costs.weight_bytes(cfg, 2, mode) for name, mode in modes.items()},
+            "preflight_bytes": preflight, "quantize": quantize,
+            "config": cfg.to_hf()["text_config"] | {"canvas_length": cfg.canvas_length},
             "parameters": costs.parameter_counts(cfg), "layers": costs.per_layer_table(cfg),
             "kv_cache_bytes_per_token_bf16": costs.kv_cache_bytes_breakdown(cfg, 2), "context": context,
             "kv_cache_bytes_at_context_bf16": costs.kv_cache_bytes(cfg, context, 2),
@@ -67,7 +77,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.path, args.preset)
-    r = report(cfg, args.context)
+    r = report(cfg, args.context, args.quantize)
     if args.json:
         print(json.dumps(r, indent=None))
         return 0
@@ -85,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"  at context {args.context:,}: {r['kv_cache_bytes_at_context_bf16_dgemma']:,} bytes in dgemma's KVCache "
           f"(every position kept); {r['kv_cache_bytes_at_context_bf16']:,} if sliding layers kept only their last "
           f"{c.sliding_window - 1} tokens")
+    for name, w in r["weight_bytes"].items():
+        label = "bf16" if name == "bf16" else f"{name} (embedding and router in bf16)"
+        need = r["preflight_bytes"][name]
+        print(f"weights, {label}: {w['total']:,} bytes ({w['total'] / 1e9:.2f} GB; experts {w['experts'] / 1e9:.2f} "
+              f"GB); memory pre-flight for one prompt at context {args.context:,}: {sum(need.values()) / 1e9:.2f} GB "
+              f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in need.items())})")
     print(f"FLOPs per denoise step at context {args.context:,}: {r['flops_per_denoise_step']:,} "
           f"({human(r['flops_per_denoise_step'], 'KMGTP')})")
     print(f"FLOPs per committed token at context {args.context:,}: {r['flops_per_committed_token']:,} "
