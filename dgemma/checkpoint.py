@@ -157,15 +157,15 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
 def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.Module],
          dtype: torch.dtype | None = None, device: torch.device | str | None = None,
          preflight: Callable[[ModelConfig, torch.dtype], None] | None = None,
-         stream: tuple[Callable[[torch.nn.Module], set[str]], Callable[[torch.nn.Module, str, torch.Tensor], None]]
-         | None = None) -> Any:
+         stream: tuple[Callable[[torch.nn.Module], set[str]], Callable[..., None]] | None = None) -> Any:
     """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint, into the module
     `build(config)` makes (on the meta device; `DiffusionGemma.from_pretrained` passes the class). `dtype` defaults
     to the checkpoint's (that of `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises
     `CheckpointError`: a malformed config, a shard outside the directory, a missing, misshapen or non-finite tensor.
     `preflight(config, dtype)` runs once the config and dtype are known, before any memory is allocated (the
     memory pre-flight of `dgemma.load_model`). `stream = (names, place)`: the state-dict names `names(model)` are
-    not allocated; each is handed to `place(model, name, tensor)` as it is read (a quantized load: `quantize.py`)."""
+    not allocated; `place(model, name, read, file, key)` puts each in the model instead, from `read()` (the checked
+    tensor) or from the file itself (a quantized load: `quantize.py`; expert offload: `offload.py`)."""
     path = resolve_model_dir(path)
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
@@ -235,21 +235,26 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
         model = _allocate(model.to(dtype=dtype), device or "cpu", skip=streamed)
         target = model.state_dict()
         for key, name in wanted.items():
-            try:
-                tensor = handles[files[key]].get_tensor(key)
-            except (SafetensorError, OSError, RuntimeError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{files[key]}: cannot read {key!r} ({e})") from None
-            if not bool(torch.isfinite(tensor).all()):  # checked as read: one cheap pass per tensor
-                nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
-                raise CheckpointError(f"{files[key]}: tensor {key!r} holds non-finite values ({nan} NaN, {inf} inf "
-                                      f"of {tensor.numel()}); the checkpoint is corrupt or from a diverged run")
+            read = lambda key=key: _read_checked(handles[files[key]], files[key], key)
             if name in streamed:
-                stream[1](model, name, tensor)  # type: ignore[index]
+                stream[1](model, name, read, files[key], key)  # type: ignore[index]
             else:
-                target[name].copy_(tensor)  # casts to the model dtype and moves to its device
-            del tensor
+                target[name].copy_(read())  # casts to the model dtype and moves to its device
     model.generation_config = generation_config
     return model.eval()
+
+
+def _read_checked(handle: Any, file: Path, key: str) -> torch.Tensor:
+    """One tensor read from an open safetensors file, refused if unreadable or not finite (one cheap pass)."""
+    try:
+        tensor = handle.get_tensor(key)
+    except (SafetensorError, OSError, RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot read {key!r} ({e})") from None
+    if not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+        raise CheckpointError(f"{file}: tensor {key!r} holds non-finite values ({nan} NaN, {inf} inf "
+                              f"of {tensor.numel()}); the checkpoint is corrupt or from a diverged run")
+    return tensor
 
 
 def _allocate(model: torch.nn.Module, device: torch.device | str, skip: set[str]) -> torch.nn.Module:

@@ -61,11 +61,21 @@ def _grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return fn(x, w.transpose(1, 2), offs=offsets)  # rows [offsets[e-1], offsets[e]) @ w[e].T
 
 
+def _fetch(counts: list[int], gate_up_proj: Tensor, down_proj: Tensor) -> None:
+    """Offloaded experts (dgemma/offload.py) start copying the experts with rows to the device, in loop order."""
+    if hasattr(gate_up_proj, "fetch"):
+        for e in (e for e, n in enumerate(counts) if n):
+            gate_up_proj.fetch([e])
+            down_proj.fetch([e])  # type: ignore[attr-defined]
+
+
 def _expert_loop(xs: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
     """One gated-GELU matmul pair per expert on its contiguous block of rows xs (N*k, D); counts (E,)."""
     y = torch.empty_like(xs)
     lo = 0
-    for e, n in enumerate(counts.tolist()):  # the one host read per layer (free on CPU)
+    sizes = counts.tolist()  # the one host read per layer (free on CPU)
+    _fetch(sizes, gate_up_proj, down_proj)
+    for e, n in enumerate(sizes):
         if n:
             gate, up = F.linear(xs[lo:lo + n], gate_up_proj[e]).chunk(2, dim=-1)
             y[lo:lo + n] = F.linear(F.gelu(gate, approximate="tanh") * up, down_proj[e])
@@ -82,7 +92,9 @@ def _padded_expert_loop(xs: Tensor, counts: Tensor, gate_up_proj: Tensor, down_p
     for many, but the same for any number of whole blocks; tests/test_engine.py checks this where it runs)."""
     y = torch.empty_like(xs)
     lo = 0
-    for e, n in enumerate(counts.tolist()):
+    sizes = counts.tolist()
+    _fetch(sizes, gate_up_proj, down_proj)
+    for e, n in enumerate(sizes):
         if n:
             rows = xs.new_zeros(-(-n // ROW_BLOCK) * ROW_BLOCK, xs.shape[1])
             rows[:n] = xs[lo:lo + n]

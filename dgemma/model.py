@@ -346,24 +346,29 @@ class DiffusionGemma(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
                         device: torch.device | str | None = None, impl: Impl = "reference",
-                        force: bool = False, quantize: str | None = None) -> DiffusionGemma:
+                        force: bool = False, quantize: str | None = None, offload_experts: bool = False
+                        ) -> DiffusionGemma:
         """`dgemma.load_model(path, dtype=, device=, impl=, force=, quantize=)`: a checkpoint directory in the Hugging
         Face layout, or a training run (its newest complete checkpoint), with its generation_config attached. Refuses
         (MemoryPreflightError) weights larger than the free memory unless `force`. `quantize`: "int8" or "int4"
-        weight-only (dgemma/quantize.py), each tensor quantized as it is read."""
-        from dgemma import quantize as q  # torchao, when asked for
+        weight-only (dgemma/quantize.py), each tensor quantized as it is read. `offload_experts`: the routed experts
+        stay in the checkpoint's file (CPU, memory-mapped) or pinned host memory (CUDA) (dgemma/offload.py)."""
+        from dgemma import offload
+        from dgemma import quantize as q  # torchao, imported only when asked for
 
+        if quantize is not None and offload_experts:
+            raise ValueError("quantize and offload_experts do not combine: pick one")
         dev = torch.device(device or "cpu")
 
         def preflight(config: ModelConfig, dt: torch.dtype) -> None:
             if quantize is not None:
                 q.check_supported(quantize, dev, dt)
-            check_memory(config, dt, dev, weights=True, force=force, quantize=quantize)
+            check_memory(config, dt, dev, weights=True, force=force, quantize=quantize, offload_experts=offload_experts)
 
+        stream = q.streaming_loader(quantize) if quantize else offload.streaming_loader() if offload_experts else None
         model = checkpoint.load(path, lambda config: cls(config, impl=impl), dtype=dtype, device=device,
-                                preflight=preflight, stream=q.streaming_loader(quantize) if quantize else None)
-        if quantize is not None:
-            model.quantization = quantize
+                                preflight=preflight, stream=stream)
+        model.quantization = quantize
         return model
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
@@ -588,12 +593,14 @@ class DiffusionGemma(nn.Module):
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
                device: torch.device | str | None = None, impl: Impl = "reference", force: bool = False,
-               quantize: str | None = None) -> DiffusionGemma:
+               quantize: str | None = None, offload_experts: bool = False) -> DiffusionGemma:
     """`DiffusionGemma.from_pretrained`: a checkpoint directory in the Hugging Face layout, or a training run (its
     newest complete checkpoint), with its generation_config attached. Problems raise `CheckpointError`; weights
     that do not fit in free memory raise `MemoryPreflightError` (before anything is allocated) unless `force`.
-    `quantize="int8"|"int4"`: weight-only quantization with torchao (`pip install 'dgemma[quant]'`)."""
-    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl, force=force, quantize=quantize)
+    `quantize="int8"|"int4"`: weight-only quantization with torchao (`pip install 'dgemma[quant]'`);
+    `offload_experts=True`: experts kept out of device memory, read per layer (dgemma/offload.py)."""
+    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl, force=force, quantize=quantize,
+                                          offload_experts=offload_experts)
 
 
 class MemoryPreflightError(ValueError):
@@ -604,14 +611,17 @@ RUNTIME_BYTES = 256 * 2**20  # allocator slack, the interpreter, small temporari
 
 
 def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = False, batch_size: int = 0,
-                  cache_length: int = 0, prompt_length: int = 0, quantize: str | None = None) -> dict[str, int]:
-    """Bytes by part (costs.py's accounting, nothing is built): the weights in `dtype` (or `quantize`d), a KVCache of
+                  cache_length: int = 0, prompt_length: int = 0, quantize: str | None = None,
+                  offload_experts: bool = False) -> dict[str, int]:
+    """Bytes by part (costs.py's accounting, nothing is built): the weights in `dtype` (or `quantize`d; without the
+    experts if they are offloaded), a KVCache of
     `cache_length` slots for `batch_size` rows (every layer is preallocated at full length), the sampler's
     (batch, canvas, vocab) buffers (fp32 logits and probabilities, the self-conditioning logits, the entropy's
     temporary), and the prefill's attention scores for a `prompt_length`-token prompt."""
     nbytes = torch.empty((), dtype=dtype).element_size()
     B, L, V = batch_size, config.canvas_length, config.vocab_size
-    parts = {"weights": costs.weight_bytes(config, nbytes, quantize)["total"] if weights else 0,
+    w = costs.weight_bytes(config, nbytes, quantize)
+    parts = {"weights": w["total"] - (w["experts"] if offload_experts else 0) if weights else 0,
              "kv_cache": B * cache_length * costs.kv_cache_bytes_per_token(config, nbytes),
              "sampler": B * L * V * (3 * 4 + nbytes),
              "activations": 2 * B * config.num_attention_heads * prompt_length * max(prompt_length, L) * 4,
@@ -621,11 +631,11 @@ def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = Fa
 
 def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                  weights: bool = False, batch_size: int = 0, cache_length: int = 0, prompt_length: int = 0,
-                 force: bool = False, quantize: str | None = None) -> dict[str, int]:
+                 force: bool = False, quantize: str | None = None, offload_experts: bool = False) -> dict[str, int]:
     """The memory pre-flight: refuse (MemoryPreflightError, with the numbers) when `memory_needed` exceeds what
     `system.available_memory` says is free (RAM, or free device memory on CUDA), unless `force`. Returns the parts."""
     parts = memory_needed(config, dtype, weights=weights, batch_size=batch_size, cache_length=cache_length,
-                          prompt_length=prompt_length, quantize=quantize)
+                          prompt_length=prompt_length, quantize=quantize, offload_experts=offload_experts)
     device = torch.device(device)
     free = available_memory(device) if device.type in ("cpu", "cuda") else None
     need = sum(parts.values())

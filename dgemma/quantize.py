@@ -26,6 +26,8 @@ and "padded" backends) run the quantized weights as they are; only the grouped m
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -55,10 +57,25 @@ def torchao_version() -> str | None:
 
 
 def _torchao() -> Any:
+    """torchao.quantization, imported on first use. torchao logs a warning for each optional CUDA extension a CPU
+    build of torch cannot load, and torch warns about an enum it registers: neither concerns weight-only
+    quantization, so both are silenced while it imports."""
     if torchao_version() is None:
         raise QuantizationError(f"quantization needs torchao, the quant extra: {INSTALL_HINT}")
-    import torchao.quantization as tq  # optional dependency, imported when used
-
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao.quantization as tq  # optional dependency, imported when used
+    except Exception as e:  # an install that does not match torch
+        raise QuantizationError(f"torchao {torchao_version()} does not import with torch {torch.__version__} ({e}); "
+                                f"install the pinned version: {INSTALL_HINT}") from None
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
     return tq
 
 
@@ -66,9 +83,9 @@ def check_supported(mode: str, device: torch.device | str, dtype: torch.dtype) -
     """Refuse (QuantizationError) a mode torchao has no kernel for on `device` in `dtype`, before any weight is
     loaded. int4 runs torchao's tinygemm kernel: CUDA, bfloat16, compute capability 8.0 or newer."""
     check_mode(mode)
-    _torchao()
     device = torch.device(device)
     if mode == "int8":
+        _torchao()
         return
     where = f"{device.type}" + (f" (compute capability {torch.cuda.get_device_capability(device)})"
                                 if device.type == "cuda" else "")
@@ -79,6 +96,7 @@ def check_supported(mode: str, device: torch.device | str, dtype: torch.dtype) -
     if dtype != torch.bfloat16:
         raise QuantizationError(f"--quantize int4 runs in bfloat16 (torchao's tinygemm kernel), not "
                                 f"{str(dtype).removeprefix('torch.')}: add --dtype bfloat16")
+    _torchao()
 
 
 class ExpertMatrices(nn.Module):
@@ -152,7 +170,7 @@ def quantize_model(model: nn.Module, mode: str | None) -> nn.Module:
     return model
 
 
-def streaming_loader(mode: str) -> tuple[Callable[[nn.Module], set[str]], Callable[[nn.Module, str, Tensor], None]]:
+def streaming_loader(mode: str) -> tuple[Callable[[nn.Module], set[str]], Callable[..., None]]:
     """The two hooks of `checkpoint.load` for a quantized load: which state-dict names to stream (left unallocated),
     and how to place one of them: cast the checkpoint tensor to the model's dtype and device, quantize it there,
     put it in the model (its float copy is then dropped). Peak memory: the quantized model plus one float tensor."""
@@ -160,9 +178,9 @@ def streaming_loader(mode: str) -> tuple[Callable[[nn.Module], set[str]], Callab
     def names(model: nn.Module) -> set[str]:
         return set(quantized_names(model))
 
-    def place(model: nn.Module, name: str, tensor: Tensor) -> None:
+    def place(model: nn.Module, name: str, read: Callable[[], Tensor], *_: Any) -> None:
         dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
-        _set(model, name, quantize_weight(tensor.to(device=device, dtype=dtype), mode))
+        _set(model, name, quantize_weight(read().to(device=device, dtype=dtype), mode))
 
     return names, place
 

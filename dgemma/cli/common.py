@@ -4,8 +4,10 @@ the streaming display (committed text, and in a terminal the canvas being refine
 from __future__ import annotations
 
 import argparse
+import atexit
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import dgemma
 from dgemma.config import ConfigError
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import check_memory
+from dgemma.offload import offload_experts
 from dgemma.quantize import check_supported, quantize_model
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
@@ -50,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="skip the memory pre-flight (load and generate even if the estimate exceeds free memory)")
     p.add_argument("--quantize", choices=("int8", "int4"),
                    help="weight-only quantization at load time (torchao: pip install 'dgemma[quant]'); int4 on CUDA")
+    p.add_argument("--offload-experts", action="store_true",
+                   help="keep the routed experts out of memory: memory-mapped from the checkpoint (CPU) or in pinned "
+                        "host memory (CUDA), read per layer")
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
@@ -88,12 +94,19 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
                      force=getattr(args, "force", False), quantize=quantize)
         model = dgemma.init_weights(dgemma.DiffusionGemma(config))
         model = quantize_model(model.to(dtype=dtype or torch.float32, device=args.device).eval(), quantize)
+        if getattr(args, "offload_experts", False):
+            if quantize is not None:
+                raise UsageError("--offload-experts and --quantize do not combine: pick one")
+            folder = tempfile.mkdtemp(prefix="dgemma-experts-")  # the random experts' file, removed at exit
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            offload_experts(model, Path(folder) / "experts.safetensors")
         model.generation_config = GenerationConfig.for_model(model.config)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
         model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=getattr(args, "force", False),
-                                  quantize=getattr(args, "quantize", None))
+                                  quantize=getattr(args, "quantize", None),
+                                  offload_experts=getattr(args, "offload_experts", False))
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):
