@@ -101,6 +101,10 @@ class BenchSettings:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantize is not None and self.quantize not in costs.QUANTIZE_MODES:
             raise ConfigError(f"quantize must be one of {', '.join(costs.QUANTIZE_MODES)}, got {self.quantize!r}")
+        if self.quantize is not None:  # before the machine's peaks are measured: int4 has no CPU kernel
+            from dgemma.quantize import check_supported
+
+            check_supported(self.quantize, self.device, self.torch_dtype)
         if self.quantize is not None and self.compile:
             raise ConfigError("--compile does not take a quantized model (the compiled step's expert op reads plain "
                               "tensors); drop one of --compile and --quantize")

@@ -112,6 +112,13 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/bench_ce_memory.py": ["--rows", "64", "--vocab", "1000"],
     "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
     "python runs/profile_fast_step.py --preset bench-small": ["--preset", "tiny", "--repeats", "1"],
+    "python runs/quant_quality.py": ["--smoke"],
+    "python runs/step_variants.py --preset bench-small --threads 1": ["--preset", "tiny", "--rounds", "1"],
+    # README: quantized and offloaded generation at 3 denoising steps
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 --quantize int8":
+        ["--steps", "3"],
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 "
+    "--offload-experts": ["--steps", "3"],
 }
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).
 DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,

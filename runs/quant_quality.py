@@ -1,0 +1,163 @@
+"""What `--quantize int8` costs in quality (docs/benchmarks.md, "Quantization"), measured, not assumed:
+
+1. per preset, random weights (`testing.hf.randomize_`): max and mean |logit error| of the int8 model, and of the
+   bf16 model for scale, against the fp32 model, on one prompt and one canvas (a self-conditioned denoise step);
+2. a trained `cpu-small` (`bash runs/cpu_small_results.sh 400` makes one; without one, this script trains one for
+   --train-steps with `dgemma train`): the held-out NELBO (nats/token, same windows and noise draws) in fp32 and
+   int8, and the x0 cross-entropy;
+3. the same model: generation agreement at the same seed: the share of committed tokens identical to fp32's, and the
+   share of whole canvases identical, over --prompts held-out prompts (readable sampler: the same draws as long as
+   the logits agree).
+
+Prints a markdown summary and one JSON object (to --json PATH too).
+
+    python runs/quant_quality.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dgemma
+from dgemma import quantize
+from dgemma.config import PRESETS
+from dgemma.data import TokenDataset
+from dgemma.evaluate import heldout_nelbo, heldout_x0_ce, pick_prompts
+from dgemma.testing.hf import randomize_
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_PRESETS = ["tiny", "lite-tiny", "cpu-small", "bench-small", "dg-380m", "lite-380m"]
+
+
+def logit_errors(name: str, seed: int = 0) -> dict[str, float]:
+    cfg = PRESETS[name]
+    model = randomize_(dgemma.DiffusionGemma(cfg), seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (1, min(64, cfg.sliding_window + 8)), generator=g)
+    canvas = torch.randint(0, cfg.vocab_size, (1, cfg.canvas_length), generator=g)
+    sc = torch.randn(1, cfg.canvas_length, cfg.vocab_size, generator=g)
+    run = lambda m: m(prompt, canvas, self_conditioning_logits=sc, impl="fast")
+    ref = run(model)
+    out = {"logit_std": float(ref.std())}
+    bf16 = run(copy.deepcopy(model).to(torch.bfloat16))
+    q = quantize.quantize_model(model, "int8")
+    for label, logits in (("bf16", bf16), ("int8", run(q))):
+        err = (logits - ref).abs()
+        out[f"{label}_max"], out[f"{label}_mean"] = float(err.max()), float(err.mean())
+        out[f"{label}_argmax_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+    return out
+
+
+def ensure_trained(model: Path, data: Path, steps: int, smoke: bool) -> None:
+    """Prepare the default corpus (or, --smoke, a toy one) and train cpu-small (tiny) unless `model` exists."""
+    if model.exists():
+        return
+    dg = [sys.executable, "-m", "dgemma"]
+    if not (data / "meta.json").exists():
+        extra = []
+        if smoke:
+            from dgemma.tokenizer import toy_corpus
+
+            s, toy = toy_corpus(120), data.parent / "toy"
+            toy.mkdir(parents=True, exist_ok=True)
+            for i in range(150):
+                (toy / f"d{i:03d}.txt").write_text(" ".join(s[(7 * i + j) % len(s)] for j in range(12)))
+            extra = ["--corpus", str(toy), "--cache-dir", str(data.parent / ".cache"), "-q"]
+        subprocess.run([*dg, "data", "prepare", "--out", str(data), *extra], check=True)
+    preset = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1"] if smoke \
+        else ["--preset", "cpu-small"]
+    subprocess.run([*dg, "train", *preset, "--data", str(data), "--out", str(model), "--max-steps", str(steps)],
+                   check=True)
+
+
+def trained_quality(run: Path, data: Path, prompts: int, windows: int, new_tokens: int, seed: int,
+                    steps: int | None) -> dict:
+    fp32 = dgemma.load_model(run, dtype=torch.float32)
+    int8 = dgemma.load_model(run, dtype=torch.float32, quantize="int8")
+    val = TokenDataset(data, "val")
+    L = fp32.config.canvas_length
+    out: dict = {"model": str(run), "prompts": prompts, "windows": windows}
+    for label, model in (("fp32", fp32), ("int8", int8)):
+        common = dict(seq_len=4 * L, num_steps=16, batch_size=4, max_windows=windows, seed=seed, progress=False)
+        nelbo = heldout_nelbo(model, val, num_t_samples=4, **common)["estimate"]
+        x0 = heldout_x0_ce(model, val, objective="clean-context", **common)["estimate"]
+        out[label] = {"nelbo": nelbo.mean, "nelbo_se": nelbo.se, "x0_ce": x0.mean}
+    out["nelbo_change"] = out["int8"]["nelbo"] - out["fp32"]["nelbo"]
+    same = total = same_canvases = canvases = 0
+    seconds = {"fp32": 0.0, "int8": 0.0}
+    for i, p in enumerate(pick_prompts(val, prompts, 32)):
+        results = {}
+        for label, model in (("fp32", fp32), ("int8", int8)):
+            start = time.perf_counter()
+            kw = {} if steps is None else {"max_denoising_steps": steps}
+            results[label] = dgemma.generate(model, p[None], seed=seed + i, max_new_tokens=new_tokens,
+                                             eos_token_id=(), pad_token_id=None, **kw).sequences[0, p.numel():]
+            seconds[label] += time.perf_counter() - start
+        a, b = results["fp32"], results["int8"]
+        same += int((a == b).sum())
+        total += a.numel()
+        for c in range(0, a.numel(), L):
+            same_canvases += int(torch.equal(a[c:c + L], b[c:c + L]))
+            canvases += 1
+    out["token_agreement"] = same / total
+    out["canvas_agreement"] = same_canvases / canvases
+    out["generate_seconds"] = seconds
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default=",".join(CPU_PRESETS))
+    p.add_argument("--model", type=Path, default=ROOT / "runs/out/cpu-small/cpu-small-clean-context",
+                   help="a trained diffusion run (default: what runs/cpu_small_results.sh writes)")
+    p.add_argument("--data", type=Path, default=ROOT / "runs/out/cpu-small/data")
+    p.add_argument("--train-steps", type=int, default=200, help="steps for `dgemma train` when --model is missing")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--windows", type=int, default=64, help="held-out windows of 4 canvases for the NELBO")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, help="max denoising steps per canvas (default: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="tiny everything, a two-step toy training (tests)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.presets, args.prompts, args.windows, args.new_tokens, args.train_steps = "tiny,lite-tiny", 1, 1, 32, 2
+        args.steps = 4
+        out_dir = Path(os.environ.get("OUT", "out"))
+        args.model, args.data = out_dir / "quant-run", out_dir / "quant-data"
+    ensure_trained(args.model, args.data, args.train_steps, args.smoke)
+    report = {"torch": torch.__version__, "torchao": quantize.torchao_version(), "load_average": os.getloadavg()[0],
+              "presets": {}}
+    print("| preset | logit std | bf16 max / mean error | int8 max / mean error | int8 argmax agreement |")
+    print("|---|---|---|---|---|", flush=True)
+    for name in args.presets.split(","):
+        r = report["presets"][name] = logit_errors(name)
+        print(f"| {name} | {r['logit_std']:.3f} | {r['bf16_max']:.4f} / {r['bf16_mean']:.5f} | "
+              f"{r['int8_max']:.4f} / {r['int8_mean']:.5f} | {100 * r['int8_argmax_agree']:.1f}% |", flush=True)
+    report["trained"] = trained_quality(args.model, args.data, args.prompts, args.windows, args.new_tokens, args.seed,
+                                        args.steps)
+    t = report["trained"]
+    print(f"\ntrained {t['model']}: held-out NELBO fp32 {t['fp32']['nelbo']:.4f} ± {t['fp32']['nelbo_se']:.4f}, int8 "
+          f"{t['int8']['nelbo']:.4f} (change {t['nelbo_change']:+.4f} nats/token); x0 CE fp32 "
+          f"{t['fp32']['x0_ce']:.4f}, int8 {t['int8']['x0_ce']:.4f}; generation at the same seed: "
+          f"{100 * t['token_agreement']:.1f}% of tokens, {100 * t['canvas_agreement']:.1f}% of canvases identical "
+          f"({t['prompts']} prompts x {args.new_tokens} tokens); load {report['load_average']:.2f}")
+    text = json.dumps(report)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
