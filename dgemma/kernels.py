@@ -140,9 +140,9 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
     contiguous block, then runs one matmul per expert on its block ("loop"), or all of them as one grouped matmul
     ("grouped", no host sync, capturable by CUDA graphs), or as two padded batched matmuls ("bmm", `_bmm_experts`).
     The weighted expert outputs are summed over the k slots in fp32 (the reference rounds each slot to the model
-    dtype before adding). "auto": "bmm" for inference on CPU with plain weights (fewer, larger ops:
-    docs/benchmarks.md; training keeps the kernels it had), else
-    "grouped" where it runs, else "loop" (quantized and offloaded experts: dgemma/quantize.py, dgemma/offload.py).
+    dtype before adding). "auto": "grouped" where it runs, else "bmm" for inference on a CPU (2 larger ops beat 2E
+    small ones: docs/benchmarks.md), else "loop" (training on such a CPU; quantized and offloaded experts:
+    dgemma/quantize.py, dgemma/offload.py).
     "padded" (`_padded_expert_loop`) makes each token's result independent of the other tokens in the batch, which
     continuous batching needs (a request's tokens must not depend on who else is served)."""
     N, k = experts.shape
@@ -151,13 +151,15 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept inside a group
     counts = flat.new_zeros(E).scatter_add_(0, flat, torch.ones_like(flat))  # a bincount of static length E
     xs = x[order // k]  # (N*k, D) in expert order
-    if backend == "auto" and x.device.type == "cpu" and not torch.is_grad_enabled() and \
-            not torch.compiler.is_compiling() and all(type(w) in (Tensor, torch.nn.Parameter)
-                                                      for w in (gate_up_proj, down_proj)):
-        backend = "bmm"
+    if backend == "auto":
+        plain = all(type(w) in (Tensor, torch.nn.Parameter) for w in (gate_up_proj, down_proj))
+        if _grouped_mm_available(x, gate_up_proj, down_proj):
+            backend = "grouped"
+        elif plain and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            backend = "bmm"  # a CPU torch without grouped_mm (before 2.10)
     if backend == "bmm":
         y = _bmm_experts(xs, counts, flat[order], gate_up_proj, down_proj)
-    elif backend == "grouped" or (backend == "auto" and _grouped_mm_available(x, gate_up_proj, down_proj)):
+    elif backend == "grouped":
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         gate, up = _grouped_mm(xs, gate_up_proj, offsets).chunk(2, dim=-1)
         y = _grouped_mm((F.gelu(gate, approximate="tanh") * up).contiguous(), down_proj, offsets)
@@ -200,14 +202,16 @@ def tempered_stats(z: Tensor, work: Tensor | None = None) -> tuple[Tensor, Tenso
     """Probabilities, argmax and entropy (nats) of softmax(z) for tempered logits z (R, V) fp32: fast twin of
     softmax + torch.argmax + sampling.token_entropy. H = log s - sum(e * d) / s with d = z - max, e = exp(d), which
     has no cancellation when H is tiny (the stop rule compares a mean entropy with 0.005). Overwrites z (it ends up
-    holding d); the probabilities go to `work` (R, V) if given, so a step allocates nothing of size V."""
-    argmax = z.argmax(-1)
-    d = z.sub_(z.amax(-1, keepdim=True)).clamp_(min=SHIFTED_LOGIT_FLOOR)
+    holding e * d); the probabilities go to `work` (R, V) if given, so a step allocates nothing of size V.
+    On a CPU, `max` gives the maximum and its first index in one pass, ~4x faster than `argmax` alone, and the
+    in-place product then a sum ~4x faster than a batched dot product (docs/benchmarks.md, "The CPU step")."""
+    top, argmax = z.max(-1, keepdim=True)  # the first maximal index, as torch.argmax
+    d = z.sub_(top).clamp_(min=SHIFTED_LOGIT_FLOOR)
     e = torch.exp(d, out=work) if work is not None else d.exp()
     s = e.sum(-1, keepdim=True)
-    ed = torch.matmul(e[:, None, :], d[:, :, None]).view(-1)  # sum(e * d) per row, without an (R, V) temporary
+    ed = d.mul_(e).sum(-1)  # sum(e * d) per row, in z's own storage (d is not needed after this)
     entropy = s.log().squeeze(-1) - ed / s.squeeze(-1)
-    return e.div_(s), argmax, entropy
+    return e.div_(s), argmax.squeeze(-1), entropy
 
 
 def draw_cdf(probs: Tensor, uniforms: Tensor, block: int = 1024) -> Tensor:

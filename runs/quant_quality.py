@@ -45,15 +45,27 @@ def logit_errors(name: str, seed: int = 0) -> dict[str, float]:
     prompt = torch.randint(0, cfg.vocab_size, (1, min(64, cfg.sliding_window + 8)), generator=g)
     canvas = torch.randint(0, cfg.vocab_size, (1, cfg.canvas_length), generator=g)
     sc = torch.randn(1, cfg.canvas_length, cfg.vocab_size, generator=g)
-    run = lambda m: m(prompt, canvas, self_conditioning_logits=sc, impl="fast")
+    first: list[torch.Tensor] = []  # the first layer's output in the decoder pass (the last call of layer 0)
+
+    def run(m: dgemma.DiffusionGemma) -> torch.Tensor:
+        hook = m.layers[0].register_forward_hook(lambda mod, args, out: first.append(out[0].float()))
+        try:
+            return m(prompt, canvas, self_conditioning_logits=sc, impl="fast")
+        finally:
+            hook.remove()
+
     ref = run(model)
+    ref_first = first[-1]
     out = {"logit_std": float(ref.std())}
     bf16 = run(copy.deepcopy(model).to(torch.bfloat16))
+    bf16_first = first[-1]
     q = quantize.quantize_model(model, "int8")
-    for label, logits in (("bf16", bf16), ("int8", run(q))):
+    for label, logits, x in (("bf16", bf16, bf16_first), ("int8", run(q), None)):
+        x = first[-1] if x is None else x
         err = (logits - ref).abs()
         out[f"{label}_max"], out[f"{label}_mean"] = float(err.max()), float(err.mean())
         out[f"{label}_argmax_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+        out[f"{label}_layer0_rel"] = float((x - ref_first).norm() / ref_first.norm())
     return out
 
 
@@ -127,6 +139,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="max denoising steps per canvas (default: the checkpoint's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-trained", action="store_true", help="only the per-preset logit errors")
     p.add_argument("--smoke", action="store_true", help="tiny everything, a two-step toy training (tests)")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the JSON here")
     args = p.parse_args()
@@ -136,15 +149,22 @@ def main() -> None:
         args.steps = 4
         out_dir = Path(os.environ.get("OUT", "out"))
         args.model, args.data = out_dir / "quant-run", out_dir / "quant-data"
-    ensure_trained(args.model, args.data, args.train_steps, args.smoke)
+    if not args.no_trained:
+        ensure_trained(args.model, args.data, args.train_steps, args.smoke)
     report = {"torch": torch.__version__, "torchao": quantize.torchao_version(), "load_average": os.getloadavg()[0],
               "presets": {}}
-    print("| preset | logit std | bf16 max / mean error | int8 max / mean error | int8 argmax agreement |")
-    print("|---|---|---|---|---|", flush=True)
-    for name in args.presets.split(","):
+    print("| preset (random weights) | logit std | max / mean logit error, bf16 | int8 | argmax agreement, bf16 "
+          "| int8 | first-layer relative error, bf16 | int8 |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for name in [n for n in args.presets.split(",") if n]:
         r = report["presets"][name] = logit_errors(name)
-        print(f"| {name} | {r['logit_std']:.3f} | {r['bf16_max']:.4f} / {r['bf16_mean']:.5f} | "
-              f"{r['int8_max']:.4f} / {r['int8_mean']:.5f} | {100 * r['int8_argmax_agree']:.1f}% |", flush=True)
+        print(f"| {name} | {r['logit_std']:.2f} | {r['bf16_max']:.3f} / {r['bf16_mean']:.4f} | "
+              f"{r['int8_max']:.3f} / {r['int8_mean']:.4f} | {100 * r['bf16_argmax_agree']:.1f}% | "
+              f"{100 * r['int8_argmax_agree']:.1f}% | {r['bf16_layer0_rel']:.2e} | {r['int8_layer0_rel']:.2e} |",
+              flush=True)
+    if args.no_trained:
+        print(json.dumps(report))
+        return
     report["trained"] = trained_quality(args.model, args.data, args.prompts, args.windows, args.new_tokens, args.seed,
                                         args.steps)
     t = report["trained"]
