@@ -95,33 +95,49 @@ def trained_quality(run: Path, data: Path, prompts: int, windows: int, new_token
                     steps: int | None) -> dict:
     fp32 = dgemma.load_model(run, dtype=torch.float32)
     int8 = dgemma.load_model(run, dtype=torch.float32, quantize="int8")
+    bf16 = dgemma.load_model(run, dtype=torch.bfloat16)
     val = TokenDataset(data, "val")
-    L = fp32.config.canvas_length
+    L, V = fp32.config.canvas_length, fp32.config.vocab_size
     out: dict = {"model": str(run), "prompts": prompts, "windows": windows}
+    # logits of a half-noised held-out canvas after 3 clean ones, fp32 against bf16 and int8
+    g = torch.Generator().manual_seed(seed)
+    rows = min(8, val.num_tokens // (4 * L))
+    x = torch.from_numpy(val.read(0, rows * 4 * L).astype("int64")).view(rows, 4 * L)
+    noise = torch.randint(0, V, (rows, L), generator=g)
+    noisy = torch.where(torch.rand(rows, L, generator=g) < 0.5, noise, x[:, 3 * L:])
+    ref = fp32(x[:, :3 * L], noisy)
+    for label, model in (("bf16", bf16), ("int8", int8)):
+        logits = model(x[:, :3 * L], noisy)
+        err = (logits - ref).abs()
+        out[f"{label}_logits"] = {"max": float(err.max()), "mean": float(err.mean()), "logit_std": float(ref.std()),
+                                  "argmax_agree": float((logits.argmax(-1) == ref.argmax(-1)).float().mean())}
     for label, model in (("fp32", fp32), ("int8", int8)):
         common = dict(seq_len=4 * L, num_steps=16, batch_size=4, max_windows=windows, seed=seed, progress=False)
         nelbo = heldout_nelbo(model, val, num_t_samples=4, **common)["estimate"]
         x0 = heldout_x0_ce(model, val, objective="clean-context", **common)["estimate"]
         out[label] = {"nelbo": nelbo.mean, "nelbo_se": nelbo.se, "x0_ce": x0.mean}
     out["nelbo_change"] = out["int8"]["nelbo"] - out["fp32"]["nelbo"]
-    same = total = same_canvases = canvases = 0
-    seconds = {"fp32": 0.0, "int8": 0.0}
+    same = {"bf16": 0, "int8": 0}
+    same_canvases = {"bf16": 0, "int8": 0}
+    total = canvases = 0
+    seconds = {"fp32": 0.0, "bf16": 0.0, "int8": 0.0}
     for i, p in enumerate(pick_prompts(val, prompts, 32)):
         results = {}
-        for label, model in (("fp32", fp32), ("int8", int8)):
+        for label, model in (("fp32", fp32), ("bf16", bf16), ("int8", int8)):
             start = time.perf_counter()
             kw = {} if steps is None else {"max_denoising_steps": steps}
             results[label] = dgemma.generate(model, p[None], seed=seed + i, max_new_tokens=new_tokens,
                                              eos_token_id=(), pad_token_id=None, **kw).sequences[0, p.numel():]
             seconds[label] += time.perf_counter() - start
-        a, b = results["fp32"], results["int8"]
-        same += int((a == b).sum())
+        a = results["fp32"]
         total += a.numel()
-        for c in range(0, a.numel(), L):
-            same_canvases += int(torch.equal(a[c:c + L], b[c:c + L]))
-            canvases += 1
-    out["token_agreement"] = same / total
-    out["canvas_agreement"] = same_canvases / canvases
+        canvases += -(-a.numel() // L)
+        for label in ("bf16", "int8"):
+            b = results[label]
+            same[label] += int((a == b).sum())
+            same_canvases[label] += sum(int(torch.equal(a[c:c + L], b[c:c + L])) for c in range(0, a.numel(), L))
+    out["token_agreement"] = {k: v / total for k, v in same.items()}
+    out["canvas_agreement"] = {k: v / canvases for k, v in same_canvases.items()}
     out["generate_seconds"] = seconds
     return out
 
@@ -145,7 +161,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.smoke:
-        args.presets, args.prompts, args.windows, args.new_tokens, args.train_steps = "tiny,lite-tiny", 1, 1, 32, 2
+        args.presets, args.prompts, args.windows, args.new_tokens, args.train_steps = "tiny", 1, 1, 32, 2
         args.steps = 4
         out_dir = Path(os.environ.get("OUT", "out"))
         args.model, args.data = out_dir / "quant-run", out_dir / "quant-data"
@@ -170,9 +186,13 @@ def main() -> None:
     t = report["trained"]
     print(f"\ntrained {t['model']}: held-out NELBO fp32 {t['fp32']['nelbo']:.4f} ± {t['fp32']['nelbo_se']:.4f}, int8 "
           f"{t['int8']['nelbo']:.4f} (change {t['nelbo_change']:+.4f} nats/token); x0 CE fp32 "
-          f"{t['fp32']['x0_ce']:.4f}, int8 {t['int8']['x0_ce']:.4f}; generation at the same seed: "
-          f"{100 * t['token_agreement']:.1f}% of tokens, {100 * t['canvas_agreement']:.1f}% of canvases identical "
-          f"({t['prompts']} prompts x {args.new_tokens} tokens); load {report['load_average']:.2f}")
+          f"{t['fp32']['x0_ce']:.4f}, int8 {t['int8']['x0_ce']:.4f}; load {report['load_average']:.2f}")
+    for label in ("bf16", "int8"):
+        e = t[f"{label}_logits"]
+        print(f"  {label} vs fp32: logit error max {e['max']:.4f} / mean {e['mean']:.5f} (logit std "
+              f"{e['logit_std']:.2f}), argmax agreement {100 * e['argmax_agree']:.1f}%; generation at the same seed: "
+              f"{100 * t['token_agreement'][label]:.1f}% of tokens, {100 * t['canvas_agreement'][label]:.1f}% of "
+              f"canvases identical ({t['prompts']} prompts x {args.new_tokens} tokens)")
     text = json.dumps(report)
     print(text)
     if args.json:
