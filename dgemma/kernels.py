@@ -104,22 +104,6 @@ def _padded_expert_loop(xs: Tensor, counts: Tensor, gate_up_proj: Tensor, down_p
     return y
 
 
-def _bmm_experts(xs: Tensor, counts: Tensor, sorted_experts: Tensor, gate_up_proj: Tensor, down_proj: Tensor
-                 ) -> Tensor:
-    """All experts in two batched matmuls: each expert's block of rows (xs sorted by expert, `sorted_experts` (N*k,)
-    their experts) is placed in a zero-padded (E, most rows of any expert, D) buffer, multiplied with torch.bmm, and
-    read back in sorted order. The padding costs FLOPs (E * max count against N*k rows) but replaces 2E small matmuls
-    and their per-op overhead with 2: what a CPU wants when every expert gets a few rows (bench-small: 32 experts x
-    16 rows). Inference and training alike (bmm has a backward)."""
-    cap = int(counts.max())  # one host read, as the loop's
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(xs.shape[0], device=xs.device) - starts[sorted_experts]  # row of each slot in its block
-    buf = xs.new_zeros(gate_up_proj.shape[0], cap, xs.shape[1])
-    buf[sorted_experts, pos] = xs
-    gate, up = torch.bmm(buf, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-    return torch.bmm(F.gelu(gate, approximate="tanh") * up, down_proj.transpose(1, 2))[sorted_experts, pos]
-
-
 _EXPERT_LOOP_OP: list[Callable[..., Tensor]] = []
 
 
@@ -133,16 +117,14 @@ def register_expert_loop_op() -> None:
 
 
 def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tensor, down_proj: Tensor, *,
-                backend: Literal["auto", "loop", "grouped", "padded", "bmm"] = "auto") -> Tensor:
+                backend: Literal["auto", "loop", "grouped", "padded"] = "auto") -> Tensor:
     """Twin of `model.Experts.forward`: x (N, D), weights, experts (N, k) -> (N, D).
 
     Sorts the N*k token slots by expert once (a stable argsort plus a bincount) so each expert's tokens are one
     contiguous block, then runs one matmul per expert on its block ("loop"), or all of them as one grouped matmul
-    ("grouped", no host sync, capturable by CUDA graphs), or as two padded batched matmuls ("bmm", `_bmm_experts`).
-    The weighted expert outputs are summed over the k slots in fp32 (the reference rounds each slot to the model
-    dtype before adding). "auto": "grouped" where it runs, else "bmm" for inference on a CPU (2 larger ops beat 2E
-    small ones: docs/benchmarks.md), else "loop" (training on such a CPU; quantized and offloaded experts:
-    dgemma/quantize.py, dgemma/offload.py).
+    ("grouped", no host sync, capturable by CUDA graphs). The weighted expert outputs are summed over the k slots in
+    fp32 (the reference rounds each slot to the model dtype before adding); "auto" picks grouped where it runs
+    (not for quantized or offloaded experts: dgemma/quantize.py, dgemma/offload.py).
     "padded" (`_padded_expert_loop`) makes each token's result independent of the other tokens in the batch, which
     continuous batching needs (a request's tokens must not depend on who else is served)."""
     N, k = experts.shape
@@ -151,15 +133,7 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept inside a group
     counts = flat.new_zeros(E).scatter_add_(0, flat, torch.ones_like(flat))  # a bincount of static length E
     xs = x[order // k]  # (N*k, D) in expert order
-    if backend == "auto":
-        plain = all(type(w) in (Tensor, torch.nn.Parameter) for w in (gate_up_proj, down_proj))
-        if _grouped_mm_available(x, gate_up_proj, down_proj):
-            backend = "grouped"
-        elif plain and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            backend = "bmm"  # a CPU torch without grouped_mm (before 2.10)
-    if backend == "bmm":
-        y = _bmm_experts(xs, counts, flat[order], gate_up_proj, down_proj)
-    elif backend == "grouped":
+    if backend == "grouped" or (backend == "auto" and _grouped_mm_available(x, gate_up_proj, down_proj)):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         gate, up = _grouped_mm(xs, gate_up_proj, offsets).chunk(2, dim=-1)
         y = _grouped_mm((F.gelu(gate, approximate="tanh") * up).contiguous(), down_proj, offsets)

@@ -3,12 +3,12 @@
 reversing the order every other round, so drift on a shared machine hits all of them alike; medians.
 
     layers (DenoiseStep, final norm included), per variant:
-      fp32 experts=loop / grouped / bmm     the sorted-expert dispatch's backends (kernels.moe_experts)
+      fp32 experts=loop / grouped           the sorted-expert dispatch's backends (kernels.moe_experts)
       bf16                                  the whole model in bfloat16 (AMX / AVX512-BF16 where the CPU has them)
       int8                                  weight-only int8 (dgemma/quantize.py)
       offload (warm)                        experts memory-mapped from a file, pages in the page cache
       offload (cold)                        the same with the file's pages dropped before every step (a read from disk)
-    head + sampler (kernels.head_and_sample), fp32 and bf16
+    head + sampler (kernels.head_and_sample), fp32 and bf16, and fp32 with the previous `kernels.tempered_stats`
 
 Prints one JSON object (medians in ms, the load average before and after).
 
@@ -81,11 +81,29 @@ def main() -> None:
         return lambda: kernels.head_and_sample(final, fn, temp, generator=g, embed=weight, embed_scale=D**0.5,
                                                workspace=ws)
 
+    def previous_stats(z: torch.Tensor, work: torch.Tensor | None = None):
+        """kernels.tempered_stats as it was before this change: argmax, then amax, and a batched dot product."""
+        argmax = z.argmax(-1)
+        d = z.sub_(z.amax(-1, keepdim=True)).clamp_(min=kernels.SHIFTED_LOGIT_FLOOR)
+        e = torch.exp(d, out=work) if work is not None else d.exp()
+        s = e.sum(-1, keepdim=True)
+        ed = torch.matmul(e[:, None, :], d[:, :, None]).view(-1)
+        return e.div_(s), argmax, s.log().squeeze(-1) - ed / s.squeeze(-1)
+
+    def with_stats(fn, stats):
+        def run() -> None:
+            original, kernels.tempered_stats = kernels.tempered_stats, stats
+            try:
+                fn()
+            finally:
+                kernels.tempered_stats = original
+        return run
+
     variants = {"layers fp32 experts=loop": layers("fp32", "loop"),
                 "layers fp32 experts=grouped": layers("fp32", "grouped"),
-                "layers fp32 experts=bmm": layers("fp32", "bmm"),
                 "layers bf16": layers("bf16"), "layers int8": layers("int8"),
-                "head+sampler fp32": head("fp32"), "head+sampler bf16": head("bf16")}
+                "head+sampler fp32": head("fp32"), "head+sampler bf16": head("bf16"),
+                "head+sampler fp32, previous tempered_stats": with_stats(head("fp32"), previous_stats)}
     if cfg.is_moe:
         variants |= {"layers offload (warm)": layers("offload"), "layers offload (cold)": layers("offload", evict=True)}
     if not cfg.is_moe:

@@ -29,7 +29,7 @@ def _routing(N: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return weights / weights.sum(-1, keepdim=True), experts
 
 
-BACKENDS = ["loop", "auto", "bmm", "padded"] + (["grouped"] if hasattr(F, "grouped_mm") else [])
+BACKENDS = ["loop", "auto", "padded"] + (["grouped"] if hasattr(F, "grouped_mm") else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
