@@ -150,6 +150,22 @@ def denoise_masks(cache: KVCache, end: int, num_new: int, seen: dict[str, int | 
             for kind, p in seen.items()}
 
 
+def ragged_denoise_masks(cache: KVCache, lengths: Tensor, num_new: int, seen: dict[str, int | None]
+                         ) -> dict[str, Tensor]:
+    """The decoder's masks when each row has its own committed length (continuous batching): row r's canvas sees
+    the real tokens among its own last `seen[kind]` committed slots before `lengths[r]` (None: all of them), then the
+    whole canvas. Boolean (B, 1, 1, T + num_new) over every slot [0, cache.length), for both impls (a canvas query
+    always sees the canvas, so no row is empty)."""
+    slots = torch.arange(cache.length, device=lengths.device)[None]
+    before = cache.is_token[:, :cache.length] & (slots < lengths[:, None])
+    canvas = before.new_ones(cache.batch_size, num_new)
+    masks = {}
+    for kind, p in seen.items():
+        visible = before if p is None else before & (slots >= lengths[:, None] - p)
+        masks[kind] = torch.cat([visible, canvas], 1)[:, None, None]
+    return masks
+
+
 def static_denoise_masks(is_token: Tensor, end: Tensor, num_new: int, slots: Tensor, window: Tensor
                          ) -> dict[str, Tensor]:
     """The decoder's masks with shapes that do not depend on the committed length `end` (a 0-d device tensor), for

@@ -122,31 +122,64 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     `canvas` (B, L) replaces the initial noise (which is still drawn, keeping the random stream aligned);
     `finished` (B,) marks rows whose sequence already ended (they run along but are not counted). `impl` selects
     the model's kernels (default: the model's); this loop is the readable one whatever the kernels."""
-    B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
-    device = model.device
-    state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas, finished=finished,
-                              canvas_index=canvas_index, on_step=on_step, trace=trace)
+    sampler = CanvasSampler(model, config, cache.batch_size, generator=generator, canvas=canvas,
+                            self_conditioning_logits=self_conditioning_logits, finished=finished,
+                            canvas_index=canvas_index, on_step=on_step, trace=trace)
     sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
-    lite, N = config.sampler == "lite", config.max_denoising_steps
-    raw = config.posterior_rule == "raw"
-    sc = self_conditioning_logits
-    if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
-        sc = torch.zeros(B, L, V, dtype=model.dtype, device=device)
-    draw = state.x
-    # Lite state: the committed set, and the previous step's mode and confidence (+inf: nothing commits at step 1).
-    committed = torch.zeros(B, L, dtype=torch.bool, device=device)
-    prev_argmax = torch.full((B, L), -1, dtype=torch.long, device=device)
-    prev_confidence = torch.full((B, L), math.inf, device=device)
-    for n in range(N, 0, -1):  # n = steps remaining
-        was_done, active = state.begin_step()
-        level = n / N if model.config.time_embedding else None  # Lite models are told the noise level t/T
-        logits = model.denoise(state.x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level,
+    while True:
+        x, sc, level = sampler.inputs()
+        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level,
                                impl=impl)
-        check_finite_logits(logits, canvas_index, N - n + 1)
+        del x, sc  # the step frees the previous logits before it allocates its own
+        if sampler.step(logits):
+            return sampler.staged()
+
+
+class CanvasSampler:
+    """The readable sampler's state and step for one canvas of B rows: `inputs()` is what the next denoising pass
+    reads, `step(logits)` applies the sampler to that pass's logits. `denoise_canvas` drives it over one batch; the
+    serving engine (dgemma/serving/engine.py) drives one per request, batching different requests' passes."""
+
+    def __init__(self, model: DiffusionGemma, config: GenerationConfig, batch_size: int, *,
+                 generator: torch.Generator | None = None, canvas: Tensor | None = None,
+                 self_conditioning_logits: Tensor | None = None, finished: Tensor | None = None,
+                 canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None, trace: bool = False):
+        B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
+        device = model.device
+        self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
+        self.time_embedding = model.config.time_embedding
+        self.state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas,
+                                       finished=finished, canvas_index=canvas_index, on_step=on_step, trace=trace)
+        self.lite, self.raw = config.sampler == "lite", config.posterior_rule == "raw"
+        self.num_steps = self.remaining = config.max_denoising_steps
+        sc = self_conditioning_logits
+        if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
+            sc = torch.zeros(B, L, V, dtype=model.dtype, device=device)
+        self.sc = sc  # the next pass's self-conditioning logits (None: the first step's zero signal)
+        self.draw = self.state.x
+        # Lite state: the committed set, and the previous step's mode and confidence (+inf: nothing commits at step 1).
+        self.committed = torch.zeros(B, L, dtype=torch.bool, device=device)
+        self.prev_argmax = torch.full((B, L), -1, dtype=torch.long, device=device)
+        self.prev_confidence = torch.full((B, L), math.inf, device=device)
+
+    def inputs(self) -> tuple[Tensor, Tensor | None, float | None]:
+        """Begin a step: the pass's canvas (B, L), self-conditioning logits (B, L, V) or None, and noise level (Lite
+        models are told t/T; None otherwise). Call once per step, then `step` with the pass's logits."""
+        self._begun = self.state.begin_step()
+        return self.state.x, self.sc, self.remaining / self.num_steps if self.time_embedding else None
+
+    def step(self, logits: Tensor) -> bool:
+        """The sampler on the pass's fp32 logits (B, L, V), consumed in place. Returns whether the canvas is
+        finished (every row stopped, or no step left)."""
+        state, config, generator, V, n, N = self.state, self.config, self.generator, self.vocab_size, \
+            self.remaining, self.num_steps
+        lite, raw, sc = self.lite, self.raw, self.sc
+        was_done, active = self._begun
+        check_finite_logits(logits, state.canvas_index, N - n + 1)
         # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
         sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
-        sc = None
-        temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
+        self.sc = sc = None
+        temp = sampling.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
         new_draw = sampling.draw_tokens(probs, generator)
@@ -158,11 +191,13 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
             confidence = sampling.max_probability(z)
         new_argmax = torch.argmax(z, dim=-1)
         entropy = sampling.token_entropy(z)
+        committed = self.committed
         if lite:
-            new_commits = sampling.lite_commit(new_argmax, confidence, prev_argmax, prev_confidence, committed)
+            new_commits = sampling.lite_commit(new_argmax, confidence, self.prev_argmax, self.prev_confidence,
+                                               committed)
             new_x = torch.where(new_commits, new_draw, sampling.renoise(state.x, committed, V, generator))
             accepted = committed | new_commits
-            prev_argmax, prev_confidence = new_argmax, confidence
+            self.prev_argmax, self.prev_confidence = new_argmax, confidence
         else:
             accepted = sampling.accept_by_entropy(entropy, config.entropy_bound)
             new_x = sampling.renoise(new_draw, accepted, V, generator)
@@ -170,18 +205,21 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
             keep = was_done[:, None]
             new_argmax = torch.where(keep, state.argmax, new_argmax)
             new_x = torch.where(keep, state.x, new_x)
-            new_draw = torch.where(keep, draw, new_draw)
+            new_draw = torch.where(keep, self.draw, new_draw)
             accepted = torch.where(keep, committed if lite else accepted, accepted)
             z[was_done] = sc_done.to(z.dtype)
             entropy[was_done] = sampling.token_entropy(z[was_done])
-        committed = accepted if lite else committed
+        self.committed = accepted if lite else committed
         state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
-        draw = new_draw
-        sc = z.to(model.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
-        if state.all_done():
-            break
-    # Lite ends every position on its best guess: the committed token, else the last draw (seed 003, 4.2 rule 5).
-    return state.staged(torch.where(committed, state.x, draw) if lite else state.x)
+        self.draw = new_draw
+        self.sc = z.to(self.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
+        self.remaining -= 1
+        return self.remaining == 0 or state.all_done()
+
+    def staged(self) -> StagedCanvas:
+        """The finished canvas. Lite ends every position on its best guess: the committed token, else the last draw
+        (seed 003, 4.2 rule 5)."""
+        return self.state.staged(torch.where(self.committed, self.state.x, self.draw) if self.lite else self.state.x)
 
 
 def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:

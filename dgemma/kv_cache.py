@@ -14,6 +14,11 @@ memory on long contexts (see `dgemma inspect` for bytes per token).
 
 `is_token` (B, max_length) marks real tokens (True) against left padding (False); the attention masks
 (dgemma/attention.py) exclude padding. The cache stores; it decides nothing about who attends to whom.
+
+Continuous batching (dgemma/serving/engine.py) keeps one cache as a pool of rows, one request per row, each with its
+own committed length: `rows(start, stop, length)` is a cache over some rows that shares the pool's storage (a commit
+through it writes into the pool), `gather(index, length)` a copy of any rows; `model.denoise(..., lengths=)` then reads
+each row up to its own length.
 """
 
 from __future__ import annotations
@@ -40,6 +45,31 @@ class KVCache:
         self.length = 0  # number of committed positions; slots >= length are stale
         # Whether any commit ever held padding (never reset): the fast path then needs masks (dgemma/attention.py).
         self.has_padding = False
+
+    def _like(self, keys: list[Tensor], values: list[Tensor], is_token: Tensor, length: int) -> KVCache:
+        """A cache over the given storage (views or copies of some of this cache's rows), with its own length."""
+        out = object.__new__(KVCache)
+        out.batch_size, out.max_length = is_token.shape
+        out.sliding_window, out.is_sliding = self.sliding_window, self.is_sliding
+        out.keys, out.values, out.is_token = keys, values, is_token
+        out.length, out.has_padding = length, self.has_padding
+        return out
+
+    def rows(self, start: int, stop: int, length: int | None = None) -> KVCache:
+        """Rows [start, stop) as a cache of their own that shares this one's storage: commits through it write here.
+        `length`: its committed length (default this cache's). Never grow it (`ensure_capacity` would copy)."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows [{start}, {stop}) are outside a cache of batch size {self.batch_size}")
+        return self._like([k[start:stop] for k in self.keys], [v[start:stop] for v in self.values],
+                          self.is_token[start:stop], self.length if length is None else length)
+
+    def gather(self, index: list[int], length: int) -> KVCache:
+        """A copy of rows `index` (in that order) up to slot `length`, with committed length `length`: what a batched
+        denoising pass reads when the rows of a continuous batch are not contiguous."""
+        idx = torch.tensor(index, dtype=torch.long, device=self.is_token.device)
+        return self._like([k[:, :, :length].index_select(0, idx) for k in self.keys],
+                          [v[:, :, :length].index_select(0, idx) for v in self.values],
+                          self.is_token[:, :length].index_select(0, idx), length)
 
     def __repr__(self) -> str:
         return f"KVCache(batch_size={self.batch_size}, length={self.length}, max_length={self.max_length})"

@@ -449,7 +449,7 @@ class DiffusionGemma(nn.Module):
     @torch.no_grad()
     def denoise(self, canvas: Tensor, cache: KVCache, *, self_conditioning_logits: Tensor | None = None,
                 self_conditioning_mask: Tensor | None = None, sliding_prefix: int | None = None,
-                t: Tensor | float | None = None, impl: Impl | None = None) -> Tensor:
+                t: Tensor | float | None = None, lengths: Tensor | None = None, impl: Impl | None = None) -> Tensor:
         """Bidirectional decoder pass over `canvas` (B, L) against everything committed; returns fp32 logits
         (B, L, V). Never writes the cache, so several canvases can be tried at the same position.
         `self_conditioning_logits` (B, L, V): the previous step's logits (temperature-scaled, as transformers'
@@ -457,8 +457,9 @@ class DiffusionGemma(nn.Module):
         (transformers passes them in the model dtype, so cast them to reproduce it in bf16).
         `self_conditioning_mask` (B,) bool zeroes the signal per row. `sliding_prefix`: how many committed tokens
         sliding layers see; default `sliding_window - 1` (transformers); the JAX reference uses `sliding_window`.
-        `t`: the canvas's noise level in [0, 1], a float or (B,), for a time-embedding model. `impl` (default: the
-        model's): "reference" or "fast" kernels."""
+        `t`: the canvas's noise level in [0, 1], a float or (B,), for a time-embedding model. `lengths` (B,): each
+        row's own committed length, at most `cache.length` (continuous batching: row r's canvas sits at positions
+        lengths[r]...; None: every row at `cache.length`). `impl` (default: the model's): "reference" or "fast"."""
         check_token_ids(canvas, self.config.vocab_size, "canvas")
         soft = None
         if self_conditioning_logits is not None:
@@ -468,12 +469,12 @@ class DiffusionGemma(nn.Module):
                                  f"expected {expected}")
             soft = self.soft_embedding(self_conditioning_logits, self_conditioning_mask)
         return self.logits(self.denoise_hidden(canvas, cache, soft=soft, sliding_prefix=sliding_prefix, t=t,
-                                               impl=impl))
+                                               lengths=lengths, impl=impl))
 
     @torch.no_grad()
     def denoise_hidden(self, canvas: Tensor, cache: KVCache, *, soft: Tensor | None = None,
                        sliding_prefix: int | None = None, t: Tensor | float | None = None,
-                       impl: Impl | None = None) -> Tensor:
+                       lengths: Tensor | None = None, impl: Impl | None = None) -> Tensor:
         """`denoise` up to the final hidden state (B, L, D) that the head reads, with the self-conditioning signal
         given as the soft embedding (B, L, D) (`soft_embedding`), or None."""
         cache.check_batch(canvas, "canvas")
@@ -483,10 +484,17 @@ class DiffusionGemma(nn.Module):
         x = self.self_conditioning(self.embed(canvas, t), soft)  # Gemma: SC MLP + weightless post-norm on the input
         end, L = cache.length, canvas.shape[1]
         seen = attention.visible_prefixes(self.config.sliding_window, "decoder", sliding_prefix)
-        masks = attention.denoise_masks(cache, end, L, seen, impl)
         kinds = self.config.layer_types
-        hidden = self.run_layers(x, torch.arange(end, end + L, device=x.device)[None], "decoder", masks, impl,
-                                 past=lambda i: cache.visible(i, end, seen[kinds[i]]))
+        offsets = torch.arange(L, device=x.device)
+        if lengths is None:
+            masks = attention.denoise_masks(cache, end, L, seen, impl)
+            hidden = self.run_layers(x, end + offsets[None], "decoder", masks, impl,
+                                     past=lambda i: cache.visible(i, end, seen[kinds[i]]))
+        else:  # every layer reads slots [0, end); the masks keep each row's own visible prefix
+            lengths = _check_lengths(lengths, cache)
+            masks = attention.ragged_denoise_masks(cache, lengths, L, seen)
+            hidden = self.run_layers(x, lengths[:, None] + offsets, "decoder", masks, impl,
+                                     past=lambda i: cache.visible(i, end, None))
         return self.final_hidden(hidden, soft)
 
     def logits(self, final: Tensor) -> Tensor:
@@ -583,6 +591,16 @@ def check_token_ids(ids: Tensor, vocab_size: int, name: str = "input_ids") -> No
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in "
                          f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+def _check_lengths(lengths: Tensor, cache: KVCache) -> Tensor:
+    if not isinstance(lengths, Tensor) or tuple(lengths.shape) != (cache.batch_size,) or lengths.dtype != torch.long:
+        got = f"{tuple(lengths.shape)} {lengths.dtype}" if isinstance(lengths, Tensor) else type(lengths).__name__
+        raise ValueError(f"lengths must be a long tensor of shape (batch_size={cache.batch_size},), got {got}")
+    lengths = lengths.to(cache.is_token.device)
+    if int(lengths.min()) < 0 or int(lengths.max()) > cache.length:
+        raise ValueError(f"lengths must lie in [0, cache.length={cache.length}], got {lengths.tolist()}")
+    return lengths
 
 
 def _first_layer_of_each_type(config: ModelConfig) -> dict[str, int]:

@@ -1,0 +1,419 @@
+"""Continuous batching: one loop owns the model and serves many requests at once, each in its own row of one
+preallocated KV cache.
+
+    submit(prompt) -> waiting queue
+    loop, between denoising steps:
+        drop cancelled rows                               their slots are free at once
+        admit waiting requests into free rows             prefill: commit(prompt) into the row
+        one batched denoising pass over every active row  each row at its own committed length (`denoise(lengths=)`)
+        each row's own sampler step                       generate.CanvasSampler with B = 1 and its own generator
+        rows whose canvas finished: emit its tokens, then end (EOS, max_new_tokens) or commit it and start the next
+
+Requests join and leave between denoising steps, so N concurrent requests cost about one batched pass per step, not
+N. Each request draws from its own generator (seeded by its `seed`) with the same draws, in the same order, as
+`dgemma.generate(prompt, seed=seed)` of that request alone: the readable sampler runs per row on that row's logits.
+What can differ is floating-point rounding, since a batched pass sums over other shapes than a lone one; the tests find
+the tokens identical to `generate(..., impl="reference")` in fp32 (tests/test_engine.py).
+
+Commits (prefills, finished canvases) run per row through a view of the pool (`KVCache.rows`), exactly as `generate`
+commits for one row; a long prompt therefore holds the other rows for one prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dgemma.attention import Impl, check_impl
+from dgemma.canvas import StepInfo
+from dgemma.generate import CanvasSampler
+from dgemma.generation_config import GenerationConfig
+from dgemma.model import DiffusionGemma, check_memory
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    """A request the engine refuses; the message names the field and value."""
+
+
+class QueueFullError(EngineError):
+    """`max_queue` requests are already waiting for a row (an HTTP server answers 429)."""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One denoising step of a request's current canvas (only for requests submitted with `stream_steps`)."""
+
+    canvas: int  # 0-based canvas index within the request
+    step: int  # 1-based
+    num_steps: int  # config.max_denoising_steps
+    argmax: list[int]  # (L,) the model's current prediction for the canvas
+    accepted: list[bool]  # (L,) positions the sampler kept this step
+    entropy: list[float]  # (L,) nats
+
+
+@dataclass(frozen=True)
+class CanvasEvent:
+    """A finished canvas: its tokens are final."""
+
+    canvas: int
+    tokens: list[int]  # new output tokens: cut before the first EOS and at max_new_tokens (EOS excluded)
+    steps: int  # denoising steps this canvas took
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The last event of every request."""
+
+    finish_reason: str  # "stop" (an EOS token), "length" (max_new_tokens), "cancelled", "error"
+    prompt_tokens: int
+    completion_tokens: int  # tokens of all CanvasEvents, plus 1 for the EOS when finish_reason == "stop"
+    denoising_steps: int  # denoising passes spent on this request
+    seconds_to_first_canvas: float | None
+    error: str | None = None
+
+
+Event = StepEvent | CanvasEvent | DoneEvent
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Cumulative counters since start, and gauges."""
+
+    requests_submitted: int
+    requests_finished: int
+    requests_cancelled: int
+    requests_failed: int
+    queue_length: int  # waiting for a row
+    active: int  # holding a row
+    max_batch: int
+    denoise_forwards: int  # batched denoising passes run
+    denoise_rows: int  # sum over those passes of the rows in the batch (occupancy = rows / forwards)
+    commits: int  # commit passes (prefills and finished canvases)
+    generated_tokens: int  # output tokens delivered
+    busy_seconds: float  # time the loop spent computing
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted request; `cancel()` (any thread) makes it leave before the next denoising step."""
+
+    id: int
+    prompt: list[int]
+    config: GenerationConfig
+    seed: int
+    on_event: Callable[[Event], None]
+    stream_steps: bool
+    max_new: int
+    submitted_at: float = field(default_factory=time.perf_counter)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    # The engine thread's state.
+    slot: int = -1
+    length: int = 0  # committed tokens in the row
+    canvas: int = 0  # index of the canvas being denoised
+    sampler: CanvasSampler | None = None
+    generator: torch.Generator | None = None
+    emitted: int = 0
+    passes: int = 0
+    first_canvas_s: float | None = None
+    done: bool = False
+    engine: Engine | None = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        if self.engine is not None:
+            self.engine._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class Engine:
+    """Serves requests on `model` from one background thread (`start()`; `close()` stops it). `max_batch` rows of
+    `max_context` committed tokens each are preallocated (the memory pre-flight refuses a pool larger than free memory
+    unless `force`); `max_queue` requests may wait for a row. `impl`: the kernels (default: the model's)."""
+
+    def __init__(self, model: DiffusionGemma, *, max_batch: int = 16, max_context: int = 4096, max_queue: int = 256,
+                 impl: Impl | None = None, force: bool = False):
+        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_queue", max_queue)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EngineError(f"{name} must be a positive int, got {value!r}")
+        self.model, self.impl = model, model.impl if impl is None else impl
+        check_impl(self.impl)
+        cfg = model.config
+        self.canvas_length = cfg.canvas_length
+        self.max_context = min(max_context, cfg.max_position_embeddings)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        check_memory(cfg, model.dtype, model.device, batch_size=max_batch, cache_length=self.max_context, force=force)
+        self.pool = model.new_cache(max_batch, self.max_context)
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._active: dict[int, Request] = {}  # slot -> request
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counts = dict.fromkeys(("requests_submitted", "requests_finished", "requests_cancelled",
+                                      "requests_failed", "denoise_forwards", "denoise_rows", "commits",
+                                      "generated_tokens"), 0)
+        self._busy = 0.0
+
+    # --- the public side (any thread) ---------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dgemma-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the loop; requests still waiting or running get DoneEvent("cancelled")."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for r in [*self._waiting, *self._active.values()]:
+            self._finish(r, "cancelled")
+        self._waiting.clear()
+        self._active.clear()
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
+               on_event: Callable[[Event], None], stream_steps: bool = False) -> Request:
+        """Queue a request for whole canvases after `prompt_ids`; its events go to `on_event`, called from the engine
+        thread, in order: StepEvents (with `stream_steps`) and CanvasEvents, then one DoneEvent. Raises EngineError
+        for a request that cannot run, QueueFullError when the queue is full."""
+        prompt = self._check_prompt(prompt_ids)
+        if not isinstance(config, GenerationConfig):
+            raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        if seed is None:
+            seed = secrets.randbits(63)
+        elif isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+            raise EngineError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
+        max_new = config.max_new_tokens
+        if config.max_length is not None and max_new == 256:  # generate's rule (transformers'), literal 256 included
+            max_new = config.max_length - len(prompt)
+            if max_new <= 0:
+                raise EngineError(f"max_length={config.max_length} leaves no room after {len(prompt)} prompt tokens")
+        L = self.canvas_length
+        canvases = math.ceil(max_new / L)
+        committed = len(prompt) + (canvases - 1) * L  # the last canvas is never committed
+        if committed > self.max_context or len(prompt) + canvases * L > self.model.config.max_position_embeddings:
+            room = (self.max_context - len(prompt)) // L * L + L if len(prompt) <= self.max_context else 0
+            raise EngineError(f"{len(prompt)} prompt tokens + max_new_tokens={max_new} ({canvases} canvases of {L}) "
+                              f"exceed the context of {self.max_context} tokens per request"
+                              + (f"; at most {room} new tokens fit" if room > 0 else ""))
+        with self._lock:
+            if self._stopping:
+                raise EngineError("the engine is closed")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue})")
+            request = Request(self._next_id, prompt, config, seed, on_event, stream_steps, max_new, engine=self)
+            self._next_id += 1
+            self._waiting.append(request)
+            self._counts["requests_submitted"] += 1
+            self._lock.notify_all()
+        return request
+
+    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
+                 timeout: float | None = None) -> tuple[list[int], DoneEvent]:
+        """Submit and wait: the output tokens (EOS excluded) and the DoneEvent."""
+        tokens: list[int] = []
+        done: list[DoneEvent] = []
+        finished = threading.Event()
+
+        def on_event(event: Event) -> None:
+            if isinstance(event, CanvasEvent):
+                tokens.extend(event.tokens)
+            elif isinstance(event, DoneEvent):
+                done.append(event)
+                finished.set()
+
+        request = self.submit(prompt_ids, config, seed=seed, on_event=on_event)
+        if not finished.wait(timeout):
+            request.cancel()
+            raise TimeoutError(f"request {request.id} did not finish within {timeout} s")
+        return tokens, done[0]
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(queue_length=len(self._waiting), active=len(self._active), max_batch=self.max_batch,
+                               busy_seconds=self._busy, **self._counts)
+
+    # --- the loop (the engine thread) ---------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+                admitted = []
+                while self._waiting and len(self._active) + len(admitted) < self.max_batch:
+                    admitted.append(self._waiting.popleft())
+            started = time.perf_counter()
+            try:
+                self._iteration(admitted)
+            except Exception as e:  # a bug or a device error: fail what is in flight, keep serving
+                log.exception("engine iteration failed")
+                for r in {id(r): r for r in [*admitted, *self._active.values()]}.values():
+                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            with self._lock:
+                self._busy += time.perf_counter() - started
+
+    def _iteration(self, admitted: list[Request]) -> None:
+        for r in list(self._active.values()):
+            if r.cancelled:
+                self._finish(r, "cancelled")
+        free = sorted(set(range(self.max_batch)) - set(self._active))
+        for r in admitted:
+            if r.cancelled:
+                self._finish(r, "cancelled")
+                continue
+            r.slot = free.pop(0)
+            self._active[r.slot] = r
+            r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
+            self._commit(r, r.prompt)
+            self._start_canvas(r)
+        rows = sorted((r for r in self._active.values() if r.sampler is not None), key=lambda r: r.slot)
+        by_prefix: dict[str, list[Request]] = {}
+        for r in rows:
+            by_prefix.setdefault(r.config.sliding_prefix, []).append(r)
+        for group in by_prefix.values():
+            self._denoise_step(group)
+
+    def _commit(self, r: Request, tokens: list[int]) -> None:
+        view = self.pool.rows(r.slot, r.slot + 1, length=r.length)
+        self.model.commit(torch.tensor([tokens], device=self.model.device), view, impl=self.impl)
+        r.length = view.length
+        self._count("commits")
+
+    def _start_canvas(self, r: Request) -> None:
+        on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
+        r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
+                                  on_step=on_step)
+
+    def _denoise_step(self, rows: list[Request]) -> None:
+        """One batched pass over `rows` (sorted by slot, one sliding-prefix rule), then each row's sampler step."""
+        inputs = [r.sampler.inputs() for r in rows]  # type: ignore[union-attr]
+        device = self.model.device
+        x = torch.cat([canvas for canvas, _, _ in inputs])
+        sc = mask = level = None
+        if any(s is not None for _, s, _ in inputs):
+            V = self.model.config.vocab_size
+            blank = torch.zeros(1, self.canvas_length, V, dtype=self.model.dtype, device=device)
+            sc = torch.cat([s if s is not None else blank for _, s, _ in inputs])
+            mask = torch.tensor([s is not None for _, s, _ in inputs], device=device)
+        if self.model.config.time_embedding:
+            level = torch.tensor([t for _, _, t in inputs], dtype=torch.float32, device=device)
+        del inputs
+        slots = [r.slot for r in rows]
+        end = max(r.length for r in rows)
+        if slots == list(range(slots[0], slots[-1] + 1)):
+            cache = self.pool.rows(slots[0], slots[-1] + 1, length=end)
+        else:
+            cache = self.pool.gather(slots, end)
+        lengths = torch.tensor([r.length for r in rows], dtype=torch.long, device=device)
+        sliding_prefix = self.model.config.sliding_window if rows[0].config.sliding_prefix == "jax" else None
+        logits = self.model.denoise(x, cache, self_conditioning_logits=sc, self_conditioning_mask=mask,
+                                    sliding_prefix=sliding_prefix, t=level, lengths=lengths, impl=self.impl)
+        del sc
+        self._count("denoise_forwards")
+        self._count("denoise_rows", len(rows))
+        for i, r in enumerate(rows):
+            r.passes += 1
+            try:
+                finished = r.sampler.step(logits[i:i + 1])  # type: ignore[union-attr]
+            except ValueError as e:  # GenerationError: non-finite logits in this row
+                self._finish(r, "error", error=str(e))
+                continue
+            if finished:
+                self._end_canvas(r)
+
+    def _end_canvas(self, r: Request) -> None:
+        staged = r.sampler.staged()  # type: ignore[union-attr]
+        r.sampler = None
+        tokens = staged.tokens[0].tolist()
+        eos = set(r.config.eos_token_id)
+        cut = next((j for j, t in enumerate(tokens) if t in eos), len(tokens))
+        room = r.max_new - r.emitted
+        out = tokens[:min(cut, room)]
+        r.emitted += len(out)
+        if r.first_canvas_s is None:
+            r.first_canvas_s = time.perf_counter() - r.submitted_at
+        self._count("generated_tokens", len(out))
+        self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0])))
+        if cut < len(tokens) and cut < room:
+            self._finish(r, "stop")
+        elif r.emitted >= r.max_new:
+            self._finish(r, "length")
+        elif not r.cancelled:
+            self._commit(r, tokens)
+            r.canvas += 1
+            self._start_canvas(r)
+
+    def _on_step(self, r: Request, info: StepInfo) -> None:
+        self._emit(r, StepEvent(info.canvas, info.step, info.num_steps, info.argmax[0].tolist(),
+                                info.accepted[0].tolist(), info.entropy[0].tolist()))
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        if r.done:
+            return
+        r.done = True
+        if r.slot >= 0 and self._active.get(r.slot) is r:
+            del self._active[r.slot]
+        r.sampler = None
+        completion = r.emitted + (reason == "stop")
+        key = {"cancelled": "requests_cancelled", "error": "requests_failed"}.get(reason, "requests_finished")
+        self._count(key)
+        self._emit(r, DoneEvent(reason, len(r.prompt), completion, r.passes, r.first_canvas_s, error))
+
+    def _emit(self, r: Request, event: Event) -> None:
+        try:
+            r.on_event(event)
+        except Exception:  # a consumer's bug must not stop the loop; that request goes
+            log.exception("on_event of request %d raised; cancelling it", r.id)
+            r._cancelled.set()
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        V = self.model.config.vocab_size
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.flatten().tolist()
+        try:
+            if isinstance(prompt_ids, str | bytes) or any(isinstance(t, bool) for t in prompt_ids):
+                raise TypeError
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise EngineError("the prompt must be a list of integer token ids") from None
+        if not prompt:
+            raise EngineError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise EngineError(f"prompt token ids must lie in [0, vocab_size={V}), got {bad[:4]}")
+        return prompt
