@@ -33,3 +33,34 @@ def random_model(name: str, seed: int = 0):
     from dgemma.testing.hf import randomize_
 
     return randomize_(DiffusionGemma(model_config(name)), seed).eval()
+
+
+def running_server(app):
+    """A context manager: serve the ASGI `app` with uvicorn from a background thread on a free port of 127.0.0.1;
+    yields its base URL ("http://127.0.0.1:PORT") and stops the server on exit."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    @contextlib.contextmanager
+    def serving():
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="test-server")
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+        try:
+            yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            thread.join(15)
+            sock.close()
+
+    return serving()

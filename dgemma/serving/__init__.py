@@ -1,1 +1,3 @@
-"""Serving: the continuous-batching engine (`engine`) and the OpenAI-compatible HTTP server on top of it."""
+"""`dgemma serve`: the continuous-batching engine (`engine`), the OpenAI request rules (`api`), chat templates and
+the output parser (`templates`) and the HTTP app (`app`). docs/serving.md describes the server; importing this
+package imports none of them (the HTTP stack is the optional `serve` extra)."""

@@ -1,0 +1,97 @@
+"""`dgemma serve`: an OpenAI-compatible HTTP server over the continuous-batching engine, with a live page at `/`
+(docs/serving.md). Needs the `serve` extra: pip install 'dgemma[serve]'."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dgemma.cli.common import UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.tokenizer import TURN_END, build_test_tokenizer
+
+INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                              description=__doc__)
+    add_model_args(p)
+    add_sampler_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
+    p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the directory or preset)")
+    p.add_argument("--max-batch", type=int, default=16, metavar="N", help="requests denoised together (default 16)")
+    p.add_argument("--max-context", type=int, default=2048, metavar="N",
+                   help="KV-cache slots per request: prompt + whole canvases (default 2048)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests waiting for a slot before 429 (default 256)")
+    p.add_argument("--max-concurrency", type=int, default=256, metavar="N",
+                   help="HTTP generation requests in flight before 429 (default 256)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, metavar="N",
+                   help="largest request body, else 413 (default 1 MiB)")
+    p.add_argument("--max-n", type=int, default=8, metavar="N", help="the largest `n` a request may ask (default 8)")
+    p.add_argument("--impl", choices=("reference", "fast"), default="fast", help="kernels (default fast)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from dgemma.serving.app import create_app, serve
+    except ImportError as e:
+        if e.name in ("fastapi", "uvicorn", "prometheus_client", "jinja2", "starlette"):
+            print(INSTALL_HINT, file=sys.stderr)
+            return 2
+        raise
+    from dgemma.serving.engine import Engine
+    from dgemma.serving.templates import load_chat_template
+
+    for name in ("max_batch", "max_context", "max_queue", "max_concurrency", "max_request_bytes", "max_n"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seed is not None:
+        raise UsageError("--seed: each request carries its own `seed` (the same seed gives the same text)")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    model, tok = load(args)
+    if tok is None:
+        tok = _toy_tokenizer(args, model)
+    gcfg = model.generation_config
+    config = gcfg.replace(**overrides(args, gcfg))
+    template = load_chat_template(_dir(args.tokenizer), _dir(args.model))
+    name = args.model_name or (Path(args.model).resolve().name if args.model is not None else args.preset)
+    engine = Engine(model, max_batch=args.max_batch, max_context=args.max_context, max_queue=args.max_queue,
+                    impl=args.impl, force=args.force).start()
+    try:
+        app = create_app(engine, tok, name, template=template, generation_config=config, api_key=args.api_key,
+                         max_request_bytes=args.max_request_bytes, max_concurrency=args.max_concurrency,
+                         max_n=args.max_n)
+        announce = lambda url: print(f"dgemma serve: {name} at {url} (OpenAI API at {url}v1; Ctrl-C stops)",
+                                     flush=True)
+        serve(app, args.host, args.port, announce=announce)
+    except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C and re-raised it
+        pass
+    finally:
+        engine.close()
+    return 0
+
+
+def _dir(path: Path | None) -> Path | None:
+    if path is None:
+        return None
+    return path if path.is_dir() else path.parent
+
+
+def _toy_tokenizer(args: argparse.Namespace, model: Any) -> Any:
+    """A model without a tokenizer: a preset with random weights gets dgemma's toy byte-level BPE (its ids fit any
+    vocabulary of 512 or more); a checkpoint must bring its own."""
+    vocab = model.config.vocab_size
+    if args.preset is None or vocab < 512:
+        raise UsageError("serve needs a tokenizer: pass --tokenizer PATH or put tokenizer.json in the model "
+                         "directory" + (f" (the model's vocabulary has {vocab} ids)" if args.preset else ""))
+    print("dgemma serve: no --tokenizer; using dgemma's toy tokenizer (build_test_tokenizer(512))", file=sys.stderr)
+    tok = build_test_tokenizer(512)
+    model.generation_config = model.generation_config.stopping_at(tok.token_to_id(TURN_END))
+    return tok

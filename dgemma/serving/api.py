@@ -1,0 +1,370 @@
+"""OpenAI request rules of `dgemma serve`, as pure functions (no HTTP): a parsed JSON body becomes a
+`GenerationRequest` (prompt token ids, one `Submission` per choice with its `GenerationConfig` and seed, the stream
+options and stop strings), or an `APIError` that names the field. docs/serving.md lists every rule.
+
+Every OpenAI field is used, mapped by a documented rule (`temperature` scales the sampler's temperature schedule),
+or refused unless it has its neutral value; dgemma's sampler settings are extra top-level fields, validated by
+`GenerationConfig.replace` exactly as `dgemma.generate`'s keywords are. Unknown fields are refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from dgemma.config import ConfigError, is_int, is_real
+from dgemma.generation_config import GenerationConfig
+from dgemma.serving.templates import ChatTemplate, ChatTemplateError, Convention
+from dgemma.tokenizer import Tokenizer
+
+# dgemma's sampler settings a request may set (docs/sampling.md); the others (special tokens, max_length, truncate)
+# belong to the model or to the server.
+SAMPLER_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "sampler", "stability_threshold",
+                  "confidence_threshold", "commit", "stop_rule", "sliding_prefix", "posterior",
+                  "initial_self_conditioning", "adaptive", "stability_steps")
+COMMON_FIELDS = ("model", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "temperature", "top_p",
+                 "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user")
+CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+               "response_format")
+COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+MAX_STOP = 4
+MAX_CHOICES = 64  # engine requests one HTTP request may make (prompts x n)
+MAX_TEMPERATURE = 2.0
+SEED_LIMIT = 2**63
+
+
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error object."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One engine request: choice `index` of prompt `prompt`."""
+
+    index: int
+    prompt: int
+    config: GenerationConfig
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated completion or chat request."""
+
+    kind: str  # "chat" or "completion"
+    prompts: list[list[int]]
+    submissions: list[Submission]
+    stream: bool
+    include_usage: bool
+    include_denoising: bool
+    stop: tuple[str, ...]
+    conventions: tuple[Convention, ...]  # how to split the output (chat with a template that marks spans)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: ChatTemplate,
+                       base_config: GenerationConfig, model_name: str, max_n: int = 8) -> GenerationRequest:
+    """POST /v1/chat/completions: messages rendered with `template`."""
+    _check_fields(body, COMMON_FIELDS + CHAT_FIELDS)
+    for name, neutral in (("top_logprobs", (None, 0)), ("parallel_tool_calls", (None, True))):
+        _neutral(body, name, neutral)
+    if body.get("logprobs") not in (None, False):
+        raise APIError(f"logprobs: not supported (a diffusion sampler has no per-token log-probability of its "
+                       f"output), got {body['logprobs']!r}", param="logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise APIError(f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}", param="response_format")
+    if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] is not None \
+            and body["max_completion_tokens"] is not None:
+        raise APIError("give one of max_tokens and max_completion_tokens, not both", param="max_completion_tokens")
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    tools = _tools(body)
+    messages = _messages(body.get("messages"))
+    try:
+        prompt = template.encode(tokenizer, messages, tools)
+    except ChatTemplateError as e:
+        raise APIError(str(e), param="tools" if tools and template.builtin else "messages") from None
+    if not prompt:
+        raise APIError("messages: the chat template rendered an empty prompt", param="messages")
+    conventions = template.conventions
+    if body.get("tool_choice") == "none":
+        conventions = tuple(c for c in conventions if c.kind != "tool")
+    return _request("chat", body, [prompt], base_config, model_name, max_n, max_tokens_field, conventions)
+
+
+def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base_config: GenerationConfig,
+                             model_name: str, max_n: int = 8) -> GenerationRequest:
+    """POST /v1/completions: a prompt string, strings, token ids or token-id lists."""
+    _check_fields(body, COMMON_FIELDS + COMPLETION_FIELDS)
+    for name, neutral in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, ""))):
+        _neutral(body, name, neutral)
+    if body.get("logprobs") is not None:
+        raise APIError(f"logprobs: not supported (a diffusion sampler has no per-token log-probability of its "
+                       f"output), got {body['logprobs']!r}", param="logprobs")
+    prompts = _prompts(body.get("prompt"), tokenizer)
+    return _request("completion", body, prompts, base_config, model_name, max_n, "max_tokens", ())
+
+
+def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: GenerationConfig, model_name: str,
+             max_n: int, max_tokens_field: str, conventions: tuple[Convention, ...]) -> GenerationRequest:
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(f"model {model!r} does not exist; this server serves {model_name!r}", param="model",
+                       status=404, code="model_not_found")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise APIError(f"user: must be a string, got {body['user']!r}", param="user")
+    top_p = body.get("top_p")
+    if top_p is not None and (not is_real(top_p) or top_p != 1):
+        raise APIError(f"top_p: only 1 is supported (the sampler draws from the whole tempered distribution), "
+                       f"got {top_p!r}", param="top_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) is not None and (not is_real(body[name]) or body[name] != 0):
+            raise APIError(f"{name}: only 0 is supported (the sampler has no penalties), got {body[name]!r}",
+                           param=name)
+    if body.get("logit_bias") not in (None, {}):
+        raise APIError(f"logit_bias: not supported, got {body['logit_bias']!r}", param="logit_bias")
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not is_int(n) or not 1 <= n <= max_n:
+        raise APIError(f"n: must be an int from 1 to {max_n}, got {n!r}", param="n")
+    choices = len(prompts) * n
+    if choices > MAX_CHOICES:
+        raise APIError(f"{len(prompts)} prompts x n={n} make {choices} choices; at most {MAX_CHOICES}", param="n")
+    seed = body.get("seed")
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= SEED_LIMIT - choices):
+        raise APIError(f"seed: must be an int from 0 to {SEED_LIMIT - choices}, got {seed!r}", param="seed")
+    stream = body.get("stream", False)
+    if stream not in (None, True, False):
+        raise APIError(f"stream: must be true or false, got {stream!r}", param="stream")
+    include_usage, include_denoising = _stream_options(body.get("stream_options"), bool(stream))
+    config = _config(body, base, max_tokens_field)
+    submissions = [Submission(index=p * n + i, prompt=p, config=config,
+                              seed=None if seed is None else seed + p * n + i)
+                   for p in range(len(prompts)) for i in range(n)]
+    return GenerationRequest(kind=kind, prompts=prompts, submissions=submissions, stream=bool(stream),
+                             include_usage=include_usage, include_denoising=include_denoising,
+                             stop=_stop(body.get("stop")), conventions=conventions)
+
+
+def _config(body: dict[str, Any], base: GenerationConfig, max_tokens_field: str) -> GenerationConfig:
+    """The request's GenerationConfig: the sampler fields, max_tokens, then temperature's scaling of the schedule."""
+    changes = {k: body[k] for k in SAMPLER_FIELDS if body.get(k) is not None}
+    max_tokens = body.get(max_tokens_field)
+    if max_tokens is not None:
+        if not is_int(max_tokens) or max_tokens < 1:
+            raise APIError(f"{max_tokens_field}: must be a positive int, got {max_tokens!r}", param=max_tokens_field)
+        changes["max_new_tokens"] = max_tokens
+    config = _replace(base, changes, max_tokens_field)
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not is_real(temperature) or not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+            raise APIError(f"temperature: must be a number in (0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+                           param="temperature")
+        if temperature == 0:
+            raise APIError("temperature: 0 (greedy) has no equivalent here: a diffusion canvas starts from random "
+                           "tokens; use a small temperature, and `seed` for reproducible text", param="temperature")
+        if temperature != 1:
+            config = _replace(config, {"t_min": config.t_min * temperature, "t_max": config.t_max * temperature},
+                              "temperature")
+    return config
+
+
+def _replace(config: GenerationConfig, changes: dict[str, Any], max_tokens_field: str) -> GenerationConfig:
+    try:
+        return config.replace(**changes)
+    except (ConfigError, TypeError) as e:
+        message = str(e)
+        field = message.split(":", 1)[0]
+        param = max_tokens_field if field == "max_new_tokens" else field if field in SAMPLER_FIELDS else None
+        if field == "max_new_tokens":
+            message = max_tokens_field + message[len(field):]
+        raise APIError(message, param=param) from None
+
+
+def _check_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
+    allowed = set(known) | set(SAMPLER_FIELDS)
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(f"unsupported field(s): {', '.join(unknown)} (supported: {', '.join(sorted(allowed))})",
+                       param=unknown[0])
+
+
+def _neutral(body: dict[str, Any], name: str, neutral: tuple[Any, ...]) -> None:
+    v = body.get(name)
+    if v is not None and not any(v == x and type(v) is type(x) for x in neutral if x is not None):
+        shown = " or ".join(json.dumps(x) for x in neutral)
+        raise APIError(f"{name}: not supported here; only {shown} is accepted, got {json.dumps(v)}", param=name)
+
+
+def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
+    if options is None:
+        return False, False
+    if not stream:
+        raise APIError("stream_options: only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict):
+        raise APIError(f"stream_options: must be an object, got {options!r}", param="stream_options")
+    unknown = sorted(set(options) - {"include_usage", "include_denoising"})
+    if unknown:
+        raise APIError(f"stream_options: unsupported key(s) {', '.join(unknown)} (supported: include_usage, "
+                       "include_denoising)", param="stream_options")
+    flags = []
+    for key in ("include_usage", "include_denoising"):
+        v = options.get(key, False)
+        if v not in (None, True, False):
+            raise APIError(f"stream_options.{key}: must be true or false, got {v!r}", param="stream_options")
+        flags.append(bool(v))
+    return flags[0], flags[1]
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise APIError(f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them, got {stop!r}",
+                       param="stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(is_int(t) and t >= 0 for t in v)
+
+    if isinstance(prompt, str):
+        rows = [prompt]
+    elif ids(prompt):
+        return [list(prompt)]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(map(ids, prompt))):
+        rows = prompt
+    else:
+        raise APIError("prompt: must be a string, a list of strings, a non-empty list of token ids (ints >= 0) or a "
+                       f"list of such lists, got {_short(prompt)}", param="prompt")
+    out = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in rows]
+    for i, p in enumerate(out):
+        if not p:
+            raise APIError(f"prompt {i}: empty (it encodes to no tokens)", param="prompt")
+    return out
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them: content as one string, `developer` as `system`, tool-call
+    arguments as objects (transformers' convention)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(f"messages: must be a non-empty list of messages, got {_short(messages)}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(f"{where}: must be an object, got {_short(m)}", param="messages")
+        unknown = sorted(set(m) - set(MESSAGE_KEYS))
+        if unknown:
+            raise APIError(f"{where}: unsupported key(s) {', '.join(unknown)}", param="messages")
+        role = ROLES.get(m.get("role")) if isinstance(m.get("role"), str) else None
+        if role is None:
+            raise APIError(f"{where}.role: must be one of {', '.join(ROLES)}, got {m.get('role')!r}",
+                           param="messages")
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), where)}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise APIError(f"{where}.{key}: must be a string, got {_short(m[key])}", param="messages")
+                msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            if role != "assistant":
+                raise APIError(f"{where}: only assistant messages carry tool_calls", param="messages")
+            msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in
+                                 enumerate(_list(m["tool_calls"], f"{where}.tool_calls"))]
+        if msg["content"] is None and not msg.get("tool_calls"):
+            raise APIError(f"{where}.content: required (null only for an assistant message with tool_calls)",
+                           param="messages")
+        if role == "tool" and "tool_call_id" not in msg:
+            raise APIError(f"{where}: a tool message needs tool_call_id", param="messages")
+        out.append(msg)
+    return out
+
+
+def _content(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    parts = _list(content, f"{where}.content")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are "
+                           f"supported, got {kind!r}", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(f"{where}: must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                       param="messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise APIError(f"{where}.function.arguments: not a JSON object: {args[:80]!r}", param="messages") from None
+    if not isinstance(args, dict):
+        raise APIError(f"{where}.function.arguments: must be a JSON object", param="messages")
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise APIError(f"tool_choice: only 'auto' and 'none' are supported (the sampler cannot force a call), "
+                       f"got {choice!r}", param="tool_choice")
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    for j, tool in enumerate(_list(tools, "tools")):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(f"tools[{j}]: must be {{'type': 'function', 'function': {{'name', 'description', "
+                           "'parameters': {...}}}}", param="tools")
+    return None if choice == "none" or not tools else tools
+
+
+def _list(v: Any, where: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise APIError(f"{where}: must be a list, got {_short(v)}", param=where.split("[")[0].split(".")[0])
+    return v
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, bytes) else repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."

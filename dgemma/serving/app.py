@@ -1,0 +1,579 @@
+"""The HTTP layer of `dgemma serve`: a FastAPI app over a running `Engine` (docs/serving.md).
+
+`create_app(engine, tokenizer, model_name)` serves OpenAI's `/v1/models`, `/v1/completions` and
+`/v1/chat/completions` (JSON, or server-sent events with one chunk per committed canvas and, on request, one per
+denoising step), `/health`, `/metrics` (Prometheus) and the live page at `/`. Requests are parsed by `api` (pure
+rules), turned into engine submissions (one per choice), and answered from the engine's events, which the engine
+thread hands to the event loop with `call_soon_threadsafe`. A client that goes away cancels its engine requests at
+once. Every error is OpenAI's error object; nothing sends a traceback. `serve(app, host, port)` runs it on uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dgemma.generation_config import GenerationConfig
+from dgemma.serving.api import (
+    APIError,
+    GenerationRequest,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json,
+)
+from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
+from dgemma.serving.templates import GEMMA_QUOTE, GEMMA_TOOL_CALL, ChatTemplate, OutputParser, ParsedOutput
+from dgemma.tokenizer import Tokenizer
+
+log = logging.getLogger("dgemma.serve")
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_CONCURRENCY = 256
+POLL_S = 0.1  # how often a waiting request checks whether its client is still there
+PLACEHOLDER_PAGE = ("<!doctype html><title>dgemma serve</title><p>dgemma serve is running. The OpenAI API is at "
+                    "<code>/v1</code>; <code>/health</code> and <code>/metrics</code> describe it.</p>")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was being generated."""
+
+
+def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: ChatTemplate | None = None,
+               generation_config: GenerationConfig | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+               max_n: int = 8) -> FastAPI:
+    """The app over a started `engine`. `generation_config` holds the defaults a request overrides (default: the
+    engine's model's); `template` the chat template (default: dgemma's Gemma template); `api_key`, when given, is
+    required as `Authorization: Bearer KEY` on /v1/*."""
+    state = _State(engine, tokenizer, model_name, template or ChatTemplate(None),
+                   generation_config or engine.model.generation_config, api_key, max_request_bytes, max_concurrency,
+                   max_n)
+    app = FastAPI(title="dgemma serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.dgemma = state
+    app.add_middleware(_CountRequests, counter=state.metrics.requests)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return JSONResponse(error_body(f"{param or 'request'}: {first.get('msg', 'invalid')}", param=param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(error_body(message, code="not_found" if e.status_code == 404 else None), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error answering %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", type="server_error"), 500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        s = engine.stats()
+        return {"status": "ok", "model": model_name, "active": s.active, "queue_length": s.queue_length,
+                "max_batch": s.max_batch, "in_flight": state.in_flight}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def page() -> HTMLResponse:
+        resource = resources.files("dgemma.serving") / "page.html"
+        return HTMLResponse(resource.read_text(encoding="utf-8") if resource.is_file() else PLACEHOLDER_PAGE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state.authorize(request)
+        return {"object": "list", "data": [state.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        state.authorize(request)
+        if model_id != model_name:
+            raise APIError(f"model {model_id!r} does not exist; this server serves {model_name!r}", param="model",
+                           status=404, code="model_not_found")
+        return state.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state.generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state.generate(request, "chat")
+
+    return app
+
+
+class _State:
+    """What the routes share: the engine, tokenizer, template, limits and metrics."""
+
+    def __init__(self, engine: Any, tokenizer: Tokenizer, model_name: str, template: ChatTemplate,
+                 config: GenerationConfig, api_key: str | None, max_request_bytes: int, max_concurrency: int,
+                 max_n: int):
+        self.engine, self.tokenizer, self.model_name, self.template = engine, tokenizer, model_name, template
+        self.config, self.api_key, self.max_n = config, api_key, max_n
+        self.max_request_bytes, self.max_concurrency = max_request_bytes, max_concurrency
+        self.in_flight, self.created = 0, int(time.time())
+        self.metrics = _Metrics(engine, lambda: self.in_flight)
+        self._pieces: dict[int, str] = {}
+        specials = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
+        self._special = {i: tokenizer.backend.id_to_token(i) or "" for i in specials}
+
+    # --- requests ---
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise APIError("missing or wrong API key: send `Authorization: Bearer KEY`", status=401,
+                           code="invalid_api_key")
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dgemma"}
+
+    async def read_body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> APIError:
+        return APIError(f"the request body is larger than {self.max_request_bytes:,} bytes (--max-request-bytes)",
+                        status=413, code="request_too_large")
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        self.authorize(request)
+        if self.in_flight >= self.max_concurrency:
+            raise APIError(f"too many requests in flight ({self.max_concurrency}, --max-concurrency); retry later",
+                           status=429, code="rate_limit_exceeded")
+        self.in_flight += 1
+        try:
+            body = parse_json(await self.read_body(request))
+            if kind == "chat":
+                req = parse_chat_request(body, tokenizer=self.tokenizer, template=self.template,
+                                         base_config=self.config, model_name=self.model_name, max_n=self.max_n)
+            else:
+                req = parse_completion_request(body, tokenizer=self.tokenizer, base_config=self.config,
+                                               model_name=self.model_name, max_n=self.max_n)
+            run = _Run(self, req, request)
+            run.submit()
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if req.stream:
+            return _EventStream(run.stream(), on_close=partial(self._release, run))
+        try:
+            return JSONResponse(await run.complete())
+        finally:
+            self._release(run)
+
+    def _release(self, run: _Run) -> None:
+        run.cancel()
+        self.in_flight -= 1
+
+    # --- text ---
+
+    def decoder(self, keep: tuple[str, ...]) -> Callable[[list[int]], str]:
+        """Decodes committed ids to response text: special tokens removed, except those the output parser needs
+        (the markers of `keep`)."""
+        drop = {i for i, t in self._special.items() if not any(t and t in m for m in keep)}
+        return lambda ids: self.tokenizer.decode([i for i in ids if i not in drop])
+
+    def piece(self, token_id: int) -> str:
+        """One id decoded alone, special tokens shown (the denoising stream's `tokens`)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always run `on_close` when the response ends, however it ends (done, the client
+    gone before the first byte or in the middle, the server stopping), so engine requests never outlive it."""
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _Choice:
+    """One choice's text: committed ids -> decoded text, held back while it may end in an incomplete UTF-8 sequence
+    or the beginning of a stop string, cut at the first stop string, then split by the output parser."""
+
+    def __init__(self, index: int, decode: Callable[[list[int]], str], stop: tuple[str, ...], parser: Any):
+        self.index, self.decode, self.stop, self.parser = index, decode, stop, parser
+        self.ids: list[int] = []
+        self.text, self.sent = "", 0
+        self.parsed = ParsedOutput()
+        self.handle: Any = None
+        self.done, self.stopped = False, False
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.calls_sent = 0
+
+    def on_canvas(self, tokens: list[int]) -> list[tuple[str, Any]]:
+        self.ids += tokens
+        self.completion_tokens += len(tokens)
+        return self._advance(self.decode(self.ids).rstrip("\ufffd"), final=False)
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The rest of the text once the engine is done with this choice (nothing more can follow)."""
+        return self._advance(self.decode(self.ids), final=True) + self.close()
+
+    def close(self) -> list[tuple[str, Any]]:
+        """What the parser still holds (an unclosed span), once no more text will come."""
+        if self.parser is None:
+            return []
+        tail = self.parser.finish()
+        self.parsed.add(tail)
+        return tail
+
+    def _advance(self, text: str, final: bool) -> list[tuple[str, Any]]:
+        if self.stopped:
+            return []
+        self.text = text
+        hits = [i for s in self.stop if (i := text.find(s, self.sent)) >= 0]
+        if hits:
+            end, self.stopped = min(hits), True
+        elif final:
+            end = len(text)
+        else:
+            end = len(text) - _partial_suffix(text, self.stop)
+        new = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        if self.parser is None:
+            return [("content", new)] if new else []
+        pieces = self.parser.feed(new)
+        self.parsed.add(pieces)
+        return pieces
+
+
+def _partial_suffix(text: str, stops: tuple[str, ...]) -> int:
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class _Run:
+    """One HTTP generation request: its engine submissions, their events (bridged from the engine thread to this
+    event loop), and the response built from them, whole or as server-sent events."""
+
+    def __init__(self, state: _State, req: GenerationRequest, request: Request):
+        self.state, self.req, self.request = state, req, request
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        self.id, self.created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
+        self.object = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+        keep = tuple(m for c in req.conventions for m in (c.open, c.close))
+        keep += (GEMMA_QUOTE,) if GEMMA_TOOL_CALL in req.conventions else ()
+        decode = state.decoder(keep)
+        self.choices = [_Choice(s.index, decode, req.stop, OutputParser(req.conventions) if req.conventions else None)
+                        for s in req.submissions]
+        self.prompt_tokens = sum(len(p) for p in req.prompts)
+
+    def submit(self) -> None:
+        for sub, choice in zip(self.req.submissions, self.choices, strict=True):
+            try:
+                choice.handle = self.state.engine.submit(
+                    self.req.prompts[sub.prompt], sub.config, seed=sub.seed,
+                    on_event=partial(self._on_event, sub.index), stream_steps=self.req.include_denoising)
+            except QueueFullError as e:
+                self.cancel()
+                raise APIError(f"the engine queue is full ({e}); retry later", status=429,
+                               code="rate_limit_exceeded") from None
+            except EngineError as e:
+                self.cancel()
+                raise APIError(str(e), param="messages" if self.req.kind == "chat" else "prompt") from None
+
+    def _on_event(self, index: int, event: Any) -> None:
+        """Called on the engine thread: hand the event to the event loop (never raises)."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server is stopping, nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if c.handle is not None and not c.done:
+                c.handle.cancel()
+
+    async def _next(self) -> tuple[int, Any]:
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
+            except TimeoutError:
+                if await self.request.is_disconnected():
+                    raise ClientGone from None
+
+    async def events(self) -> AsyncIterator[tuple[_Choice, Any, list[tuple[str, Any]]]]:
+        """(choice, event, new pieces of text) until every choice is done; cancels what is left on the way out
+        (a disconnect, a stop string, an error)."""
+        try:
+            while not all(c.done for c in self.choices):
+                index, event = await self._next()
+                choice = self.choices[index]
+                if choice.done:
+                    continue
+                pieces: list[tuple[str, Any]] = []
+                if isinstance(event, CanvasEvent):
+                    self.state.metrics.canvas_steps.observe(event.steps)
+                    pieces = choice.on_canvas(list(event.tokens))
+                    if choice.stopped:  # a stop string: this choice is finished, its row leaves the batch
+                        choice.handle.cancel()
+                        pieces += choice.close()
+                        choice.done, choice.finish_reason = True, "stop"
+                elif isinstance(event, DoneEvent):
+                    self.state.metrics.done(event)
+                    if event.finish_reason not in ("stop", "length"):
+                        raise APIError(f"generation failed: {event.error or event.finish_reason}", status=500,
+                                       type="server_error")
+                    pieces = choice.finish()
+                    choice.done, choice.finish_reason = True, event.finish_reason
+                    choice.completion_tokens = event.completion_tokens
+                if choice.done and choice.parsed.tool_calls and choice.finish_reason == "stop":
+                    choice.finish_reason = "tool_calls"
+                yield choice, event, pieces
+        finally:
+            self.cancel()
+            for c in self.choices:
+                c.done = True
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(c.completion_tokens for c in self.choices)
+        self.state.metrics.usage(self.prompt_tokens, completion)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    async def complete(self) -> dict[str, Any]:
+        """The whole response (non-streaming)."""
+        try:
+            async for _ in self.events():
+                pass
+        except ClientGone:
+            return {}
+        choices = []
+        for c in self.choices:
+            if self.req.kind == "completion":
+                choices.append({"index": c.index, "text": c.parsed.content if c.parser else c.text[:c.sent],
+                                "logprobs": None, "finish_reason": c.finish_reason})
+                continue
+            p = c.parsed if c.parser is not None else ParsedOutput(content=c.text[:c.sent])
+            message: dict[str, Any] = {"role": "assistant", "content": p.content or (None if p.tool_calls else "")}
+            if p.reasoning:
+                message["reasoning_content"] = p.reasoning
+            if p.tool_calls:
+                message["tool_calls"] = p.tool_calls
+            choices.append({"index": c.index, "message": message, "logprobs": None,
+                            "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": self.object.removesuffix(".chunk"), "created": self.created,
+                "model": self.state.model_name, "choices": choices, "usage": self.usage()}
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Server-sent events: role chunks (chat), text per canvas, denoising steps (on request), finish chunks,
+        usage (on request), [DONE]. An error after the stream began is sent as an error event."""
+        try:
+            if self.req.kind == "chat":
+                for c in self.choices:
+                    yield self._chunk([self._delta(c, {"role": "assistant", "content": ""})])
+            async for choice, event, pieces in self.events():
+                if isinstance(event, StepEvent):
+                    yield self._chunk([], denoising=self._denoising(choice, event))
+                    continue
+                deltas = [self._delta(choice, d) for d in self._piece_deltas(choice, pieces)]
+                if deltas:
+                    yield self._chunk(deltas)
+                if choice.done:
+                    yield self._chunk([self._delta(choice, {} if self.req.kind == "chat" else "",
+                                                   choice.finish_reason)])
+            if self.req.include_usage:
+                yield self._chunk([], usage=self.usage())
+        except ClientGone:
+            return
+        except APIError as e:
+            yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+
+    def _piece_deltas(self, choice: _Choice, pieces: list[tuple[str, Any]]) -> list[Any]:
+        if self.req.kind == "completion":
+            return ["".join(text for _, text in pieces)] if pieces else []
+        out: list[Any] = []
+        for kind, value in pieces:
+            if kind == "tool_call":
+                out.append({"tool_calls": [{"index": choice.calls_sent, **value}]})
+                choice.calls_sent += 1
+            else:
+                out.append({"reasoning_content" if kind == "reasoning" else "content": value})
+        return out
+
+    def _delta(self, choice: _Choice, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.req.kind == "completion":
+            return {"index": choice.index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def _denoising(self, choice: _Choice, e: StepEvent) -> dict[str, Any]:
+        return {"choice": choice.index, "canvas": e.canvas, "step": e.step, "num_steps": e.num_steps,
+                "token_ids": list(e.argmax), "tokens": [self.state.piece(t) for t in e.argmax],
+                "accepted": [bool(a) for a in e.accepted],
+                "entropy": [round(float(h), 4) if math.isfinite(h) else None for h in e.entropy],
+                "text": choice.text}
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created,
+                                 "model": self.state.model_name, "choices": choices}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        chunk.update(extra)
+        return _sse(chunk)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Metrics:
+    """The app's Prometheus registry: HTTP counters, per-request histograms fed from the engine's events, and the
+    engine's own counters and gauges, read from `engine.stats()` at each scrape."""
+
+    def __init__(self, engine: Any, in_flight: Callable[[], int]):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("dgemma_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        Gauge("dgemma_http_requests_in_flight", "generation requests being answered", registry=r
+              ).set_function(in_flight)
+        self.canvas_steps = Histogram("dgemma_canvas_denoising_steps", "denoising steps per finished canvas",
+                                      buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), registry=r)
+        self.tokens_per_step = Histogram("dgemma_request_tokens_per_step",
+                                         "a request's completion tokens / its denoising steps",
+                                         buckets=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.ttfc = Histogram("dgemma_time_to_first_canvas_seconds", "submission to the first finished canvas",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.prompt_tokens = Counter("dgemma_prompt_tokens", "prompt tokens of answered requests", registry=r)
+        self.completion_tokens = Counter("dgemma_completion_tokens", "completion tokens of answered requests",
+                                         registry=r)
+        r.register(_EngineCollector(engine))
+
+    def done(self, event: DoneEvent) -> None:
+        if event.seconds_to_first_canvas is not None:
+            self.ttfc.observe(event.seconds_to_first_canvas)
+        if event.denoising_steps:
+            self.tokens_per_step.observe(event.completion_tokens / event.denoising_steps)
+
+    def usage(self, prompt: int, completion: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.completion_tokens.inc(completion)
+
+
+class _EngineCollector:
+    """engine.stats() as Prometheus metrics, read at scrape time."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self) -> Any:
+        s = self.engine.stats()
+        for name, doc, value in (("queue_length", "engine requests waiting for a slot", s.queue_length),
+                                 ("active_requests", "engine slots in use", s.active),
+                                 ("max_batch", "engine slots", s.max_batch),
+                                 ("batch_occupancy", "mean rows per batched denoising forward since start",
+                                  s.denoise_rows / s.denoise_forwards if s.denoise_forwards else 0.0),
+                                 ("tokens_per_busy_second", "generated tokens / engine busy seconds since start",
+                                  s.generated_tokens / s.busy_seconds if s.busy_seconds else 0.0)):
+            yield GaugeMetricFamily(f"dgemma_engine_{name}", doc, value=value)
+        for name, doc, value in (("engine_denoise_forwards", "batched denoising forwards", s.denoise_forwards),
+                                 ("engine_denoise_rows", "rows over all batched denoising forwards", s.denoise_rows),
+                                 ("engine_commits", "commit passes (prefills and canvases)", s.commits),
+                                 ("generated_tokens", "output tokens delivered", s.generated_tokens),
+                                 ("engine_busy_seconds", "time the engine loop spent computing", s.busy_seconds)):
+            yield CounterMetricFamily(f"dgemma_{name}", doc, value=value)
+        requests = CounterMetricFamily("dgemma_engine_requests", "engine requests by state", labels=["state"])
+        for label, value in (("submitted", s.requests_submitted), ("finished", s.requests_finished),
+                             ("cancelled", s.requests_cancelled), ("failed", s.requests_failed)):
+            requests.add_metric([label], value)
+        yield requests
+
+
+class _CountRequests:
+    """ASGI middleware: counts answered requests by endpoint (the known routes, else "other") and status."""
+
+    def __init__(self, app: Any, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = next((e for e in ENDPOINTS if path == e or (e == "/v1/models" and path.startswith(e + "/"))),
+                        "other")
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "warning",
+          announce: Callable[[str], None] = print) -> None:
+    """Run `app` on uvicorn at host:port until Ctrl-C (or SIGTERM); `announce` gets the URL once the port is bound
+    (port 0: a free one)."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    announce(f"http://{shown}:{bound}/")
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

@@ -1,0 +1,229 @@
+"""The pure parts of `dgemma serve`: the OpenAI request rules (dgemma/serving/api.py), chat templates rendered as
+transformers renders them, and the thinking / tool-call output parser (dgemma/serving/templates.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dgemma.generation_config import GenerationConfig
+from dgemma.serving.api import APIError, parse_chat_request, parse_completion_request, parse_json
+from dgemma.serving.templates import (
+    BUILTIN_CONVENTIONS,
+    CONVENTIONS,
+    ChatTemplate,
+    ChatTemplateError,
+    OutputParser,
+    load_chat_template,
+    parse_output,
+)
+from dgemma.tokenizer import encode_template, format_chat, load_tokenizer
+
+BASE = GenerationConfig(max_new_tokens=32, max_denoising_steps=8, eos_token_id=(1,))
+
+# A small template in the style of Gemma 4's: turns, a system turn listing the tools, Gemma's tool-call syntax and
+# its thinking channel (which the parser then recognizes).
+GEMMA_LIKE = """{{ bos_token }}
+{%- if tools %}<|turn>system
+{% for t in tools %}{{ t.function.name }}: {{ t.function | tojson }}
+{% endfor %}<turn|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|turn>model
+{% for c in m.tool_calls %}<|tool_call>call:{{ c.function.name }}
+{{- c.function.arguments | tojson }}<tool_call|>{% endfor %}
+<turn|>
+{% elif m.role == 'tool' %}<|turn>tool
+{{ m.content }}<turn|>
+{% else %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}
+{{ m.content | trim }}<turn|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|turn>model
+{% endif %}
+{#- thinking: <|channel>thought ... <channel|> #}"""
+
+
+@pytest.fixture(scope="module")
+def tok(tok_path):
+    return load_tokenizer(tok_path)
+
+
+def chat(tok, template=None, **body):
+    return parse_chat_request({"messages": [{"role": "user", "content": "Hi"}], **body}, tokenizer=tok,
+                              template=template or ChatTemplate(None), base_config=BASE, model_name="tiny")
+
+
+def completion(tok, **body):
+    return parse_completion_request({"prompt": "Hello", **body}, tokenizer=tok, base_config=BASE, model_name="tiny")
+
+
+def refused(fn, *args, **body) -> APIError:
+    with pytest.raises(APIError) as e:
+        fn(*args, **body)
+    return e.value
+
+
+# --- request rules ---------------------------------------------------------------------------------------------
+
+def test_sampler_fields_and_openai_fields_become_one_config(tok):
+    req = chat(tok, max_completion_tokens=20, max_denoising_steps=4, entropy_bound=0.5, sampler="lite", seed=7, n=3,
+               temperature=0.5, stop=["\n\n", "END"], stream=True,
+               stream_options={"include_usage": True, "include_denoising": True})
+    cfg = req.submissions[0].config
+    assert (cfg.max_new_tokens, cfg.max_denoising_steps, cfg.entropy_bound, cfg.sampler) == (20, 4, 0.5, "lite")
+    assert (cfg.t_min, cfg.t_max) == pytest.approx((BASE.t_min * 0.5, BASE.t_max * 0.5))  # temperature's rule
+    assert [s.seed for s in req.submissions] == [7, 8, 9] and [s.index for s in req.submissions] == [0, 1, 2]
+    assert req.stop == ("\n\n", "END") and req.stream and req.include_usage and req.include_denoising
+    assert req.prompts == [encode_template(tok, format_chat([{"role": "user", "content": "Hi"}]))]
+    assert chat(tok).submissions[0].config == BASE  # nothing given: the server's defaults, untouched
+
+
+def test_completion_prompts_strings_ids_and_choice_order(tok):
+    req = completion(tok, prompt=["a", "b"], n=2, seed=10)
+    assert req.prompts == [tok.encode("a"), tok.encode("b")]
+    assert [(s.index, s.prompt, s.seed) for s in req.submissions] == [(0, 0, 10), (1, 0, 11), (2, 1, 12),
+                                                                       (3, 1, 13)]
+    assert completion(tok, prompt=[5, 6, 7]).prompts == [[5, 6, 7]]
+    assert completion(tok, prompt=[[5], [6, 7]]).prompts == [[5], [6, 7]]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"bogus": 1}, "bogus", "unsupported field(s): bogus"),
+    ({"entropy_bound": -1}, "entropy_bound", "entropy_bound: must be a number > 0"),
+    ({"max_denoising_steps": 0}, "max_denoising_steps", "positive int"),
+    ({"sampler": "greedy"}, "sampler", "sampler: must be one of"),
+    ({"t_min": 0.9}, "t_max", "must be > t_min"),
+    ({"top_p": 0.5}, "top_p", "only 1"),
+    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"top_logprobs": 3}, "top_logprobs", "not supported"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
+    ({"temperature": 0}, "temperature", "greedy"),
+    ({"temperature": 3}, "temperature", "(0, 2]"),
+    ({"n": 0}, "n", "from 1 to 8"),
+    ({"n": 9}, "n", "from 1 to 8"),
+    ({"seed": -1}, "seed", "seed"),
+    ({"seed": 1.5}, "seed", "seed"),
+    ({"max_tokens": 0}, "max_tokens", "positive int"),
+    ({"max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens", "not both"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": ""}, "stop", "non-empty"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
+    ({"stream": True, "stream_options": {"include_everything": True}}, "stream_options", "include_everything"),
+    ({"tool_choice": "required"}, "tool_choice", "auto"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages",
+     "only text parts"),
+    ({"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages", "mood"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "content: required"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool syntax"),
+])
+def test_bad_chat_fields_are_refused_by_name(tok, body, param, words):
+    e = refused(chat, tok, **body)
+    assert e.status == 400 and e.param == param and words in e.message, e.message
+    assert e.body() == {"error": {"message": e.message, "type": "invalid_request_error", "param": param,
+                                  "code": None}}
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+                                         ({"prompt": [-1]}, "prompt"), ({"echo": True}, "echo"),
+                                         ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
+                                         ({"logprobs": 0}, "logprobs"), ({"messages": []}, "messages"),
+                                         ({"prompt": "x", "n": 8, "seed": 2**63 - 3}, "seed")])
+def test_bad_completion_fields_are_refused_by_name(tok, body, param):
+    assert refused(completion, tok, **body).param == param
+
+
+def test_model_name_and_json(tok):
+    assert chat(tok, model="tiny").submissions
+    e = refused(chat, tok, model="gpt-4")
+    assert (e.status, e.code, e.param) == (404, "model_not_found", "model")
+    assert parse_json(b'{"a": 1}') == {"a": 1}
+    for raw in (b"{bad", b"[1, 2]", b"\xff\xfe"):
+        assert refused(parse_json, raw).status == 400
+
+
+# --- chat templates --------------------------------------------------------------------------------------------
+
+def test_checkpoint_template_renders_as_transformers_and_marks_its_conventions(tmp_path, tok):
+    (tmp_path / "chat_template.jinja").write_text(GEMMA_LIKE)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<bos>"}}))
+    template = load_chat_template(None, tmp_path)
+    assert not template.builtin and {c.name for c in template.conventions} == {"gemma-thought", "gemma-tool-call"}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "}]
+    assert template.render(messages) == format_chat(messages)  # this template is the Gemma turn template
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
+    req = chat(tok, template, messages=history, tools=tools)
+    as_template_reads = [history[0], {**history[1], "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Oslo"}}}]}, history[2]]  # arguments as an object
+    text = template.render(as_template_reads, tools)
+    assert 'get_weather: {"name": "get_weather"' in text  # tojson without HTML escaping
+    assert '<|tool_call>call:get_weather{"city": "Oslo"}<tool_call|>' in text  # arguments given as an object
+    assert req.prompts == [encode_template(tok, text)]
+    assert {c.name for c in req.conventions} == {"gemma-thought", "gemma-tool-call"}
+    assert not [c for c in chat(tok, template, tools=tools, tool_choice="none").conventions if c.kind == "tool"]
+
+
+def test_template_sources_and_refusals(tmp_path, tok):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "{{ raise_exception('roles must alternate') }}"},
+        {"name": "tool_use", "template": "<think>{{ messages[0].content }}"}]}))
+    template = load_chat_template(tmp_path)
+    e = refused(chat, tok, template)
+    assert e.param == "messages" and "roles must alternate" in e.message
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert chat(tok, template, tools=tools).prompts == [tok.encode("<think>Hi", add_special_tokens=False)]
+    # the sandbox: no way out to Python internals
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    assert "unsafe" in refused(chat, tok, load_chat_template(tmp_path)).message
+    (tmp_path / "chat_template.jinja").write_text("{% for %}")
+    with pytest.raises(ChatTemplateError, match="not a valid Jinja template"):
+        load_chat_template(tmp_path)
+    assert load_chat_template(tmp_path / "nowhere", None).builtin
+
+
+# --- the output parser -----------------------------------------------------------------------------------------
+
+def test_gemma_thinking_and_tool_calls():
+    text = ('<|channel>thought\nThe user wants weather.<channel|>Let me check. <|tool_call>call:get_weather{'
+            'location:<|"|>Paris, "FR"<|"|>,days:3,metric:true,hours:[9,12.5],extra:{note:null}}<tool_call|>')
+    out = parse_output(text, BUILTIN_CONVENTIONS)
+    assert out.reasoning == "The user wants weather." and out.content == "Let me check. "
+    (call,) = out.tool_calls
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"location": 'Paris, "FR"', "days": 3, "metric": True,
+                                                         "hours": [9, 12.5], "extra": {"note": None}}
+
+
+def test_think_and_json_tool_calls_and_what_does_not_parse():
+    out = parse_output('<think>hmm</think>Sure.<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+                       '<tool_call>not json</tool_call>', CONVENTIONS)
+    assert out.reasoning == "hmm" and [json.loads(c["function"]["arguments"]) for c in out.tool_calls] == [{"x": 1}]
+    assert out.content == "Sure.<tool_call>not json</tool_call>"  # a call that does not parse stays text
+    assert parse_output("a <think>b", CONVENTIONS).reasoning == "b"  # unclosed thinking: still reasoning
+    assert parse_output("a <|tool_call>call:f{", BUILTIN_CONVENTIONS).content == "a <|tool_call>call:f{"
+    assert parse_output("<think>x</think>", ()).content == "<think>x</think>"  # no conventions: plain text
+
+
+def test_parser_pieces_arrive_in_any_split():
+    text = 'Hi <|channel>thought\nplan<channel|>ok <|tool_call>call:f{a:<|"|>b<|"|>}<tool_call|> end <|cha'
+    whole = parse_output(text, BUILTIN_CONVENTIONS)
+    for size in (1, 2, 3, 7):
+        parser, pieces = OutputParser(BUILTIN_CONVENTIONS), []
+        for i in range(0, len(text), size):
+            pieces += parser.feed(text[i:i + size])
+        pieces += parser.finish()
+        got = {k: "".join(v for kind, v in pieces if kind == k) for k in ("content", "reasoning")}
+        assert got == {"content": whole.content, "reasoning": whole.reasoning} == {
+            "content": "Hi ok  end <|cha", "reasoning": "plan"}
+        assert [json.loads(v["function"]["arguments"]) for k, v in pieces if k == "tool_call"] == [{"a": "b"}]
