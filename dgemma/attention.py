@@ -68,6 +68,21 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
 
 
 ATTENTION = {"reference": reference_attention, "fast": sdpa_attention}
+Past = tuple[Tensor, Tensor] | None  # a layer's visible cached keys and values (B, K, T, Dh), or None
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, past: Past | list[Past], mask: Mask | list[Mask], impl: Impl) -> Tensor:
+    """This pass's queries q (B, H, S, Dh) over the visible cached keys and values `past`, then the pass's own k, v
+    (B, K, S, Dh); returns (B, S, H, Dh). When `past` and `mask` are lists, one entry per row (rows at different
+    committed lengths: continuous batching), each row attends on its own, so it computes exactly what it would in a
+    batch of its own."""
+    if isinstance(past, list):
+        assert isinstance(mask, list) and len(past) == len(mask) == q.shape[0]
+        return torch.cat([attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], p, m, impl)
+                          for r, (p, m) in enumerate(zip(past, mask, strict=True))])
+    assert not isinstance(mask, list)
+    keys, values = (k, v) if past is None else (torch.cat([past[0], k], -2), torch.cat([past[1], v], -2))
+    return ATTENTION[impl](q, keys, values, mask)
 
 
 # --- masks -------------------------------------------------------------------------------------------------------
@@ -148,22 +163,6 @@ def denoise_masks(cache: KVCache, end: int, num_new: int, seen: dict[str, int | 
     canvas = cache.is_token.new_ones(cache.batch_size, num_new)
     return {kind: torch.cat([cache.is_token[:, cache.visible_start(end, p):end], canvas], 1)[:, None, None]
             for kind, p in seen.items()}
-
-
-def ragged_denoise_masks(cache: KVCache, lengths: Tensor, num_new: int, seen: dict[str, int | None]
-                         ) -> dict[str, Tensor]:
-    """The decoder's masks when each row has its own committed length (continuous batching): row r's canvas sees
-    the real tokens among its own last `seen[kind]` committed slots before `lengths[r]` (None: all of them), then the
-    whole canvas. Boolean (B, 1, 1, T + num_new) over every slot [0, cache.length), for both impls (a canvas query
-    always sees the canvas, so no row is empty)."""
-    slots = torch.arange(cache.length, device=lengths.device)[None]
-    before = cache.is_token[:, :cache.length] & (slots < lengths[:, None])
-    canvas = before.new_ones(cache.batch_size, num_new)
-    masks = {}
-    for kind, p in seen.items():
-        visible = before if p is None else before & (slots >= lengths[:, None] - p)
-        masks[kind] = torch.cat([visible, canvas], 1)[:, None, None]
-    return masks
 
 
 def static_denoise_masks(is_token: Tensor, end: Tensor, num_new: int, slots: Tensor, window: Tensor

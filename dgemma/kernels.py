@@ -70,6 +70,25 @@ def _expert_loop(xs: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Te
     return y
 
 
+ROW_BLOCK = 16  # "padded" expert matmuls run on whole blocks of this many rows
+
+
+def _padded_expert_loop(xs: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """`_expert_loop` with each expert's rows padded to whole blocks of ROW_BLOCK: a row's result then does not depend
+    on how many other rows share its expert (CPU matmul kernels round a row differently for a handful of rows than
+    for many, but the same for any number of whole blocks; tests/test_engine.py checks this where it runs)."""
+    y = torch.empty_like(xs)
+    lo = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            rows = xs.new_zeros(-(-n // ROW_BLOCK) * ROW_BLOCK, xs.shape[1])
+            rows[:n] = xs[lo:lo + n]
+            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
+            y[lo:lo + n] = F.linear(F.gelu(gate, approximate="tanh") * up, down_proj[e])[:n]
+        lo += n
+    return y
+
+
 _EXPERT_LOOP_OP: list[Callable[..., Tensor]] = []
 
 
@@ -83,13 +102,15 @@ def register_expert_loop_op() -> None:
 
 
 def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tensor, down_proj: Tensor, *,
-                backend: Literal["auto", "loop", "grouped"] = "auto") -> Tensor:
+                backend: Literal["auto", "loop", "grouped", "padded"] = "auto") -> Tensor:
     """Twin of `model.Experts.forward`: x (N, D), weights, experts (N, k) -> (N, D).
 
     Sorts the N*k token slots by expert once (a stable argsort plus a bincount) so each expert's tokens are one
     contiguous block, then runs one matmul per expert on its block ("loop"), or all of them as one grouped matmul
     ("grouped", no host sync, capturable by CUDA graphs). The weighted expert outputs are summed over the k slots in
-    fp32 (the reference rounds each slot to the model dtype before adding); "auto" picks grouped where it runs."""
+    fp32 (the reference rounds each slot to the model dtype before adding); "auto" picks grouped where it runs.
+    "padded" (`_padded_expert_loop`) makes each token's result independent of the other tokens in the batch, which
+    continuous batching needs (a request's tokens must not depend on who else is served)."""
     N, k = experts.shape
     E = gate_up_proj.shape[0]
     flat = experts.reshape(-1)  # slot s = token * k + j
@@ -100,6 +121,8 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         gate, up = _grouped_mm(xs, gate_up_proj, offsets).chunk(2, dim=-1)
         y = _grouped_mm((F.gelu(gate, approximate="tanh") * up).contiguous(), down_proj, offsets)
+    elif backend == "padded":
+        y = _padded_expert_loop(xs, counts, gate_up_proj, down_proj)
     elif torch.compiler.is_compiling():  # the loop's sizes are data: the tracer sees it as one opaque op
         y = _EXPERT_LOOP_OP[0](xs, counts, gate_up_proj, down_proj)  # registered by compiled_static_hidden
     else:

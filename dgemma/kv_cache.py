@@ -17,8 +17,8 @@ memory on long contexts (see `dgemma inspect` for bytes per token).
 
 Continuous batching (dgemma/serving/engine.py) keeps one cache as a pool of rows, one request per row, each with its
 own committed length: `rows(start, stop, length)` is a cache over some rows that shares the pool's storage (a commit
-through it writes into the pool), `gather(index, length)` a copy of any rows; `model.denoise(..., lengths=)` then reads
-each row up to its own length.
+through it writes into the pool), and `model.denoise(canvas, [one-row caches])` runs one batched pass in which each
+row reads its own.
 """
 
 from __future__ import annotations
@@ -62,14 +62,6 @@ class KVCache:
             raise ValueError(f"rows [{start}, {stop}) are outside a cache of batch size {self.batch_size}")
         return self._like([k[start:stop] for k in self.keys], [v[start:stop] for v in self.values],
                           self.is_token[start:stop], self.length if length is None else length)
-
-    def gather(self, index: list[int], length: int) -> KVCache:
-        """A copy of rows `index` (in that order) up to slot `length`, with committed length `length`: what a batched
-        denoising pass reads when the rows of a continuous batch are not contiguous."""
-        idx = torch.tensor(index, dtype=torch.long, device=self.is_token.device)
-        return self._like([k[:, :, :length].index_select(0, idx) for k in self.keys],
-                          [v[:, :, :length].index_select(0, idx) for v in self.values],
-                          self.is_token[:, :length].index_select(0, idx), length)
 
     def __repr__(self) -> str:
         return f"KVCache(batch_size={self.batch_size}, length={self.length}, max_length={self.max_length})"

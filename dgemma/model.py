@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -32,14 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dgemma import attention, checkpoint, costs, kernels
-from dgemma.attention import Impl, Mask, check_impl
+from dgemma.attention import Impl, Mask, Past, check_impl
 from dgemma.config import ModelConfig, RopeConfig
 from dgemma.kv_cache import KVCache
 from dgemma.system import available_memory
 
 TIME_FEATURES = 256  # width of the sinusoidal noise-level features (Lite)
 Role = Literal["encoder", "decoder"]  # commit (causal, encoder layer scalars) or denoise (bidirectional, decoder)
-PastKV = Callable[[int], tuple[Tensor, Tensor] | None]  # layer -> the visible cached keys and values, or None
+PastKV = Callable[[int], Past | list[Past]]  # layer -> the visible cached keys and values (per row: a list)
 
 
 # --- norms ------------------------------------------------------------------------------------------------------
@@ -111,10 +111,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(Dh, config.rms_norm_eps)
         self.v_norm = RMSNorm(Dh, config.rms_norm_eps, with_scale=False)  # Gemma: weightless V norm
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None, mask: Mask,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Past | list[Past], mask: Mask | list[Mask],
                 impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
-        """x: (B, S, D); past: the visible cached keys and values (B, K, T0, Dh), or None. Returns the output
-        (B, S, D) and this pass's new k, v (B, K, S, Dh), which `commit` writes to the cache."""
+        """x: (B, S, D); past: the visible cached keys and values (B, K, T0, Dh), or None, or one such per row
+        (`attention.attend`). Returns the output (B, S, D) and this pass's new k, v (B, K, S, Dh), which `commit`
+        writes to the cache."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, -1, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)  # (B, H, S, Dh)
@@ -122,8 +123,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, -1, self.head_dim) if self.v_proj is not None else k
         k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # (B, K, S, Dh): normed, then rotated
         v = self.v_norm(v).transpose(1, 2)  # (B, K, S, Dh): normed, never rotated
-        keys, values = (k, v) if past is None else (torch.cat([past[0], k], -2), torch.cat([past[1], v], -2))
-        out = attention.ATTENTION[impl](q, keys, values, mask).reshape(B, S, -1)  # fast: SDPA
+        out = attention.attend(q, k, v, past, mask, impl).reshape(B, S, -1)  # fast: SDPA
         return self.o_proj(out), k, v
 
 
@@ -188,6 +188,16 @@ class Experts(nn.Module):
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 
+    def per_row(self, x: Tensor, weights: Tensor, experts: Tensor, row_length: int, impl: Impl = "reference"
+                ) -> Tensor:
+        """`forward` where each row of `row_length` tokens gets exactly what it would in a batch of its own, whatever
+        the other rows: the reference runs row by row (matmul rounding depends on how many tokens share them), the
+        fast kernels run all rows at once in whole blocks of rows (kernels.moe_experts, backend "padded")."""
+        if impl == "fast":
+            return kernels.moe_experts(x, weights, experts, self.gate_up_proj, self.down_proj, backend="padded")
+        return torch.cat([self.forward(x[r:r + row_length], weights[r:r + row_length], experts[r:r + row_length])
+                          for r in range(0, x.shape[0], row_length)])
+
 
 # --- the block ----------------------------------------------------------------------------------------------------
 
@@ -218,7 +228,7 @@ class Block(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None, mask: Mask,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Past | list[Past], mask: Mask | list[Mask],
                 scalar: Tensor, impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
         """`scalar`: `encoder_layer_scalar` (commit), `layer_scalar` (denoise), or a per-token mix (1, S, 1) when
         one training sequence holds both roles."""
@@ -229,7 +239,12 @@ class Block(nn.Module):
             h = self.post_feedforward_layernorm_1(h)
             flat = x.reshape(-1, x.shape[-1])  # (B*S, D)
             weights, experts = self.router(flat)  # Gemma: the router reads the residual stream before any norm
-            moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, experts, impl).reshape(x.shape)
+            normed = self.pre_feedforward_layernorm_2(flat)
+            if isinstance(past, list):  # rows on their own (continuous batching): a row's experts must not round
+                moe = self.experts.per_row(normed, weights, experts, x.shape[1], impl)  # with the other rows'
+            else:
+                moe = self.experts(normed, weights, experts, impl)
+            moe = moe.reshape(x.shape)
             h = h + self.post_feedforward_layernorm_2(moe)
         x = x + self.post_feedforward_layernorm(h)
         return x * scalar, k, v
@@ -413,13 +428,39 @@ class DiffusionGemma(nn.Module):
         return impl
 
     @torch.no_grad()
-    def commit(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,
+    def commit(self, input_ids: Tensor, cache: KVCache | Sequence[KVCache], *, start: int | None = None,
                attention_mask: Tensor | None = None, impl: Impl | None = None) -> None:
         """Causal encoder pass over `input_ids` (B, S): writes their K/V to the cache at `start` (default: the end of
         what is committed). Committing at an earlier `start` overwrites that span and discards everything after it.
         `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to. `impl`
-        (default: the model's): "reference" or "fast" kernels."""
-        self._encode(input_ids, cache, start, attention_mask, self._impl(impl))
+        (default: the model's): "reference" or "fast" kernels. `cache` may also be a list of B one-row caches, as
+        for `denoise`: each row appends at its own committed length, computing what it would alone."""
+        rows = _one_row_caches(cache, input_ids)
+        if rows is None:
+            self._encode(input_ids, cache, start, attention_mask, self._impl(impl))  # type: ignore[arg-type]
+            return
+        if start is not None or attention_mask is not None:
+            raise ValueError("a commit over one-row caches appends at each row's end: no start or attention_mask")
+        check_token_ids(input_ids, self.config.vocab_size)
+        impl = self._impl(impl)
+        S = input_ids.shape[1]
+        starts = [c.prepare_write(input_ids[r:r + 1], None, None) for r, c in enumerate(rows)]
+        row_masks = [attention.commit_masks(c, p, S, c.is_token[:, p:p + S], impl, self.dtype)
+                     for c, p in zip(rows, starts, strict=True)]
+        seen = attention.visible_prefixes(self.config.sliding_window, "encoder")
+        kinds = self.config.layer_types
+
+        def write(i: int, k: Tensor, v: Tensor) -> None:
+            for r, (c, p) in enumerate(zip(rows, starts, strict=True)):
+                c.write(i, p, k[r:r + 1], v[r:r + 1])
+
+        device = input_ids.device
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)
+        self.run_layers(self.embed(input_ids), positions, "encoder", {k: [m[k] for m in row_masks] for k in seen},
+                        impl, write=write,
+                        past=lambda i: [c.visible(i, p, seen[kinds[i]]) for c, p in zip(rows, starts, strict=True)])
+        for c, p in zip(rows, starts, strict=True):
+            c.finish_write(p + S)
 
     @torch.no_grad()
     def next_token_logits(self, input_ids: Tensor, cache: KVCache, *, start: int | None = None,
@@ -447,9 +488,9 @@ class DiffusionGemma(nn.Module):
         return hidden
 
     @torch.no_grad()
-    def denoise(self, canvas: Tensor, cache: KVCache, *, self_conditioning_logits: Tensor | None = None,
-                self_conditioning_mask: Tensor | None = None, sliding_prefix: int | None = None,
-                t: Tensor | float | None = None, lengths: Tensor | None = None, impl: Impl | None = None) -> Tensor:
+    def denoise(self, canvas: Tensor, cache: KVCache | Sequence[KVCache], *,
+                self_conditioning_logits: Tensor | None = None, self_conditioning_mask: Tensor | None = None,
+                sliding_prefix: int | None = None, t: Tensor | float | None = None, impl: Impl | None = None) -> Tensor:
         """Bidirectional decoder pass over `canvas` (B, L) against everything committed; returns fp32 logits
         (B, L, V). Never writes the cache, so several canvases can be tried at the same position.
         `self_conditioning_logits` (B, L, V): the previous step's logits (temperature-scaled, as transformers'
@@ -457,9 +498,10 @@ class DiffusionGemma(nn.Module):
         (transformers passes them in the model dtype, so cast them to reproduce it in bf16).
         `self_conditioning_mask` (B,) bool zeroes the signal per row. `sliding_prefix`: how many committed tokens
         sliding layers see; default `sliding_window - 1` (transformers); the JAX reference uses `sliding_window`.
-        `t`: the canvas's noise level in [0, 1], a float or (B,), for a time-embedding model. `lengths` (B,): each
-        row's own committed length, at most `cache.length` (continuous batching: row r's canvas sits at positions
-        lengths[r]...; None: every row at `cache.length`). `impl` (default: the model's): "reference" or "fast"."""
+        `t`: the canvas's noise level in [0, 1], a float or (B,), for a time-embedding model. `cache` may also be a
+        list of B one-row caches, each at its own committed length (continuous batching: `KVCache.rows` views of a
+        pool); each row then computes what it would in a batch of its own. `impl` (default: the model's):
+        "reference" or "fast" kernels."""
         check_token_ids(canvas, self.config.vocab_size, "canvas")
         soft = None
         if self_conditioning_logits is not None:
@@ -469,32 +511,34 @@ class DiffusionGemma(nn.Module):
                                  f"expected {expected}")
             soft = self.soft_embedding(self_conditioning_logits, self_conditioning_mask)
         return self.logits(self.denoise_hidden(canvas, cache, soft=soft, sliding_prefix=sliding_prefix, t=t,
-                                               lengths=lengths, impl=impl))
+                                               impl=impl))
 
     @torch.no_grad()
-    def denoise_hidden(self, canvas: Tensor, cache: KVCache, *, soft: Tensor | None = None,
+    def denoise_hidden(self, canvas: Tensor, cache: KVCache | Sequence[KVCache], *, soft: Tensor | None = None,
                        sliding_prefix: int | None = None, t: Tensor | float | None = None,
-                       lengths: Tensor | None = None, impl: Impl | None = None) -> Tensor:
+                       impl: Impl | None = None) -> Tensor:
         """`denoise` up to the final hidden state (B, L, D) that the head reads, with the self-conditioning signal
         given as the soft embedding (B, L, D) (`soft_embedding`), or None."""
-        cache.check_batch(canvas, "canvas")
+        rows = _one_row_caches(cache, canvas)
         impl = self._impl(impl)
         if t is not None:
             t = torch.as_tensor(t, dtype=torch.float32, device=canvas.device).reshape(-1, 1)
         x = self.self_conditioning(self.embed(canvas, t), soft)  # Gemma: SC MLP + weightless post-norm on the input
-        end, L = cache.length, canvas.shape[1]
+        L = canvas.shape[1]
         seen = attention.visible_prefixes(self.config.sliding_window, "decoder", sliding_prefix)
         kinds = self.config.layer_types
         offsets = torch.arange(L, device=x.device)
-        if lengths is None:
-            masks = attention.denoise_masks(cache, end, L, seen, impl)
+        if rows is None:
+            end = cache.length  # type: ignore[union-attr]
+            masks = attention.denoise_masks(cache, end, L, seen, impl)  # type: ignore[arg-type]
             hidden = self.run_layers(x, end + offsets[None], "decoder", masks, impl,
-                                     past=lambda i: cache.visible(i, end, seen[kinds[i]]))
-        else:  # every layer reads slots [0, end); the masks keep each row's own visible prefix
-            lengths = _check_lengths(lengths, cache)
-            masks = attention.ragged_denoise_masks(cache, lengths, L, seen)
-            hidden = self.run_layers(x, lengths[:, None] + offsets, "decoder", masks, impl,
-                                     past=lambda i: cache.visible(i, end, None))
+                                     past=lambda i: cache.visible(i, end, seen[kinds[i]]))  # type: ignore[union-attr]
+        else:  # one row per cache, each at its own length: the masks and cached keys of each row's lone pass
+            row_masks = [attention.denoise_masks(c, c.length, L, seen, impl) for c in rows]
+            masks = {kind: [m[kind] for m in row_masks] for kind in seen}
+            positions = torch.tensor([c.length for c in rows], device=x.device)[:, None] + offsets
+            hidden = self.run_layers(x, positions, "decoder", masks, impl,
+                                     past=lambda i: [c.visible(i, c.length, seen[kinds[i]]) for c in rows])
         return self.final_hidden(hidden, soft)
 
     def logits(self, final: Tensor) -> Tensor:
@@ -593,14 +637,16 @@ def check_token_ids(ids: Tensor, vocab_size: int, name: str = "input_ids") -> No
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
 
-def _check_lengths(lengths: Tensor, cache: KVCache) -> Tensor:
-    if not isinstance(lengths, Tensor) or tuple(lengths.shape) != (cache.batch_size,) or lengths.dtype != torch.long:
-        got = f"{tuple(lengths.shape)} {lengths.dtype}" if isinstance(lengths, Tensor) else type(lengths).__name__
-        raise ValueError(f"lengths must be a long tensor of shape (batch_size={cache.batch_size},), got {got}")
-    lengths = lengths.to(cache.is_token.device)
-    if int(lengths.min()) < 0 or int(lengths.max()) > cache.length:
-        raise ValueError(f"lengths must lie in [0, cache.length={cache.length}], got {lengths.tolist()}")
-    return lengths
+def _one_row_caches(cache: KVCache | Sequence[KVCache], canvas: Tensor) -> list[KVCache] | None:
+    """None for one cache (checked against the canvas's batch); the list for one-row caches, one per canvas row."""
+    if isinstance(cache, KVCache):
+        cache.check_batch(canvas, "canvas")
+        return None
+    rows = list(cache)
+    if len(rows) != canvas.shape[0] or any(not isinstance(c, KVCache) or c.batch_size != 1 for c in rows):
+        raise ValueError(f"cache must be a KVCache or a list of one-row KVCaches, one per canvas row "
+                         f"({canvas.shape[0]}), got {len(rows)} entries")
+    return rows
 
 
 def _first_layer_of_each_type(config: ModelConfig) -> dict[str, int]:

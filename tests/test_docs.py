@@ -82,6 +82,9 @@ def test_architecture_doc_covers_the_gemma_quirks() -> None:
 # value of a flag wins), and a data prepare without --corpus reads a toy corpus instead of fetching the default one.
 # The measurement scripts under runs/ (`python runs/X.py`, `bash runs/X.sh`) run the same way, from the repository's
 # runs/ folder, in their tiny mode (TINY_ARGS); test_every_runs_script_is_quoted_and_exercised keeps that true.
+# A command ending in ` &` starts a server (`dgemma serve ... --port 8000 &`): it runs in the background, on a free
+# port that replaces 8000 in it and in the block's later commands, which run once its /health answers; `curl`
+# commands (to localhost only) run as written. At the end of the block the server gets SIGINT (Ctrl-C) and must exit 0.
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
@@ -189,6 +192,13 @@ def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
     argv = shlex.split(code)
     while argv and "=" in argv[0] and not argv[0].startswith("-"):  # VAR=value prefixes
         argv.pop(0)
+    if argv[0] == "curl":
+        urls = [a for a in argv if "://" in a or a.startswith(("localhost", "127.0.0.1"))]
+        assert urls and all(u.split("://")[-1].startswith(("localhost:", "127.0.0.1:")) for u in urls), code
+        done = subprocess.run([*argv, "--fail-with-body", "--max-time", "120"], cwd=cwd, capture_output=True, text=True,
+                              timeout=150)
+        assert done.returncode == 0, f"{code!r} -> exit {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        return
     if argv[0] in ("python", "bash"):
         args = argv[1:] + TINY_ARGS.get(code, [])
         if args[0].startswith("runs/"):  # a measurement script of the repository, run from the block's folder
@@ -250,7 +260,57 @@ def test_doc_commands_run(where, commands, tmp_path):
     for name, text in DOC_FILES.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    for code, marker in commands:
-        if marker == "[GPU]" and not torch.cuda.is_available():
-            pytest.skip(f"{where}: {code!r} needs CUDA")
-        run_doc_command(code, tmp_path, toy)
+    with contextlib.ExitStack() as servers:
+        port = None
+        for code, marker in commands:
+            if marker == "[GPU]" and not torch.cuda.is_available():
+                pytest.skip(f"{where}: {code!r} needs CUDA")
+            if code.endswith(" &"):
+                port = start_doc_server(code.removesuffix(" &"), tmp_path, servers)
+                continue
+            run_doc_command(code if port is None else code.replace(f":{DOC_PORT}", f":{port}"), tmp_path, toy)
+
+
+DOC_PORT = 8000  # the port the docs' server commands show
+
+
+def start_doc_server(code: str, cwd: Path, stack: contextlib.ExitStack) -> int:
+    """Start the server `code` (a `dgemma` command with `--port 8000`) in the background on a free port, wait for
+    its /health, and register its stop (SIGINT; exit 0 expected) on `stack`. Returns the port."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    argv = shlex.split(code) + TINY_ARGS.get(code, [])
+    assert argv[0] == "dgemma" and argv[argv.index("--port") + 1] == str(DOC_PORT), code
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv[argv.index("--port") + 1] = str(port)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", *argv[1:]], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"{code!r} did not stop on SIGINT") from None
+        assert rc == 0, f"{code!r} -> exit {rc}: {proc.stderr.read()[-3000:]}"
+
+    stack.callback(stop)
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"{code!r} exited with {proc.returncode}: {proc.stderr.read()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return port
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{code!r}: /health did not answer within 120 s"
+        time.sleep(0.2)

@@ -102,6 +102,7 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
     ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
     ({"temperature": 0}, "temperature", "greedy"),
     ({"temperature": 3}, "temperature", "(0, 2]"),
+    ({"temperature": 1e-7}, "temperature", "out of range: t_max: must be >="),
     ({"n": 0}, "n", "from 1 to 8"),
     ({"n": 9}, "n", "from 1 to 8"),
     ({"seed": -1}, "seed", "seed"),
@@ -227,3 +228,31 @@ def test_parser_pieces_arrive_in_any_split():
         assert got == {"content": whole.content, "reasoning": whole.reasoning} == {
             "content": "Hi ok  end <|cha", "reasoning": "plan"}
         assert [json.loads(v["function"]["arguments"]) for k, v in pieces if k == "tool_call"] == [{"a": "b"}]
+
+
+def test_canvas_text_holds_back_partial_utf8_and_stop_prefixes_then_splits(tok):
+    """The app's per-choice text bookkeeping on real token ids arriving canvas by canvas: what it sends never
+    contains a half UTF-8 character or a stop string's beginning that the next canvas completes, and the split
+    into content, reasoning and tool calls is the whole text's."""
+    from dgemma.serving.app import _Choice
+
+    text = 'café <think>plan é</think>Done. <tool_call>{"name": "f", "arguments": {"x": "ü"}}</tool_call> fin'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    whole = parse_output(text, CONVENTIONS)
+    for size in (1, 2, 3, 5):
+        choice = _Choice(0, tok.decode, ("STOP",), OutputParser(CONVENTIONS))
+        pieces = []
+        for i in range(0, len(ids), size):
+            new = choice.on_canvas(ids[i:i + size])
+            assert not any("\ufffd" in v for k, v in new if k != "tool_call"), new
+            pieces += new
+        pieces += choice.finish()
+        assert not choice.stopped
+        got = {k: "".join(v for kind, v in pieces if kind == k) for k in ("content", "reasoning")}
+        assert got == {"content": whole.content, "reasoning": whole.reasoning}
+        assert [c["function"] for _, c in pieces if _ == "tool_call"] == [c["function"] for c in whole.tool_calls]
+    ids = tok.encode("one two STOP three", add_special_tokens=False)
+    choice = _Choice(0, tok.decode, ("STOP",), None)
+    sent = "".join(v for i in range(len(ids)) for _, v in choice.on_canvas(ids[i:i + 1]))
+    assert choice.stopped and sent == "one two " and choice.finish() == []

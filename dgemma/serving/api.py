@@ -192,8 +192,11 @@ def _config(body: dict[str, Any], base: GenerationConfig, max_tokens_field: str)
             raise APIError("temperature: 0 (greedy) has no equivalent here: a diffusion canvas starts from random "
                            "tokens; use a small temperature, and `seed` for reproducible text", param="temperature")
         if temperature != 1:
-            config = _replace(config, {"t_min": config.t_min * temperature, "t_max": config.t_max * temperature},
-                              "temperature")
+            try:
+                config = config.replace(t_min=config.t_min * temperature, t_max=config.t_max * temperature)
+            except ConfigError as e:
+                raise APIError(f"temperature: {temperature!r} scales the schedule (t_min={config.t_min!r}, "
+                               f"t_max={config.t_max!r}) out of range: {e}", param="temperature") from None
     return config
 
 

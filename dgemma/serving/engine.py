@@ -5,7 +5,7 @@ preallocated KV cache.
     loop, between denoising steps:
         drop cancelled rows                               their slots are free at once
         admit waiting requests into free rows             prefill: commit(prompt) into the row
-        one batched denoising pass over every active row  each row at its own committed length (`denoise(lengths=)`)
+        one batched denoising pass over every active row  each row at its own committed length (`denoise(x, rows)`)
         each row's own sampler step                       generate.CanvasSampler with B = 1 and its own generator
         rows whose canvas finished: emit its tokens, then end (EOS, max_new_tokens) or commit it and start the next
 
@@ -15,8 +15,9 @@ N. Each request draws from its own generator (seeded by its `seed`) with the sam
 What can differ is floating-point rounding, since a batched pass sums over other shapes than a lone one; the tests find
 the tokens identical to `generate(..., impl="reference")` in fp32 (tests/test_engine.py).
 
-Commits (prefills, finished canvases) run per row through a view of the pool (`KVCache.rows`), exactly as `generate`
-commits for one row; a long prompt therefore holds the other rows for one prefill.
+The canvases that finish at the same step are committed in one batched pass over their rows' views of the pool
+(`KVCache.rows`); a prompt is prefilled on its own when its request is admitted, so a long prompt holds the other rows
+for one prefill.
 """
 
 from __future__ import annotations
@@ -297,7 +298,7 @@ class Engine:
             r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
             self._commit(r, r.prompt)
             self._start_canvas(r)
-        rows = sorted((r for r in self._active.values() if r.sampler is not None), key=lambda r: r.slot)
+        rows = [r for r in self._active.values() if r.sampler is not None]
         by_prefix: dict[str, list[Request]] = {}
         for r in rows:
             by_prefix.setdefault(r.config.sliding_prefix, []).append(r)
@@ -316,7 +317,8 @@ class Engine:
                                   on_step=on_step)
 
     def _denoise_step(self, rows: list[Request]) -> None:
-        """One batched pass over `rows` (sorted by slot, one sliding-prefix rule), then each row's sampler step."""
+        """One batched pass over `rows` (one sliding-prefix rule), each at its own length, then each row's sampler
+        step."""
         inputs = [r.sampler.inputs() for r in rows]  # type: ignore[union-attr]
         device = self.model.device
         x = torch.cat([canvas for canvas, _, _ in inputs])
@@ -329,19 +331,14 @@ class Engine:
         if self.model.config.time_embedding:
             level = torch.tensor([t for _, _, t in inputs], dtype=torch.float32, device=device)
         del inputs
-        slots = [r.slot for r in rows]
-        end = max(r.length for r in rows)
-        if slots == list(range(slots[0], slots[-1] + 1)):
-            cache = self.pool.rows(slots[0], slots[-1] + 1, length=end)
-        else:
-            cache = self.pool.gather(slots, end)
-        lengths = torch.tensor([r.length for r in rows], dtype=torch.long, device=device)
+        caches = [self.pool.rows(r.slot, r.slot + 1, length=r.length) for r in rows]
         sliding_prefix = self.model.config.sliding_window if rows[0].config.sliding_prefix == "jax" else None
-        logits = self.model.denoise(x, cache, self_conditioning_logits=sc, self_conditioning_mask=mask,
-                                    sliding_prefix=sliding_prefix, t=level, lengths=lengths, impl=self.impl)
+        logits = self.model.denoise(x, caches, self_conditioning_logits=sc, self_conditioning_mask=mask,
+                                    sliding_prefix=sliding_prefix, t=level, impl=self.impl)
         del sc
         self._count("denoise_forwards")
         self._count("denoise_rows", len(rows))
+        going_on: list[tuple[Request, list[int]]] = []
         for i, r in enumerate(rows):
             r.passes += 1
             try:
@@ -350,9 +347,21 @@ class Engine:
                 self._finish(r, "error", error=str(e))
                 continue
             if finished:
-                self._end_canvas(r)
+                tokens = self._end_canvas(r)
+                if tokens is not None:
+                    going_on.append((r, tokens))
+        if going_on:  # one batched commit of the canvases that finished at this step, each at its row's end
+            views = [self.pool.rows(r.slot, r.slot + 1, length=r.length) for r, _ in going_on]
+            ids = torch.tensor([tokens for _, tokens in going_on], device=device)
+            self.model.commit(ids, views, impl=self.impl)
+            self._count("commits")
+            for (r, _), view in zip(going_on, views, strict=True):
+                r.length = view.length
+                r.canvas += 1
+                self._start_canvas(r)
 
-    def _end_canvas(self, r: Request) -> None:
+    def _end_canvas(self, r: Request) -> list[int] | None:
+        """Emit a finished canvas; end the request or return the tokens to commit before its next canvas."""
         staged = r.sampler.staged()  # type: ignore[union-attr]
         r.sampler = None
         tokens = staged.tokens[0].tolist()
@@ -370,9 +379,8 @@ class Engine:
         elif r.emitted >= r.max_new:
             self._finish(r, "length")
         elif not r.cancelled:
-            self._commit(r, tokens)
-            r.canvas += 1
-            self._start_canvas(r)
+            return tokens
+        return None
 
     def _on_step(self, r: Request, info: StepInfo) -> None:
         self._emit(r, StepEvent(info.canvas, info.step, info.num_steps, info.argmax[0].tolist(),
