@@ -210,7 +210,7 @@ class Dist:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             # Self-conditioning's parameters sit out the steps that skip it: find_unused_parameters.
-            net = DistributedDataParallel(net, device_ids=ids, find_unused_parameters=True, broadcast_buffers=False)
+            net = DistributedDataParallel(net, device_ids=ids, find_unused_parameters=True)
         return net
 
     @contextlib.contextmanager
