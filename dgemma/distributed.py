@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,8 +57,13 @@ SHARED = "dgemma_shared_by_all_ranks"  # set on an exception every rank raises a
 TIMEOUT = datetime.timedelta(minutes=float(os.environ.get("DGEMMA_DIST_TIMEOUT_MIN", "30")))
 
 
+# What gloo and NCCL say when a peer's process is gone.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
+             "NCCL communicator was aborted", "Socket Timeout", "Connection refused")
+
+
 class PeerFailed(ValueError):
-    """Raised on the ranks whose peer failed (that rank shows its own error): the CLI exits 2 and prints nothing."""
+    """Raised on the ranks whose peer failed: the CLI exits 2, and only rank 0 prints it (one line)."""
 
 
 setattr(PeerFailed, SHARED, True)
@@ -252,6 +258,18 @@ class Dist:
             return run_dir.save_checkpoint(run, model, optimizer, train_config, keep_last, state)
         return save_sharded(self, run, model, optimizer, train_config, keep_last, state, consolidate=last)
 
+    @contextlib.contextmanager
+    def peers_lost(self) -> Iterator[None]:
+        """A collective that fails because another rank died (its error, if any, is in its own log; torchrun stops
+        this rank next) becomes one line, PeerFailed, instead of a communication library's traceback."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.world_size == 1 or not any(m in str(e) for m in LOST_PEER):
+                raise
+            raise PeerFailed(f"rank {self.rank} stopped: lost contact with another rank, which failed or was killed "
+                             f"(its own error, if it printed one, is above); resume with the same command") from None
+
     @property
     def sharded(self) -> bool:
         return self.world_size > 1 and self.parallel == "fsdp"
@@ -355,7 +373,8 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         state = read_json(ckpt / SHARDED_STATE)
         msd, osd = get_state_dict(model, optimizer)
         sd = {"model": msd, "optimizer": osd}
-        dcp.load(sd, checkpoint_id=ckpt)
+        with _single_process_quiet():
+            dcp.load(sd, checkpoint_id=ckpt)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
     else:
         try:
@@ -386,6 +405,14 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
     return state
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it loads in a single process when there is no process group: that is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]
                            ) -> dict[str, Any]:
     """A torch optimizer state dict (parameters by index, in param-group order) keyed by parameter name instead."""
@@ -409,7 +436,8 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
             model = DiffusionGemma(config)
         model.to_empty(device="cpu")
         sd = {"model": model.state_dict()}
-        dcp.load(sd, checkpoint_id=ckpt)
+        with _single_process_quiet():
+            dcp.load(sd, checkpoint_id=ckpt)
         model.load_state_dict(sd["model"])
         model = model.to(dtype)
     gen = ckpt / "generation_config.json"

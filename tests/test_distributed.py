@@ -221,6 +221,8 @@ def test_sigkill_of_one_rank_stops_the_job_and_the_same_command_resumes(data, tm
             proc.wait()
     assert proc.returncode != 0
     assert not rank_pids(proc.pid)
+    assert "[rank0]: Traceback" not in err, err[-3000:]  # rank 0 says one line at most, no trace
+    assert err.count("dgemma train: error:") <= 1
     last = list_checkpoints(run)[-1]
     step = int(last.name[5:])
     assert step >= 3 and step % 3 == 0 and step < 60

@@ -80,12 +80,14 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.allow_new_data and not args.resume:
             raise ConfigError("--allow-new-data goes with --resume")
+        dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
     except Exception as e:
-        raise shared(e) from None
-    dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
+        shared(e)
+        raise
     try:
-        result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
-                       max_minutes=args.minutes, until_step=args.until_step, dist=dist)
+        with dist.peers_lost():
+            result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
+                           max_minutes=args.minutes, until_step=args.until_step, dist=dist)
     finally:
         dist.close()
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
