@@ -90,7 +90,7 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         t = t.detach().to("cpu").contiguous()
         out[PREFIX + DECODER + key] = t
         if key.startswith("layers."):
-            out[PREFIX + ENCODER + key] = t
+            out[PREFIX + ENCODER + key] = t.clone()  # its own storage: safetensors refuses shared tensors
     return out
 
 
@@ -100,13 +100,16 @@ def config_json(config: Any) -> dict[str, Any]:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in d.items()}
 
 
-def save_adapter(model: torch.nn.Module, config: Any, path: str | os.PathLike[str]) -> None:
-    """Write adapter_config.json and adapter_model.safetensors into `path`, each atomically (temporary name, fsync,
-    rename), weights first."""
+def save_adapter(model: torch.nn.Module, config: Any, path: str | os.PathLike[str],
+                 generation_config: GenerationConfig | None = None) -> None:
+    """Write adapter_config.json and adapter_model.safetensors (and `generation_config`, for `load_merged`) into
+    `path`, each atomically (temporary name, fsync, rename), weights first."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = adapter_state(model)
     _atomic(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    if generation_config is not None:
+        _atomic_text(path / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2))
     _atomic_text(path / CONFIG, json.dumps(config_json(config), indent=2, sort_keys=True))
     _fsync_dir(path)
 

@@ -43,10 +43,12 @@ import torch
 from torch import Tensor
 
 from dgemma.attention import FULL, SLIDING
+from dgemma.checkpoint import MODEL_FILES
 from dgemma.serving.templates import ChatTemplate, ChatTemplateError
 from dgemma.tokenizer import Tokenizer, encode_template
 
 ASSISTANT_ROLES = ("assistant", "model")
+
 
 
 class ChatDataError(ValueError):
@@ -262,9 +264,11 @@ class ChatData:
     `data.py:TokenDataset` that the trainer uses."""
 
     def __init__(self, path: str | os.PathLike[str], tokenizer: Tokenizer, template: ChatTemplate, *,
-                 canvas_length: int, seq_len: int, max_positions: int, pad_id: int):
+                 canvas_length: int, seq_len: int, max_positions: int, pad_id: int, model_dir: Path | None = None):
         self.path, self.L, self.seq_len, self.pad_id = Path(path), canvas_length, seq_len, pad_id
         self.examples, self.end_id = build_examples(path, tokenizer, template)
+        self.eot_id = self.end_id  # where generation must stop (the trainer adds it to the EOS ids)
+        self.model_files = [Path(model_dir) / f for f in MODEL_FILES] if model_dir is not None else []
         check_fits(self.examples, canvas_length, seq_len, max_positions)
         self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()
         self._epochs: dict[int, list[list[int]]] = {}

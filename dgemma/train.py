@@ -1,4 +1,6 @@
-"""Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, one device.
+"""Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, one device. The same loop fine-tunes
+a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file (dgemma/sft.py packs it,
+`diffusion.py:sft_loss` scores the answers), all weights or LoRA adapters (`lora_rank`, dgemma/lora.py).
 
     for step in range(start, max_steps):
         lr = warmup then cosine
@@ -45,18 +47,20 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import costs, run_dir
+from dgemma import costs, lora, run_dir
 from dgemma.attention import IMPLS
-from dgemma.checkpoint import STATE
-from dgemma.config import PRESETS, ConfigError, ModelConfig
+from dgemma.checkpoint import STATE, resolve_model_dir
+from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.console import Console
-from dgemma.data import TokenDataset, check_token_range, verify
-from dgemma.diffusion import OBJECTIVES, training_loss
+from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
+from dgemma.diffusion import OBJECTIVES, LossOutput, sft_loss, training_loss
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.run_dir import NonFiniteError
+from dgemma.serving.templates import load_chat_template
+from dgemma.sft import ChatData
 from dgemma.system import available_memory
-from dgemma.tokenizer import check_vocab
+from dgemma.tokenizer import check_vocab, load_tokenizer
 
 CONFIG_JSON = "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
@@ -81,7 +85,14 @@ class TrainConfig:
 
     preset: str = _opt("model preset (dgemma.config.PRESETS)", default=DEFAULT_PRESET)
     vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
-    objective: str = _opt("training objective", default="clean-context", choices=OBJECTIVES)
+    objective: str = _opt("training objective (sft: chats, with init_from)", default="clean-context",
+                          choices=(*OBJECTIVES, "sft"))
+    init_from: str | None = _opt("start from this checkpoint (HF layout, or a run) instead of random weights; its "
+                                 "geometry replaces the preset's", default=None)
+    lora_rank: int = _opt("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
+                          default=0)
+    lora_alpha: float = _opt("LoRA alpha: the update B A is scaled by alpha / rank", default=16.0)
+    lora_targets: str = _opt("what LoRA adapts", default="attention", choices=tuple(lora.TARGETS))
     seq_len: int = _opt("tokens per training window (a whole number of canvases)", default=128)
     batch_size: int = _opt("windows per micro-batch", default=4)
     grad_accum: int = _opt("micro-batches per optimizer step", default=1)
@@ -127,6 +138,10 @@ class TrainConfig:
               "must be a positive int or None")
         check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank", "must be an int >= 0")
+        check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
+              "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
+        check(self.init_from is None or self.vocab_size is None, "vocab_size", "must be None with init_from")
         for f in dataclasses.fields(self):
             if f.type == "float":
                 v = getattr(self, f.name)
@@ -151,6 +166,9 @@ class TrainConfig:
 
     @property
     def model_config(self) -> ModelConfig:
+        if self.init_from is not None:  # the checkpoint's geometry
+            config = resolve_model_dir(self.init_from) / "config.json"
+            return ModelConfig.from_hf(read_json(config), source=str(config))
         mc = PRESETS[self.preset]
         return mc if self.vocab_size is None else mc.replace(vocab_size=self.vocab_size)
 
@@ -225,7 +243,7 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
     logits, and the runtime itself."""
     mc, L = cfg.model_config, cfg.model_config.num_hidden_layers
     P = costs.parameter_counts(mc)["total"]
-    S = cfg.seq_len * (2 if cfg.objective == "clean-context" else 1)  # clean-context runs [x0 ; x_t]
+    S = cfg.seq_len * (2 if cfg.objective in ("clean-context", "sft") else 1)  # [x0 ; x_t]
     N, act = cfg.batch_size * S, 2 if use_bf16 else 4
     D, H, Dh = mc.hidden_size, mc.num_attention_heads, max(mc.head_dim, mc.global_head_dim)
     per_token = 44 * D + 6 * mc.intermediate_size + 4 * H * Dh
@@ -234,7 +252,8 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
     if cfg.compile and device_type == "cuda":
         per_token //= 3
     scores = 2 * cfg.batch_size * H * S * S * 4 if cfg.impl == "reference" else 0  # the eager twin keeps them
-    return {"parameters": 4 * P, "gradients": 4 * P, "adamw": 8 * P,
+    trained = 0 if cfg.lora_rank else P  # LoRA: gradients and AdamW state of the adapters only (negligible)
+    return {"parameters": 4 * P, "gradients": 4 * trained, "adamw": 8 * trained,
             "activations": N * L * per_token * act + L * (S * S * act + scores),
             "loss_logits": 4 * min(cfg.chunk_rows, N) * mc.vocab_size * 4,
             "runtime": 500 * 2**20}
@@ -286,13 +305,51 @@ def evaluate(model: DiffusionGemma, val: Any, cfg: TrainConfig, device: torch.de
         if i == cfg.eval_batches:
             break
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-            out = training_loss(model, x0.to(device), objective=cfg.objective, num_steps=cfg.num_steps,
-                                self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
-                                generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i))
+            out = batch_loss(model, x0.to(device), cfg, torch.Generator(device=device).manual_seed(EVAL_SEED + i),
+                             self_conditioning_prob=0.0)
         total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
     if n == 0:
         raise ValueError("the validation split has no complete window of seq_len tokens")
     return total / n
+
+
+def batch_loss(model: DiffusionGemma, batch: Any, cfg: TrainConfig, generator: torch.Generator, *,
+               self_conditioning_prob: float) -> LossOutput:
+    """The objective's loss on one micro-batch: token windows (diffusion.py:training_loss) or packed chats
+    (diffusion.py:sft_loss)."""
+    if cfg.objective == "sft":
+        return sft_loss(model, batch, num_steps=cfg.num_steps, self_conditioning_prob=self_conditioning_prob,
+                        chunk_rows=cfg.chunk_rows, generator=generator)
+    return training_loss(model, batch, objective=cfg.objective, num_steps=cfg.num_steps,
+                         self_conditioning_prob=self_conditioning_prob, ar_weight=cfg.ar_weight,
+                         chunk_rows=cfg.chunk_rows, generator=generator)
+
+
+def open_data(cfg: TrainConfig, data: Path) -> tuple[Any, Any, dict[str, Any]]:
+    """(training batches, held-out batches, the data's fingerprint for run.json), every check done. Token shards:
+    a `dgemma data prepare` directory. sft: a chat JSONL file, rendered with init_from's tokenizer and chat template
+    (the held-out loss is then that of the first eval_batches batches of the file, in file order, fixed noise)."""
+    mc = cfg.model_config
+    if cfg.objective == "sft":
+        if not data.is_file():
+            raise FileNotFoundError(f"{data}: no such chat file (JSONL, one {{\"messages\": [...]}} per line)")
+        base = resolve_model_dir(cfg.init_from)  # type: ignore[arg-type]
+        if not (base / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{base} has no tokenizer.json: fine-tuning renders the chats with the "
+                                    "checkpoint's tokenizer and chat template")
+        tokenizer = load_tokenizer(base)
+        check_vocab(tokenizer, mc)
+        chats = ChatData(data, tokenizer, load_chat_template(base), canvas_length=mc.canvas_length,
+                         seq_len=cfg.seq_len, max_positions=mc.max_position_embeddings,
+                         pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0, model_dir=base)
+        return chats, chats, chats.fingerprint(sha256_file(base / "tokenizer.json"))
+    if not data.is_dir():
+        raise FileNotFoundError(f"{data}: no such data directory (prepare one with `dgemma data prepare`)")
+    train_set, val_set = TokenDataset(data, split="train"), TokenDataset(data, split="val")
+    check_vocab(train_set.tokenizer(), mc)
+    verify(data, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
+    check_token_range(data, mc.vocab_size, train_set.meta)
+    return train_set, val_set, run_dir.data_fingerprint(train_set.meta)
 
 
 def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
@@ -305,8 +362,6 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     is touched; the run is written under its lock (run_dir.RunBusyError if another process holds it)."""
     console = Console(stream or sys.stdout, cfg.log_every)
     run, data_dir = Path(out_dir), Path(data_dir)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
     device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -314,13 +369,8 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     if use_bf16 and device.type != "cuda":
         raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
-    train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
-    mc = cfg.model_config
-    check_vocab(train_set.tokenizer(), mc)
     run_dir.check_unlocked(run)
-    verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
-    check_token_range(data_dir, mc.vocab_size, train_set.meta)
-    fingerprint = run_dir.data_fingerprint(train_set.meta)
+    train_set, val_set, fingerprint = open_data(cfg, data_dir)
     check_config = lambda saved, source: check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run)
     run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
     console.print(preflight(cfg, device, use_bf16))
@@ -341,7 +391,11 @@ def _load_checkpoint(ckpt: Path, cfg: TrainConfig, device: torch.device) -> tupl
     """A checkpoint's model and trainer state, or an exception if any part is damaged (run_dir.newest_intact)."""
     check_resumable(TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON)),
                     cfg, ckpt)
-    model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
+    if cfg.lora_rank:  # the frozen base, and the checkpoint's adapter on it
+        model = load_model(cfg.init_from, dtype=torch.float32, device=device, impl=cfg.impl)  # type: ignore[arg-type]
+        lora.load_adapter(model, ckpt)
+    else:
+        model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
     try:
         state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, or not a torch file
@@ -355,22 +409,52 @@ def _load_checkpoint(ckpt: Path, cfg: TrainConfig, device: torch.device) -> tupl
     return model, state
 
 
+def initial_model(cfg: TrainConfig, device: torch.device) -> DiffusionGemma:
+    """Step 0's model: random weights (seeded), or init_from's weights, with fresh LoRA adapters (A drawn from the
+    seed, B zero) when lora_rank > 0."""
+    if cfg.init_from is None:
+        return init_weights(DiffusionGemma(cfg.model_config, impl=cfg.impl), seed=cfg.seed).to(device)
+    model = load_model(cfg.init_from, dtype=torch.float32, device=device, impl=cfg.impl)
+    if cfg.lora_rank:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            lora.attach(model, adapter_config(cfg))
+    return model
+
+
+def adapter_config(cfg: TrainConfig) -> Any:
+    """The peft LoraConfig of a LoRA run (its base: init_from's resolved checkpoint directory)."""
+    base = str(resolve_model_dir(cfg.init_from).resolve())  # type: ignore[arg-type]
+    return lora.lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base)
+
+
 def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset,
                   found: tuple[Path, tuple[DiffusionGemma, dict[str, Any]]] | None, device: torch.device,
                   use_bf16: bool, console: Console, max_minutes: float | None, until_step: int | None) -> TrainResult:
     mc = cfg.model_config
     if found is None:
         ckpt = None
-        model = init_weights(DiffusionGemma(mc, impl=cfg.impl), seed=cfg.seed).to(device)
-        if train_set.tokenizer_path.is_file():
-            shutil.copyfile(train_set.tokenizer_path, run / "tokenizer.json")
+        model = initial_model(cfg, device)
+        files = train_set.model_files if isinstance(train_set, ChatData) else [train_set.tokenizer_path]
+        for src in files:  # the tokenizer (and a checkpoint's chat template)
+            if src.is_file():
+                shutil.copyfile(src, run / src.name)
         state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     else:
         ckpt, (model, state) = found
         console.print(f"resuming {ckpt} at step {state['step']}")
-    # Documents end with the data's end-of-text id, so that is where generation stops.
-    model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
-                                               bos_token_id=mc.bos_token_id)
+    # Documents end with the data's end-of-text id (answers with the chat template's end of turn): generation stops
+    # there. A fine-tuned checkpoint keeps its sampler settings.
+    if cfg.init_from is None:
+        model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
+                                                   bos_token_id=mc.bos_token_id)
+    else:
+        gen = model.generation_config.stopping_at(train_set.eot_id)
+        model.generation_config = gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
+    write_weights = None
+    if cfg.lora_rank:  # a LoRA checkpoint holds the adapter, not the frozen base
+        adapter = adapter_config(cfg)
+        write_weights = lambda path: lora.save_adapter(model, adapter, path, model.generation_config)
     model.train()
     optimizer = make_optimizer(model, cfg, device)
     if ckpt is not None:
@@ -421,10 +505,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     micro = step * cfg.grad_accum + i
                     x0 = next(batches).to(device, non_blocking=True)
                     with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-                        out = training_loss(model, x0, objective=cfg.objective, num_steps=cfg.num_steps,
-                                            self_conditioning_prob=cfg.self_conditioning_prob,
-                                            ar_weight=cfg.ar_weight, chunk_rows=cfg.chunk_rows,
-                                            generator=micro_step_generator(cfg, micro, device))
+                        out = batch_loss(model, x0, cfg, micro_step_generator(cfg, micro, device),
+                                         self_conditioning_prob=cfg.self_conditioning_prob)
                     (out.loss / cfg.grad_accum).backward()
                     losses.append(out.loss.detach())
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip or math.inf))
@@ -461,7 +543,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     val_loss = run_eval()
                 if step % cfg.save_every == 0 or last:
                     state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start)
-                    saved = run_dir.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state)
+                    saved = run_dir.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state,
+                                                    write_weights=write_weights)
                 if last:
                     break
         finally:
