@@ -213,10 +213,11 @@ def base_of(path: Path, config: Any, base: str | os.PathLike[str] | None) -> Pat
 def load_merged(path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None,
                 dtype: torch.dtype | None = None, device: torch.device | str | None = None, impl: str = "reference",
                 force: bool = False) -> DiffusionGemma:
-    """A plain model: the adapter's base checkpoint (`base`, or adapter_config.json's base_model_name_or_path), in
-    `dtype` (default: the base's), with the adapter in `path` merged into it. A generation_config.json next to the
-    adapter (a fine-tuning run writes one: it stops at the chat template's end-of-turn token) replaces the base's."""
-    path = Path(path)
+    """A plain model: the adapter in `path` (a directory, or a LoRA run's newest checkpoint) merged into its base
+    checkpoint (`base`, or adapter_config.json's base_model_name_or_path), in `dtype` (default: the base's). A
+    generation_config.json next to the adapter (a fine-tuning run writes one: it stops at the chat template's
+    end-of-turn token) replaces the base's."""
+    path = resolve_model_dir(path)  # a run: its newest checkpoint
     base_dir = base_of(path, read_config(path), base)
     model = load_model(base_dir, dtype=dtype, device=device, impl=impl, force=force)  # type: ignore[arg-type]
     generation_config = model.generation_config
