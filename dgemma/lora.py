@@ -139,15 +139,22 @@ def read_config(path: str | os.PathLike[str]) -> Any:
 
 
 def load_adapter(model: DiffusionGemma, path: str | os.PathLike[str]) -> Any:
-    """Attach the adapter in `path` to `model` (in place) and load its weights; returns its LoraConfig. A file that
-    does not fit the model (another geometry, missing or extra keys, encoder and decoder copies that differ) raises
-    AdapterError naming the file, the key and the shapes."""
-    path = Path(path)
+    """Attach the adapter in `path` to `model` (in place) and load its weights; returns its LoraConfig."""
     config = read_config(path)
     attach(model, config)
-    expected = {k.replace(".default.", "."): v for k, v in model.state_dict().items()
-                if ".lora_A." in k or ".lora_B." in k}
-    file = path / WEIGHTS
+    with torch.no_grad():
+        for name, t in read_weights(model, path).items():
+            model.get_parameter(name).copy_(t)
+    return config
+
+
+def read_weights(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of the adapter in `path`, by `model`'s parameter names (`model` has the adapter attached).
+    A file that does not fit the model (another geometry, missing or extra keys, encoder and decoder copies that
+    differ) raises AdapterError naming the file, the key and the shapes."""
+    expected = {k.replace(".default.", "."): k for k in model.state_dict() if ".lora_A." in k or ".lora_B." in k}
+    shapes = dict(model.state_dict().items())
+    file = Path(path) / WEIGHTS
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
@@ -168,20 +175,15 @@ def load_adapter(model: DiffusionGemma, path: str | os.PathLike[str]) -> Any:
                 raise AdapterError(f"{file}: {key!r} differs from its decoder copy {PREFIX + DECODER + name!r}: "
                                    "dgemma's encoder and decoder share one set of weights, so one LoRA")
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    shapes = [f"{PREFIX + DECODER + k} has shape {tuple(found[k].shape)} but this model needs "
-              f"{tuple(expected[k].shape)}" for k in sorted(set(found) & set(expected))
-              if found[k].shape != expected[k].shape]
-    if missing or unexpected or shapes:
+    wrong = [f"{PREFIX + DECODER + k} has shape {tuple(found[k].shape)} but this model needs "
+             f"{tuple(shapes[expected[k]].shape)}" for k in sorted(set(found) & set(expected))
+             if found[k].shape != shapes[expected[k]].shape]
+    if missing or unexpected or wrong:
         parts = [f"{len(keys)} {what} key(s), e.g. {PREFIX + DECODER + keys[0]}"
-                 for keys, what in ((missing, "missing"), (unexpected, "unexpected")) if keys] + shapes[:3]
+                 for keys, what in ((missing, "missing"), (unexpected, "unexpected")) if keys] + wrong[:3]
         raise AdapterError(f"{file}: does not fit this model (an adapter for another checkpoint?): "
                            + "; ".join(parts))
-    with torch.no_grad():
-        for name, p in model.state_dict(keep_vars=True).items():
-            key = name.replace(".default.", ".")
-            if key in found:
-                p.copy_(found[key])
-    return config
+    return {expected[k]: t for k, t in found.items()}
 
 
 def merge(model: DiffusionGemma) -> DiffusionGemma:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,15 @@ class ChatBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ChatBatch:
         return ChatBatch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in self.__dataclass_fields__))
 
+    def __getitem__(self, rows: slice) -> ChatBatch:
+        """Some of the rows (a rank's share of a global batch)."""
+        return ChatBatch(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+
+    @property
+    def shape(self) -> torch.Size:
+        """(rows, canvas slots): the trainer reads the batch size from it, as from a window batch."""
+        return self.x0.shape
+
     @property
     def positions(self) -> Tensor:
         return torch.cat([self.clean_pos, self.noisy_pos], 1)
@@ -280,10 +290,16 @@ class ChatData:
             self._epochs = {epoch: pack(self.examples, order, self.L, self.seq_len)}
         return self._epochs[epoch]
 
-    def batches(self, batch_size: int, seq_len: int, seed: int, start_batch: int = 0, shift: int = 0):
+    def batches(self, batch_size: int, seq_len: int, seed: int, start_batch: int = 0, shift: int = 0,
+                rank: int = 0, world_size: int = 1) -> Iterator[ChatBatch]:
         """Endless batches of `batch_size` packed rows; batch m is rows [m B, (m + 1) B) of the row stream that
-        concatenates the epochs (each packed in its own seeded order)."""
+        concatenates the epochs (each packed in its own seeded order). With `world_size` W, batch m is the global
+        batch of W B rows and this `rank` gets rows [rank B, (rank + 1) B) of it."""
         assert seq_len == self.seq_len and shift == 0
+        for batch in self._global_batches(batch_size * world_size, seed, start_batch):
+            yield batch[rank * batch_size:(rank + 1) * batch_size]
+
+    def _global_batches(self, batch_size: int, seed: int, start_batch: int) -> Iterator[ChatBatch]:
         row, epoch = start_batch * batch_size, 0
         while row >= len(self.epoch_rows(seed, epoch)):
             row -= len(self.epoch_rows(seed, epoch))
@@ -299,7 +315,7 @@ class ChatData:
                     row, epoch = 0, epoch + 1
             yield collate(self.examples, rows, self.L, self.seq_len, self.pad_id)
 
-    def heldout_batches(self, batch_size: int, seq_len: int, shift: int = 0):
+    def heldout_batches(self, batch_size: int, seq_len: int, shift: int = 0) -> Iterator[ChatBatch]:
         """Batches of the examples packed in file order (the last one may be smaller), once."""
         rows = pack(self.examples, list(range(len(self.examples))), self.L, self.seq_len)
         for lo in range(0, len(rows), batch_size):

@@ -1,6 +1,7 @@
-"""Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, one device. The same loop fine-tunes
-a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file (dgemma/sft.py packs it,
-`diffusion.py:sft_loss` scores the answers), all weights or LoRA adapters (`lora_rank`, dgemma/lora.py).
+"""Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, or one rank of a torchrun job (the
+`dist` argument, dgemma/distributed.py: the same loop, with each micro-batch split across the ranks). The same loop
+fine-tunes a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file (dgemma/sft.py
+packs it, `diffusion.py:sft_loss` scores the answers), every weight or LoRA adapters (`lora_rank`, dgemma/lora.py).
 
     for step in range(start, max_steps):
         lr = warmup then cosine
@@ -24,6 +25,7 @@ Run directory:
     RUN/checkpoints/step-0000200/       config.json, generation_config.json, model.safetensors (the Hugging Face
                                         layout, fp32), tokenizer.json, train_config.json, trainer_state.pt
     RUN/checkpoints/latest              the name of the newest complete checkpoint, written last
+    (with several ranks, checkpoints are torch.distributed.checkpoint shards: dgemma/distributed.py)
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a `step-*` directory is always
 complete, whenever the process dies. One process at a time writes a run (dgemma/run_dir.py's lock); a non-finite
@@ -32,7 +34,9 @@ loss or gradient on the first NONFINITE_FIRST_STEPS steps, or on NONFINITE_STREA
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -49,11 +53,12 @@ import torch
 
 from dgemma import costs, lora, run_dir
 from dgemma.attention import IMPLS
-from dgemma.checkpoint import STATE, resolve_model_dir
+from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.console import Console
 from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
 from dgemma.diffusion import OBJECTIVES, LossOutput, sft_loss, training_loss
+from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.run_dir import NonFiniteError
@@ -67,7 +72,8 @@ CONFIG_JSON = "train_config.json"
 DEFAULT_PRESET = "cpu-small"
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
-RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device")
+RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device",
+             "parallel", "activation_checkpointing")
 # A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
 # steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
 NONFINITE_FIRST_STEPS, NONFINITE_STREAK = 3, 5
@@ -119,6 +125,10 @@ class TrainConfig:
                       choices=("auto", "float32", "bfloat16"))
     compile: bool = _opt("torch.compile each block (CUDA only; never on CPU)", default=True)
     device: str = _opt("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
+    parallel: str = _opt("under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters, gradients and AdamW "
+                         "state sharded per block)", default="ddp", choices=PARALLEL)
+    activation_checkpointing: bool = _opt("recompute each block's activations in backward (less memory, about a "
+                                          "third more compute)", default=False)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -235,12 +245,16 @@ def make_optimizer(model: DiffusionGemma, cfg: TrainConfig, device: torch.device
 
 # --- memory pre-flight ---------------------------------------------------------------------------------------------
 
-def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False) -> dict[str, int]:
+def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False, shards: int = 1
+                    ) -> dict[str, int]:
     """Peak bytes of one training step, by part. Activations: values autograd keeps per token and layer, fitted to
     measured eager fp32 CPU peaks (runs/train_memory.py: ~68 D-wide values per token and layer for cpu-small; this
     formula gives ~75) and assumed 3x fewer under per-block torch.compile, which fuses the fp32 norm and GELU
     intermediates away (not measured: no GPU here). Plus each layer's saved attention mask, the (chunk_rows, V) loss
-    logits, and the runtime itself."""
+    logits, and the runtime itself. Per rank: `batch_size` is a rank's micro-batch; with FSDP over `shards` ranks
+    parameters, gradients and AdamW state are divided by `shards`, plus the blocks gathered whole at once (the root's
+    embedding and two blocks, with their gradients). Activation checkpointing keeps one block's activations and
+    each block's input."""
     mc, L = cfg.model_config, cfg.model_config.num_hidden_layers
     P = costs.parameter_counts(mc)["total"]
     S = cfg.seq_len * (2 if cfg.objective in ("clean-context", "sft") else 1)  # [x0 ; x_t]
@@ -252,16 +266,22 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
     if cfg.compile and device_type == "cuda":
         per_token //= 3
     scores = 2 * cfg.batch_size * H * S * S * 4 if cfg.impl == "reference" else 0  # the eager twin keeps them
+    kept = 1 if cfg.activation_checkpointing else L  # layers whose activations are alive at once
     trained = 0 if cfg.lora_rank else P  # LoRA: gradients and AdamW state of the adapters only (negligible)
-    return {"parameters": 4 * P, "gradients": 4 * trained, "adamw": 8 * trained,
-            "activations": N * L * per_token * act + L * (S * S * act + scores),
+    parts = {"parameters": 4 * P // shards, "gradients": 4 * trained // shards, "adamw": 8 * trained // shards}
+    if shards > 1:
+        per_layer = (P - mc.vocab_size * D) // L
+        parts["gathered"] = 2 * (mc.vocab_size * D + 2 * per_layer) * (2 if use_bf16 else 4)
+    return {**parts,
+            "activations": N * kept * per_token * act + L * (S * S * act + scores)
+                           + (N * L * D * act if cfg.activation_checkpointing else 0),
             "loss_logits": 4 * min(cfg.chunk_rows, N) * mc.vocab_size * 4,
             "runtime": 500 * 2**20}
 
 
-def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool) -> str:
+def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool, shards: int = 1) -> str:
     """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free; else a summary line."""
-    parts = estimate_memory(cfg, device.type, use_bf16)
+    parts = estimate_memory(cfg, device.type, use_bf16, shards)
     need, free = sum(parts.values()), available_memory(device)
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
@@ -274,13 +294,39 @@ def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool) -> str:
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
-def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path) -> None:
-    """A resumed run must compute the same steps: only the RESUMABLE fields may differ."""
+def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path, saved_world: int = 1, world: int = 1
+                    ) -> None:
+    """A resumed run must compute the same steps: only the RESUMABLE fields may differ. On another number of ranks,
+    batch_size and grad_accum may change as long as the windows per step (batch x grad_accum x ranks) do not."""
+    split = ("batch_size", "grad_accum") if saved_world != world else ()
     diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
-            if f.name not in RESUMABLE and getattr(saved, f.name) != getattr(cfg, f.name)]
+            if f.name not in RESUMABLE + split and getattr(saved, f.name) != getattr(cfg, f.name)]
+    before, now = windows_per_step(saved, saved_world), windows_per_step(cfg, world)
+    if before != now:
+        diff.append(f"windows per step (batch_size x grad_accum x ranks) {saved.batch_size} x {saved.grad_accum} x "
+                    f"{saved_world} = {before} -> {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}")
     if diff:
         raise ConfigError(f"cannot resume {where}: its config differs in {'; '.join(diff)} (only "
                           f"{', '.join(RESUMABLE)} may change; start a new run for the rest)")
+
+
+def windows_per_step(cfg: TrainConfig, world: int) -> int:
+    return cfg.batch_size * cfg.grad_accum * world
+
+
+def rescale_for_world(cfg: TrainConfig, saved_world: int, world: int) -> TrainConfig:
+    """A run's config for `world` ranks when it was trained on `saved_world`: the same micro-batch in all (so the same
+    windows and noise, to rounding) when batch_size divides, else the same windows per step through grad_accum."""
+    total = windows_per_step(cfg, saved_world)
+    if world == saved_world:
+        return cfg
+    if cfg.batch_size * saved_world % world == 0:
+        return cfg.replace(batch_size=cfg.batch_size * saved_world // world)
+    if total % (cfg.batch_size * world) == 0:
+        return cfg.replace(grad_accum=total // (cfg.batch_size * world))
+    raise ConfigError(f"the run was trained on {saved_world} rank(s) with {total} windows per step (batch_size "
+                      f"{cfg.batch_size} x grad_accum {cfg.grad_accum}); {world} rank(s) cannot split that: pass "
+                      f"--batch-size and --grad-accum with batch_size x grad_accum x {world} = {total}")
 
 
 # --- the loop ------------------------------------------------------------------------------------------------------
@@ -296,117 +342,138 @@ class TrainResult:
 
 
 @torch.no_grad()
-def evaluate(model: DiffusionGemma, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool) -> float:
+def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool,
+             dist: Dist | None = None) -> float:
     """Mean held-out loss of the training objective over the first `eval_batches` validation micro-batches, with
-    fixed noise and no self-conditioning: the seed's held-out x0 NLL, comparable to the AR baseline's CE."""
+    fixed noise and no self-conditioning: the seed's held-out x0 NLL, comparable to the AR baseline's CE. `net` is
+    `Dist.wrap`'s module (its forward is the loss). With several ranks a micro-batch is the global one, its rows
+    split across the ranks, and the sums reduced, so every rank gets what one process would."""
+    d = dist or Dist(device=device)
     shift = 1 if cfg.objective == "ar" else 0
     total, n = 0.0, 0
-    for i, x0 in enumerate(val.heldout_batches(cfg.batch_size, cfg.seq_len, shift=shift)):
+    for i, x0 in enumerate(val.heldout_batches(cfg.batch_size * d.world_size, cfg.seq_len, shift=shift)):
         if i == cfg.eval_batches:
             break
+        rows = x0.shape[0]
+        lo, hi = d.rank * rows // d.world_size, (d.rank + 1) * rows // d.world_size
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-            out = batch_loss(model, x0.to(device), cfg, torch.Generator(device=device).manual_seed(EVAL_SEED + i),
-                             self_conditioning_prob=0.0)
-        total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
+            _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
+                         self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
+                         generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i),
+                         batch_rows=None if d.world_size == 1 else (lo, rows))
+        if out.tokens:
+            total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
+    total, n = d.sum([total, n])
     if n == 0:
         raise ValueError("the validation split has no complete window of seq_len tokens")
     return total / n
 
 
-def batch_loss(model: DiffusionGemma, batch: Any, cfg: TrainConfig, generator: torch.Generator, *,
-               self_conditioning_prob: float) -> LossOutput:
-    """The objective's loss on one micro-batch: token windows (diffusion.py:training_loss) or packed chats
-    (diffusion.py:sft_loss)."""
-    if cfg.objective == "sft":
-        return sft_loss(model, batch, num_steps=cfg.num_steps, self_conditioning_prob=self_conditioning_prob,
-                        chunk_rows=cfg.chunk_rows, generator=generator)
-    return training_loss(model, batch, objective=cfg.objective, num_steps=cfg.num_steps,
-                         self_conditioning_prob=self_conditioning_prob, ar_weight=cfg.ar_weight,
-                         chunk_rows=cfg.chunk_rows, generator=generator)
+def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0, **kw: Any
+               ) -> LossOutput:
+    """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows (diffusion.py:training_loss)
+    or packed chats (diffusion.py:sft_loss, which has no next-token term)."""
+    if objective == "sft":
+        return sft_loss(model, batch, **kw)
+    return training_loss(model, batch, objective=objective, ar_weight=ar_weight, **kw)
 
 
-def open_data(cfg: TrainConfig, data: Path) -> tuple[Any, Any, dict[str, Any]]:
-    """(training batches, held-out batches, the data's fingerprint for run.json), every check done. Token shards:
-    a `dgemma data prepare` directory. sft: a chat JSONL file, rendered with init_from's tokenizer and chat template
-    (the held-out loss is then that of the first eval_batches batches of the file, in file order, fixed noise)."""
+def open_chats(cfg: TrainConfig, data: Path) -> tuple[ChatData, ChatData, dict[str, Any]]:
+    """The chat JSONL file of an sft run as (training batches, held-out batches, the data's fingerprint), rendered
+    with init_from's tokenizer and chat template; the held-out loss is that of the file's first eval_batches batches
+    in file order (fixed noise)."""
     mc = cfg.model_config
-    if cfg.objective == "sft":
-        if not data.is_file():
-            raise FileNotFoundError(f"{data}: no such chat file (JSONL, one {{\"messages\": [...]}} per line)")
-        base = resolve_model_dir(cfg.init_from)  # type: ignore[arg-type]
-        if not (base / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"{base} has no tokenizer.json: fine-tuning renders the chats with the "
-                                    "checkpoint's tokenizer and chat template")
-        tokenizer = load_tokenizer(base)
-        check_vocab(tokenizer, mc)
-        chats = ChatData(data, tokenizer, load_chat_template(base), canvas_length=mc.canvas_length,
-                         seq_len=cfg.seq_len, max_positions=mc.max_position_embeddings,
-                         pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0, model_dir=base)
-        return chats, chats, chats.fingerprint(sha256_file(base / "tokenizer.json"))
-    if not data.is_dir():
-        raise FileNotFoundError(f"{data}: no such data directory (prepare one with `dgemma data prepare`)")
-    train_set, val_set = TokenDataset(data, split="train"), TokenDataset(data, split="val")
-    check_vocab(train_set.tokenizer(), mc)
-    verify(data, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
-    check_token_range(data, mc.vocab_size, train_set.meta)
-    return train_set, val_set, run_dir.data_fingerprint(train_set.meta)
+    if not data.is_file():
+        raise FileNotFoundError(f"{data}: no such chat file (JSONL, one {{\"messages\": [...]}} per line)")
+    base = resolve_model_dir(cfg.init_from)  # type: ignore[arg-type]
+    if not (base / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{base} has no tokenizer.json: fine-tuning renders the chats with the checkpoint's "
+                                "tokenizer and chat template")
+    tokenizer = load_tokenizer(base)
+    check_vocab(tokenizer, mc)
+    chats = ChatData(data, tokenizer, load_chat_template(base), canvas_length=mc.canvas_length, seq_len=cfg.seq_len,
+                     max_positions=mc.max_position_embeddings,
+                     pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0, model_dir=base)
+    return chats, chats, chats.fingerprint(sha256_file(base / "tokenizer.json"))
 
 
 def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
           resume: bool = False, allow_new_data: bool = False, max_minutes: float | None = None,
-          until_step: int | None = None, stream: TextIO | None = None) -> TrainResult:
+          until_step: int | None = None, stream: TextIO | None = None, dist: Dist | None = None) -> TrainResult:
     """Train (or, with `resume`, continue) the run in `out_dir` on the shards in `data_dir`, up to `cfg.max_steps`, or
     to `until_step` (the schedule still spans max_steps), or for `max_minutes`; it checkpoints where it stops. With
     `resume`, a run with no checkpoint yet (or no directory) starts at step 0, so one command line serves the first
     start and every restart. Every input problem raises (ConfigError, ValueError, FileNotFoundError) before `out_dir`
-    is touched; the run is written under its lock (run_dir.RunBusyError if another process holds it)."""
-    console = Console(stream or sys.stdout, cfg.log_every)
-    run, data_dir = Path(out_dir), Path(data_dir)
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("TrainConfig.device: 'cuda' but no CUDA device is available")
+    is touched; the run is written under its lock (run_dir.RunBusyError if another process holds it).
+
+    `dist` (dgemma/distributed.py, `Dist.from_env()` under torchrun) makes this call one rank of a job: every rank
+    runs this function; rank 0 alone checks and writes the run directory (lock, run.json, metrics, console) and every
+    check is agreed on, so a failure on any rank stops them all. None: a single process."""
+    d = dist or Dist(device=resolve_device(cfg.device))
+    if cfg.lora_rank and d.world_size > 1:
+        raise ConfigError(f"TrainConfig.lora_rank: LoRA trains in one process ({d.world_size} ranks here); several "
+                          "ranks are not supported yet")
+    console = Console((stream or sys.stdout) if d.is_main else io.StringIO(), cfg.log_every)
+    run, data_dir, device = Path(out_dir), Path(data_dir), d.device
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    if use_bf16 and device.type != "cuda":
-        raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
-    run_dir.check_unlocked(run)
-    train_set, val_set, fingerprint = open_data(cfg, data_dir)
-    check_config = lambda saved, source: check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run)
-    run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
-    console.print(preflight(cfg, device, use_bf16))
+    mc = cfg.model_config
+
+    def check_data() -> tuple[Any, Any, dict[str, Any]]:
+        if use_bf16 and device.type != "cuda":
+            raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
+        if cfg.objective == "sft":
+            if d.is_main:
+                run_dir.check_unlocked(run)
+            return open_chats(cfg, data_dir)
+        if not data_dir.is_dir():
+            raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
+        train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
+        check_vocab(train_set.tokenizer(), mc)
+        if d.is_main:
+            run_dir.check_unlocked(run)
+        if d.local_rank == 0:  # one rank per node reads every shard
+            verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
+            check_token_range(data_dir, mc.vocab_size, train_set.meta)
+        return train_set, val_set, run_dir.data_fingerprint(train_set.meta)
+
+    train_set, val_set, fingerprint = d.agree(check_data)
+    d.same_everywhere("the data's fingerprint (meta.json's shard checksums, the tokenizer)", fingerprint)
+
+    def check_config(saved: dict[str, Any], source: Path) -> None:
+        record = run_dir.read_record(run) or {}
+        check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run, record.get("world_size", 1), d.world_size)
+
+    d.on_main(lambda: run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config))
+    shards = d.world_size if cfg.parallel == "fsdp" else 1
+    console.print(d.agree(lambda: preflight(cfg, device, use_bf16, shards)))
+    if d.world_size > 1:
+        console.print(f"{d.world_size} ranks ({cfg.parallel}, {'nccl' if device.type == 'cuda' else 'gloo'}): "
+                      f"{cfg.batch_size} windows a rank x {d.world_size} x {cfg.grad_accum} micro-batches a step")
 
     # Nothing above wrote anything; from here on the run directory is ours, and the checks are redone under its lock.
-    with run_dir.locked(run):
-        record = run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
-        change = record and "data" in record and run_dir.describe_data_change(record["data"], fingerprint)
-        if change:
-            console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
-        run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir)})
-        run_dir.clean_temporaries(run)
-        found = run_dir.newest_intact(run, lambda p: _load_checkpoint(p, cfg, device), console.print)
-        return _train_locked(cfg, run, train_set, val_set, found, device, use_bf16, console, max_minutes, until_step)
+    with contextlib.ExitStack() as held:
+        def take_run() -> None:
+            held.enter_context(run_dir.locked(run))
+            record = run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
+            change = record and "data" in record and run_dir.describe_data_change(record["data"], fingerprint)
+            if change:
+                console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
+            run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir),
+                                       "world_size": d.world_size})
+            run_dir.clean_temporaries(run)
+
+        d.on_main(take_run)
+        return _train_locked(cfg, run, train_set, val_set, d, use_bf16, console, max_minutes, until_step)
 
 
-def _load_checkpoint(ckpt: Path, cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma, dict[str, Any]]:
-    """A checkpoint's model and trainer state, or an exception if any part is damaged (run_dir.newest_intact)."""
+def _load_checkpoint(ckpt: Path, cfg: TrainConfig, model: DiffusionGemma, optimizer: torch.optim.Optimizer,
+                     d: Dist) -> dict[str, Any]:
+    """Load a checkpoint into `model` and `optimizer` and return its trainer state, or raise if any part is damaged
+    or its config is not this run's (run_dir.newest_intact tries the next older one)."""
     check_resumable(TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON)),
-                    cfg, ckpt)
-    if cfg.lora_rank:  # the frozen base, and the checkpoint's adapter on it
-        model = load_model(cfg.init_from, dtype=torch.float32, device=device, impl=cfg.impl)  # type: ignore[arg-type]
-        lora.load_adapter(model, ckpt)
-    else:
-        model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
-    try:
-        state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a torch file
-        raise ValueError(f"{ckpt / STATE}: unreadable ({str(e).split('. ')[0]})") from None
-    missing = {"step", "tokens", "elapsed_s", "optimizer", "rng_cpu"} - set(state)
-    if missing:
-        raise ValueError(f"{ckpt / STATE}: no {', '.join(sorted(missing))}")
-    bad = run_dir.nonfinite_tensor(iter(model.state_dict().items()))
-    if bad:
-        raise NonFiniteError(f"{ckpt}: {bad} has non-finite values")
-    return model, state
+                    cfg, ckpt, checkpoint_world_size(ckpt), d.world_size)
+    return load_into(d, ckpt, model, optimizer,
+                     read_weights=(lambda p: lora.read_weights(model, p)) if cfg.lora_rank else None)
 
 
 def initial_model(cfg: TrainConfig, device: torch.device) -> DiffusionGemma:
@@ -428,21 +495,10 @@ def adapter_config(cfg: TrainConfig) -> Any:
     return lora.lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base)
 
 
-def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset,
-                  found: tuple[Path, tuple[DiffusionGemma, dict[str, Any]]] | None, device: torch.device,
+def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset, d: Dist,
                   use_bf16: bool, console: Console, max_minutes: float | None, until_step: int | None) -> TrainResult:
-    mc = cfg.model_config
-    if found is None:
-        ckpt = None
-        model = initial_model(cfg, device)
-        files = train_set.model_files if isinstance(train_set, ChatData) else [train_set.tokenizer_path]
-        for src in files:  # the tokenizer (and a checkpoint's chat template)
-            if src.is_file():
-                shutil.copyfile(src, run / src.name)
-        state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
-    else:
-        ckpt, (model, state) = found
-        console.print(f"resuming {ckpt} at step {state['step']}")
+    mc, device = cfg.model_config, d.device
+    model = initial_model(cfg, device)  # the same on every rank
     # Documents end with the data's end-of-text id (answers with the chat template's end of turn): generation stops
     # there. A fine-tuned checkpoint keeps its sampler settings.
     if cfg.init_from is None:
@@ -456,23 +512,30 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
         adapter = adapter_config(cfg)
         write_weights = lambda path: lora.save_adapter(model, adapter, path, model.generation_config)
     model.train()
+    # `training_loss` (in batch_loss) is looked up at each call, so that tests can wrap it.
+    net = d.wrap(model, lambda *a, **kw: batch_loss(*a, **kw), parallel=cfg.parallel, use_bf16=use_bf16,
+                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda")
     optimizer = make_optimizer(model, cfg, device)
-    if ckpt is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_cpu"])
-        if device.type == "cuda" and state["rng_cuda"]:
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
-    if cfg.compile and device.type == "cuda":
-        for block in model.layers:  # per block; corruption, masks and the loss stay eager (seed 003, section 5)
-            block.compile()
+    found = d.symmetric(lambda: run_dir.newest_intact(
+        run, lambda p: d.agree(lambda: _load_checkpoint(p, cfg, model, optimizer, d)), console.print))
+    if found is None:
+        ckpt = None
+        files = train_set.model_files if isinstance(train_set, ChatData) else [train_set.tokenizer_path]
+        for src in files:  # the tokenizer (and a checkpoint's chat template)
+            if src.is_file():
+                d.on_main(lambda src=src: shutil.copyfile(src, run / src.name))
+        state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+    else:
+        ckpt, state = found
+        console.print(f"resuming {ckpt} at step {state['step']}")
     metrics = run / run_dir.METRICS
-    run_dir.repair_metrics(run, state["step"] if ckpt is not None else None, console.print)
+    d.on_main(lambda: run_dir.repair_metrics(run, state["step"] if ckpt is not None else None, console.print))
 
     step = start_step = state["step"]
     end = cfg.max_steps if until_step is None else min(until_step, cfg.max_steps)
     batches = train_set.batches(cfg.batch_size, cfg.seq_len, cfg.seed, start_batch=step * cfg.grad_accum,
-                                shift=1 if cfg.objective == "ar" else 0)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+                                shift=1 if cfg.objective == "ar" else 0, rank=d.rank, world_size=d.world_size)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * d.world_size
     deadline = time.monotonic() + 60 * max_minutes if max_minutes is not None else None
     t_start, elapsed_before = time.monotonic(), state["elapsed_s"]
     loss = val_loss = None
@@ -480,14 +543,15 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     interrupted: list[int] = []
     streak = 0  # non-finite steps in a row
     previous_handler = _on_sigint(lambda: interrupted.append(1))
-    with metrics.open("a") as log:
+    with metrics.open("a") if d.is_main else contextlib.nullcontext() as log:
         def record(**rec: Any) -> None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            if log is not None:  # rank 0 writes the one metrics file
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
 
         def run_eval() -> float:
             model.eval()
-            value = evaluate(model, val_set, cfg, device, use_bf16)
+            value = evaluate(net, val_set, cfg, device, use_bf16, d)
             model.train()
             record(step=step, val_loss=value)
             console.print(f"step {step} | held-out loss {value:.4f}")
@@ -504,13 +568,20 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 for i in range(cfg.grad_accum):
                     micro = step * cfg.grad_accum + i
                     x0 = next(batches).to(device, non_blocking=True)
-                    with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-                        out = batch_loss(model, x0, cfg, micro_step_generator(cfg, micro, device),
-                                         self_conditioning_prob=cfg.self_conditioning_prob)
-                    (out.loss / cfg.grad_accum).backward()
+                    with d.accumulating(net, sync=i == cfg.grad_accum - 1):
+                        with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
+                            _, out = net(x0, objective=cfg.objective, num_steps=cfg.num_steps,
+                                         self_conditioning_prob=cfg.self_conditioning_prob, ar_weight=cfg.ar_weight,
+                                         chunk_rows=cfg.chunk_rows, generator=micro_step_generator(cfg, micro, device),
+                                         batch_rows=d.rows(cfg.batch_size))
+                        (out.loss / cfg.grad_accum).backward()
                     losses.append(out.loss.detach())
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip or math.inf))
-                loss = float(torch.stack(losses).mean())
+                grad_norm = d.clip_grad_norm(model, cfg.clip)
+                # One reduction a step: the mean loss over the ranks, and whether any rank was interrupted or out of
+                # time, so that every rank takes the same decisions below.
+                loss, stop_interrupt, stop_time = d.sum([float(torch.stack(losses).mean()), float(bool(interrupted)),
+                                                         float(deadline is not None and time.monotonic() >= deadline)])
+                loss /= d.world_size
                 step += 1
                 if math.isfinite(loss) and math.isfinite(grad_norm):
                     optimizer.step()
@@ -521,7 +592,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     record(step=step, event="skipped_nonfinite", loss=loss, grad_norm=grad_norm, lr=lr)
                     if step <= NONFINITE_FIRST_STEPS or streak >= NONFINITE_STREAK:
                         record(step=step, event="stopped_nonfinite")
-                        raise NonFiniteError(_nonfinite_message(cfg, step, loss, grad_norm, streak, saved))
+                        raise shared(NonFiniteError(_nonfinite_message(cfg, step, loss, grad_norm, streak, saved)))
                     console.print(f"step {step} | skipped: non-finite loss {loss} or gradient norm {grad_norm}")
                 optimizer.zero_grad(set_to_none=True)
                 now = time.monotonic()
@@ -532,9 +603,9 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 eta = eta if deadline is None else min(eta, max(0.0, deadline - now))
                 console.status(step, f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                                      f"{rate:,.0f} tok/s | ETA {_duration(eta)}")
-                if interrupted:
+                if stop_interrupt:
                     stopped = "interrupt"
-                elif deadline is not None and now >= deadline:
+                elif stop_time:
                     stopped = "time"
                 elif step == cfg.max_steps:
                     stopped = "max_steps"
@@ -543,8 +614,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     val_loss = run_eval()
                 if step % cfg.save_every == 0 or last:
                     state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start)
-                    saved = run_dir.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state,
-                                                    write_weights=write_weights)
+                    saved = d.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state, last,
+                                              write_weights=write_weights)
                 if last:
                     break
         finally:

@@ -14,6 +14,7 @@ from typing import Any
 
 from dgemma.cli.common import add_config_args
 from dgemma.config import ConfigError
+from dgemma.distributed import Dist, shared
 from dgemma.run_dir import read_record
 from dgemma.train import TrainConfig, train
 
@@ -56,14 +57,22 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.minutes is not None and args.minutes <= 0:
-        raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
-    cfg = resolve_config(args)
-    if args.print_config:
-        print(json.dumps(cfg.to_json(), indent=2))
-        return 0
-    result = train(cfg, args.data, args.out, resume=args.resume, max_minutes=args.minutes,
-                   until_step=args.until_step)
+    try:  # every rank of a torchrun job parses the same flags and files: rank 0 shows what is wrong with them
+        if args.minutes is not None and args.minutes <= 0:
+            raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
+        cfg = resolve_config(args)
+        if args.print_config:
+            print(json.dumps(cfg.to_json(), indent=2))
+            return 0
+    except Exception as e:
+        raise shared(e) from None
+    dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job; else one process
+    try:
+        result = train(cfg, args.data, args.out, resume=args.resume, max_minutes=args.minutes,
+                       until_step=args.until_step, dist=dist)
+    finally:
+        dist.close()
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-    print(f"done: step {result.step}{val}; chat with: dgemma chat --model {args.out}")
+    if dist.is_main:
+        print(f"done: step {result.step}{val}; chat with: dgemma chat --model {args.out}")
     return 0
