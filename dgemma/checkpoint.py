@@ -43,6 +43,8 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 CHECKPOINTS, STATE = "checkpoints", "trainer_state.pt"  # a training run's layout (dgemma/train.py writes it)
 SHARDED_STATE = "trainer_state.json"  # instead of STATE in a sharded checkpoint (dgemma/distributed.py)
+# The tokenizer and chat template files that travel with a checkpoint's weights (a run copies them into each one).
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class CheckpointError(ValueError):
@@ -175,6 +177,9 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (does not exist)"))
     config_path, gen_path = path / "config.json", path / "generation_config.json"
+    if not config_path.exists() and (path / "adapter_config.json").is_file():
+        raise CheckpointError(f"{path}: a LoRA adapter, not a whole checkpoint: load it with "
+                              "dgemma.lora.load_merged(path), or write a merged checkpoint with `dgemma export`")
     try:
         raw = read_json(config_path)
         text = raw.get("text_config", raw)

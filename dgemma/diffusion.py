@@ -17,6 +17,9 @@ Objectives, all one forward pass through `DiffusionGemma.sequence_hidden` with a
     noisy-context   x_t alone: canvas b attends to the (noisy) canvases before it and itself; block-causal
                     (seed 003 section 2.1).
     ar              x0 alone, causal, next-token loss: the autoregressive baseline on the same backbone.
+    sft             (`sft_loss`) chats: the clean prompt and answer canvases in the encoder role, each noisy answer
+                    canvas against the clean tokens before it (dgemma/sft.py packs the rows and builds the masks);
+                    the loss covers the answer tokens only.
 
 Sliding-window layers keep their sampling-time visibility in every mask: an encoder query sees `sliding_window`
 keys including itself; a canvas sees the last `sliding_window - 1` tokens before it plus itself.
@@ -35,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.model import DiffusionGemma
+from dgemma.sft import ChatBatch, sft_masks
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
@@ -165,3 +169,30 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
         ar_loss = x0_cross_entropy(model, hidden[:, : T - 1].reshape(-1, D), x0[:, 1:].reshape(-1), chunk_rows)
         loss = loss + ar_weight * ar_loss
     return LossOutput(loss, x0_loss.detach(), None if ar_loss is None else ar_loss.detach(), x0.numel(), use_sc)
+
+
+def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, self_conditioning_prob: float = 0.5,
+             chunk_rows: int | None = 1024, generator: torch.Generator | None = None,
+             batch_rows: tuple[int, int] | None = None) -> LossOutput:
+    """The fine-tuning loss on packed chat rows (dgemma/sft.py): each answer canvas (B, N / L per row) draws its own
+    noise level and is corrupted by q_sample; one pass over [clean ; x_t] under `sft.py:sft_masks`; cross-entropy of
+    the x0 prediction over the answer tokens only (`batch.loss_mask`). Random draws in training_loss's order."""
+    cfg = model.config
+    L, V = cfg.canvas_length, cfg.vocab_size
+    (B, N), C, device = batch.x0.shape, batch.clean.shape[1], batch.x0.device
+    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, N // L), batch_rows,
+              generator, device)  # batch_rows: this rank's rows of the global batch's draws (training_loss's rule)
+    xt = q_sample(batch.x0, t, num_steps, L, V, generator, batch_rows)
+    use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
+    tokens, positions = torch.cat([batch.clean, xt], 1), batch.positions
+    masks = sft_masks(batch, L, cfg.sliding_window)
+    level = torch.cat([torch.zeros(B, C, device=device), (t.float() / num_steps).repeat_interleave(L, dim=1)], 1)
+    soft = None
+    if use_sc:
+        with torch.no_grad():
+            pre = model.sequence_hidden(tokens, positions, masks, num_clean=C, t=level)
+            soft = soft_embedding(model, pre[:, C:], chunk_rows or 1024)
+    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=C, soft=soft, t=level)
+    keep = batch.loss_mask
+    loss = x0_cross_entropy(model, hidden[:, C:][keep], batch.x0[keep], chunk_rows)
+    return LossOutput(loss, loss.detach(), None, int(keep.sum()), use_sc)

@@ -251,11 +251,16 @@ class Dist:
             raise
 
     def save_checkpoint(self, run: Path, model: DiffusionGemma, optimizer: torch.optim.Optimizer,
-                        train_config: dict[str, Any], keep_last: int, state: dict[str, Any], last: bool) -> Path:
-        """One process: run_dir.save_checkpoint (the Hugging Face layout + trainer_state.pt); several ranks:
-        save_sharded, with the consolidated weights in the `last` one."""
+                        train_config: dict[str, Any], keep_last: int, state: dict[str, Any], last: bool,
+                        write_weights: Callable[[Path], None] | None = None) -> Path:
+        """One process: run_dir.save_checkpoint (the Hugging Face layout, or what `write_weights` writes: a LoRA
+        run's adapter, + trainer_state.pt); several ranks: save_sharded, with the consolidated weights in the `last`
+        one."""
         if self.world_size == 1:
-            return run_dir.save_checkpoint(run, model, optimizer, train_config, keep_last, state)
+            return run_dir.save_checkpoint(run, model, optimizer, train_config, keep_last, state,
+                                           write_weights=write_weights)
+        if write_weights is not None:
+            raise ValueError("LoRA checkpoints are written by one process only (several ranks: not supported yet)")
         return save_sharded(self, run, model, optimizer, train_config, keep_last, state, consolidate=last)
 
     @contextlib.contextmanager
@@ -362,9 +367,12 @@ def _refuse_nonfinite(step: int, sd: dict[str, Any]) -> None:
         raise run_dir.NonFiniteError(f"step {step}: {bad} has non-finite values; no checkpoint written")
 
 
-def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim.Optimizer,
+              read_weights: Callable[[Path], dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Load checkpoint `ckpt` (sharded, from any world size, or a single process's) into this rank's `model` and
-    `optimizer`, resharded for this world size; returns its trainer state (step, tokens, elapsed_s, ...)."""
+    `optimizer`, resharded for this world size; returns its trainer state (step, tokens, elapsed_s, ...).
+    `read_weights(ckpt)`: the tensors a single process's checkpoint holds, by `model`'s names (default: the whole
+    model's); a LoRA run's are its adapter's, loaded into a model that holds the frozen base already."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     if is_sharded_checkpoint(ckpt):
@@ -384,7 +392,10 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         missing = {"step", "tokens", "elapsed_s", "optimizer", "rng_cpu"} - set(state)
         if missing:
             raise ValueError(f"{ckpt / STATE}: no {', '.join(sorted(missing))}")
-        weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
+        if read_weights is not None:  # part of the model (LoRA): every other tensor is already in place
+            weights = {**model.state_dict(), **read_weights(ckpt)}
+        else:
+            weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
             set_state_dict(model, optimizer, model_state_dict=weights,
                            optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),

@@ -1,5 +1,7 @@
 """Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, or one rank of a torchrun job (the
-`dist` argument, dgemma/distributed.py: the same loop, with each micro-batch split across the ranks).
+`dist` argument, dgemma/distributed.py: the same loop, with each micro-batch split across the ranks). The same loop
+fine-tunes a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file (dgemma/sft.py
+packs it, `diffusion.py:sft_loss` scores the answers), every weight or LoRA adapters (`lora_rank`, dgemma/lora.py).
 
     for step in range(start, max_steps):
         lr = warmup then cosine
@@ -49,18 +51,21 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import costs, run_dir
+from dgemma import costs, lora, run_dir
 from dgemma.attention import IMPLS
-from dgemma.config import PRESETS, ConfigError, ModelConfig
+from dgemma.checkpoint import resolve_model_dir
+from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.console import Console
-from dgemma.data import TokenDataset, check_token_range, verify
-from dgemma.diffusion import OBJECTIVES, training_loss
+from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
+from dgemma.diffusion import OBJECTIVES, LossOutput, sft_loss, training_loss
 from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.generation_config import GenerationConfig
-from dgemma.model import DiffusionGemma, init_weights
+from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.run_dir import NonFiniteError
+from dgemma.serving.templates import load_chat_template
+from dgemma.sft import ChatData
 from dgemma.system import available_memory
-from dgemma.tokenizer import check_vocab
+from dgemma.tokenizer import check_vocab, load_tokenizer
 
 CONFIG_JSON = "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
@@ -86,7 +91,14 @@ class TrainConfig:
 
     preset: str = _opt("model preset (dgemma.config.PRESETS)", default=DEFAULT_PRESET)
     vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
-    objective: str = _opt("training objective", default="clean-context", choices=OBJECTIVES)
+    objective: str = _opt("training objective (sft: chats, with init_from)", default="clean-context",
+                          choices=(*OBJECTIVES, "sft"))
+    init_from: str | None = _opt("start from this checkpoint (HF layout, or a run) instead of random weights; its "
+                                 "geometry replaces the preset's", default=None)
+    lora_rank: int = _opt("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
+                          default=0)
+    lora_alpha: float = _opt("LoRA alpha: the update B A is scaled by alpha / rank", default=16.0)
+    lora_targets: str = _opt("what LoRA adapts", default="attention", choices=tuple(lora.TARGETS))
     seq_len: int = _opt("tokens per training window (a whole number of canvases)", default=128)
     batch_size: int = _opt("windows per micro-batch", default=4)
     grad_accum: int = _opt("micro-batches per optimizer step", default=1)
@@ -136,6 +148,10 @@ class TrainConfig:
               "must be a positive int or None")
         check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank", "must be an int >= 0")
+        check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
+              "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
+        check(self.init_from is None or self.vocab_size is None, "vocab_size", "must be None with init_from")
         for f in dataclasses.fields(self):
             if f.type == "float":
                 v = getattr(self, f.name)
@@ -160,6 +176,9 @@ class TrainConfig:
 
     @property
     def model_config(self) -> ModelConfig:
+        if self.init_from is not None:  # the checkpoint's geometry
+            config = resolve_model_dir(self.init_from) / "config.json"
+            return ModelConfig.from_hf(read_json(config), source=str(config))
         mc = PRESETS[self.preset]
         return mc if self.vocab_size is None else mc.replace(vocab_size=self.vocab_size)
 
@@ -238,7 +257,7 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
     each block's input."""
     mc, L = cfg.model_config, cfg.model_config.num_hidden_layers
     P = costs.parameter_counts(mc)["total"]
-    S = cfg.seq_len * (2 if cfg.objective == "clean-context" else 1)  # clean-context runs [x0 ; x_t]
+    S = cfg.seq_len * (2 if cfg.objective in ("clean-context", "sft") else 1)  # [x0 ; x_t]
     N, act = cfg.batch_size * S, 2 if use_bf16 else 4
     D, H, Dh = mc.hidden_size, mc.num_attention_heads, max(mc.head_dim, mc.global_head_dim)
     per_token = 44 * D + 6 * mc.intermediate_size + 4 * H * Dh
@@ -248,7 +267,8 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
         per_token //= 3
     scores = 2 * cfg.batch_size * H * S * S * 4 if cfg.impl == "reference" else 0  # the eager twin keeps them
     kept = 1 if cfg.activation_checkpointing else L  # layers whose activations are alive at once
-    parts = {"parameters": 4 * P // shards, "gradients": 4 * P // shards, "adamw": 8 * P // shards}
+    trained = 0 if cfg.lora_rank else P  # LoRA: gradients and AdamW state of the adapters only (negligible)
+    parts = {"parameters": 4 * P // shards, "gradients": 4 * trained // shards, "adamw": 8 * trained // shards}
     if shards > 1:
         per_layer = (P - mc.vocab_size * D) // L
         parts["gathered"] = 2 * (mc.vocab_size * D + 2 * per_layer) * (2 if use_bf16 else 4)
@@ -349,6 +369,34 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
     return total / n
 
 
+def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0, **kw: Any
+               ) -> LossOutput:
+    """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows (diffusion.py:training_loss)
+    or packed chats (diffusion.py:sft_loss, which has no next-token term)."""
+    if objective == "sft":
+        return sft_loss(model, batch, **kw)
+    return training_loss(model, batch, objective=objective, ar_weight=ar_weight, **kw)
+
+
+def open_chats(cfg: TrainConfig, data: Path) -> tuple[ChatData, ChatData, dict[str, Any]]:
+    """The chat JSONL file of an sft run as (training batches, held-out batches, the data's fingerprint), rendered
+    with init_from's tokenizer and chat template; the held-out loss is that of the file's first eval_batches batches
+    in file order (fixed noise)."""
+    mc = cfg.model_config
+    if not data.is_file():
+        raise FileNotFoundError(f"{data}: no such chat file (JSONL, one {{\"messages\": [...]}} per line)")
+    base = resolve_model_dir(cfg.init_from)  # type: ignore[arg-type]
+    if not (base / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{base} has no tokenizer.json: fine-tuning renders the chats with the checkpoint's "
+                                "tokenizer and chat template")
+    tokenizer = load_tokenizer(base)
+    check_vocab(tokenizer, mc)
+    chats = ChatData(data, tokenizer, load_chat_template(base), canvas_length=mc.canvas_length, seq_len=cfg.seq_len,
+                     max_positions=mc.max_position_embeddings,
+                     pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0, model_dir=base)
+    return chats, chats, chats.fingerprint(sha256_file(base / "tokenizer.json"))
+
+
 def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
           resume: bool = False, allow_new_data: bool = False, max_minutes: float | None = None,
           until_step: int | None = None, stream: TextIO | None = None, dist: Dist | None = None) -> TrainResult:
@@ -362,16 +410,23 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     runs this function; rank 0 alone checks and writes the run directory (lock, run.json, metrics, console) and every
     check is agreed on, so a failure on any rank stops them all. None: a single process."""
     d = dist or Dist(device=resolve_device(cfg.device))
+    if cfg.lora_rank and d.world_size > 1:
+        raise ConfigError(f"TrainConfig.lora_rank: LoRA trains in one process ({d.world_size} ranks here); several "
+                          "ranks are not supported yet")
     console = Console((stream or sys.stdout) if d.is_main else io.StringIO(), cfg.log_every)
     run, data_dir, device = Path(out_dir), Path(data_dir), d.device
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     mc = cfg.model_config
 
-    def check_data() -> tuple[TokenDataset, TokenDataset, dict[str, Any]]:
-        if not data_dir.is_dir():
-            raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
+    def check_data() -> tuple[Any, Any, dict[str, Any]]:
         if use_bf16 and device.type != "cuda":
             raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
+        if cfg.objective == "sft":
+            if d.is_main:
+                run_dir.check_unlocked(run)
+            return open_chats(cfg, data_dir)
+        if not data_dir.is_dir():
+            raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
         train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
         check_vocab(train_set.tokenizer(), mc)
         if d.is_main:
@@ -417,27 +472,58 @@ def _load_checkpoint(ckpt: Path, cfg: TrainConfig, model: DiffusionGemma, optimi
     or its config is not this run's (run_dir.newest_intact tries the next older one)."""
     check_resumable(TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON)),
                     cfg, ckpt, checkpoint_world_size(ckpt), d.world_size)
-    return load_into(d, ckpt, model, optimizer)
+    return load_into(d, ckpt, model, optimizer,
+                     read_weights=(lambda p: lora.read_weights(model, p)) if cfg.lora_rank else None)
+
+
+def initial_model(cfg: TrainConfig, device: torch.device) -> DiffusionGemma:
+    """Step 0's model: random weights (seeded), or init_from's weights, with fresh LoRA adapters (A drawn from the
+    seed, B zero) when lora_rank > 0."""
+    if cfg.init_from is None:
+        return init_weights(DiffusionGemma(cfg.model_config, impl=cfg.impl), seed=cfg.seed).to(device)
+    model = load_model(cfg.init_from, dtype=torch.float32, device=device, impl=cfg.impl)
+    if cfg.lora_rank:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            lora.attach(model, adapter_config(cfg))
+    return model
+
+
+def adapter_config(cfg: TrainConfig) -> Any:
+    """The peft LoraConfig of a LoRA run (its base: init_from's resolved checkpoint directory)."""
+    base = str(resolve_model_dir(cfg.init_from).resolve())  # type: ignore[arg-type]
+    return lora.lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base)
 
 
 def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset, d: Dist,
                   use_bf16: bool, console: Console, max_minutes: float | None, until_step: int | None) -> TrainResult:
     mc, device = cfg.model_config, d.device
-    model = init_weights(DiffusionGemma(mc, impl=cfg.impl), seed=cfg.seed).to(device)  # the same on every rank
-    # Documents end with the data's end-of-text id, so that is where generation stops.
-    model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
-                                               bos_token_id=mc.bos_token_id)
+    model = initial_model(cfg, device)  # the same on every rank
+    # Documents end with the data's end-of-text id (answers with the chat template's end of turn): generation stops
+    # there. A fine-tuned checkpoint keeps its sampler settings.
+    if cfg.init_from is None:
+        model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
+                                                   bos_token_id=mc.bos_token_id)
+    else:
+        gen = model.generation_config.stopping_at(train_set.eot_id)
+        model.generation_config = gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
+    write_weights = None
+    if cfg.lora_rank:  # a LoRA checkpoint holds the adapter, not the frozen base
+        adapter = adapter_config(cfg)
+        write_weights = lambda path: lora.save_adapter(model, adapter, path, model.generation_config)
     model.train()
-    # `training_loss` is looked up at each call, so that tests can wrap it.
-    net = d.wrap(model, lambda *a, **kw: training_loss(*a, **kw), parallel=cfg.parallel, use_bf16=use_bf16,
+    # `training_loss` (in batch_loss) is looked up at each call, so that tests can wrap it.
+    net = d.wrap(model, lambda *a, **kw: batch_loss(*a, **kw), parallel=cfg.parallel, use_bf16=use_bf16,
                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda")
     optimizer = make_optimizer(model, cfg, device)
     found = d.symmetric(lambda: run_dir.newest_intact(
         run, lambda p: d.agree(lambda: _load_checkpoint(p, cfg, model, optimizer, d)), console.print))
     if found is None:
         ckpt = None
-        if train_set.tokenizer_path.is_file():
-            d.on_main(lambda: shutil.copyfile(train_set.tokenizer_path, run / "tokenizer.json"))
+        files = train_set.model_files if isinstance(train_set, ChatData) else [train_set.tokenizer_path]
+        for src in files:  # the tokenizer (and a checkpoint's chat template)
+            if src.is_file():
+                d.on_main(lambda src=src: shutil.copyfile(src, run / src.name))
         state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     else:
         ckpt, state = found
@@ -528,7 +614,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     val_loss = run_eval()
                 if step % cfg.save_every == 0 or last:
                     state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start)
-                    saved = d.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state, last)
+                    saved = d.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state, last,
+                                              write_weights=write_weights)
                 if last:
                     break
         finally:

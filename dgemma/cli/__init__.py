@@ -12,6 +12,7 @@ from dgemma.cli import data as data_cmd
 from dgemma.cli import demo as demo_cmd
 from dgemma.cli import eval as eval_cmd
 from dgemma.cli import export as export_cmd
+from dgemma.cli import finetune as finetune_cmd
 from dgemma.cli import generate as generate_cmd
 from dgemma.cli import inspect as inspect_cmd
 from dgemma.cli import serve as serve_cmd
@@ -19,8 +20,8 @@ from dgemma.cli import train as train_cmd
 from dgemma.cli import viz as viz_cmd
 from dgemma.distributed import should_print
 
-COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, export_cmd, eval_cmd, viz_cmd, bench_cmd,
-            demo_cmd, serve_cmd)
+COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_cmd, export_cmd, eval_cmd, viz_cmd,
+            bench_cmd, demo_cmd, serve_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,26 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.checkpoint import latest_checkpoint
+from dgemma.cli.common import add_config_args
 from dgemma.config import ConfigError
 from dgemma.distributed import Dist, shared
 from dgemma.run_dir import read_record
 from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, rescale_for_world, train, train_preset
-
-_TYPES = {"int": int, "float": float, "str": str, "int | None": int}
-
-
-def add_config_args(p: argparse.ArgumentParser, cls: type) -> None:
-    """One --kebab-case flag per dataclass field, typed from its annotation, with the field's help and choices. Every
-    flag defaults to None (= not given), so the defaults live only in the dataclass and its presets."""
-    for f in dataclasses.fields(cls):
-        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
-        if f.type == "bool":
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = _TYPES[str(f.type)]
-            kw["choices"] = f.metadata.get("choices")
-            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", str: "NAME"}[kw["type"]]
-        p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def register(subparsers: Any) -> None:
