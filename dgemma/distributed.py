@@ -46,8 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dgemma import run_dir
-from dgemma.checkpoint import CHECKPOINTS, SHARDED_STATE, STATE, save_pretrained
-from dgemma.config import ModelConfig, read_json
+from dgemma.checkpoint import CHECKPOINTS, MODEL_FILES, SHARDED_STATE, STATE, save_pretrained
+from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
 
@@ -280,6 +280,26 @@ class Dist:
         return self.world_size > 1 and self.parallel == "fsdp"
 
 
+def windows_per_step(cfg: Any, world: int) -> int:
+    """Training windows an optimizer step reads, over all ranks."""
+    return cfg.batch_size * cfg.grad_accum * world
+
+
+def rescale_for_world(cfg: Any, saved_world: int, world: int) -> Any:
+    """A run's TrainConfig for `world` ranks when it was trained on `saved_world`: the same micro-batch in all (so the
+    same windows and noise, to rounding) when batch_size divides, else the same windows per step via grad_accum."""
+    total = windows_per_step(cfg, saved_world)
+    if world == saved_world:
+        return cfg
+    if cfg.batch_size * saved_world % world == 0:
+        return cfg.replace(batch_size=cfg.batch_size * saved_world // world)
+    if total % (cfg.batch_size * world) == 0:
+        return cfg.replace(grad_accum=total // (cfg.batch_size * world))
+    raise ConfigError(f"the run was trained on {saved_world} rank(s) with {total} windows per step (batch_size "
+                      f"{cfg.batch_size} x grad_accum {cfg.grad_accum}); {world} rank(s) cannot split that: pass "
+                      f"--batch-size and --grad-accum with batch_size x grad_accum x {world} = {total}")
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -343,8 +363,9 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
             gen = getattr(model, "generation_config", None) or GenerationConfig()
             run_dir.write_atomic(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2))
             run_dir.write_atomic(tmp / "generation_config.json", json.dumps(gen.to_hf(), indent=2))
-        if (run / "tokenizer.json").is_file():
-            shutil.copyfile(run / "tokenizer.json", tmp / "tokenizer.json")
+        for name in MODEL_FILES:  # the tokenizer (and a fine-tuned run's chat template)
+            if (run / name).is_file():
+                shutil.copyfile(run / name, tmp / name)
         run_dir.write_atomic(tmp / "train_config.json", json.dumps(train_config, indent=2) + "\n")
         run_dir.write_atomic(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")
         for f in tmp.iterdir():
@@ -455,6 +476,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     if gen.is_file():
         model.generation_config = GenerationConfig.from_hf(read_json(gen), source=str(gen))
     save_pretrained(model, out)
-    if (ckpt / "tokenizer.json").is_file():
-        shutil.copyfile(ckpt / "tokenizer.json", Path(out) / "tokenizer.json")
+    for name in MODEL_FILES:
+        if (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, Path(out) / name)
     return Path(out)

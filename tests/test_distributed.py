@@ -262,7 +262,8 @@ def test_split_rows_draw_the_noise_of_the_whole_batch(data):
 
 def test_resume_on_another_world_size_keeps_the_windows_per_step(data, ddp_run, tmp_path):
     from dgemma.config import ConfigError
-    from dgemma.train import TrainConfig, rescale_for_world
+    from dgemma.distributed import rescale_for_world
+    from dgemma.train import TrainConfig
 
     cfg = TrainConfig.from_json(json.loads((ddp_run / "run.json").read_text())["train_config"])
     assert rescale_for_world(cfg, 2, 1).batch_size == 4

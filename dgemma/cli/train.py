@@ -14,9 +14,9 @@ from typing import Any
 from dgemma.checkpoint import latest_checkpoint
 from dgemma.cli.common import add_config_args
 from dgemma.config import ConfigError
-from dgemma.distributed import Dist, shared
+from dgemma.distributed import Dist, rescale_for_world, shared
 from dgemma.run_dir import read_record
-from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, rescale_for_world, train, train_preset
+from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train, train_preset
 
 
 def register(subparsers: Any) -> None:
