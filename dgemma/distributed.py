@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dgemma import run_dir
-from dgemma.checkpoint import CHECKPOINTS, MODEL_FILES, SHARDED_STATE, STATE, save_pretrained
+from dgemma.checkpoint import CHECKPOINTS, MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
@@ -187,10 +187,12 @@ class Dist:
     # --- the model -------------------------------------------------------------------------------------------
 
     def wrap(self, model: DiffusionGemma, loss_fn: Callable[..., Any], *, parallel: str = "ddp",
-             use_bf16: bool = False, activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
+             use_bf16: bool = False, activation_checkpointing: bool = False, compile: bool = False,
+             fill_from: str | None = None) -> nn.Module:
         """The module the loop calls: LossModule(model), with each block compiled (CUDA) or checkpointed, and for
         world size > 1 under DDP (replicas, gradients all-reduced) or FSDP2 (parameters, gradients and AdamW state
-        sharded per block)."""
+        sharded per block). `fill_from` (FSDP, `model` on the meta device: `meta_model`): once sharded, each rank
+        allocates its shards and fills them from that checkpoint, which rank 0 alone reads and broadcasts."""
         if parallel not in PARALLEL:
             raise ValueError(f"TrainConfig.parallel: must be one of {', '.join(PARALLEL)}, got {parallel!r}")
         self.parallel = parallel
@@ -208,6 +210,15 @@ class Dist:
             for block in model.layers:
                 fully_shard(block, **kw)
             fully_shard(net, **kw)  # the root: embedding (tied head), final norm, self-conditioning
+            if fill_from is not None:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                model.to_empty(device=self.device)
+                full = load_model(fill_from, dtype=torch.float32).state_dict() if self.is_main else {}
+                set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                           broadcast_from_rank0=True))
+        elif fill_from is not None:
+            raise ValueError("fill_from is for FSDP with several ranks (each rank fills its own shards)")
         if compile:
             for block in model.layers:  # per block; corruption, masks and the loss stay eager (seed 003, section 5)
                 block.compile()
@@ -216,7 +227,12 @@ class Dist:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             # Self-conditioning's parameters sit out the steps that skip it: find_unused_parameters.
-            net = DistributedDataParallel(net, device_ids=ids, find_unused_parameters=True)
+            # Buffers (the layer scalars) are constants, the same on every rank: no broadcast in each forward, which
+            # would also make every rank's forward a collective (evaluation runs forwards without gradients).
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
+                net = DistributedDataParallel(net, device_ids=ids, find_unused_parameters=True,
+                                              broadcast_buffers=False)
         return net
 
     @contextlib.contextmanager
@@ -301,6 +317,19 @@ def rescale_for_world(cfg: Any, saved_world: int, world: int) -> Any:
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
+
+def meta_model(path: str | os.PathLike[str], impl: str = "reference") -> DiffusionGemma:
+    """The model of checkpoint `path` on the meta device (no memory), with its generation config: to be sharded and
+    filled by `Dist.wrap(..., fill_from=path)`."""
+    ckpt = resolve_model_dir(path)
+    config = ModelConfig.from_hf(read_json(ckpt / "config.json"), source=str(ckpt / "config.json"))
+    with torch.device("meta"):
+        model = DiffusionGemma(config, impl=impl)  # type: ignore[arg-type]
+    gen = ckpt / "generation_config.json"
+    model.generation_config = GenerationConfig.from_hf(read_json(gen), source=str(gen)) if gen.is_file() \
+        else GenerationConfig()
+    return model
+
 
 def is_sharded_checkpoint(path: Path) -> bool:
     return (Path(path) / ".metadata").is_file()

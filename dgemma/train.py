@@ -288,12 +288,14 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
             break
         rows = x0.shape[0]
         lo, hi = d.rank * rows // d.world_size, (d.rank + 1) * rows // d.world_size
+        empty = lo == hi  # a last batch with fewer rows than ranks: every rank still runs the forward (FSDP gathers
+        lo, hi = (rows - 1, rows) if empty else (lo, hi)  # in it) on a stand-in row that is not counted
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
             _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
                          self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
                          generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i),
                          batch_rows=None if d.world_size == 1 else (lo, rows))
-        if out.tokens:
+        if out.tokens and not empty:
             total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
     total, n = d.sum([total, n])
     if n == 0:
@@ -430,7 +432,10 @@ def adapter_config(cfg: TrainConfig) -> Any:
 def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset, d: Dist,
                   use_bf16: bool, console: Console, max_minutes: float | None, until_step: int | None) -> TrainResult:
     mc, device = cfg.model_config, d.device
-    model = initial_model(cfg, device)  # the same on every rank
+    # The same on every rank; FSDP from a checkpoint: built on the meta device, each rank then fills only its shards
+    # with what rank 0 alone reads (Dist.wrap's fill_from), so no rank holds the whole model.
+    deferred = cfg.init_from is not None and d.world_size > 1 and cfg.parallel == "fsdp"
+    model = distributed.meta_model(cfg.init_from, cfg.impl) if deferred else initial_model(cfg, device)
     # Documents end with the data's end-of-text id (answers with the chat template's end of turn): generation stops
     # there. A fine-tuned checkpoint keeps its sampler settings.
     if cfg.init_from is None:
@@ -446,7 +451,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     model.train()
     # `training_loss` (in batch_loss) is looked up at each call, so that tests can wrap it.
     net = d.wrap(model, lambda *a, **kw: batch_loss(*a, **kw), parallel=cfg.parallel, use_bf16=use_bf16,
-                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda")
+                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda",
+                 fill_from=cfg.init_from if deferred else None)
     optimizer = make_optimizer(model, cfg, device)
     found = d.symmetric(lambda: run_dir.newest_intact(
         run, lambda p: d.agree(lambda: _load_checkpoint(p, cfg, model, optimizer, d)), console.print))
