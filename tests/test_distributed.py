@@ -175,6 +175,23 @@ def test_export_consolidates_a_sharded_checkpoint(ddp_run, tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+def test_fsdp_fine_tunes_a_checkpoint_from_rank_0s_copy(data, single_run, tmp_path):
+    """--init-from under FSDP: the model is built on the meta device and each rank's shards are filled from the
+    weights rank 0 alone reads; 3 steps match one process from the same checkpoint."""
+    init = str(list_checkpoints(single_run)[-1])
+    flags = ["--init-from", init, "--seq-len", "32", "--max-steps", "3", "--warmup-steps", "1", "--eval-every", "3",
+             "--eval-batches", "2", "--save-every", "3", "--log-every", "100", "--device", "cpu"]
+    sharded, one = tmp_path / "fsdp", tmp_path / "one"
+    done = torchrun(["train", "--data", str(data), "--out", str(sharded), *flags, "--batch-size", "2",
+                     "--parallel", "fsdp"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert cli.main(["train", "--data", str(data), "--out", str(one), *flags, "--batch-size", "4"]) == 0
+    (la, va), (lb, vb) = losses(sharded), losses(one)
+    assert la == pytest.approx(lb, rel=1e-5) and va == pytest.approx(vb, rel=1e-5)
+    wa, wb = final_weights(sharded), final_weights(one)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+
 # --- failures ------------------------------------------------------------------------------------------------------
 
 def test_an_error_every_rank_meets_is_shown_once(data, ddp_run):
