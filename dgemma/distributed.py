@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dgemma import run_dir
-from dgemma.checkpoint import CHECKPOINTS, SHARDED_STATE, STATE, save_pretrained
-from dgemma.config import ModelConfig, read_json
+from dgemma.checkpoint import CHECKPOINTS, MODEL_FILES, SHARDED_STATE, STATE, save_pretrained
+from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
 
@@ -56,8 +57,13 @@ SHARED = "dgemma_shared_by_all_ranks"  # set on an exception every rank raises a
 TIMEOUT = datetime.timedelta(minutes=float(os.environ.get("DGEMMA_DIST_TIMEOUT_MIN", "30")))
 
 
+# What gloo and NCCL say when a peer's process is gone.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe",
+             "NCCL communicator was aborted", "Socket Timeout", "Connection refused")
+
+
 class PeerFailed(ValueError):
-    """Raised on the ranks whose peer failed (that rank shows its own error): the CLI exits 2 and prints nothing."""
+    """Raised on the ranks whose peer failed: the CLI exits 2, and only rank 0 prints it (one line)."""
 
 
 setattr(PeerFailed, SHARED, True)
@@ -257,9 +263,41 @@ class Dist:
             raise ValueError("LoRA checkpoints are written by one process only (several ranks: not supported yet)")
         return save_sharded(self, run, model, optimizer, train_config, keep_last, state, consolidate=last)
 
+    @contextlib.contextmanager
+    def peers_lost(self) -> Iterator[None]:
+        """A collective that fails because another rank died (its error, if any, is in its own log; torchrun stops
+        this rank next) becomes one line, PeerFailed, instead of a communication library's traceback."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.world_size == 1 or not any(m in str(e) for m in LOST_PEER):
+                raise
+            raise PeerFailed(f"rank {self.rank} stopped: lost contact with another rank, which failed or was killed "
+                             f"(its own error, if it printed one, is above); resume with the same command") from None
+
     @property
     def sharded(self) -> bool:
         return self.world_size > 1 and self.parallel == "fsdp"
+
+
+def windows_per_step(cfg: Any, world: int) -> int:
+    """Training windows an optimizer step reads, over all ranks."""
+    return cfg.batch_size * cfg.grad_accum * world
+
+
+def rescale_for_world(cfg: Any, saved_world: int, world: int) -> Any:
+    """A run's TrainConfig for `world` ranks when it was trained on `saved_world`: the same micro-batch in all (so the
+    same windows and noise, to rounding) when batch_size divides, else the same windows per step via grad_accum."""
+    total = windows_per_step(cfg, saved_world)
+    if world == saved_world:
+        return cfg
+    if cfg.batch_size * saved_world % world == 0:
+        return cfg.replace(batch_size=cfg.batch_size * saved_world // world)
+    if total % (cfg.batch_size * world) == 0:
+        return cfg.replace(grad_accum=total // (cfg.batch_size * world))
+    raise ConfigError(f"the run was trained on {saved_world} rank(s) with {total} windows per step (batch_size "
+                      f"{cfg.batch_size} x grad_accum {cfg.grad_accum}); {world} rank(s) cannot split that: pass "
+                      f"--batch-size and --grad-accum with batch_size x grad_accum x {world} = {total}")
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
@@ -325,8 +363,9 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
             gen = getattr(model, "generation_config", None) or GenerationConfig()
             run_dir.write_atomic(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2))
             run_dir.write_atomic(tmp / "generation_config.json", json.dumps(gen.to_hf(), indent=2))
-        if (run / "tokenizer.json").is_file():
-            shutil.copyfile(run / "tokenizer.json", tmp / "tokenizer.json")
+        for name in MODEL_FILES:  # the tokenizer (and a fine-tuned run's chat template)
+            if (run / name).is_file():
+                shutil.copyfile(run / name, tmp / name)
         run_dir.write_atomic(tmp / "train_config.json", json.dumps(train_config, indent=2) + "\n")
         run_dir.write_atomic(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")
         for f in tmp.iterdir():
@@ -363,7 +402,8 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         state = read_json(ckpt / SHARDED_STATE)
         msd, osd = get_state_dict(model, optimizer)
         sd = {"model": msd, "optimizer": osd}
-        dcp.load(sd, checkpoint_id=ckpt)
+        with _single_process_quiet():
+            dcp.load(sd, checkpoint_id=ckpt)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
     else:
         try:
@@ -397,6 +437,14 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
     return state
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it loads in a single process when there is no process group: that is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]
                            ) -> dict[str, Any]:
     """A torch optimizer state dict (parameters by index, in param-group order) keyed by parameter name instead."""
@@ -420,13 +468,15 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
             model = DiffusionGemma(config)
         model.to_empty(device="cpu")
         sd = {"model": model.state_dict()}
-        dcp.load(sd, checkpoint_id=ckpt)
+        with _single_process_quiet():
+            dcp.load(sd, checkpoint_id=ckpt)
         model.load_state_dict(sd["model"])
         model = model.to(dtype)
     gen = ckpt / "generation_config.json"
     if gen.is_file():
         model.generation_config = GenerationConfig.from_hf(read_json(gen), source=str(gen))
     save_pretrained(model, out)
-    if (ckpt / "tokenizer.json").is_file():
-        shutil.copyfile(ckpt / "tokenizer.json", Path(out) / "tokenizer.json")
+    for name in MODEL_FILES:
+        if (ckpt / name).is_file():
+            shutil.copyfile(ckpt / name, Path(out) / name)
     return Path(out)

@@ -51,7 +51,7 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import costs, lora, run_dir
+from dgemma import distributed, lora, run_dir
 from dgemma.attention import IMPLS
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
@@ -61,10 +61,10 @@ from dgemma.diffusion import OBJECTIVES, LossOutput, sft_loss, training_loss
 from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.run_dir import NonFiniteError
 from dgemma.serving.templates import load_chat_template
 from dgemma.sft import ChatData
-from dgemma.system import available_memory
 from dgemma.tokenizer import check_vocab, load_tokenizer
 
 CONFIG_JSON = "train_config.json"
@@ -243,55 +243,6 @@ def make_optimizer(model: DiffusionGemma, cfg: TrainConfig, device: torch.device
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
-# --- memory pre-flight ---------------------------------------------------------------------------------------------
-
-def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False, shards: int = 1
-                    ) -> dict[str, int]:
-    """Peak bytes of one training step, by part. Activations: values autograd keeps per token and layer, fitted to
-    measured eager fp32 CPU peaks (runs/train_memory.py: ~68 D-wide values per token and layer for cpu-small; this
-    formula gives ~75) and assumed 3x fewer under per-block torch.compile, which fuses the fp32 norm and GELU
-    intermediates away (not measured: no GPU here). Plus each layer's saved attention mask, the (chunk_rows, V) loss
-    logits, and the runtime itself. Per rank: `batch_size` is a rank's micro-batch; with FSDP over `shards` ranks
-    parameters, gradients and AdamW state are divided by `shards`, plus the blocks gathered whole at once (the root's
-    embedding and two blocks, with their gradients). Activation checkpointing keeps one block's activations and
-    each block's input."""
-    mc, L = cfg.model_config, cfg.model_config.num_hidden_layers
-    P = costs.parameter_counts(mc)["total"]
-    S = cfg.seq_len * (2 if cfg.objective in ("clean-context", "sft") else 1)  # [x0 ; x_t]
-    N, act = cfg.batch_size * S, 2 if use_bf16 else 4
-    D, H, Dh = mc.hidden_size, mc.num_attention_heads, max(mc.head_dim, mc.global_head_dim)
-    per_token = 44 * D + 6 * mc.intermediate_size + 4 * H * Dh
-    if mc.is_moe:
-        per_token += mc.top_k_experts * (6 * mc.moe_intermediate_size + 4 * D)
-    if cfg.compile and device_type == "cuda":
-        per_token //= 3
-    scores = 2 * cfg.batch_size * H * S * S * 4 if cfg.impl == "reference" else 0  # the eager twin keeps them
-    kept = 1 if cfg.activation_checkpointing else L  # layers whose activations are alive at once
-    trained = 0 if cfg.lora_rank else P  # LoRA: gradients and AdamW state of the adapters only (negligible)
-    parts = {"parameters": 4 * P // shards, "gradients": 4 * trained // shards, "adamw": 8 * trained // shards}
-    if shards > 1:
-        per_layer = (P - mc.vocab_size * D) // L
-        parts["gathered"] = 2 * (mc.vocab_size * D + 2 * per_layer) * (2 if use_bf16 else 4)
-    return {**parts,
-            "activations": N * kept * per_token * act + L * (S * S * act + scores)
-                           + (N * L * D * act if cfg.activation_checkpointing else 0),
-            "loss_logits": 4 * min(cfg.chunk_rows, N) * mc.vocab_size * 4,
-            "runtime": 500 * 2**20}
-
-
-def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool, shards: int = 1) -> str:
-    """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free; else a summary line."""
-    parts = estimate_memory(cfg, device.type, use_bf16, shards)
-    need, free = sum(parts.values()), available_memory(device)
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
-    detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
-    if free is not None and need > free:
-        raise ValueError(f"estimated peak memory {gib(need)} ({detail}) exceeds the {gib(free)} available on "
-                         f"{device.type}; lower --batch-size or --seq-len (raise --grad-accum to keep the tokens "
-                         f"per step), lower --chunk-rows, or pick a smaller preset")
-    return f"memory: estimated peak {gib(need)} of {gib(free) if free is not None else 'unknown'} available"
-
-
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path, saved_world: int = 1, world: int = 1
@@ -301,32 +252,13 @@ def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path, saved_wor
     split = ("batch_size", "grad_accum") if saved_world != world else ()
     diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
             if f.name not in RESUMABLE + split and getattr(saved, f.name) != getattr(cfg, f.name)]
-    before, now = windows_per_step(saved, saved_world), windows_per_step(cfg, world)
+    before, now = distributed.windows_per_step(saved, saved_world), distributed.windows_per_step(cfg, world)
     if before != now:
         diff.append(f"windows per step (batch_size x grad_accum x ranks) {saved.batch_size} x {saved.grad_accum} x "
                     f"{saved_world} = {before} -> {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}")
     if diff:
         raise ConfigError(f"cannot resume {where}: its config differs in {'; '.join(diff)} (only "
                           f"{', '.join(RESUMABLE)} may change; start a new run for the rest)")
-
-
-def windows_per_step(cfg: TrainConfig, world: int) -> int:
-    return cfg.batch_size * cfg.grad_accum * world
-
-
-def rescale_for_world(cfg: TrainConfig, saved_world: int, world: int) -> TrainConfig:
-    """A run's config for `world` ranks when it was trained on `saved_world`: the same micro-batch in all (so the same
-    windows and noise, to rounding) when batch_size divides, else the same windows per step through grad_accum."""
-    total = windows_per_step(cfg, saved_world)
-    if world == saved_world:
-        return cfg
-    if cfg.batch_size * saved_world % world == 0:
-        return cfg.replace(batch_size=cfg.batch_size * saved_world // world)
-    if total % (cfg.batch_size * world) == 0:
-        return cfg.replace(grad_accum=total // (cfg.batch_size * world))
-    raise ConfigError(f"the run was trained on {saved_world} rank(s) with {total} windows per step (batch_size "
-                      f"{cfg.batch_size} x grad_accum {cfg.grad_accum}); {world} rank(s) cannot split that: pass "
-                      f"--batch-size and --grad-accum with batch_size x grad_accum x {world} = {total}")
 
 
 # --- the loop ------------------------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import Any
 from dgemma.checkpoint import latest_checkpoint
 from dgemma.cli.common import add_config_args
 from dgemma.config import ConfigError
-from dgemma.distributed import Dist, shared
+from dgemma.distributed import Dist, rescale_for_world, shared
 from dgemma.run_dir import read_record
-from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, rescale_for_world, train, train_preset
+from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train, train_preset
 
 
 def register(subparsers: Any) -> None:
@@ -65,12 +65,14 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.allow_new_data and not args.resume:
             raise ConfigError("--allow-new-data goes with --resume")
+        dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
     except Exception as e:
-        raise shared(e) from None
-    dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
+        shared(e)
+        raise
     try:
-        result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
-                       max_minutes=args.minutes, until_step=args.until_step, dist=dist)
+        with dist.peers_lost():
+            result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
+                           max_minutes=args.minutes, until_step=args.until_step, dist=dist)
     finally:
         dist.close()
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
