@@ -4,15 +4,14 @@ written, a configuration that will not fit. `cfg` is a dgemma.train.TrainConfig 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from dgemma import costs
 from dgemma.system import available_memory
 
-if TYPE_CHECKING:
-    from dgemma.train import TrainConfig
+TrainConfig = Any  # dgemma.train.TrainConfig (imported from there it would make a cycle)
 
 
 def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False, shards: int = 1
