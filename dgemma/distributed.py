@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -133,7 +134,11 @@ class Dist:
         return self.rank == 0
 
     def close(self) -> None:
+        """Leave the job: collect what still references the process group (FSDP's sharded tensors sit in reference
+        cycles), then destroy it while the interpreter is whole; gloo's worker threads abort the process if they
+        are torn down at interpreter exit instead."""
         if self.world_size > 1 and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
     # --- agreement -------------------------------------------------------------------------------------------
