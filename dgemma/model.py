@@ -435,7 +435,7 @@ class DiffusionGemma(nn.Module):
         `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to. `impl`
         (default: the model's): "reference" or "fast" kernels. `cache` may also be a list of B one-row caches, as
         for `denoise`: each row appends at its own committed length, computing what it would alone."""
-        rows = _one_row_caches(cache, input_ids)
+        rows = _one_row_caches(cache, input_ids, "input_ids")
         if rows is None:
             self._encode(input_ids, cache, start, attention_mask, self._impl(impl))  # type: ignore[arg-type]
             return
@@ -519,7 +519,7 @@ class DiffusionGemma(nn.Module):
                        impl: Impl | None = None) -> Tensor:
         """`denoise` up to the final hidden state (B, L, D) that the head reads, with the self-conditioning signal
         given as the soft embedding (B, L, D) (`soft_embedding`), or None."""
-        rows = _one_row_caches(cache, canvas)
+        rows = _one_row_caches(cache, canvas, "canvas")
         impl = self._impl(impl)
         if t is not None:
             t = torch.as_tensor(t, dtype=torch.float32, device=canvas.device).reshape(-1, 1)
@@ -637,15 +637,15 @@ def check_token_ids(ids: Tensor, vocab_size: int, name: str = "input_ids") -> No
                          f"[{int(ids.min())}, {int(ids.max())}]")
 
 
-def _one_row_caches(cache: KVCache | Sequence[KVCache], canvas: Tensor) -> list[KVCache] | None:
-    """None for one cache (checked against the canvas's batch); the list for one-row caches, one per canvas row."""
+def _one_row_caches(cache: KVCache | Sequence[KVCache], ids: Tensor, name: str) -> list[KVCache] | None:
+    """None for one cache (checked against the batch of `ids`); the list for one-row caches, one per row of `ids`."""
     if isinstance(cache, KVCache):
-        cache.check_batch(canvas, "canvas")
+        cache.check_batch(ids, name)
         return None
     rows = list(cache)
-    if len(rows) != canvas.shape[0] or any(not isinstance(c, KVCache) or c.batch_size != 1 for c in rows):
-        raise ValueError(f"cache must be a KVCache or a list of one-row KVCaches, one per canvas row "
-                         f"({canvas.shape[0]}), got {len(rows)} entries")
+    if len(rows) != ids.shape[0] or any(not isinstance(c, KVCache) or c.batch_size != 1 for c in rows):
+        raise ValueError(f"cache must be a KVCache or a list of one-row KVCaches, one per {name} row "
+                         f"({ids.shape[0]}), got {len(rows)} entries")
     return rows
 
 

@@ -38,6 +38,7 @@ from dgemma.attention import Impl, check_impl
 from dgemma.canvas import StepInfo
 from dgemma.generate import CanvasSampler
 from dgemma.generation_config import GenerationConfig
+from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, check_memory
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         check_memory(cfg, model.dtype, model.device, batch_size=max_batch, cache_length=self.max_context, force=force)
         self.pool = model.new_cache(max_batch, self.max_context)
+        self._views = [self.pool.rows(i, i + 1) for i in range(max_batch)]  # one-row caches, made once
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: dict[int, Request] = {}  # slot -> request
@@ -306,10 +308,16 @@ class Engine:
             self._denoise_step(group)
 
     def _commit(self, r: Request, tokens: list[int]) -> None:
-        view = self.pool.rows(r.slot, r.slot + 1, length=r.length)
+        view = self._view(r)
         self.model.commit(torch.tensor([tokens], device=self.model.device), view, impl=self.impl)
         r.length = view.length
         self._count("commits")
+
+    def _view(self, r: Request) -> KVCache:
+        """The request's row of the pool as a one-row cache at its committed length."""
+        view = self._views[r.slot]
+        view.length = r.length
+        return view
 
     def _start_canvas(self, r: Request) -> None:
         on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
@@ -331,7 +339,7 @@ class Engine:
         if self.model.config.time_embedding:
             level = torch.tensor([t for _, _, t in inputs], dtype=torch.float32, device=device)
         del inputs
-        caches = [self.pool.rows(r.slot, r.slot + 1, length=r.length) for r in rows]
+        caches = [self._view(r) for r in rows]
         sliding_prefix = self.model.config.sliding_window if rows[0].config.sliding_prefix == "jax" else None
         logits = self.model.denoise(x, caches, self_conditioning_logits=sc, self_conditioning_mask=mask,
                                     sliding_prefix=sliding_prefix, t=level, impl=self.impl)
@@ -351,7 +359,7 @@ class Engine:
                 if tokens is not None:
                     going_on.append((r, tokens))
         if going_on:  # one batched commit of the canvases that finished at this step, each at its row's end
-            views = [self.pool.rows(r.slot, r.slot + 1, length=r.length) for r, _ in going_on]
+            views = [self._view(r) for r, _ in going_on]
             ids = torch.tensor([tokens for _, tokens in going_on], device=device)
             self.model.commit(ids, views, impl=self.impl)
             self._count("commits")
