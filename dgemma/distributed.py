@@ -345,11 +345,6 @@ def checkpoint_world_size(ckpt: Path) -> int:
     return int(read_json(Path(ckpt) / SHARDED_STATE).get("world_size", 1)) if is_sharded_checkpoint(ckpt) else 1
 
 
-def _local_tensors(sd: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    for k, v in sd.items():
-        yield k, (v.to_local() if hasattr(v, "to_local") else v)
-
-
 def _nonfinite(sd: dict[str, Any]) -> str | None:
     def local(v: Any) -> Any:
         if hasattr(v, "to_local"):
