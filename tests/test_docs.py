@@ -142,6 +142,7 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/bench_ce_memory.py": ["--rows", "64", "--vocab", "1000"],
     "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
     "python runs/profile_fast_step.py --preset bench-small": ["--preset", "tiny", "--repeats", "1"],
+    "python runs/bench_serve.py": ["--quick"],
 }
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).
 DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,
