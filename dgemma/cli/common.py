@@ -4,6 +4,7 @@ the streaming display (committed text, and in a terminal the canvas being refine
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import time
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 import dgemma
+from dgemma import lora
+from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ConfigError
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import check_memory
@@ -36,6 +39,25 @@ def shown_path(path: Path) -> str:
         except ValueError:
             pass
     return str(path)
+
+
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One --kebab-case flag per dataclass field (but `skip`), typed from its annotation, with the field's help and
+    choices. Every flag defaults to None (= not given), so the defaults live only in the dataclass and its presets."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
+        if f.type == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _TYPES[str(f.type)]
+            kw["choices"] = f.metadata.get("choices")
+            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", str: "NAME"}[kw["type"]]
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +108,11 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
-        model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=getattr(args, "force", False))
+        force = getattr(args, "force", False)
+        if lora.is_adapter(resolve_model_dir(args.model)):  # a LoRA run or adapter: its base with it merged
+            model = lora.load_merged(resolve_model_dir(args.model), dtype=dtype, device=args.device, force=force)
+        else:
+            model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=force)
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):
