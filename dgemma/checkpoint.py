@@ -42,6 +42,9 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 CHECKPOINTS, STATE = "checkpoints", "trainer_state.pt"  # a training run's layout (dgemma/train.py writes it)
+SHARDED_STATE = "trainer_state.json"  # instead of STATE in a sharded checkpoint (dgemma/distributed.py)
+# The tokenizer and chat template files that travel with a checkpoint's weights (a run copies them into each one).
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class CheckpointError(ValueError):
@@ -92,6 +95,10 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
     if single.exists():
         with _open(single) as f:
             return {key: single for key in f.keys()}, single  # noqa: SIM118 (safe_open is not a Mapping)
+    if (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: a sharded training checkpoint (torch.distributed.checkpoint, written by "
+                              "torchrun ranks) without consolidated weights; write them with `dgemma export RUN "
+                              "--out DIR`")
     pickles = sorted({p.name for pattern in PICKLE_GLOBS for p in path.glob(pattern)})
     if pickles:
         raise CheckpointError(f"{path}: only pickle weights ({', '.join(pickles)}); dgemma never unpickles files. "
@@ -129,11 +136,12 @@ def _is_float(st_dtype: str) -> bool:
 
 def list_checkpoints(run: Path) -> list[Path]:
     """Complete checkpoints of a training run, oldest first (temporary directories of an interrupted save are
-    hidden: a checkpoint is complete once its trainer state is in place)."""
+    hidden: a checkpoint is complete once its trainer state is in place; that of a sharded one is a JSON file)."""
     root = Path(run) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and (p / STATE).is_file() and p.name[5:].isdigit()]
+    found = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()
+             and ((p / STATE).is_file() or (p / SHARDED_STATE).is_file())]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
@@ -172,6 +180,9 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (does not exist)"))
     config_path, gen_path = path / "config.json", path / "generation_config.json"
+    if not config_path.exists() and (path / "adapter_config.json").is_file():
+        raise CheckpointError(f"{path}: a LoRA adapter, not a whole checkpoint: load it with "
+                              "dgemma.lora.load_merged(path), or write a merged checkpoint with `dgemma export`")
     try:
         raw = read_json(config_path)
         text = raw.get("text_config", raw)

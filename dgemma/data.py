@@ -279,12 +279,19 @@ class TokenDataset:
                                                                 "validation split)" if self.split == "val" else ""))
         return windows
 
-    def batches(self, batch_size: int, seq_len: int, seed: int, start_batch: int = 0, shift: int = 0
-                ) -> Iterator[torch.Tensor]:
+    def batches(self, batch_size: int, seq_len: int, seed: int, start_batch: int = 0, shift: int = 0,
+                rank: int = 0, world_size: int = 1) -> Iterator[torch.Tensor]:
         """An endless stream of (batch_size, seq_len + shift) LongTensors: the windows in a fresh seeded order each
         epoch, epochs back to back (a batch may straddle two). Batch k depends only on (seed, k), so a run resumed
-        with start_batch=k sees exactly the batches an uninterrupted run would."""
+        with start_batch=k sees exactly the batches an uninterrupted run would.
+
+        With `world_size` W > 1 (distributed training), batch k is global: the W * batch_size windows a single
+        process with batch W * batch_size reads as its batch k, and this `rank` gets rows [rank * batch_size,
+        (rank + 1) * batch_size) of it. Ranks read disjoint windows, and what a step sees depends on the seed and
+        the step alone, not on how many ranks share it."""
         windows = self._nonempty_windows(batch_size, seq_len, shift)
+        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"rank must be in [0, world_size), got rank {rank!r} of world_size {world_size!r}")
         if not (isinstance(seed, int) and seed >= 0):
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         if not (isinstance(start_batch, int) and start_batch >= 0):
@@ -292,7 +299,8 @@ class TokenDataset:
 
         def stream() -> Iterator[torch.Tensor]:
             n, epoch, order = len(windows), -1, np.empty(0, dtype=np.int64)
-            position = start_batch * batch_size  # index into the concatenation of all epochs' orders
+            # index into the concatenation of all epochs' orders
+            position = (start_batch * world_size + rank) * batch_size
             while True:
                 rows = []
                 for p in range(position, position + batch_size):
@@ -300,7 +308,7 @@ class TokenDataset:
                     if e != epoch:
                         epoch, order = e, np.random.default_rng([seed, e]).permutation(n)
                     rows.append(windows[int(order[i])])
-                position += batch_size
+                position += batch_size * world_size
                 yield torch.from_numpy(np.stack(rows))
 
         return stream()

@@ -17,6 +17,9 @@ Objectives, all one forward pass through `DiffusionGemma.sequence_hidden` with a
     noisy-context   x_t alone: canvas b attends to the (noisy) canvases before it and itself; block-causal
                     (seed 003 section 2.1).
     ar              x0 alone, causal, next-token loss: the autoregressive baseline on the same backbone.
+    sft             (`sft_loss`) chats: the clean prompt and answer canvases in the encoder role, each noisy answer
+                    canvas against the clean tokens before it (dgemma/sft.py packs the rows and builds the masks);
+                    the loss covers the answer tokens only.
 
 Sliding-window layers keep their sampling-time visibility in every mask: an encoder query sees `sliding_window`
 keys including itself; a canvas sees the last `sliding_window - 1` tokens before it plus itself.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.model import DiffusionGemma
+from dgemma.sft import ChatBatch, sft_masks
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
@@ -55,12 +59,23 @@ def sample_canvas_t(batch: int, num_canvases: int, num_steps: int, generator: to
 
 
 def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_size: int,
-             generator: torch.Generator | None = None) -> Tensor:
-    """Corrupt x0 (B, S) with per-canvas levels t (B, S / canvas_length) in one step of q(x_t | x0)."""
+             generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None) -> Tensor:
+    """Corrupt x0 (B, S) with per-canvas levels t (B, S / canvas_length) in one step of q(x_t | x0). With
+    `batch_rows` (first, total), x0 is rows [first, first + B) of a batch of `total`: the draws are made for the
+    whole batch and these rows kept, so they do not depend on how the batch is split (distributed training)."""
     keep_prob = alpha_bar(t, num_steps).repeat_interleave(canvas_length, dim=1)  # (B, S)
-    keep = torch.rand(x0.shape, generator=generator, device=x0.device) < keep_prob
-    noise = torch.randint(0, vocab_size, x0.shape, generator=generator, device=x0.device)
+    keep = _draw(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
+    noise = _draw(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
     return torch.where(keep, x0, noise)
+
+
+def _draw(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[int, int] | None,
+          generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """sample(shape) for rows [first, first + shape[0]) of a draw over `total` rows (batch_rows = (first, total))."""
+    if batch_rows is None:
+        return sample(shape, generator=generator, device=device)
+    first, total = batch_rows
+    return sample((total, *shape[1:]), generator=generator, device=device)[first:first + shape[0]]
 
 
 # --- losses -----------------------------------------------------------------------------------------------------
@@ -105,11 +120,14 @@ class LossOutput:
 
 def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "clean-context", num_steps: int = 16,
                   self_conditioning_prob: float = 0.5, ar_weight: float = 0.0, chunk_rows: int | None = 1024,
-                  generator: torch.Generator | None = None) -> LossOutput:
+                  generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
+                  ) -> LossOutput:
     """One training loss on clean token windows x0 (B, S); for `ar`, x0 holds S = seq_len + 1 tokens.
 
     Every random draw (noise levels, corruption, the self-conditioning coin) comes from `generator`, so a step is
-    reproducible from its seed."""
+    reproducible from its seed. With `batch_rows` (first, total), x0 is rows [first, first + B) of a micro-batch of
+    `total` windows split across ranks: every draw is made for all `total` rows and these rows kept, and the coin
+    is the whole micro-batch's, so the ranks together compute what one process with the whole batch does."""
     cfg = model.config
     L, W, V = cfg.canvas_length, cfg.sliding_window, cfg.vocab_size
     device = x0.device
@@ -123,8 +141,9 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     B, T = x0.shape
     if T % L:
         raise ValueError(f"training windows of {T} tokens are not a whole number of canvases of {L}")
-    t = sample_canvas_t(B, T // L, num_steps, generator, device)
-    xt = q_sample(x0, t, num_steps, L, V, generator)
+    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, T // L), batch_rows,
+              generator, device)
+    xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
     pos = torch.arange(T, device=device)
     level = (t.float() / num_steps).repeat_interleave(L, dim=1)  # (B, T): each token's canvas noise level
@@ -150,3 +169,30 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
         ar_loss = x0_cross_entropy(model, hidden[:, : T - 1].reshape(-1, D), x0[:, 1:].reshape(-1), chunk_rows)
         loss = loss + ar_weight * ar_loss
     return LossOutput(loss, x0_loss.detach(), None if ar_loss is None else ar_loss.detach(), x0.numel(), use_sc)
+
+
+def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, self_conditioning_prob: float = 0.5,
+             chunk_rows: int | None = 1024, generator: torch.Generator | None = None,
+             batch_rows: tuple[int, int] | None = None) -> LossOutput:
+    """The fine-tuning loss on packed chat rows (dgemma/sft.py): each answer canvas (B, N / L per row) draws its own
+    noise level and is corrupted by q_sample; one pass over [clean ; x_t] under `sft.py:sft_masks`; cross-entropy of
+    the x0 prediction over the answer tokens only (`batch.loss_mask`). Random draws in training_loss's order."""
+    cfg = model.config
+    L, V = cfg.canvas_length, cfg.vocab_size
+    (B, N), C, device = batch.x0.shape, batch.clean.shape[1], batch.x0.device
+    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, N // L), batch_rows,
+              generator, device)  # batch_rows: this rank's rows of the global batch's draws (training_loss's rule)
+    xt = q_sample(batch.x0, t, num_steps, L, V, generator, batch_rows)
+    use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
+    tokens, positions = torch.cat([batch.clean, xt], 1), batch.positions
+    masks = sft_masks(batch, L, cfg.sliding_window)
+    level = torch.cat([torch.zeros(B, C, device=device), (t.float() / num_steps).repeat_interleave(L, dim=1)], 1)
+    soft = None
+    if use_sc:
+        with torch.no_grad():
+            pre = model.sequence_hidden(tokens, positions, masks, num_clean=C, t=level)
+            soft = soft_embedding(model, pre[:, C:], chunk_rows or 1024)
+    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=C, soft=soft, t=level)
+    keep = batch.loss_mask
+    loss = x0_cross_entropy(model, hidden[:, C:][keep], batch.x0[keep], chunk_rows)
+    return LossOutput(loss, loss.detach(), None, int(keep.sum()), use_sc)

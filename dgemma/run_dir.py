@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dgemma.checkpoint import CHECKPOINTS, STATE, list_checkpoints, save_pretrained
+from dgemma.checkpoint import CHECKPOINTS, MODEL_FILES, STATE, list_checkpoints, save_pretrained
 
 LOCK, RECORD, METRICS, LATEST = ".lock", "run.json", "metrics.jsonl", "latest"
 T = TypeVar("T")
@@ -201,9 +201,12 @@ def nonfinite_tensor(named: Iterator[tuple[str, Any]]) -> str | None:
 
 
 def save_checkpoint(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_config: dict[str, Any],
-                    keep_last: int, state: dict[str, Any]) -> Path:
+                    keep_last: int, state: dict[str, Any],
+                    write_weights: Callable[[Path], None] | None = None) -> Path:
     """Write checkpoints/step-XXXXXXX atomically (temporary directory, fsync, rename), then `latest`, then prune to
-    the last `keep_last`. Refuses (NonFiniteError) weights or optimizer state with a non-finite value."""
+    the last `keep_last`. Refuses (NonFiniteError) weights or optimizer state with a non-finite value.
+    `write_weights(dir)` writes the weights (default: `save_pretrained(model, dir)`; a LoRA run: its adapter). The
+    run's tokenizer and chat template files are copied in."""
     opt_state = optimizer.state_dict()
     bad = nonfinite_tensor(iter(model.state_dict().items())) or nonfinite_tensor(iter([("optimizer", opt_state)]))
     if bad:
@@ -212,14 +215,16 @@ def save_checkpoint(run: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     final = root / f"step-{state['step']:07d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)  # fsyncs each file
-    if (run / "tokenizer.json").is_file():
-        shutil.copyfile(run / "tokenizer.json", tmp / "tokenizer.json")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (write_weights or (lambda path: save_pretrained(model, path)))(tmp)  # fsyncs each file
+    copied = [tmp / name for name in MODEL_FILES if (run / name).is_file()]
+    for f in copied:
+        shutil.copyfile(run / f.name, f)
     (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
     state = {**state, "optimizer": opt_state, "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     torch.save(state, tmp / STATE)
-    for f in (tmp / "tokenizer.json", tmp / "train_config.json", tmp / STATE):
+    for f in (*copied, tmp / "train_config.json", tmp / STATE):
         fsync(f)
     if final.exists():  # only after resuming from an older checkpoint: same step, same content
         shutil.rmtree(final)

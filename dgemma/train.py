@@ -1,4 +1,7 @@
-"""Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, one device.
+"""Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, or one rank of a torchrun job (the
+`dist` argument, dgemma/distributed.py: the same loop, with each micro-batch split across the ranks). The same loop
+fine-tunes a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file (dgemma/sft.py
+packs it, `diffusion.py:sft_loss` scores the answers), every weight or LoRA adapters (`lora_rank`, dgemma/lora.py).
 
     for step in range(start, max_steps):
         lr = warmup then cosine
@@ -22,6 +25,7 @@ Run directory:
     RUN/checkpoints/step-0000200/       config.json, generation_config.json, model.safetensors (the Hugging Face
                                         layout, fp32), tokenizer.json, train_config.json, trainer_state.pt
     RUN/checkpoints/latest              the name of the newest complete checkpoint, written last
+    (with several ranks, checkpoints are torch.distributed.checkpoint shards: dgemma/distributed.py)
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a `step-*` directory is always
 complete, whenever the process dies. One process at a time writes a run (dgemma/run_dir.py's lock); a non-finite
@@ -30,7 +34,9 @@ loss or gradient on the first NONFINITE_FIRST_STEPS steps, or on NONFINITE_STREA
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -45,25 +51,29 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import costs, run_dir
+from dgemma import distributed, lora, run_dir
 from dgemma.attention import IMPLS
-from dgemma.checkpoint import STATE
-from dgemma.config import PRESETS, ConfigError, ModelConfig
+from dgemma.checkpoint import resolve_model_dir
+from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.console import Console
-from dgemma.data import TokenDataset, check_token_range, verify
-from dgemma.diffusion import OBJECTIVES, training_loss
+from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
+from dgemma.diffusion import OBJECTIVES, LossOutput, sft_loss, training_loss
+from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.run_dir import NonFiniteError
-from dgemma.system import available_memory
-from dgemma.tokenizer import check_vocab
+from dgemma.serving.templates import load_chat_template
+from dgemma.sft import ChatData
+from dgemma.tokenizer import check_vocab, load_tokenizer
 
 CONFIG_JSON = "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
 DEFAULT_PRESET = "cpu-small"
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
-RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device")
+RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device",
+             "parallel", "activation_checkpointing")
 # A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
 # steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
 NONFINITE_FIRST_STEPS, NONFINITE_STREAK = 3, 5
@@ -81,7 +91,14 @@ class TrainConfig:
 
     preset: str = _opt("model preset (dgemma.config.PRESETS)", default=DEFAULT_PRESET)
     vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
-    objective: str = _opt("training objective", default="clean-context", choices=OBJECTIVES)
+    objective: str = _opt("training objective (sft: chats, with init_from)", default="clean-context",
+                          choices=(*OBJECTIVES, "sft"))
+    init_from: str | None = _opt("start from this checkpoint (HF layout, or a run) instead of random weights; its "
+                                 "geometry replaces the preset's", default=None)
+    lora_rank: int = _opt("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
+                          default=0)
+    lora_alpha: float = _opt("LoRA alpha: the update B A is scaled by alpha / rank", default=16.0)
+    lora_targets: str = _opt("what LoRA adapts", default="attention", choices=tuple(lora.TARGETS))
     seq_len: int = _opt("tokens per training window (a whole number of canvases)", default=128)
     batch_size: int = _opt("windows per micro-batch", default=4)
     grad_accum: int = _opt("micro-batches per optimizer step", default=1)
@@ -108,6 +125,10 @@ class TrainConfig:
                       choices=("auto", "float32", "bfloat16"))
     compile: bool = _opt("torch.compile each block (CUDA only; never on CPU)", default=True)
     device: str = _opt("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
+    parallel: str = _opt("under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters, gradients and AdamW "
+                         "state sharded per block)", default="ddp", choices=PARALLEL)
+    activation_checkpointing: bool = _opt("recompute each block's activations in backward (less memory, about a "
+                                          "third more compute)", default=False)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -127,6 +148,10 @@ class TrainConfig:
               "must be a positive int or None")
         check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank", "must be an int >= 0")
+        check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
+              "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
+        check(self.init_from is None or self.vocab_size is None, "vocab_size", "must be None with init_from")
         for f in dataclasses.fields(self):
             if f.type == "float":
                 v = getattr(self, f.name)
@@ -151,6 +176,9 @@ class TrainConfig:
 
     @property
     def model_config(self) -> ModelConfig:
+        if self.init_from is not None:  # the checkpoint's geometry
+            config = resolve_model_dir(self.init_from) / "config.json"
+            return ModelConfig.from_hf(read_json(config), source=str(config))
         mc = PRESETS[self.preset]
         return mc if self.vocab_size is None else mc.replace(vocab_size=self.vocab_size)
 
@@ -215,50 +243,19 @@ def make_optimizer(model: DiffusionGemma, cfg: TrainConfig, device: torch.device
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 
 
-# --- memory pre-flight ---------------------------------------------------------------------------------------------
-
-def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False) -> dict[str, int]:
-    """Peak bytes of one training step, by part. Activations: values autograd keeps per token and layer, fitted to
-    measured eager fp32 CPU peaks (runs/train_memory.py: ~68 D-wide values per token and layer for cpu-small; this
-    formula gives ~75) and assumed 3x fewer under per-block torch.compile, which fuses the fp32 norm and GELU
-    intermediates away (not measured: no GPU here). Plus each layer's saved attention mask, the (chunk_rows, V) loss
-    logits, and the runtime itself."""
-    mc, L = cfg.model_config, cfg.model_config.num_hidden_layers
-    P = costs.parameter_counts(mc)["total"]
-    S = cfg.seq_len * (2 if cfg.objective == "clean-context" else 1)  # clean-context runs [x0 ; x_t]
-    N, act = cfg.batch_size * S, 2 if use_bf16 else 4
-    D, H, Dh = mc.hidden_size, mc.num_attention_heads, max(mc.head_dim, mc.global_head_dim)
-    per_token = 44 * D + 6 * mc.intermediate_size + 4 * H * Dh
-    if mc.is_moe:
-        per_token += mc.top_k_experts * (6 * mc.moe_intermediate_size + 4 * D)
-    if cfg.compile and device_type == "cuda":
-        per_token //= 3
-    scores = 2 * cfg.batch_size * H * S * S * 4 if cfg.impl == "reference" else 0  # the eager twin keeps them
-    return {"parameters": 4 * P, "gradients": 4 * P, "adamw": 8 * P,
-            "activations": N * L * per_token * act + L * (S * S * act + scores),
-            "loss_logits": 4 * min(cfg.chunk_rows, N) * mc.vocab_size * 4,
-            "runtime": 500 * 2**20}
-
-
-def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool) -> str:
-    """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free; else a summary line."""
-    parts = estimate_memory(cfg, device.type, use_bf16)
-    need, free = sum(parts.values()), available_memory(device)
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
-    detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
-    if free is not None and need > free:
-        raise ValueError(f"estimated peak memory {gib(need)} ({detail}) exceeds the {gib(free)} available on "
-                         f"{device.type}; lower --batch-size or --seq-len (raise --grad-accum to keep the tokens "
-                         f"per step), lower --chunk-rows, or pick a smaller preset")
-    return f"memory: estimated peak {gib(need)} of {gib(free) if free is not None else 'unknown'} available"
-
-
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
-def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path) -> None:
-    """A resumed run must compute the same steps: only the RESUMABLE fields may differ."""
+def check_resumable(saved: TrainConfig, cfg: TrainConfig, where: Path, saved_world: int = 1, world: int = 1
+                    ) -> None:
+    """A resumed run must compute the same steps: only the RESUMABLE fields may differ. On another number of ranks,
+    batch_size and grad_accum may change as long as the windows per step (batch x grad_accum x ranks) do not."""
+    split = ("batch_size", "grad_accum") if saved_world != world else ()
     diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
-            if f.name not in RESUMABLE and getattr(saved, f.name) != getattr(cfg, f.name)]
+            if f.name not in RESUMABLE + split and getattr(saved, f.name) != getattr(cfg, f.name)]
+    before, now = distributed.windows_per_step(saved, saved_world), distributed.windows_per_step(cfg, world)
+    if before != now:
+        diff.append(f"windows per step (batch_size x grad_accum x ranks) {saved.batch_size} x {saved.grad_accum} x "
+                    f"{saved_world} = {before} -> {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}")
     if diff:
         raise ConfigError(f"cannot resume {where}: its config differs in {'; '.join(diff)} (only "
                           f"{', '.join(RESUMABLE)} may change; start a new run for the rest)")
@@ -277,118 +274,206 @@ class TrainResult:
 
 
 @torch.no_grad()
-def evaluate(model: DiffusionGemma, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool) -> float:
+def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool,
+             dist: Dist | None = None) -> float:
     """Mean held-out loss of the training objective over the first `eval_batches` validation micro-batches, with
-    fixed noise and no self-conditioning: the seed's held-out x0 NLL, comparable to the AR baseline's CE."""
+    fixed noise and no self-conditioning: the seed's held-out x0 NLL, comparable to the AR baseline's CE. `net` is
+    `Dist.wrap`'s module (its forward is the loss). With several ranks a micro-batch is the global one, its rows
+    split across the ranks, and the sums reduced, so every rank gets what one process would."""
+    d = dist or Dist(device=device)
     shift = 1 if cfg.objective == "ar" else 0
     total, n = 0.0, 0
-    for i, x0 in enumerate(val.heldout_batches(cfg.batch_size, cfg.seq_len, shift=shift)):
+    for i, x0 in enumerate(val.heldout_batches(cfg.batch_size * d.world_size, cfg.seq_len, shift=shift)):
         if i == cfg.eval_batches:
             break
+        rows = x0.shape[0]
+        lo, hi = d.rank * rows // d.world_size, (d.rank + 1) * rows // d.world_size
+        empty = lo == hi  # a last batch with fewer rows than ranks: every rank still runs the forward (FSDP gathers
+        lo, hi = (rows - 1, rows) if empty else (lo, hi)  # in it) on a stand-in row that is not counted
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-            out = training_loss(model, x0.to(device), objective=cfg.objective, num_steps=cfg.num_steps,
-                                self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
-                                generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i))
-        total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
+            _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
+                         self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
+                         generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i),
+                         batch_rows=None if d.world_size == 1 else (lo, rows))
+        if out.tokens and not empty:
+            total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
+    total, n = d.sum([total, n])
     if n == 0:
         raise ValueError("the validation split has no complete window of seq_len tokens")
     return total / n
 
 
+def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0, **kw: Any
+               ) -> LossOutput:
+    """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows (diffusion.py:training_loss)
+    or packed chats (diffusion.py:sft_loss, which has no next-token term)."""
+    if objective == "sft":
+        return sft_loss(model, batch, **kw)
+    return training_loss(model, batch, objective=objective, ar_weight=ar_weight, **kw)
+
+
+def open_chats(cfg: TrainConfig, data: Path) -> tuple[ChatData, ChatData, dict[str, Any]]:
+    """The chat JSONL file of an sft run as (training batches, held-out batches, the data's fingerprint), rendered
+    with init_from's tokenizer and chat template; the held-out loss is that of the file's first eval_batches batches
+    in file order (fixed noise)."""
+    mc = cfg.model_config
+    if not data.is_file():
+        raise FileNotFoundError(f"{data}: no such chat file (JSONL, one {{\"messages\": [...]}} per line)")
+    base = resolve_model_dir(cfg.init_from)  # type: ignore[arg-type]
+    if not (base / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{base} has no tokenizer.json: fine-tuning renders the chats with the checkpoint's "
+                                "tokenizer and chat template")
+    tokenizer = load_tokenizer(base)
+    check_vocab(tokenizer, mc)
+    chats = ChatData(data, tokenizer, load_chat_template(base), canvas_length=mc.canvas_length, seq_len=cfg.seq_len,
+                     max_positions=mc.max_position_embeddings,
+                     pad_id=mc.pad_token_id if mc.pad_token_id is not None else 0, model_dir=base)
+    return chats, chats, chats.fingerprint(sha256_file(base / "tokenizer.json"))
+
+
 def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
           resume: bool = False, allow_new_data: bool = False, max_minutes: float | None = None,
-          until_step: int | None = None, stream: TextIO | None = None) -> TrainResult:
+          until_step: int | None = None, stream: TextIO | None = None, dist: Dist | None = None) -> TrainResult:
     """Train (or, with `resume`, continue) the run in `out_dir` on the shards in `data_dir`, up to `cfg.max_steps`, or
     to `until_step` (the schedule still spans max_steps), or for `max_minutes`; it checkpoints where it stops. With
     `resume`, a run with no checkpoint yet (or no directory) starts at step 0, so one command line serves the first
     start and every restart. Every input problem raises (ConfigError, ValueError, FileNotFoundError) before `out_dir`
-    is touched; the run is written under its lock (run_dir.RunBusyError if another process holds it)."""
-    console = Console(stream or sys.stdout, cfg.log_every)
-    run, data_dir = Path(out_dir), Path(data_dir)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("TrainConfig.device: 'cuda' but no CUDA device is available")
+    is touched; the run is written under its lock (run_dir.RunBusyError if another process holds it).
+
+    `dist` (dgemma/distributed.py, `Dist.from_env()` under torchrun) makes this call one rank of a job: every rank
+    runs this function; rank 0 alone checks and writes the run directory (lock, run.json, metrics, console) and every
+    check is agreed on, so a failure on any rank stops them all. None: a single process."""
+    d = dist or Dist(device=resolve_device(cfg.device))
+    if cfg.lora_rank and d.world_size > 1:
+        raise ConfigError(f"TrainConfig.lora_rank: LoRA trains in one process ({d.world_size} ranks here); several "
+                          "ranks are not supported yet")
+    console = Console((stream or sys.stdout) if d.is_main else io.StringIO(), cfg.log_every)
+    run, data_dir, device = Path(out_dir), Path(data_dir), d.device
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
-    if use_bf16 and device.type != "cuda":
-        raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
-    train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
     mc = cfg.model_config
-    check_vocab(train_set.tokenizer(), mc)
-    run_dir.check_unlocked(run)
-    verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
-    check_token_range(data_dir, mc.vocab_size, train_set.meta)
-    fingerprint = run_dir.data_fingerprint(train_set.meta)
-    check_config = lambda saved, source: check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run)
-    run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
-    console.print(preflight(cfg, device, use_bf16))
+
+    def check_data() -> tuple[Any, Any, dict[str, Any]]:
+        if use_bf16 and device.type != "cuda":
+            raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
+        if cfg.objective == "sft":
+            if d.is_main:
+                run_dir.check_unlocked(run)
+            return open_chats(cfg, data_dir)
+        if not data_dir.is_dir():
+            raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
+        train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
+        check_vocab(train_set.tokenizer(), mc)
+        if d.is_main:
+            run_dir.check_unlocked(run)
+        if d.local_rank == 0:  # one rank per node reads every shard
+            verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
+            check_token_range(data_dir, mc.vocab_size, train_set.meta)
+        return train_set, val_set, run_dir.data_fingerprint(train_set.meta)
+
+    train_set, val_set, fingerprint = d.agree(check_data)
+    d.same_everywhere("the data's fingerprint (meta.json's shard checksums, the tokenizer)", fingerprint)
+
+    def check_config(saved: dict[str, Any], source: Path) -> None:
+        record = run_dir.read_record(run) or {}
+        check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run, record.get("world_size", 1), d.world_size)
+
+    d.on_main(lambda: run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config))
+    shards = d.world_size if cfg.parallel == "fsdp" else 1
+    console.print(d.agree(lambda: preflight(cfg, device, use_bf16, shards)))
+    if d.world_size > 1:
+        console.print(f"{d.world_size} ranks ({cfg.parallel}, {'nccl' if device.type == 'cuda' else 'gloo'}): "
+                      f"{cfg.batch_size} windows a rank x {d.world_size} x {cfg.grad_accum} micro-batches a step")
 
     # Nothing above wrote anything; from here on the run directory is ours, and the checks are redone under its lock.
-    with run_dir.locked(run):
-        record = run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
-        change = record and "data" in record and run_dir.describe_data_change(record["data"], fingerprint)
-        if change:
-            console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
-        run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir)})
-        run_dir.clean_temporaries(run)
-        found = run_dir.newest_intact(run, lambda p: _load_checkpoint(p, cfg, device), console.print)
-        return _train_locked(cfg, run, train_set, val_set, found, device, use_bf16, console, max_minutes, until_step)
+    with contextlib.ExitStack() as held:
+        def take_run() -> None:
+            held.enter_context(run_dir.locked(run))
+            record = run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
+            change = record and "data" in record and run_dir.describe_data_change(record["data"], fingerprint)
+            if change:
+                console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
+            run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir),
+                                       "world_size": d.world_size})
+            run_dir.clean_temporaries(run)
+
+        d.on_main(take_run)
+        return _train_locked(cfg, run, train_set, val_set, d, use_bf16, console, max_minutes, until_step)
 
 
-def _load_checkpoint(ckpt: Path, cfg: TrainConfig, device: torch.device) -> tuple[DiffusionGemma, dict[str, Any]]:
-    """A checkpoint's model and trainer state, or an exception if any part is damaged (run_dir.newest_intact)."""
+def _load_checkpoint(ckpt: Path, cfg: TrainConfig, model: DiffusionGemma, optimizer: torch.optim.Optimizer,
+                     d: Dist) -> dict[str, Any]:
+    """Load a checkpoint into `model` and `optimizer` and return its trainer state, or raise if any part is damaged
+    or its config is not this run's (run_dir.newest_intact tries the next older one)."""
     check_resumable(TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON)),
-                    cfg, ckpt)
-    model = load_model(ckpt, dtype=torch.float32, device=device, impl=cfg.impl)
-    try:
-        state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, corrupt, or not a torch file
-        raise ValueError(f"{ckpt / STATE}: unreadable ({str(e).split('. ')[0]})") from None
-    missing = {"step", "tokens", "elapsed_s", "optimizer", "rng_cpu"} - set(state)
-    if missing:
-        raise ValueError(f"{ckpt / STATE}: no {', '.join(sorted(missing))}")
-    bad = run_dir.nonfinite_tensor(iter(model.state_dict().items()))
-    if bad:
-        raise NonFiniteError(f"{ckpt}: {bad} has non-finite values")
-    return model, state
+                    cfg, ckpt, checkpoint_world_size(ckpt), d.world_size)
+    return load_into(d, ckpt, model, optimizer,
+                     read_weights=(lambda p: lora.read_weights(model, p)) if cfg.lora_rank else None)
 
 
-def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset,
-                  found: tuple[Path, tuple[DiffusionGemma, dict[str, Any]]] | None, device: torch.device,
+def initial_model(cfg: TrainConfig, device: torch.device) -> DiffusionGemma:
+    """Step 0's model: random weights (seeded), or init_from's weights, with fresh LoRA adapters (A drawn from the
+    seed, B zero) when lora_rank > 0."""
+    if cfg.init_from is None:
+        return init_weights(DiffusionGemma(cfg.model_config, impl=cfg.impl), seed=cfg.seed).to(device)
+    model = load_model(cfg.init_from, dtype=torch.float32, device=device, impl=cfg.impl)
+    if cfg.lora_rank:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            lora.attach(model, adapter_config(cfg))
+    return model
+
+
+def adapter_config(cfg: TrainConfig) -> Any:
+    """The peft LoraConfig of a LoRA run (its base: init_from's resolved checkpoint directory)."""
+    base = str(resolve_model_dir(cfg.init_from).resolve())  # type: ignore[arg-type]
+    return lora.lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, base)
+
+
+def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set: TokenDataset, d: Dist,
                   use_bf16: bool, console: Console, max_minutes: float | None, until_step: int | None) -> TrainResult:
-    mc = cfg.model_config
+    mc, device = cfg.model_config, d.device
+    # The same on every rank; FSDP from a checkpoint: built on the meta device, each rank then fills only its shards
+    # with what rank 0 alone reads (Dist.wrap's fill_from), so no rank holds the whole model.
+    deferred = cfg.init_from is not None and d.world_size > 1 and cfg.parallel == "fsdp"
+    model = distributed.meta_model(cfg.init_from, cfg.impl) if deferred else initial_model(cfg, device)
+    # Documents end with the data's end-of-text id (answers with the chat template's end of turn): generation stops
+    # there. A fine-tuned checkpoint keeps its sampler settings.
+    if cfg.init_from is None:
+        model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
+                                                   bos_token_id=mc.bos_token_id)
+    else:
+        gen = model.generation_config.stopping_at(train_set.eot_id)
+        model.generation_config = gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
+    write_weights = None
+    if cfg.lora_rank:  # a LoRA checkpoint holds the adapter, not the frozen base
+        adapter = adapter_config(cfg)
+        write_weights = lambda path: lora.save_adapter(model, adapter, path, model.generation_config)
+    model.train()
+    # `training_loss` (in batch_loss) is looked up at each call, so that tests can wrap it.
+    net = d.wrap(model, lambda *a, **kw: batch_loss(*a, **kw), parallel=cfg.parallel, use_bf16=use_bf16,
+                 activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda",
+                 fill_from=cfg.init_from if deferred else None)
+    optimizer = make_optimizer(model, cfg, device)
+    found = d.symmetric(lambda: run_dir.newest_intact(
+        run, lambda p: d.agree(lambda: _load_checkpoint(p, cfg, model, optimizer, d)), console.print))
     if found is None:
         ckpt = None
-        model = init_weights(DiffusionGemma(mc, impl=cfg.impl), seed=cfg.seed).to(device)
-        if train_set.tokenizer_path.is_file():
-            shutil.copyfile(train_set.tokenizer_path, run / "tokenizer.json")
+        files = train_set.model_files if isinstance(train_set, ChatData) else [train_set.tokenizer_path]
+        for src in files:  # the tokenizer (and a checkpoint's chat template)
+            if src.is_file():
+                d.on_main(lambda src=src: shutil.copyfile(src, run / src.name))
         state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     else:
-        ckpt, (model, state) = found
+        ckpt, state = found
         console.print(f"resuming {ckpt} at step {state['step']}")
-    # Documents end with the data's end-of-text id, so that is where generation stops.
-    model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
-                                               bos_token_id=mc.bos_token_id)
-    model.train()
-    optimizer = make_optimizer(model, cfg, device)
-    if ckpt is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_cpu"])
-        if device.type == "cuda" and state["rng_cuda"]:
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
-    if cfg.compile and device.type == "cuda":
-        for block in model.layers:  # per block; corruption, masks and the loss stay eager (seed 003, section 5)
-            block.compile()
     metrics = run / run_dir.METRICS
-    run_dir.repair_metrics(run, state["step"] if ckpt is not None else None, console.print)
+    d.on_main(lambda: run_dir.repair_metrics(run, state["step"] if ckpt is not None else None, console.print))
 
     step = start_step = state["step"]
     end = cfg.max_steps if until_step is None else min(until_step, cfg.max_steps)
     batches = train_set.batches(cfg.batch_size, cfg.seq_len, cfg.seed, start_batch=step * cfg.grad_accum,
-                                shift=1 if cfg.objective == "ar" else 0)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+                                shift=1 if cfg.objective == "ar" else 0, rank=d.rank, world_size=d.world_size)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * d.world_size
     deadline = time.monotonic() + 60 * max_minutes if max_minutes is not None else None
     t_start, elapsed_before = time.monotonic(), state["elapsed_s"]
     loss = val_loss = None
@@ -396,14 +481,15 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     interrupted: list[int] = []
     streak = 0  # non-finite steps in a row
     previous_handler = _on_sigint(lambda: interrupted.append(1))
-    with metrics.open("a") as log:
+    with metrics.open("a") if d.is_main else contextlib.nullcontext() as log:
         def record(**rec: Any) -> None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            if log is not None:  # rank 0 writes the one metrics file
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
 
         def run_eval() -> float:
             model.eval()
-            value = evaluate(model, val_set, cfg, device, use_bf16)
+            value = evaluate(net, val_set, cfg, device, use_bf16, d)
             model.train()
             record(step=step, val_loss=value)
             console.print(f"step {step} | held-out loss {value:.4f}")
@@ -420,15 +506,20 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 for i in range(cfg.grad_accum):
                     micro = step * cfg.grad_accum + i
                     x0 = next(batches).to(device, non_blocking=True)
-                    with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-                        out = training_loss(model, x0, objective=cfg.objective, num_steps=cfg.num_steps,
-                                            self_conditioning_prob=cfg.self_conditioning_prob,
-                                            ar_weight=cfg.ar_weight, chunk_rows=cfg.chunk_rows,
-                                            generator=micro_step_generator(cfg, micro, device))
-                    (out.loss / cfg.grad_accum).backward()
+                    with d.accumulating(net, sync=i == cfg.grad_accum - 1):
+                        with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
+                            _, out = net(x0, objective=cfg.objective, num_steps=cfg.num_steps,
+                                         self_conditioning_prob=cfg.self_conditioning_prob, ar_weight=cfg.ar_weight,
+                                         chunk_rows=cfg.chunk_rows, generator=micro_step_generator(cfg, micro, device),
+                                         batch_rows=d.rows(cfg.batch_size))
+                        (out.loss / cfg.grad_accum).backward()
                     losses.append(out.loss.detach())
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip or math.inf))
-                loss = float(torch.stack(losses).mean())
+                grad_norm = d.clip_grad_norm(model, cfg.clip)
+                # One reduction a step: the mean loss over the ranks, and whether any rank was interrupted or out of
+                # time, so that every rank takes the same decisions below.
+                loss, stop_interrupt, stop_time = d.sum([float(torch.stack(losses).mean()), float(bool(interrupted)),
+                                                         float(deadline is not None and time.monotonic() >= deadline)])
+                loss /= d.world_size
                 step += 1
                 if math.isfinite(loss) and math.isfinite(grad_norm):
                     optimizer.step()
@@ -439,7 +530,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     record(step=step, event="skipped_nonfinite", loss=loss, grad_norm=grad_norm, lr=lr)
                     if step <= NONFINITE_FIRST_STEPS or streak >= NONFINITE_STREAK:
                         record(step=step, event="stopped_nonfinite")
-                        raise NonFiniteError(_nonfinite_message(cfg, step, loss, grad_norm, streak, saved))
+                        raise shared(NonFiniteError(_nonfinite_message(cfg, step, loss, grad_norm, streak, saved)))
                     console.print(f"step {step} | skipped: non-finite loss {loss} or gradient norm {grad_norm}")
                 optimizer.zero_grad(set_to_none=True)
                 now = time.monotonic()
@@ -450,9 +541,9 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 eta = eta if deadline is None else min(eta, max(0.0, deadline - now))
                 console.status(step, f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                                      f"{rate:,.0f} tok/s | ETA {_duration(eta)}")
-                if interrupted:
+                if stop_interrupt:
                     stopped = "interrupt"
-                elif deadline is not None and now >= deadline:
+                elif stop_time:
                     stopped = "time"
                 elif step == cfg.max_steps:
                     stopped = "max_steps"
@@ -461,7 +552,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     val_loss = run_eval()
                 if step % cfg.save_every == 0 or last:
                     state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start)
-                    saved = run_dir.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state)
+                    saved = d.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state, last,
+                                              write_weights=write_weights)
                 if last:
                     break
         finally:

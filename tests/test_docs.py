@@ -85,9 +85,15 @@ def test_architecture_doc_covers_the_gemma_quirks() -> None:
 # A command ending in ` &` starts a server (`dgemma serve ... --port 8000 &`): it runs in the background, on a free
 # port that replaces 8000 in it and in the block's later commands, which run once its /health answers; `curl`
 # commands (to localhost only) run as written. At the end of the block the server gets SIGINT (Ctrl-C) and must exit 0.
+# `torchrun ... -m dgemma ...` commands run as subprocesses (`python -m torch.distributed.run`, one thread a rank, a
+# timeout), TINY_ARGS appended to dgemma's flags; every --rdzv-endpoint / --master-port gets a free port (the same
+# one for the same endpoint within a block), and one ending in ` &` (a node of a multi-node job) runs in the
+# background and must exit 0 by the end of its block. A [GPU] torchrun starts at most one rank per CUDA device; one
+# whose --model directory is not there (a released checkpoint) is skipped.
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
@@ -105,6 +111,30 @@ TINY_ARGS: dict[str, list[str]] = {
     "dgemma train --data data --out runs/small": ["--until-step", "1", "--eval-batches", "1"],
     "dgemma train --data data --out runs/small --resume": ["--until-step", "2", "--eval-batches", "1"],
     "dgemma train --data data --out runs/ar --objective ar": ["--until-step", "1", "--eval-batches", "1"],
+    # docs/training.md, Scaling out: torchrun on 2 CPU ranks, stopped after a step or two
+    "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/ddp --device cpu --batch-size 2":
+        ["--until-step", "1", "--eval-batches", "1"],
+    "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/ddp --device cpu --resume":
+        ["--until-step", "2", "--eval-batches", "1"],
+    "dgemma train --data data --out runs/ddp --resume": ["--until-step", "3", "--eval-batches", "1"],
+    "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/fsdp --device cpu --batch-size 2 "
+    "--parallel fsdp": ["--until-step", "1", "--eval-batches", "1"],
+    **{f"torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 --rdzv-id demo -m "
+       f"dgemma train --data data --out runs/nodes --device cpu --batch-size 2{bg}": ["--until-step", "1",
+                                                                                   "--eval-batches", "1"]
+       for bg in ("", " &")},
+    "torchrun --standalone --nproc-per-node 8 -m dgemma train --data data-gpt2 --out runs/dg-380m --preset dg-380m "
+    "--grad-accum 1 --resume": ["--until-step", "2", "--seq-len", "256", "--batch-size", "1", "--eval-batches", "1"],
+    "torchrun --standalone --nproc-per-node 8 -m dgemma finetune --model diffusiongemma-26B-A4B-it --data chats.jsonl "
+    "--out runs/sft-26b --parallel fsdp --activation-checkpointing --batch-size 1 --resume": ["--until-step", "2"],
+    "python runs/bench_dist.py data": ["--steps", "3", "--seq-len", "32", "--only", "0,2"],
+    # docs/training.md, Fine-tuning: a few steps, a short answer
+    "dgemma finetune --model base --data conversations.jsonl --out runs/sft --seq-len 64 --lr 5e-3 --max-steps 200":
+        ["--max-steps", "2", "--eval-batches", "1"],
+    "dgemma finetune --model base --data conversations.jsonl --out runs/lora --seq-len 64 --lora-rank 8 "
+    "--lora-targets attention+experts": ["--max-steps", "2", "--eval-batches", "1"],
+    'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--steps", "3",
+                                                                                    "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
     "bash runs/cpu_small_results.sh 400": ["--smoke"],
     "python runs/bench_train.py --preset cpu-small --batch-size 4 --seq-len 128 --steps 12 --threads 2":
@@ -120,10 +150,16 @@ TINY_ARGS: dict[str, list[str]] = {
         ["--steps", "3"],
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 "
     "--offload-experts": ["--steps", "3"],
+    "python runs/bench_serve.py": ["--quick"],
 }
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).
 DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,
-             "chats.jsonl": '{"text": "Hello there."}\n{"text": "What is the capital of France?"}\n'}
+             "chats.jsonl": '{"text": "Hello there."}\n{"text": "What is the capital of France?"}\n',
+             # docs/training.md, Fine-tuning: chats in the OpenAI messages format
+             "conversations.jsonl": "".join(
+                 json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+                 for q, a in (("What is the capital of France?", "The capital of France is Paris."),
+                              ("Why is the sky blue?", "Because of scattered sunlight.")))}
 
 
 def doc_blocks() -> list[tuple[str, list[tuple[str, str]]]]:
@@ -188,6 +224,29 @@ def test_ci_markers_are_true():
                         assert not missing, f"{where}: .ci/run never installs {sorted(missing)}"
                     else:
                         assert part in ci, f"{where}: .ci/run never runs {part!r}"
+
+
+def torchrun_argv(code: str, ports: dict[str, int], gpu: bool) -> list[str]:
+    """A documented torchrun command as this test runs it (see the header)."""
+    argv = shlex.split(code.removesuffix(" &")) + TINY_ARGS.get(code.removesuffix(" &"), [])
+    for i, a in enumerate(argv[:-1]):
+        if a in ("--rdzv-endpoint", "--rdzv_endpoint"):
+            argv[i + 1] = f"127.0.0.1:{ports.setdefault(argv[i + 1], free_port())}"
+        elif a in ("--master-port", "--master_port"):
+            argv[i + 1] = str(ports.setdefault(argv[i + 1], free_port()))
+        elif a in ("--nproc-per-node", "--nproc_per_node") and gpu:
+            import torch
+
+            argv[i + 1] = str(min(int(argv[i + 1]), torch.cuda.device_count()))
+    return [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
@@ -269,14 +328,39 @@ def test_doc_commands_run(where, commands, tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     with contextlib.ExitStack() as servers:
-        port = None
+        port, ports = None, {}
         for code, marker in commands:
             if marker == "[GPU]" and not torch.cuda.is_available():
                 pytest.skip(f"{where}: {code!r} needs CUDA")
+            if code.startswith("torchrun "):
+                argv = shlex.split(code)
+                model = argv[argv.index("--model") + 1] if "--model" in argv else None
+                if marker == "[GPU]" and model is not None and not (tmp_path / model).exists():
+                    continue  # a released checkpoint this machine does not have
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+                cmd = torchrun_argv(code, ports, marker == "[GPU]")
+                if code.endswith(" &"):
+                    node = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE)
+                    servers.callback(wait_node, code, node)
+                    continue
+                done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                assert done.returncode == 0, f"{code!r} -> exit {done.returncode}: {done.stderr[-3000:]}"
+                continue
             if code.endswith(" &"):
                 port = start_doc_server(code.removesuffix(" &"), tmp_path, servers)
                 continue
             run_doc_command(code if port is None else code.replace(f":{DOC_PORT}", f":{port}"), tmp_path, toy)
+
+
+def wait_node(code: str, node: subprocess.Popen) -> None:
+    """The end of a block: a background torchrun (a node of a multi-node job) must have finished, with exit 0."""
+    try:
+        _, err = node.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        node.kill()
+        raise AssertionError(f"{code!r} did not finish") from None
+    assert node.returncode == 0, f"{code!r} -> exit {node.returncode}: {err[-3000:]}"
 
 
 DOC_PORT = 8000  # the port the docs' server commands show

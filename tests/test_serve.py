@@ -336,6 +336,8 @@ def test_serve_command_errors_and_the_missing_extra(monkeypatch, capsys):
 
     assert cli.main(["serve", "--preset", "tiny", "--random-init", "--seed", "1"]) == 2
     assert "each request carries its own `seed`" in capsys.readouterr().err
+    assert cli.main(["serve", "--preset", "tiny", "--random-init", "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "dgemma serve: error: --threads must be >= 1, got 0"
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if the serve extra were not installed
     monkeypatch.delitem(sys.modules, "dgemma.serving.app", raising=False)
     assert cli.main(["serve", "--preset", "tiny", "--random-init"]) == 2

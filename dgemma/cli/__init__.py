@@ -11,14 +11,17 @@ from dgemma.cli import chat as chat_cmd
 from dgemma.cli import data as data_cmd
 from dgemma.cli import demo as demo_cmd
 from dgemma.cli import eval as eval_cmd
+from dgemma.cli import export as export_cmd
+from dgemma.cli import finetune as finetune_cmd
 from dgemma.cli import generate as generate_cmd
 from dgemma.cli import inspect as inspect_cmd
 from dgemma.cli import serve as serve_cmd
 from dgemma.cli import train as train_cmd
 from dgemma.cli import viz as viz_cmd
+from dgemma.distributed import should_print
 
-COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, eval_cmd, viz_cmd, bench_cmd, demo_cmd,
-            serve_cmd)
+COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_cmd, export_cmd, eval_cmd, viz_cmd,
+            bench_cmd, demo_cmd, serve_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError, DataError, GenerationError, files: fixable
         if args.debug:
             raise
-        print(f"dgemma {args.command}: error: {one_line(e)}", file=sys.stderr)
+        if should_print(e):  # in a torchrun job, an error every rank raises alike is shown by rank 0 alone
+            print(f"dgemma {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 import dgemma
+from dgemma import lora
+from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ConfigError
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import check_memory
@@ -40,6 +43,25 @@ def shown_path(path: Path) -> str:
         except ValueError:
             pass
     return str(path)
+
+
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One --kebab-case flag per dataclass field (but `skip`), typed from its annotation, with the field's help and
+    choices. Every flag defaults to None (= not given), so the defaults live only in the dataclass and its presets."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
+        if f.type == "bool":
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _TYPES[str(f.type)]
+            kw["choices"] = f.metadata.get("choices")
+            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", str: "NAME"}[kw["type"]]
+        p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -95,18 +117,21 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
         model = dgemma.init_weights(dgemma.DiffusionGemma(config))
         model = quantize_model(model.to(dtype=dtype or torch.float32, device=args.device).eval(), quantize)
         if getattr(args, "offload_experts", False):
-            if quantize is not None:
-                raise UsageError("--offload-experts and --quantize do not combine: pick one")
-            folder = tempfile.mkdtemp(prefix="dgemma-experts-")  # the random experts' file, removed at exit
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
-            offload_experts(model, Path(folder) / "experts.safetensors")
+            _offload_to_temp_file(model, quantize)
         model.generation_config = GenerationConfig.for_model(model.config)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
-        model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=getattr(args, "force", False),
-                                  quantize=getattr(args, "quantize", None),
-                                  offload_experts=getattr(args, "offload_experts", False))
+        force = getattr(args, "force", False)
+        quantize, offload = getattr(args, "quantize", None), getattr(args, "offload_experts", False)
+        if lora.is_adapter(resolve_model_dir(args.model)):  # a LoRA run or adapter: its base with it merged
+            model = lora.load_merged(resolve_model_dir(args.model), dtype=dtype, device=args.device, force=force)
+            model = quantize_model(model, quantize)  # merged in memory first, then quantized or offloaded
+            if offload:
+                _offload_to_temp_file(model, quantize)
+        else:
+            model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=force, quantize=quantize,
+                                      offload_experts=offload)
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):
@@ -118,6 +143,16 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
         if args.preset is not None:  # a random model with a chat tokenizer stops at <turn|>, as Gemma's does
             model.generation_config = model.generation_config.stopping_at(tok.token_to_id(TURN_END))
     return model, tok
+
+
+def _offload_to_temp_file(model: Any, quantize: str | None) -> None:
+    """--offload-experts for a model built in memory: its experts written to a temporary file (removed at exit) and
+    memory-mapped from there (dgemma/offload.py)."""
+    if quantize is not None:
+        raise UsageError("--offload-experts and --quantize do not combine: pick one")
+    folder = tempfile.mkdtemp(prefix="dgemma-experts-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    offload_experts(model, Path(folder) / "experts.safetensors")
 
 
 class Streamer:

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dgemma.cli.common import UsageError, add_model_args, add_sampler_args, load, overrides
 from dgemma.tokenizer import TURN_END, build_test_tokenizer
@@ -34,6 +37,8 @@ def register(subparsers: Any) -> None:
                    help="largest request body, else 413 (default 1 MiB)")
     p.add_argument("--max-n", type=int, default=8, metavar="N", help="the largest `n` a request may ask (default 8)")
     p.add_argument("--impl", choices=("reference", "fast"), default="fast", help="kernels (default fast)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch threads of the engine (default on CPU: all cores but one, which the HTTP loop keeps)")
     p.set_defaults(func=run)
 
 
@@ -55,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--seed: each request carries its own `seed` (the same seed gives the same text)")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None or args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     model, tok = load(args)
     if tok is None:
         tok = _toy_tokenizer(args, model)

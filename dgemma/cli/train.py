@@ -7,29 +7,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from dgemma.checkpoint import latest_checkpoint
+from dgemma.cli.common import add_config_args
 from dgemma.config import ConfigError
+from dgemma.distributed import Dist, rescale_for_world, shared
 from dgemma.run_dir import read_record
 from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train, train_preset
-
-_TYPES = {"int": int, "float": float, "str": str, "int | None": int}
-
-
-def add_config_args(p: argparse.ArgumentParser, cls: type) -> None:
-    """One --kebab-case flag per dataclass field, typed from its annotation, with the field's help and choices. Every
-    flag defaults to None (= not given), so the defaults live only in the dataclass and its presets."""
-    for f in dataclasses.fields(cls):
-        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
-        if f.type == "bool":
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = _TYPES[str(f.type)]
-            kw["choices"] = f.metadata.get("choices")
-            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", str: "NAME"}[kw["type"]]
-        p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def register(subparsers: Any) -> None:
@@ -58,6 +45,9 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     ckpt = latest_checkpoint(args.out) if args.resume and record is None else None
     if record is not None:
         base = TrainConfig.from_json(record["train_config"], str(args.out / "run.json"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; a run resumed on another number of ranks
+        if "batch_size" not in given and "grad_accum" not in given:  # keeps its windows per step
+            base = rescale_for_world(base, record.get("world_size", 1), world)
     elif ckpt is not None:  # a run from before run.json
         base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
     else:  # a new run, or one killed before it recorded anything: --resume starts it
@@ -66,16 +56,26 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.minutes is not None and args.minutes <= 0:
-        raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
-    cfg = resolve_config(args)
-    if args.print_config:
-        print(json.dumps(cfg.to_json(), indent=2))
-        return 0
-    if args.allow_new_data and not args.resume:
-        raise ConfigError("--allow-new-data goes with --resume")
-    result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
-                   max_minutes=args.minutes, until_step=args.until_step)
+    try:  # every rank of a torchrun job parses the same flags and files: rank 0 shows what is wrong with them
+        if args.minutes is not None and args.minutes <= 0:
+            raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
+        cfg = resolve_config(args)
+        if args.print_config:
+            print(json.dumps(cfg.to_json(), indent=2))
+            return 0
+        if args.allow_new_data and not args.resume:
+            raise ConfigError("--allow-new-data goes with --resume")
+        dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
+    except Exception as e:
+        shared(e)
+        raise
+    try:
+        with dist.peers_lost():
+            result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
+                           max_minutes=args.minutes, until_step=args.until_step, dist=dist)
+    finally:
+        dist.close()
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-    print(f"done: step {result.step}{val}; generate with: dgemma generate --model {args.out} --prompt ...")
+    if dist.is_main:
+        print(f"done: step {result.step}{val}; generate with: dgemma generate --model {args.out} --prompt ...")
     return 0

@@ -65,21 +65,24 @@ class ChatTemplate:
     def builtin(self) -> bool:
         return self.source is None
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text of `messages` (with the generation prompt); a template's refusal raises ChatTemplateError."""
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+               add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` (with the generation prompt, unless `add_generation_prompt` is False: the
+        conversation as history, which fine-tuning cuts answers from); a template's refusal raises
+        ChatTemplateError."""
         if self.source is None:
             if tools:
                 raise ChatTemplateError("tools need the checkpoint's chat template; dgemma's built-in Gemma template "
                                         "has no tool syntax")
             try:
-                return _builtin_format(messages)
+                return _builtin_format(messages, add_generation_prompt)
             except ValueError as e:
                 raise ChatTemplateError(f"messages: {e}") from None
         import jinja2
 
         template = self._compiled[self.tool_source if tools and self.tool_source is not None else self.source]
         try:
-            return template.render(messages=messages, tools=tools or None, add_generation_prompt=True,
+            return template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
                                    **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}): {e}") from None
@@ -97,11 +100,11 @@ def _builtin_message(m: dict[str, Any]) -> dict[str, str]:
     return {"role": m.get("role", ""), "content": m.get("content") or ""}
 
 
-def _builtin_format(messages: list[dict[str, Any]]) -> str:
+def _builtin_format(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
     for i, m in enumerate(messages):
         if m.get("tool_calls") or m.get("role") == "tool":
             raise ValueError(f"message {i}: tool calls and tool results need the checkpoint's chat template")
-    return format_chat([_builtin_message(m) for m in messages])
+    return format_chat([_builtin_message(m) for m in messages], add_generation_prompt)
 
 
 def _compile(source: str, origin: str) -> Any:

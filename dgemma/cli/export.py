@@ -1,0 +1,55 @@
+"""`dgemma export RUN --out DIR`: a training run's newest complete checkpoint (or the checkpoint directory given),
+sharded by torchrun ranks or not, written as one consolidated Hugging Face checkpoint (config.json,
+generation_config.json, model.safetensors, tokenizer.json) that `dgemma generate --model DIR` and transformers load.
+Runs in one process, whatever the number of ranks that trained the run. A LoRA run's checkpoint (or any adapter
+directory: adapter_config.json + adapter_model.safetensors) is merged into its base (dgemma/lora.py): a plain
+checkpoint with the chat template files of the run."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dgemma import lora
+from dgemma.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
+from dgemma.config import ConfigError
+from dgemma.distributed import export
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("export", help="write a run's checkpoint (sharded or not) as a Hugging Face checkpoint",
+                              description=__doc__)
+    p.add_argument("run", type=Path, metavar="RUN", help="a training run directory (its newest complete checkpoint) "
+                   "or one checkpoint directory (RUN/checkpoints/step-XXXXXXX)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write it (new or empty)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights dtype (default float32)")
+    p.add_argument("--base", type=Path, metavar="PATH", help="a LoRA adapter's base checkpoint (default: the one its "
+                   "adapter_config.json names)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt = resolve_model_dir(args.run)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"{args.run}: no such run or checkpoint directory")
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        raise ConfigError(f"--out {args.out}: exists and is not an empty directory; choose another")
+    if lora.is_adapter(ckpt):
+        model = lora.load_merged(ckpt, base=args.base, dtype=DTYPES[args.dtype])
+        save_pretrained(model, args.out)
+        for name in MODEL_FILES:  # the tokenizer and the chat template the run was fine-tuned with
+            if (ckpt / name).is_file():
+                shutil.copyfile(ckpt / name, args.out / name)
+        print(f"exported {ckpt} merged into {lora.base_of(ckpt, lora.read_config(ckpt), args.base)} to {args.out}")
+        return 0
+    if args.base is not None:
+        raise ConfigError(f"--base goes with a LoRA adapter; {ckpt} is a whole checkpoint")
+    out = export(ckpt, args.out, DTYPES[args.dtype])
+    print(f"exported {ckpt} to {out}")
+    return 0

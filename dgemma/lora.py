@@ -1,0 +1,231 @@
+"""LoRA adapters on DiffusionGemma with `peft` (the `finetune` extra), saved in the format peft, transformers and vLLM
+load: `adapter_config.json` + `adapter_model.safetensors`, keyed by the transformers module paths.
+
+peft wraps dgemma's modules directly (`peft.inject_adapter_in_model`): attention projections are `nn.Linear`s
+(`lora.Linear`), the routed experts are 3-D parameters (E, out, in), which peft's `target_parameters` adapts per expert
+(`ParamWrapper`). dgemma's names are the checkpoint's without `model.decoder.` (dgemma/checkpoint.py), so one target
+regex matches both models:
+
+    dgemma        layers.3.self_attn.q_proj
+    transformers  model.decoder.layers.3.self_attn.q_proj   and   model.encoder.language_model.layers.3.self_attn.q_proj
+
+transformers' encoder and decoder are separate modules that share (tie) their weights, so peft puts one LoRA on each;
+dgemma runs both roles through one module with one LoRA. The adapter file therefore holds each layer's LoRA twice,
+under the decoder and the encoder path, with the same values: loaded by peft on the transformers model, it computes
+what dgemma computes. (The vision tower's `q_proj`s are wrapped linears the regex leaves alone.)
+
+Merging (`merge`) folds each delta into the base weight once, through peft's own `merge()` of each layer, and unwraps
+the layers, which leaves a plain DiffusionGemma that `save_pretrained` writes as an ordinary checkpoint. Do not merge
+with peft's `merge_and_unload` on the transformers model: the tied encoder and decoder weights would get the delta
+twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dgemma.checkpoint import CheckpointError, _atomic, _atomic_text, _fsync_dir, resolve_model_dir
+from dgemma.config import read_json
+from dgemma.generation_config import GenerationConfig
+from dgemma.model import DiffusionGemma, load_model
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."  # what peft's PeftModel puts before the wrapped model's module paths
+DECODER, ENCODER = "model.decoder.", "model.encoder.language_model."
+ATTENTION = r"(model\.(decoder|encoder\.language_model)\.)?layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+TARGETS = {  # --lora-targets: modules (a regex fully matching a module path) and 3-D parameters adapted
+    "attention": (ATTENTION, []),
+    "attention+experts": (ATTENTION, ["experts.gate_up_proj", "experts.down_proj"]),
+}
+
+
+class AdapterError(CheckpointError):
+    """An adapter that cannot be used with this model; the message names the file, the key and the shapes."""
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise AdapterError("LoRA needs peft: pip install 'dgemma[finetune]'") from None
+    return peft
+
+
+def lora_config(rank: int, alpha: float, targets: str, base: str | None = None) -> Any:
+    """The peft LoraConfig of an adapter on `targets` (a key of TARGETS)."""
+    modules, parameters = TARGETS[targets]
+    return _peft().LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=modules,
+                              target_parameters=parameters or None, base_model_name_or_path=base)
+
+
+def attach(model: DiffusionGemma, config: Any) -> DiffusionGemma:
+    """Wrap the targeted modules of `model` in place with freshly initialised LoRA layers (A random, B zero, so the
+    model computes what it did); only the LoRA weights stay trainable."""
+    peft = _peft()
+    try:
+        peft.inject_adapter_in_model(config, model, adapter_name="default")
+    except ValueError as e:
+        raise AdapterError(f"cannot put LoRA on this model: {e}") from None
+    return model
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    return any(".lora_A." in n for n, _ in model.named_parameters())
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA weights under the keys peft saves for the transformers model (decoder and encoder copies)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            continue
+        key = name.replace(".default.", ".")
+        t = t.detach().to("cpu").contiguous()
+        out[PREFIX + DECODER + key] = t
+        if key.startswith("layers."):
+            out[PREFIX + ENCODER + key] = t.clone()  # its own storage: safetensors refuses shared tensors
+    return out
+
+
+def config_json(config: Any) -> dict[str, Any]:
+    """adapter_config.json's content, as peft's `PeftConfig.save_pretrained` writes it (sets as lists)."""
+    d = config.to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in d.items()}
+
+
+def save_adapter(model: torch.nn.Module, config: Any, path: str | os.PathLike[str],
+                 generation_config: GenerationConfig | None = None) -> None:
+    """Write adapter_config.json and adapter_model.safetensors (and `generation_config`, for `load_merged`) into
+    `path`, each atomically (temporary name, fsync, rename), weights first."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = adapter_state(model)
+    _atomic(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    if generation_config is not None:
+        _atomic_text(path / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2))
+    _atomic_text(path / CONFIG, json.dumps(config_json(config), indent=2, sort_keys=True))
+    _fsync_dir(path)
+
+
+def is_adapter(path: str | os.PathLike[str]) -> bool:
+    path = Path(path)
+    return (path / CONFIG).is_file() and not (path / "config.json").is_file()
+
+
+def read_config(path: str | os.PathLike[str]) -> Any:
+    """The LoraConfig of an adapter directory; AdapterError naming the file and field if it is not a plain LoRA."""
+    file = Path(path) / CONFIG
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{file}: not readable JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("peft_type") != "LORA":
+        got = d.get("peft_type") if isinstance(d, dict) else d
+        raise AdapterError(f"{file}: field 'peft_type' must be \"LORA\", got {got!r}")
+    for field, ok in (("use_dora", False), ("lora_bias", False), ("bias", "none")):
+        if d.get(field, ok) != ok:
+            raise AdapterError(f"{file}: field {field!r} = {d[field]!r}: dgemma reads plain LoRA adapters only")
+    try:
+        return _peft().LoraConfig.from_pretrained(str(path))
+    except (TypeError, ValueError) as e:
+        raise AdapterError(f"{file}: not a LoRA config peft reads ({e})") from None
+
+
+def load_adapter(model: DiffusionGemma, path: str | os.PathLike[str]) -> Any:
+    """Attach the adapter in `path` to `model` (in place) and load its weights; returns its LoraConfig."""
+    config = read_config(path)
+    attach(model, config)
+    with torch.no_grad():
+        for name, t in read_weights(model, path).items():
+            model.get_parameter(name).copy_(t)
+    return config
+
+
+def read_weights(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of the adapter in `path`, by `model`'s parameter names (`model` has the adapter attached).
+    A file that does not fit the model (another geometry, missing or extra keys, encoder and decoder copies that
+    differ) raises AdapterError naming the file, the key and the shapes."""
+    expected = {k.replace(".default.", "."): k for k in model.state_dict() if ".lora_A." in k or ".lora_B." in k}
+    shapes = dict(model.state_dict().items())
+    file = Path(path) / WEIGHTS
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise AdapterError(f"{file}: not a readable safetensors file ({e})") from None
+    found: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        rest = key.removeprefix(PREFIX)
+        if rest.startswith(DECODER):
+            found[rest.removeprefix(DECODER)] = t
+        elif not rest.startswith(ENCODER):
+            raise AdapterError(f"{file}: unexpected key {key!r} (not under {PREFIX + DECODER} or {PREFIX + ENCODER})")
+    for key, t in tensors.items():
+        rest = key.removeprefix(PREFIX)
+        if rest.startswith(ENCODER):
+            name = rest.removeprefix(ENCODER)
+            if name not in found or not torch.equal(found[name], t):
+                raise AdapterError(f"{file}: {key!r} differs from its decoder copy {PREFIX + DECODER + name!r}: "
+                                   "dgemma's encoder and decoder share one set of weights, so one LoRA")
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    wrong = [f"{PREFIX + DECODER + k} has shape {tuple(found[k].shape)} but this model needs "
+             f"{tuple(shapes[expected[k]].shape)}" for k in sorted(set(found) & set(expected))
+             if found[k].shape != shapes[expected[k]].shape]
+    if missing or unexpected or wrong:
+        parts = [f"{len(keys)} {what} key(s), e.g. {PREFIX + DECODER + keys[0]}"
+                 for keys, what in ((missing, "missing"), (unexpected, "unexpected")) if keys] + wrong[:3]
+        raise AdapterError(f"{file}: does not fit this model (an adapter for another checkpoint?): "
+                           + "; ".join(parts))
+    return {expected[k]: t for k, t in found.items()}
+
+
+def merge(model: DiffusionGemma) -> DiffusionGemma:
+    """Fold every LoRA delta into its base weight (peft's per-layer `merge`) and unwrap the layers, in place: a plain
+    DiffusionGemma whose state dict is the checkpoint's again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    while True:
+        layer = next(((n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)), None)
+        if layer is None:
+            return model
+        name, module = layer  # outermost first: nested wrappers (two expert parameters) unwrap one at a time
+        with torch.no_grad():
+            module.merge()
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, module.base_layer)
+
+
+def base_of(path: Path, config: Any, base: str | os.PathLike[str] | None) -> Path:
+    where = base if base is not None else config.base_model_name_or_path
+    if not where:
+        raise AdapterError(f"{path / CONFIG}: no base_model_name_or_path; pass the base checkpoint")
+    if not Path(where).exists():
+        raise AdapterError(f"{path / CONFIG}: its base checkpoint {where} (base_model_name_or_path) does not exist; "
+                           "pass the base checkpoint")
+    return resolve_model_dir(where)
+
+
+def load_merged(path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None,
+                dtype: torch.dtype | None = None, device: torch.device | str | None = None, impl: str = "reference",
+                force: bool = False) -> DiffusionGemma:
+    """A plain model: the adapter in `path` (a directory, or a LoRA run's newest checkpoint) merged into its base
+    checkpoint (`base`, or adapter_config.json's base_model_name_or_path), in `dtype` (default: the base's). A
+    generation_config.json next to the adapter (a fine-tuning run writes one: it stops at the chat template's
+    end-of-turn token) replaces the base's."""
+    path = resolve_model_dir(path)  # a run: its newest checkpoint
+    base_dir = base_of(path, read_config(path), base)
+    model = load_model(base_dir, dtype=dtype, device=device, impl=impl, force=force)  # type: ignore[arg-type]
+    generation_config = model.generation_config
+    load_adapter(model, path)
+    model = merge(model)
+    gen = path / "generation_config.json"
+    model.generation_config = (GenerationConfig.from_hf(read_json(gen), str(gen)) if gen.is_file()
+                               else generation_config)
+    return model.eval()
