@@ -53,9 +53,9 @@ class DenoiseStep:
         self.model, self.cache, self.sliding_prefix = model, cache, sliding_prefix
         self.static = static or bool(compile)
         self._fn: Callable[..., Tensor] = _static_hidden
-        if compile and getattr(model, "quantization", None):
-            raise ValueError(f"compile=True (--compile) does not take a model quantized to {model.quantization}: the "
-                             "compiled step's expert op reads plain tensors; run the quantized model without it")
+        if compile and (getattr(model, "quantization", None) or getattr(model, "offloaded", None)):
+            raise ValueError("compile=True (--compile) does not take a quantized model or offloaded experts: the "
+                             "compiled step's expert op reads plain tensors; run such a model without it")
         if compile:
             self._fn = compiled_static_hidden(model.device, cache, compile if isinstance(compile, str) else "inductor")
         self._end = torch.zeros((), dtype=torch.long, device=model.device)
