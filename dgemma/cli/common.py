@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import json
 import shutil
 import sys
 import tempfile
@@ -234,3 +235,36 @@ _CONTROL = {c: "\ufffd" for c in (*range(9), *range(11, 32), 127)}  # all but ta
 
 def _oneline(s: str) -> str:
     return s.translate({c: "⏎" if c == 10 else " " for c in range(32)})
+
+
+def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) -> int:
+    """What `dgemma train` and `dgemma finetune` do with their parsed flags: resolve the TrainConfig (every rank of a
+    torchrun job parses the same flags and files, so rank 0 alone shows what is wrong with them), run the trainer as
+    this rank of the job (or as the one process), and print where to go next."""
+    from dgemma.distributed import Dist, shared
+    from dgemma.train import train
+
+    allow_new_data = getattr(args, "allow_new_data", False)
+    try:
+        if args.minutes is not None and args.minutes <= 0:
+            raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
+        cfg = resolve_config(args)
+        if args.print_config:
+            print(json.dumps(cfg.to_json(), indent=2))
+            return 0
+        if allow_new_data and not args.resume:
+            raise ConfigError("--allow-new-data goes with --resume")
+        dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
+    except Exception as e:
+        shared(e)
+        raise
+    try:
+        with dist.peers_lost():
+            result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=allow_new_data,
+                           max_minutes=args.minutes, until_step=args.until_step, dist=dist)
+    finally:
+        dist.close()
+    val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+    if dist.is_main:
+        print(f"done: step {result.step}{val}; {next_step}")
+    return 0

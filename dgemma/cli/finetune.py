@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import add_config_args
-from dgemma.config import ConfigError
-from dgemma.distributed import Dist, shared
+from dgemma.cli.common import add_config_args, run_training
 from dgemma.run_dir import read_record
-from dgemma.train import TrainConfig, train
+from dgemma.train import TrainConfig
 
 FIXED = ("init_from", "objective", "preset", "vocab_size")  # set by --model and the command itself
 
@@ -57,22 +54,4 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:  # every rank of a torchrun job parses the same flags and files: rank 0 shows what is wrong with them
-        if args.minutes is not None and args.minutes <= 0:
-            raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
-        cfg = resolve_config(args)
-        if args.print_config:
-            print(json.dumps(cfg.to_json(), indent=2))
-            return 0
-    except Exception as e:
-        raise shared(e) from None
-    dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job; else one process
-    try:
-        result = train(cfg, args.data, args.out, resume=args.resume, max_minutes=args.minutes,
-                       until_step=args.until_step, dist=dist)
-    finally:
-        dist.close()
-    val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-    if dist.is_main:
-        print(f"done: step {result.step}{val}; chat with: dgemma chat --model {args.out}")
-    return 0
+    return run_training(args, resolve_config, f"chat with: dgemma chat --model {args.out}")

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.checkpoint import latest_checkpoint
-from dgemma.cli.common import add_config_args
-from dgemma.config import ConfigError
-from dgemma.distributed import Dist, rescale_for_world, shared
+from dgemma.cli.common import add_config_args, run_training
+from dgemma.distributed import rescale_for_world
 from dgemma.run_dir import read_record
-from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train, train_preset
+from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train_preset
 
 
 def register(subparsers: Any) -> None:
@@ -56,26 +55,4 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:  # every rank of a torchrun job parses the same flags and files: rank 0 shows what is wrong with them
-        if args.minutes is not None and args.minutes <= 0:
-            raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
-        cfg = resolve_config(args)
-        if args.print_config:
-            print(json.dumps(cfg.to_json(), indent=2))
-            return 0
-        if args.allow_new_data and not args.resume:
-            raise ConfigError("--allow-new-data goes with --resume")
-        dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
-    except Exception as e:
-        shared(e)
-        raise
-    try:
-        with dist.peers_lost():
-            result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=args.allow_new_data,
-                           max_minutes=args.minutes, until_step=args.until_step, dist=dist)
-    finally:
-        dist.close()
-    val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-    if dist.is_main:
-        print(f"done: step {result.step}{val}; generate with: dgemma generate --model {args.out} --prompt ...")
-    return 0
+    return run_training(args, resolve_config, f"generate with: dgemma generate --model {args.out} --prompt ...")

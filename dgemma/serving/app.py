@@ -41,7 +41,14 @@ from dgemma.serving.api import (
     parse_json,
 )
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
-from dgemma.serving.templates import GEMMA_QUOTE, GEMMA_TOOL_CALL, ChatTemplate, OutputParser, ParsedOutput
+from dgemma.serving.templates import (
+    GEMMA_QUOTE,
+    GEMMA_TOOL_CALL,
+    ChatTemplate,
+    OutputParser,
+    ParsedOutput,
+    partial_suffix,
+)
 from dgemma.tokenizer import Tokenizer
 
 log = logging.getLogger("dgemma.serve")
@@ -278,7 +285,7 @@ class _Choice:
         elif final:
             end = len(text)
         else:
-            end = len(text) - _partial_suffix(text, self.stop)
+            end = len(text) - partial_suffix(text, self.stop)
         new = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         if self.parser is None:
@@ -286,16 +293,6 @@ class _Choice:
         pieces = self.parser.feed(new)
         self.parsed.add(pieces)
         return pieces
-
-
-def _partial_suffix(text: str, stops: tuple[str, ...]) -> int:
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 class _Run:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -215,7 +216,7 @@ class OutputParser:
             if self.mode is None:
                 hits = [(i, c) for c in self.conventions if (i := self.buf.find(c.open)) >= 0]
                 if not hits:
-                    keep = _partial_suffix(self.buf, [c.open for c in self.conventions])
+                    keep = partial_suffix(self.buf, [c.open for c in self.conventions])
                     _emit(out, "content", self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
@@ -233,7 +234,7 @@ class OutputParser:
             j = self.buf.find(c.close)
             if j < 0:
                 if c.kind == "reasoning":
-                    keep = _partial_suffix(self.buf, [c.close])
+                    keep = partial_suffix(self.buf, [c.close])
                     _emit(out, "reasoning", self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                 break
@@ -266,8 +267,9 @@ def _emit(out: list[Piece], kind: str, text: str) -> None:
         out.append((kind, text))
 
 
-def _partial_suffix(text: str, markers: list[str]) -> int:
-    """The length of the longest end of `text` that is a proper beginning of one of `markers`."""
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """The length of the longest end of `text` that is a proper beginning of one of `markers` (what streaming holds
+    back until the next text decides it)."""
     best = 0
     for m in markers:
         for n in range(min(len(m) - 1, len(text)), best, -1):
