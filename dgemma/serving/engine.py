@@ -12,8 +12,9 @@ preallocated KV cache.
 Requests join and leave between denoising steps, so N concurrent requests cost about one batched pass per step, not
 N. Each request draws from its own generator (seeded by its `seed`) with the same draws, in the same order, as
 `dgemma.generate(prompt, seed=seed)` of that request alone: the readable sampler runs per row on that row's logits.
-What can differ is floating-point rounding, since a batched pass sums over other shapes than a lone one; the tests find
-the tokens identical to `generate(..., impl="reference")` in fp32 (tests/test_engine.py).
+The batched pass computes each row exactly as a batch of its own (attention per row over its own cache view; the
+routed experts per row, or in whole row blocks with the fast kernels), so a request's tokens never depend on who else
+is served; with the reference kernels they equal `generate(..., impl="reference")`'s (tests/test_engine.py).
 
 The canvases that finish at the same step are committed in one batched pass over their rows' views of the pool
 (`KVCache.rows`); a prompt is prefilled on its own when its request is admitted, so a long prompt holds the other rows
