@@ -46,22 +46,18 @@ class KVCache:
         # Whether any commit ever held padding (never reset): the fast path then needs masks (dgemma/attention.py).
         self.has_padding = False
 
-    def _like(self, keys: list[Tensor], values: list[Tensor], is_token: Tensor, length: int) -> KVCache:
-        """A cache over the given storage (views or copies of some of this cache's rows), with its own length."""
-        out = object.__new__(KVCache)
-        out.batch_size, out.max_length = is_token.shape
-        out.sliding_window, out.is_sliding = self.sliding_window, self.is_sliding
-        out.keys, out.values, out.is_token = keys, values, is_token
-        out.length, out.has_padding = length, self.has_padding
-        return out
-
     def rows(self, start: int, stop: int, length: int | None = None) -> KVCache:
         """Rows [start, stop) as a cache of their own that shares this one's storage: commits through it write here.
         `length`: its committed length (default this cache's). Never grow it (`ensure_capacity` would copy)."""
         if not 0 <= start < stop <= self.batch_size:
             raise ValueError(f"rows [{start}, {stop}) are outside a cache of batch size {self.batch_size}")
-        return self._like([k[start:stop] for k in self.keys], [v[start:stop] for v in self.values],
-                          self.is_token[start:stop], self.length if length is None else length)
+        view = object.__new__(KVCache)  # the same fields, over slices of this cache's tensors
+        view.batch_size, view.max_length = stop - start, self.max_length
+        view.sliding_window, view.is_sliding = self.sliding_window, self.is_sliding
+        view.keys, view.values = [k[start:stop] for k in self.keys], [v[start:stop] for v in self.values]
+        view.is_token, view.has_padding = self.is_token[start:stop], self.has_padding
+        view.length = self.length if length is None else length
+        return view
 
     def __repr__(self) -> str:
         return f"KVCache(batch_size={self.batch_size}, length={self.length}, max_length={self.max_length})"
