@@ -1,13 +1,15 @@
 """What dgemma prints while it works, in one style for data, train, eval and bench: a one-line progress bar
-(`Progress`), a live training status line (`Console`), and info / warning messages (`Log`). Everything goes to
-stderr unless a stream is given; on a terminal lines redraw in place, elsewhere they print once, so logs stay short."""
+(`Progress`), a live training status line (`Console`), info / warning messages (`Log`), and the text of a generation
+as its canvases commit, with the canvas being refined drawn live below it (`Streamer`). Everything goes to stderr
+unless a stream is given; on a terminal lines redraw in place, elsewhere they print once, so logs stay short."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def si(n: float) -> str:
@@ -92,3 +94,87 @@ class Console:
 
 
 __all__ = ["Console", "Log", "Progress", "si"]
+
+
+LIVE_INTERVAL_S = 0.1  # redraw the refining canvas at most 10 times a second: terminals are slow, steps are not
+
+
+class Streamer:
+    """on_canvas: prints each committed canvas's new text (one row: as a running stream; a batch: one line per row
+    and canvas). on_step, when `stream` is a terminal: redraws the canvas being refined below the text, with ANSI
+    escapes, and erases it before the next committed text."""
+
+    def __init__(self, tok: Any, eos: tuple[int, ...], pad: int | None, batch_size: int, *,
+                 quiet: bool = False, stream: Any = None, live: bool | None = None):
+        self.tok, self.eos, self.pad, self.quiet = tok, set(eos), pad, quiet
+        self.out = stream or sys.stdout
+        self.live = (not quiet and self.out.isatty()) if live is None else live
+        self.ids: list[list[int]] = [[] for _ in range(batch_size)]
+        self.shown, self.done = [""] * batch_size, [False] * batch_size
+        self.last_canvas: list[list[int]] = [[] for _ in range(batch_size)]  # cut before EOS; chat re-feeds it
+        self.col, self.drawn, self.last_draw = 0, 0, 0.0
+
+    def text(self, ids: list[int]) -> str:
+        if self.tok is None:
+            return "".join(f" {i}" for i in ids)
+        # Control bytes (an untrained model emits any) would act on the terminal; show them as U+FFFD.
+        return self.tok.decode(ids, skip_special_tokens=True).translate(_CONTROL)
+
+    def on_canvas(self, index: int, tokens: Any) -> None:
+        self._erase()
+        for r, row in enumerate(tokens.tolist()):
+            if self.done[r]:
+                continue
+            cut = next((j for j, t in enumerate(row) if t in self.eos), None)
+            self.done[r] = cut is not None
+            self.last_canvas[r] = row[:cut]
+            kept = [t for t in row[:None if cut is None else cut + 1] if t != self.pad]
+            self.ids[r] += kept
+            full = self.text(self.ids[r])
+            new, self.shown[r] = full[len(self.shown[r]):], full
+            if self.quiet:
+                continue
+            if len(self.ids) == 1:
+                self.out.write(new)
+                self.col = (len(full) - full.rfind("\n") - 1) % shutil.get_terminal_size().columns
+            else:
+                self.out.write(f"[{r}] canvas {index}: {_oneline(self.text(kept))}\n")
+        self.out.flush()
+
+    def on_step(self, info: Any) -> None:
+        now = time.monotonic()
+        if not self.live or now - self.last_draw < LIVE_INTERVAL_S:
+            return
+        self.last_draw = now
+        width = shutil.get_terminal_size().columns - 1
+        lines = []
+        for r in [r for r in range(len(self.ids)) if not self.done[r]][:4]:
+            acc = int(info.accepted[r].sum())
+            head = (f"{'' if len(self.ids) == 1 else f'[{r}] '}canvas {info.canvas} step {info.step}/{info.num_steps} "
+                    f"H={float(info.mean_entropy[r]):.3f} acc {acc}/{info.accepted.shape[-1]} | ")
+            lines.append((head + _oneline(self.text(info.argmax[r].tolist())))[:width])
+        self._erase()
+        if not lines:
+            return
+        # Below the committed text, then back up to where it ends: relative moves survive the terminal scrolling.
+        self.out.write("".join("\n\x1b[2m" + s + "\x1b[0m" for s in lines) + f"\x1b[{len(lines)}A\x1b[{self.col + 1}G")
+        self.out.flush()
+        self.drawn = len(lines)
+
+    def _erase(self) -> None:
+        if self.drawn:
+            self.out.write("\x1b[J")  # clear from the cursor (end of committed text) to the end of the screen
+            self.drawn = 0
+
+    def close(self) -> None:
+        self._erase()
+        if len(self.ids) == 1 and not self.quiet and self.shown[0]:
+            self.out.write("\n")
+        self.out.flush()
+
+
+_CONTROL = {c: "\ufffd" for c in (*range(9), *range(11, 32), 127)}  # all but tab and newline
+
+
+def _oneline(s: str) -> str:
+    return s.translate({c: "⏎" if c == 10 else " " for c in range(32)})

@@ -354,5 +354,18 @@ def decode_documents(directory: str | os.PathLike[str], split: str = "train") ->
     return [tok.decode(p[:-1].tolist()) for p in pieces]
 
 
+def unigram_cross_entropy(directory: str | os.PathLike[str]) -> float:
+    """Held-out cross-entropy (nats/token) of the training split's unigram distribution (add-one smoothed) on the
+    validation split: what a model that ignores every context scores, the reference line of a learning curve."""
+    train, val = TokenDataset(directory, "train"), TokenDataset(directory, "val")
+    vocab = int(train.meta["vocab_size"])
+    counts = np.bincount(train.read(0, train.num_tokens), minlength=vocab).astype(np.float64) + 1
+    logp = np.log(counts / counts.sum())
+    held = val.read(0, val.num_tokens)
+    if held.size == 0:
+        raise DataError(f"{directory}: the validation split is empty; prepare with --val-fraction > 0")
+    return float(-logp[held].mean())
+
+
 __all__ = ["FORMAT", "DataError", "ShardWriter", "TokenDataset", "Windows", "decode_documents", "inspect_dataset",
-           "load_meta", "sha256_file", "token_dtype", "verify"]
+           "load_meta", "sha256_file", "token_dtype", "unigram_cross_entropy", "verify"]

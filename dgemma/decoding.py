@@ -5,12 +5,15 @@ count the backbone passes and tokens after the prefill from what the decoders di
 canvas, the commits; nothing is patched into the model).
 
 Sample quality: generative perplexity of diffusion samples under the AR baseline (samples drawn with the diffusion
-model in float64), distinct-n and per-sample token entropy.
+model in float64), distinct-n and per-sample token entropy; and the two figures `dgemma demo` prints, which need no
+judge: the share of generated words that occur in the training corpus (`real_word_share`), and how much the
+continuations of different prompts from the same seed agree (`prompt_agreement`: 1 when the prompt is ignored).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -213,3 +216,30 @@ def quality(samples: Sequence[Sequence[int]]) -> dict[str, float]:
     return {"distinct_1": distinct_n(samples, 1), "distinct_2": distinct_n(samples, 2),
             "distinct_3": distinct_n(samples, 3), "token_entropy": token_entropy(samples),
             "mean_length": float(np.mean([len(s) for s in samples])) if samples else math.nan}
+
+
+# --- judge-free figures of a few samples (`dgemma demo`) -------------------------------------------------------------
+
+WORD = re.compile(r"[^\W\d_]+(?:['’][^\W\d_]+)*")  # a run of letters, with inner apostrophes (don't, o'er)
+
+
+def words(text: str) -> list[str]:
+    """The words of a text, lower-cased: runs of letters (any script), apostrophes inside a word kept."""
+    return [w.lower() for w in WORD.findall(text)]
+
+
+def real_word_share(texts: Sequence[str], vocabulary: set[str]) -> float:
+    """Share of the words of `texts` that occur in `vocabulary` (the training corpus's `words`): about 1 for
+    fluent text, low for word salad made of sub-word pieces. NaN without a word."""
+    found = [w for text in texts for w in words(text)]
+    return sum(w in vocabulary for w in found) / len(found) if found else math.nan
+
+
+def prompt_agreement(samples: Sequence[Sequence[int]]) -> float:
+    """Mean, over pairs of samples (continuations of different prompts, same seed), of the share of positions that
+    hold the same token, over the shorter of the two. 1: the continuation ignores its prompt (the same seed draws
+    the same canvas); near the chance of two tokens colliding when it depends on it."""
+    pairs = [(a, b) for i, a in enumerate(samples) for b in samples[i + 1:] if min(len(a), len(b)) > 0]
+    if not pairs:
+        return math.nan
+    return float(np.mean([np.mean([x == y for x, y in zip(a, b, strict=False)]) for a, b in pairs]))

@@ -42,6 +42,8 @@ from dgemma.sft import ChatBatch, sft_masks
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
+T_SAMPLING = ("uniform", "stratified")  # how a micro-batch's canvases draw their noise levels
+LOSS_WEIGHTING = ("x0", "elbo")  # how the levels' losses are weighted
 
 
 # --- forward process ------------------------------------------------------------------------------------------
@@ -53,9 +55,21 @@ def alpha_bar(t: Tensor, num_steps: int, dtype: torch.dtype = torch.float32) -> 
 
 
 def sample_canvas_t(batch: int, num_canvases: int, num_steps: int, generator: torch.Generator | None = None,
-                    device: torch.device | None = None) -> Tensor:
-    """One noise level per canvas, uniform on {1..T}: (B, num_canvases) int64."""
-    return torch.randint(1, num_steps + 1, (batch, num_canvases), generator=generator, device=device)
+                    device: torch.device | None = None, *, stratified: bool = False) -> Tensor:
+    """One noise level per canvas, uniform on {1..T}: (B, num_canvases) int64.
+
+    `stratified`: the n = B * num_canvases levels of the call are a low-discrepancy set instead of n independent
+    draws: u_i = (i + U_i) / n for i < n, shuffled, and t = ceil(u * T). Each level is still uniform on {1..T}
+    (so every loss stays unbiased), but the batch covers the noise range evenly, which lowers the variance of the
+    batch's loss (Kingma et al. 2021's low-discrepancy sampler, on the discrete grid)."""
+    shape = (batch, num_canvases)
+    if not stratified:
+        return torch.randint(1, num_steps + 1, shape, generator=generator, device=device)
+    n = batch * num_canvases
+    u = (torch.arange(n, device=device, dtype=torch.float64)
+         + torch.rand(n, generator=generator, device=device, dtype=torch.float64)) / n
+    u = u[torch.randperm(n, generator=generator, device=device)]
+    return torch.ceil(u * num_steps).long().clamp_(1, num_steps).view(shape)
 
 
 def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_size: int,
@@ -76,6 +90,54 @@ def _draw(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[in
         return sample(shape, generator=generator, device=device)
     first, total = batch_rows
     return sample((total, *shape[1:]), generator=generator, device=device)[first:first + shape[0]]
+
+
+# --- the reverse-step KL of the NELBO (docs/evaluation.md section 1.3) --------------------------------------------
+
+KL_CHUNK_ROWS = 256  # rows of (rows, V) float64 temporaries in `reverse_kl`
+
+
+def prior_kl(num_steps: int, vocab_size: int) -> float:
+    """KL(q(x_T | x0) || uniform) per token: q keeps x0 with alpha_bar(T) (~1e-33 for the cosine schedule)."""
+    ab = float(alpha_bar(torch.tensor(float(num_steps)), num_steps, torch.float64))
+    V = vocab_size
+    c = (1 - ab) / V
+    return (ab + c) * math.log(V * (ab + c)) + (V - 1) * c * math.log(V * c) if c > 0 else math.log(V)
+
+
+def reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int,
+               chunk_rows: int = KL_CHUNK_ROWS) -> Tensor:
+    """Per-token KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) of the x0-parameterised reverse step, in nats, float64.
+
+    logits (N, V): the model's p(x0' | x_t); x0, xt, t (N,) with t in 1..T. p(x_{t-1} | x_t) = sum_x0'
+    q(x_{t-1} | x_t, x0') p(x0' | x_t). At t = 1 this is -log p(x0 | x_1), the reconstruction term. The common
+    factor q(x_t | x_{t-1}) of both distributions cancels in the log-ratio (docs/evaluation.md, equation 6)."""
+    out = torch.empty(x0.shape[0], dtype=torch.float64, device=logits.device)
+    for lo in range(0, x0.shape[0], chunk_rows):
+        sl = slice(lo, lo + chunk_rows)
+        out[sl] = _reverse_kl(logits[sl], x0[sl], xt[sl], t[sl], num_steps)
+    return out
+
+
+def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int) -> Tensor:
+    V = logits.shape[-1]
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
+    ab_t = alpha_bar(t, num_steps, torch.float64)[:, None]
+    ab_s = alpha_bar(t - 1, num_steps, torch.float64)[:, None]  # s = t - 1
+    alpha = ab_t / ab_s  # the one-step keep probability from t-1 to t
+    at_k = F.one_hot(xt, V).bool()  # j == x_t
+    at_i = F.one_hot(x0, V).bool()  # j == x0
+    Z = (1 - ab_t) / V + ab_t * at_k  # (N, V): q(x_t | x0 = j) for every j
+    log_w = logp - Z.log()  # p(j | x_t) / q(x_t | j)
+    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
+    prior_s = ab_s * at_i + (1 - ab_s) / V  # q(x_{t-1} = j | x0)
+    # p(x_{t-1} = j | x_t) / q(x_t | x_{t-1} = j) = ab_s * w_j + (1 - ab_s) / V * S
+    log_den = torch.logaddexp(ab_s.log() + log_w, ((1 - ab_s) / V).log() + log_S)
+    q = (alpha * at_k + (1 - alpha) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
+    q = q / q.sum(-1, keepdim=True)  # the sum is q(x_t | x0) = Z[x0]
+    log_ratio = prior_s.log() - Z.gather(1, x0[:, None]).log() - log_den
+    return torch.where(q > 0, q * log_ratio, torch.zeros_like(q)).sum(-1)  # 0 log 0 = 0 (t = 1: q is one-hot)
+
 
 
 # --- losses -----------------------------------------------------------------------------------------------------
@@ -109,6 +171,30 @@ def soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024)
                       for lo in range(0, flat.shape[0], chunk_rows)]).view(final.shape)
 
 
+def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt: Tensor, t: Tensor,
+                       num_steps: int, chunk_rows: int | None = 1024) -> tuple[Tensor, Tensor]:
+    """The NELBO-weighted loss: mean over tokens of T * KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) at each token's
+    canvas level t (N,), an unbiased estimate of the bound's reverse-step terms per token when t ~ U{1..T} (the prior
+    term is a constant), so the model is trained on exactly what `dgemma eval` reports. Also returns the x0
+    cross-entropy of the same logits (detached), for the log. Row chunks under activation checkpointing, as
+    `x0_cross_entropy`; the KL runs in float64 (its logs need it near t = 1)."""
+
+    def chunk(h: Tensor, y: Tensor, x: Tensor, tt: Tensor) -> tuple[Tensor, Tensor]:
+        logits = model.logits(h)
+        kl = reverse_kl(logits, y, x, tt, num_steps, chunk_rows=logits.shape[0])
+        return kl.sum().float(), F.cross_entropy(logits.detach(), y, reduction="sum")
+
+    rows = final.shape[0] if chunk_rows is None else chunk_rows
+    kl_total = final.new_zeros((), dtype=torch.float32)
+    ce_total = torch.zeros((), dtype=torch.float32, device=final.device)
+    for lo in range(0, final.shape[0], rows):
+        sl = slice(lo, lo + rows)
+        args = (final[sl], targets[sl], xt[sl], t[sl])
+        kl, ce = checkpoint(chunk, *args, use_reentrant=False) if chunk_rows is not None else chunk(*args)
+        kl_total, ce_total = kl_total + kl, ce_total + ce
+    return num_steps * kl_total / final.shape[0], ce_total / final.shape[0]
+
+
 @dataclass
 class LossOutput:
     loss: Tensor  # what backward runs on
@@ -120,9 +206,14 @@ class LossOutput:
 
 def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "clean-context", num_steps: int = 16,
                   self_conditioning_prob: float = 0.5, ar_weight: float = 0.0, chunk_rows: int | None = 1024,
-                  generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
-                  ) -> LossOutput:
+                  t_sampling: str = "uniform", loss_weighting: str = "x0", generator: torch.Generator | None = None,
+                  batch_rows: tuple[int, int] | None = None) -> LossOutput:
     """One training loss on clean token windows x0 (B, S); for `ar`, x0 holds S = seq_len + 1 tokens.
+
+    Diffusion recipe switches: `t_sampling` "uniform" (each canvas's level drawn independently) or "stratified"
+    (`sample_canvas_t`'s low-discrepancy set over the micro-batch); `loss_weighting` "x0" (plain cross-entropy of
+    the x0 prediction: every level weighs its cross-entropy equally) or "elbo" (`elbo_cross_entropy`: each level
+    weighs what it weighs in the NELBO). `x0_loss` is the x0 cross-entropy either way.
 
     Every random draw (noise levels, corruption, the self-conditioning coin) comes from `generator`, so a step is
     reproducible from its seed. With `batch_rows` (first, total), x0 is rows [first, first + B) of a micro-batch of
@@ -141,8 +232,12 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     B, T = x0.shape
     if T % L:
         raise ValueError(f"training windows of {T} tokens are not a whole number of canvases of {L}")
-    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, T // L), batch_rows,
-              generator, device)
+    if t_sampling not in T_SAMPLING or loss_weighting not in LOSS_WEIGHTING:
+        raise ValueError(f"t_sampling must be one of {T_SAMPLING} and loss_weighting one of {LOSS_WEIGHTING}, got "
+                         f"{t_sampling!r} and {loss_weighting!r}")
+    stratified = t_sampling == "stratified"
+    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, stratified=stratified, **k),
+              (B, T // L), batch_rows, generator, device)
     xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
     pos = torch.arange(T, device=device)
@@ -163,8 +258,13 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
             soft = soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
     hidden = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft, t=level)
     D = hidden.shape[-1]
-    x0_loss = x0_cross_entropy(model, hidden[:, num_clean:].reshape(-1, D), x0.reshape(-1), chunk_rows)
-    loss, ar_loss = x0_loss, None
+    final = hidden[:, num_clean:].reshape(-1, D)
+    if loss_weighting == "elbo":
+        loss, x0_loss = elbo_cross_entropy(model, final, x0.reshape(-1), xt.reshape(-1),
+                                           t.repeat_interleave(L, dim=1).reshape(-1), num_steps, chunk_rows)
+    else:
+        loss = x0_loss = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows)
+    ar_loss = None
     if objective == "clean-context" and ar_weight > 0:  # the clean stream is a causal LM too
         ar_loss = x0_cross_entropy(model, hidden[:, : T - 1].reshape(-1, D), x0[:, 1:].reshape(-1), chunk_rows)
         loss = loss + ar_weight * ar_loss

@@ -123,7 +123,8 @@ def heldout_nelbo(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_step
             t_counts += terms.t_counts
             bar.update(x0.shape[0])
     est = estimate(nats, toks, nbytes or None)
-    return {"estimate": est, "num_steps": num_steps, "num_t_samples": num_t_samples, "seq_len": seq_len,
+    return {"estimate": est, "per_window": [n / t for n, t in zip(nats, toks, strict=True)],
+            "num_steps": num_steps, "num_t_samples": num_t_samples, "seq_len": seq_len,
             "prior_kl_per_token": prior_kl(num_steps, model.config.vocab_size),
             "kl_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
 

@@ -20,14 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.attention import clean_context_masks, noisy_context_masks
-from dgemma.diffusion import alpha_bar, q_sample
+from dgemma.diffusion import KL_CHUNK_ROWS, prior_kl, q_sample, reverse_kl
 from dgemma.model import DiffusionGemma
-
-KL_CHUNK_ROWS = 256  # rows of (rows, V) float64 temporaries in `reverse_kl`
 
 # posterior(x0 (B, S), x_t (B, S), t (B, C)) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean canvases before)
 Posterior = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -75,48 +72,7 @@ def estimate(per_window_nats: Sequence[float], per_window_tokens: Sequence[int],
     return Estimate(float(nats.sum() / toks.sum()), sd / math.sqrt(len(nats)), len(nats), int(toks.sum()), sd,
                     num_bytes)
 
-# --- the NELBO of the uniform-state process -------------------------------------------------------------------------
-def prior_kl(num_steps: int, vocab_size: int) -> float:
-    """KL(q(x_T | x0) || uniform) per token: q keeps x0 with alpha_bar(T) (~1e-33 for the cosine schedule)."""
-    ab = float(alpha_bar(torch.tensor(float(num_steps)), num_steps, torch.float64))
-    V = vocab_size
-    c = (1 - ab) / V
-    return (ab + c) * math.log(V * (ab + c)) + (V - 1) * c * math.log(V * c) if c > 0 else math.log(V)
-
-
-def reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int,
-               chunk_rows: int = KL_CHUNK_ROWS) -> Tensor:
-    """Per-token KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) of the x0-parameterised reverse step, in nats, float64.
-
-    logits (N, V): the model's p(x0' | x_t); x0, xt, t (N,) with t in 1..T. p(x_{t-1} | x_t) = sum_x0'
-    q(x_{t-1} | x_t, x0') p(x0' | x_t). At t = 1 this is -log p(x0 | x_1), the reconstruction term. The common
-    factor q(x_t | x_{t-1}) of both distributions cancels in the log-ratio (docs/evaluation.md, equation 6)."""
-    out = torch.empty(x0.shape[0], dtype=torch.float64, device=logits.device)
-    for lo in range(0, x0.shape[0], chunk_rows):
-        sl = slice(lo, lo + chunk_rows)
-        out[sl] = _reverse_kl(logits[sl], x0[sl], xt[sl], t[sl], num_steps)
-    return out
-
-
-def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int) -> Tensor:
-    V = logits.shape[-1]
-    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
-    ab_t = alpha_bar(t, num_steps, torch.float64)[:, None]
-    ab_s = alpha_bar(t - 1, num_steps, torch.float64)[:, None]  # s = t - 1
-    alpha = ab_t / ab_s  # the one-step keep probability from t-1 to t
-    at_k = F.one_hot(xt, V).bool()  # j == x_t
-    at_i = F.one_hot(x0, V).bool()  # j == x0
-    Z = (1 - ab_t) / V + ab_t * at_k  # (N, V): q(x_t | x0 = j) for every j
-    log_w = logp - Z.log()  # p(j | x_t) / q(x_t | j)
-    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
-    prior_s = ab_s * at_i + (1 - ab_s) / V  # q(x_{t-1} = j | x0)
-    # p(x_{t-1} = j | x_t) / q(x_t | x_{t-1} = j) = ab_s * w_j + (1 - ab_s) / V * S
-    log_den = torch.logaddexp(ab_s.log() + log_w, ((1 - ab_s) / V).log() + log_S)
-    q = (alpha * at_k + (1 - alpha) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
-    q = q / q.sum(-1, keepdim=True)  # the sum is q(x_t | x0) = Z[x0]
-    log_ratio = prior_s.log() - Z.gather(1, x0[:, None]).log() - log_den
-    return torch.where(q > 0, q * log_ratio, torch.zeros_like(q)).sum(-1)  # 0 log 0 = 0 (t = 1: q is one-hot)
-
+# --- the NELBO of the uniform-state process (its reverse KLs: dgemma/diffusion.py) ------------------------------
 
 def stratified_t(num_samples: int, num_steps: int, shape: tuple[int, ...],
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:

@@ -216,7 +216,8 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
             tokenizer: str = DEFAULT_TOKENIZER, val_fraction: float = DEFAULT_VAL_FRACTION, seed: int = DEFAULT_SEED,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, cache_dir: str | os.PathLike[str] | None = None,
             quiet: bool = False, skip_unreadable: bool = False) -> dict[str, Any]:
-    """Turn `corpus` (items: "default" for the built-in sources, or text/Markdown/JSONL files and directories) into
+    """Turn `corpus` (items: "default" for the built-in sources, "default:wikipedia" or "default:shakespeare" for
+    one of them, or text/Markdown/JSONL files and directories) into
     token shards in `out` (see the module docstring). Returns {"status": "prepared" | "up to date", "meta": ...,
     "warnings": [...]}. Every input is read and checked before anything in `out` changes, and `out` is checked to be
     writable before the tokenizer is made; a write that fails anyway is a DataError naming the file. Unreadable files
@@ -240,8 +241,17 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     # 1. Read local inputs now (every error surfaces before DIR is touched); built-in sources are pinned by hash,
     #    so an up-to-date directory needs no network.
     items: list[Source | BuiltinSource] = []
+    builtin = {f"default:{s.name.split('-')[0]}": s for s in DEFAULT_CORPUS}  # default:wikipedia, ...:shakespeare
     for item in corpus:
-        items += DEFAULT_CORPUS if item == "default" else [read_path(item, log, skip_unreadable=skip_unreadable)]
+        if item == "default":
+            items += DEFAULT_CORPUS
+        elif item in builtin:
+            items.append(builtin[item])
+        elif item.startswith("default:"):
+            raise DataError(f"--corpus {item}: no such built-in source; choose default or one of "
+                            f"{', '.join(builtin)}")
+        else:
+            items.append(read_path(item, log, skip_unreadable=skip_unreadable))
     inputs = {"format_version": FORMAT_VERSION, "tokenizer": {k: v for k, v in spec.items() if k != "path"},
               "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
               # contents, not how paths were spelled: ./corpus and corpus/ are the same input

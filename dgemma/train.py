@@ -57,10 +57,11 @@ from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.console import Console
 from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
-from dgemma.diffusion import OBJECTIVES, LossOutput, sft_loss, training_loss
+from dgemma.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, LossOutput, sft_loss, training_loss
 from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.nelbo import clean_context_posterior, noisy_context_posterior, window_nelbo
 from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.run_dir import NonFiniteError
 from dgemma.serving.templates import load_chat_template
@@ -72,8 +73,8 @@ CONFIG_JSON = "train_config.json"
 DEFAULT_PRESET = "cpu-small"
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
-RESUMABLE = ("max_steps", "eval_every", "eval_batches", "save_every", "keep_last", "log_every", "compile", "device",
-             "parallel", "activation_checkpointing")
+RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eval_t_samples", "save_every",
+             "keep_last", "log_every", "compile", "device", "parallel", "activation_checkpointing")
 # A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
 # steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
 NONFINITE_FIRST_STEPS, NONFINITE_STREAK = 3, 5
@@ -91,6 +92,8 @@ class TrainConfig:
 
     preset: str = _opt("model preset (dgemma.config.PRESETS)", default=DEFAULT_PRESET)
     vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
+    canvas_length: int | None = _opt("override the preset's canvas length L, the tokens denoised together "
+                                     "(default: the preset's)", default=None)
     objective: str = _opt("training objective (sft: chats, with init_from)", default="clean-context",
                           choices=(*OBJECTIVES, "sft"))
     init_from: str | None = _opt("start from this checkpoint (HF layout, or a run) instead of random weights; its "
@@ -112,11 +115,23 @@ class TrainConfig:
     clip: float = _opt("gradient-norm clip (0: off)", default=1.0)
     eval_every: int = _opt("steps between held-out evaluations", default=50)
     eval_batches: int = _opt("held-out micro-batches per evaluation", default=4)
+    eval_nelbo_steps: int | None = _opt("T of the held-out NELBO logged at each evaluation of a diffusion run, the "
+                                        "learning curve's measure (default: num_steps; 0: x0 cross-entropy only)",
+                                        default=None)
+    eval_t_samples: int = _opt("stratified t samples per canvas of that NELBO", default=4)
     save_every: int = _opt("steps between checkpoints", default=100)
     keep_last: int = _opt("checkpoints kept (older ones are deleted)", default=2)
     log_every: int = _opt("steps between console lines when stdout is not a terminal", default=10)
     seed: int = _opt("seed of the initial weights, the data order and every noise draw", default=0)
     num_steps: int = _opt("diffusion steps T of the noise schedule", default=16)
+    t_sampling: str = _opt("noise levels of a micro-batch's canvases: independent draws, or a stratified "
+                           "(low-discrepancy) set", default="uniform", choices=T_SAMPLING)
+    loss_weighting: str = _opt("x0: plain cross-entropy of the x0 prediction at every level; elbo: each level "
+                               "weighted as in the NELBO (the bound `dgemma eval` reports)", default="x0",
+                               choices=LOSS_WEIGHTING)
+    time_embedding: bool | None = _opt("time conditioning: add an embedding of the canvas's noise level t/T to its "
+                                       "tokens (default: the preset's; a dg checkpoint with it does not load in "
+                                       "transformers)", default=None)
     self_conditioning_prob: float = _opt("probability of the self-conditioning pre-pass", default=0.5)
     ar_weight: float = _opt("weight of a next-token loss on the clean stream (clean-context)", default=0.0)
     chunk_rows: int = _opt("rows of the (rows, V) logits alive at once in the loss", default=1024)
@@ -140,18 +155,27 @@ class TrainConfig:
             if choices:
                 check(getattr(self, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
         check(self.preset in PRESETS, "preset", f"must be one of {', '.join(sorted(PRESETS))}")
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches",
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "eval_t_samples",
                      "save_every", "keep_last", "log_every", "num_steps", "chunk_rows"):
             v = getattr(self, name)
             check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive int")
-        check(self.vocab_size is None or (isinstance(self.vocab_size, int) and self.vocab_size > 0), "vocab_size",
-              "must be a positive int or None")
+        for name in ("vocab_size", "canvas_length"):
+            v = getattr(self, name)
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), name,
+                  "must be a positive int or None")
+            check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
         check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
         check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank", "must be an int >= 0")
+        check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)
+                                                and not isinstance(self.eval_nelbo_steps, bool)
+                                                and self.eval_nelbo_steps >= 0), "eval_nelbo_steps",
+              "must be None or an int >= 0")
+        check(self.time_embedding in (None, True, False), "time_embedding", "must be true, false or None")
+        check(self.init_from is None or self.time_embedding is None, "time_embedding",
+              "must be None with init_from (the checkpoint decides)")
         check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
               "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
-        check(self.init_from is None or self.vocab_size is None, "vocab_size", "must be None with init_from")
         for f in dataclasses.fields(self):
             if f.type == "float":
                 v = getattr(self, f.name)
@@ -165,6 +189,9 @@ class TrainConfig:
         check(self.clip >= 0, "clip", "must be >= 0")
         check(0 <= self.self_conditioning_prob <= 1, "self_conditioning_prob", "must be in [0, 1]")
         check(self.ar_weight >= 0, "ar_weight", "must be >= 0")
+        for name in ("t_sampling", "loss_weighting"):
+            check(self.objective in ("clean-context", "noisy-context") or getattr(self, name) == _DEFAULTS[name],
+                  name, f"is a diffusion recipe switch: objective {self.objective!r} takes only the default")
         check(self.ar_weight == 0 or self.objective == "clean-context", "ar_weight",
               "is the clean stream's next-token loss: only the clean-context objective has one")
         mc = self.model_config
@@ -175,12 +202,19 @@ class TrainConfig:
               f"must be <= the preset's max_position_embeddings={mc.max_position_embeddings}")
 
     @property
+    def nelbo_steps(self) -> int:
+        """T of the held-out NELBO of each evaluation (0: none)."""
+        return self.num_steps if self.eval_nelbo_steps is None else self.eval_nelbo_steps
+
+    @property
     def model_config(self) -> ModelConfig:
         if self.init_from is not None:  # the checkpoint's geometry
             config = resolve_model_dir(self.init_from) / "config.json"
             return ModelConfig.from_hf(read_json(config), source=str(config))
         mc = PRESETS[self.preset]
-        return mc if self.vocab_size is None else mc.replace(vocab_size=self.vocab_size)
+        overrides = {name: getattr(self, name) for name in ("vocab_size", "canvas_length", "time_embedding")
+                     if getattr(self, name) is not None}
+        return mc.replace(**overrides) if overrides else mc
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -198,6 +232,8 @@ class TrainConfig:
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 # Training recipes per model preset, so that `dgemma train --preset NAME` needs no other flag.
 TRAIN_PRESETS: dict[str, TrainConfig] = {
@@ -275,14 +311,24 @@ class TrainResult:
 
 @torch.no_grad()
 def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool,
-             dist: Dist | None = None) -> float:
-    """Mean held-out loss of the training objective over the first `eval_batches` validation micro-batches, with
-    fixed noise and no self-conditioning: the seed's held-out x0 NLL, comparable to the AR baseline's CE. `net` is
-    `Dist.wrap`'s module (its forward is the loss). With several ranks a micro-batch is the global one, its rows
-    split across the ranks, and the sums reduced, so every rank gets what one process would."""
+             dist: Dist | None = None) -> dict[str, float]:
+    """Held-out measures on the first `eval_batches` validation micro-batches, with fixed noise and no
+    self-conditioning, as a dict for metrics.jsonl:
+
+        val_loss, val_loss_se     the objective's loss (the x0 cross-entropy of a diffusion run: seed 003's held-out
+                                  measure; the next-token cross-entropy of an AR run), its SE across micro-batches
+        val_nelbo, val_nelbo_se   diffusion runs with eval_nelbo_steps > 0: the NELBO (dgemma/nelbo.py) at
+                                  T = eval_nelbo_steps (default: the training T) with eval_t_samples stratified t
+                                  per canvas, an upper bound on the held-out NLL that compares with the AR run's
+                                  val_loss; SE across windows
+
+    `net` is `Dist.wrap`'s module (its forward is the loss). With several ranks a micro-batch is the global one, its
+    rows split across the ranks, and the sums reduced, so every rank gets the same numbers."""
     d = dist or Dist(device=device)
     shift = 1 if cfg.objective == "ar" else 0
-    total, n = 0.0, 0
+    nelbo = cfg.nelbo_steps if cfg.objective in ("clean-context", "noisy-context") else 0
+    # sums over micro-batches of (loss, loss^2, count) and over windows of (nelbo/token, its square, count, tokens)
+    sums = [0.0] * 8
     for i, x0 in enumerate(val.heldout_batches(cfg.batch_size * d.world_size, cfg.seq_len, shift=shift)):
         if i == cfg.eval_batches:
             break
@@ -290,23 +336,53 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
         lo, hi = d.rank * rows // d.world_size, (d.rank + 1) * rows // d.world_size
         empty = lo == hi  # a last batch with fewer rows than ranks: every rank still runs the forward (FSDP gathers
         lo, hi = (rows - 1, rows) if empty else (lo, hi)  # in it) on a stand-in row that is not counted
+        rows_kw = {"batch_rows": None if d.world_size == 1 else (lo, rows)}
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
             _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
                          self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
-                         generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i),
-                         batch_rows=None if d.world_size == 1 else (lo, rows))
+                         generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i), **rows_kw)
+            spec = (nelbo, min(cfg.eval_t_samples, nelbo), cfg.objective)
+            per_window = None if not nelbo else net(x0[lo:hi].to(device), objective="nelbo", heldout_nelbo=spec,
+                                                    generator=torch.Generator().manual_seed(EVAL_SEED + i))[1].loss
         if out.tokens and not empty:
-            total, n = total + float(out.x0_loss) * out.tokens, n + out.tokens
-    total, n = d.sum([total, n])
-    if n == 0:
+            loss = float(out.x0_loss)
+            sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
+            sums[6] += loss * out.tokens
+            sums[7] += out.tokens
+            if per_window is not None:
+                per_token = per_window.double() / x0.shape[1]
+                sums[3:6] = (sums[3] + float(per_token.sum()), sums[4] + float((per_token ** 2).sum()),
+                             sums[5] + per_token.numel())
+    sums = d.sum(sums)
+    if sums[7] == 0:
         raise ValueError("the validation split has no complete window of seq_len tokens")
-    return total / n
+    result = {"val_loss": sums[6] / sums[7], "val_loss_se": _se(*sums[0:3])}
+    if nelbo:
+        result.update(val_nelbo=sums[3] / sums[5], val_nelbo_se=_se(*sums[3:6]))
+    return result
 
 
-def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0, **kw: Any
-               ) -> LossOutput:
+def _se(total: float, squares: float, n: float) -> float:
+    """Standard error of a mean from the sum, the sum of squares and the count (nan below 2)."""
+    if n < 2:
+        return math.nan
+    var = max(0.0, (squares - total * total / n) / (n - 1))
+    return math.sqrt(var / n)
+
+
+def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0,
+               heldout_nelbo: tuple[int, int, str] | None = None, **kw: Any) -> LossOutput:
     """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows (diffusion.py:training_loss)
-    or packed chats (diffusion.py:sft_loss, which has no next-token term)."""
+    or packed chats (diffusion.py:sft_loss, which has no next-token term). For evaluation, objective "nelbo" with
+    `heldout_nelbo` = (T, t samples, the run's objective): the NELBO of each window in nats, (B,), as `loss`."""
+    if objective == "nelbo":
+        T, k, run_objective = heldout_nelbo  # type: ignore[misc]
+        cfg = model.config
+        make = clean_context_posterior if run_objective == "clean-context" else noisy_context_posterior
+        terms = window_nelbo(make(model, T), batch, canvas_length=cfg.canvas_length, vocab_size=cfg.vocab_size,
+                             num_steps=T, num_t_samples=k, generator=kw["generator"])
+        per_window = terms.nelbo.sum(1)
+        return LossOutput(per_window, per_window, None, batch.numel(), False)
     if objective == "sft":
         return sft_loss(model, batch, **kw)
     return training_loss(model, batch, objective=objective, ar_weight=ar_weight, **kw)
@@ -476,11 +552,14 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * d.world_size
     deadline = time.monotonic() + 60 * max_minutes if max_minutes is not None else None
     t_start, elapsed_before = time.monotonic(), state["elapsed_s"]
+    cpu_start, cpu_before = time.process_time(), state.get("cpu_s", 0.0)  # this process's CPU time, all threads
     loss = val_loss = None
     stopped, saved = "max_steps" if step >= cfg.max_steps else "until_step", ckpt
     interrupted: list[int] = []
     streak = 0  # non-finite steps in a row
     previous_handler = _on_sigint(lambda: interrupted.append(1))
+    recipe = {} if cfg.objective in ("ar", "sft") else {"t_sampling": cfg.t_sampling,
+                                                        "loss_weighting": cfg.loss_weighting}
     with metrics.open("a") if d.is_main else contextlib.nullcontext() as log:
         def record(**rec: Any) -> None:
             if log is not None:  # rank 0 writes the one metrics file
@@ -489,11 +568,13 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
 
         def run_eval() -> float:
             model.eval()
-            value = evaluate(net, val_set, cfg, device, use_bf16, d)
+            values = evaluate(net, val_set, cfg, device, use_bf16, d)
             model.train()
-            record(step=step, val_loss=value)
-            console.print(f"step {step} | held-out loss {value:.4f}")
-            return value
+            record(step=step, tokens=state["tokens"], **values)
+            nelbo = (f" | held-out NELBO {values['val_nelbo']:.3f} ± {values['val_nelbo_se']:.3f} (T="
+                     f"{cfg.nelbo_steps})") if "val_nelbo" in values else ""
+            console.print(f"step {step} | held-out loss {values['val_loss']:.4f}{nelbo}")
+            return values["val_loss"]
 
         try:
             if step == 0:
@@ -511,6 +592,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                             _, out = net(x0, objective=cfg.objective, num_steps=cfg.num_steps,
                                          self_conditioning_prob=cfg.self_conditioning_prob, ar_weight=cfg.ar_weight,
                                          chunk_rows=cfg.chunk_rows, generator=micro_step_generator(cfg, micro, device),
+                                         **recipe,
                                          batch_rows=d.rows(cfg.batch_size))
                         (out.loss / cfg.grad_accum).backward()
                     losses.append(out.loss.detach())
@@ -536,7 +618,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 now = time.monotonic()
                 rate = (step - start_step) * tokens_per_step / max(now - t_start, 1e-9)
                 record(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=state["tokens"],
-                       tokens_per_s=round(rate, 1), elapsed_s=round(elapsed_before + now - t_start, 3))
+                       tokens_per_s=round(rate, 1), elapsed_s=round(elapsed_before + now - t_start, 3),
+                       cpu_s=round(cpu_before + time.process_time() - cpu_start, 3))
                 eta = (now - t_start) / (step - start_step) * (end - step)
                 eta = eta if deadline is None else min(eta, max(0.0, deadline - now))
                 console.status(step, f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
@@ -551,7 +634,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 if step % cfg.eval_every == 0 or last:
                     val_loss = run_eval()
                 if step % cfg.save_every == 0 or last:
-                    state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start)
+                    state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start,
+                                 cpu_s=cpu_before + time.process_time() - cpu_start)
                     saved = d.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state, last,
                                               write_weights=write_weights)
                 if last:

@@ -276,24 +276,3 @@ def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
     assert err.startswith("dgemma train: error:") and err.count("\n") == 1, err
     assert re.search(expected, err), err
     assert tree(run) == before  # nothing written, nothing removed
-
-
-def test_demo_runs_end_to_end(corpus, tmp_path, capsys, monkeypatch):
-    """`dgemma demo` with the default corpus replaced by the test corpus and cpu-small by tiny (both stand-ins keep
-    it offline and fast); everything else is the real pipeline: prepare (a no-op here), train, generate, report."""
-    import shutil
-
-    import dgemma.cli.demo as demo
-
-    def prepare(out, corpus_items):
-        assert corpus_items == ["default"]
-        shutil.copytree(corpus, out)
-
-    monkeypatch.setattr(demo.prepare, "prepare", prepare)
-    monkeypatch.setattr(demo, "train_preset", lambda name: T.train_preset("tiny").replace(eval_batches=1))
-    code = cli.main(["demo", "--out", str(tmp_path / "demo"), "--minutes", "0.02", "--max-new-tokens", "32",
-                     "--prompt", "The young king"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "tokens per forward" in out and "held-out loss" in out, out
-    assert latest_checkpoint(tmp_path / "demo" / "run") is not None

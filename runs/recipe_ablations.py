@@ -1,0 +1,152 @@
+"""The recipe ablations of docs/training.md ("What the recipe options are worth"): `cpu-small` trained on the default
+corpus for the same steps (the same tokens, in the same order) with one recipe switch changed at a time, then each
+scored on the same held-out windows with the same noise draws (common random numbers, so differences are paired):
+
+    held-out NELBO at T = 16 (the training T of today's recipe) and at T = 256 (closer to the continuous-time bound),
+    each with its standard error, and the paired difference to the baseline with the SE of that difference.
+
+Training runs go `--jobs` at a time, each on one CPU thread (two runs on a 2-core machine use it fully); a variant
+whose run already has its last checkpoint is not retrained, so the script resumes where it stopped. Writes
+OUT/ablations.json and OUT/ablations.md (the table), and prints the table.
+
+    python runs/recipe_ablations.py                      # about 40 minutes on 2 cores (400 steps each)
+    python runs/recipe_ablations.py --smoke              # the same pipeline, tiny model, toy corpus (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (what it changes, `dgemma train` flags). Each builds on the named earlier variant's flags.
+VARIANTS: list[tuple[str, str, list[str]]] = [
+    ("baseline", "today's cpu-small recipe: x0 cross-entropy, t ~ U{1..16} per canvas, no time input", []),
+    ("time", "+ time conditioning (the dg model is told t/T)", ["--time-embedding"]),
+    ("time+strat", "+ stratified (low-discrepancy) t over each micro-batch", ["--time-embedding",
+                                                                              "--t-sampling", "stratified"]),
+    ("time+strat+elbo", "+ the NELBO-weighted loss", ["--time-embedding", "--t-sampling", "stratified",
+                                                      "--loss-weighting", "elbo"]),
+    ("time+strat+sc0", "+ no self-conditioning pre-pass", ["--time-embedding", "--t-sampling", "stratified",
+                                                           "--self-conditioning-prob", "0"]),
+    ("time+strat+lr1e-3", "+ peak lr 1e-3 (3e-3 today)", ["--time-embedding", "--t-sampling", "stratified",
+                                                          "--lr", "1e-3", "--min-lr", "1e-4"]),
+    ("time+strat+canvas16", "+ canvas 16 (32 today)", ["--time-embedding", "--t-sampling", "stratified",
+                                                       "--canvas-length", "16"]),
+]
+EVAL_T = (16, 256)
+
+
+def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
+    run = args.out / name
+    if (run / "checkpoints" / "latest").exists():
+        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]).get("step")
+        if last == args.steps:
+            return f"{name}: already trained"
+    base = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1"] if args.smoke \
+        else ["--preset", "cpu-small"]
+    cmd = [sys.executable, "-m", "dgemma", "train", *base, "--max-steps", str(args.steps), "--data",
+           str(args.out / "data"), "--out", str(run), "--resume", "--eval-every", str(args.eval_every), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    started = time.time()
+    with open(args.out / f"{name}.log", "w") as log:
+        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return f"{name}: trained in {time.time() - started:.0f} s"
+
+
+def score(name: str, args: argparse.Namespace) -> dict:
+    import torch
+
+    from dgemma.checkpoint import resolve_model_dir
+    from dgemma.data import TokenDataset
+    from dgemma.evaluate import heldout_nelbo, heldout_x0_ce
+    from dgemma.model import load_model
+
+    torch.set_num_threads(1)
+    model = load_model(resolve_model_dir(args.out / name)).eval()
+    val = TokenDataset(args.out / "data", split="val")
+    out: dict = {"name": name, "canvas_length": model.config.canvas_length}
+    for T in EVAL_T:
+        r = heldout_nelbo(model, val, seq_len=args.seq_len, num_steps=T, num_t_samples=args.t_samples,
+                          max_windows=args.windows, seed=0, progress=False)
+        out[f"nelbo_T{T}"] = r["estimate"].to_dict()
+        out[f"per_window_T{T}"] = r["per_window"]
+    ce = heldout_x0_ce(model, val, seq_len=args.seq_len, num_steps=16, max_windows=args.windows, seed=0,
+                       progress=False)
+    out["x0_ce"] = ce["estimate"].to_dict()
+    return out
+
+
+def table(results: list[dict]) -> str:
+    base = results[0]
+    lines = ["| variant | what changes | NELBO T=16 | NELBO T=256 | vs baseline at T=256 (paired) |",
+             "|---|---|---:|---:|---:|"]
+    what = {n: w for n, w, _ in VARIANTS}
+    for r in results:
+        cells = [f"{r[f'nelbo_T{T}']['mean']:.3f} ± {r[f'nelbo_T{T}']['se']:.3f}" for T in EVAL_T]
+        if r is base:
+            diff = "–"
+        else:
+            d = np.asarray(r["per_window_T256"]) - np.asarray(base["per_window_T256"])
+            diff = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(len(d)):.3f}" if len(d) > 1 else f"{d.mean():+.3f}"
+        lines.append(f"| {r['name']} | {what[r['name']]} | {cells[0]} | {cells[1]} | {diff} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=400, help="training steps of every variant (default 400)")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at once, one thread each (default 2)")
+    p.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    p.add_argument("--windows", type=int, default=128, help="held-out windows scored (default 128)")
+    p.add_argument("--t-samples", type=int, default=4, help="stratified t per canvas (default 4)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "out" / "ablations")
+    p.add_argument("--smoke", action="store_true", help="tiny model, toy corpus, 2 steps, 2 variants")
+    args = p.parse_args()
+    variants = VARIANTS
+    if args.smoke:
+        args.steps, args.windows, args.t_samples, args.seq_len, args.eval_every = 2, 2, 1, 32, 1
+        variants = [VARIANTS[0], VARIANTS[3]]
+    if args.only:
+        keep = set(args.only.split(","))
+        variants = [v for v in VARIANTS if v[0] in keep or v[0] == "baseline"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = args.out / "data"
+    if not (data / "meta.json").exists():
+        extra = []
+        if args.smoke:
+            from dgemma.tokenizer import toy_corpus
+            s = toy_corpus(120)
+            (args.out / "toy").mkdir(exist_ok=True)
+            for i in range(150):
+                (args.out / "toy" / f"d{i:03d}.txt").write_text(" ".join(s[(7 * i + j) % len(s)] for j in range(12)))
+            extra = ["--corpus", str(args.out / "toy"), "--tokenizer", "bpe:1024"]
+        subprocess.run([sys.executable, "-m", "dgemma", "data", "prepare", "--out", str(data), "-q", *extra],
+                       check=True)
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for line in pool.map(train, [v[0] for v in variants], [v[2] for v in variants], [args] * len(variants)):
+            print(line, flush=True)
+        results = list(pool.map(score, [v[0] for v in variants], [args] * len(variants)))
+    md = table(results)
+    (args.out / "ablations.md").write_text(md + "\n")
+    (args.out / "ablations.json").write_text(json.dumps(
+        {"steps": args.steps, "windows": args.windows, "t_samples": args.t_samples, "seq_len": args.seq_len,
+         "results": [{k: v for k, v in r.items() if not k.startswith("per_window")} for r in results]}, indent=1))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
