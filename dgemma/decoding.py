@@ -69,7 +69,16 @@ class DecodeRun:
                 "passes": self.passes, "denoise_passes": self.denoise_passes, "commit_passes": self.commit_passes,
                 "token_forwards": self.token_forwards, "tokens_per_forward": self.tokens_per_forward,
                 "token_forwards_per_useful_token": self.token_forwards / max(self.useful_tokens, 1),
-                "mean_steps_per_canvas": float(np.mean(self.steps_per_canvas)) if self.steps_per_canvas else None}
+                "mean_steps_per_canvas": float(np.mean(self.steps_per_canvas)) if self.steps_per_canvas else None,
+                "early_stop_share": self.early_stop_share, "seconds_per_prompt": list(self.seconds)}
+
+    @property
+    def early_stop_share(self) -> float | None:
+        """Share of canvases that stopped before max_denoising_steps: whether the adaptive stop fired (diffusion)."""
+        cap = self.settings.get("max_denoising_steps")
+        if cap is None or not self.steps_per_canvas:
+            return None
+        return float(np.mean([s < cap for s in self.steps_per_canvas]))
 
 
 def useful(tokens: Sequence[int], eos: Sequence[int], max_new: int) -> list[int]:
@@ -168,12 +177,18 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
 
 
 def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
-    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1) fp32, one causal encoder pass."""
+    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1), one causal encoder pass; fp32, or float64
+    for a float64 model."""
     inputs = x[:, :-1]
     T = inputs.shape[1]
     hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
                                    causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
-    logits = model.logits(hidden)  # (B, T, V)
+    if hidden.dtype == torch.float64:  # a float64 judge scores in float64 (model.logits returns fp32)
+        logits = F.linear(hidden, model.embed_tokens.weight)
+        cap = model.config.final_logit_softcapping
+        logits = logits if cap is None else torch.tanh(logits / cap) * cap
+    else:
+        logits = model.logits(hidden)  # (B, T, V)
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
     return nll.view(x.shape[0], T)
 
@@ -181,16 +196,26 @@ def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
 # --- sample quality -------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def generative_perplexity(scorer: DiffusionGemma, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]]
-                          ) -> dict[str, float]:
-    """exp(mean NLL) of the samples' tokens under the AR scorer, each given its prompt (teacher forcing)."""
-    total, n = 0.0, 0
+def sample_nlls(scorer: DiffusionGemma, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]]
+                ) -> list[tuple[float, int]]:
+    """Per sample: the sum of -log p of its tokens under the AR scorer, given its prompt (teacher forcing), in the
+    scorer's dtype, and the number of tokens scored ((0.0, 0) for an empty sample)."""
+    out = []
     for prompt, sample in zip(prompts, samples, strict=True):
         if not sample:
+            out.append((0.0, 0))
             continue
         x = torch.cat([prompt.cpu(), torch.tensor(sample, dtype=torch.long)])[None].to(scorer.device)
         nll = ar_token_nll(scorer, x)[0, prompt.numel() - 1:]  # the sample's tokens only
-        total, n = total + float(nll.double().sum()), n + nll.numel()
+        out.append((float(nll.double().sum()), nll.numel()))
+    return out
+
+
+def generative_perplexity(scorer: DiffusionGemma, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]]
+                          ) -> dict[str, float]:
+    """exp(mean NLL) of the samples' tokens under the AR scorer, each given its prompt (teacher forcing)."""
+    nlls = sample_nlls(scorer, prompts, samples)
+    total, n = sum(s for s, _ in nlls), sum(c for _, c in nlls)
     return {"gen_ppl": math.exp(total / n) if n else math.nan, "nll_per_token": total / n if n else math.nan,
             "tokens": n}
 

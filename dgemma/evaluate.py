@@ -8,9 +8,10 @@ Likelihood (nats per token, with bits per byte beside them), each a loop over th
                          (reverse KLs, stratified t, the posteriors) is dgemma/nelbo.py.
     AR cross-entropy     next-token loss of an autoregressive run (objective 'ar') on the same held-out tokens.
 
-Cost, speed and sample quality: the decode runs of dgemma/decoding.py (`run_sampler`, `run_ar`, generative
-perplexity, distinct-n, token entropy) and the fraction of accepted tokens re-noised at the next step (from traces,
-`dgemma.viz.renoised_fraction`).
+Cost, speed and sample quality: the decode runs of dgemma/decoding.py (`run_sampler`, `run_ar` at each AR
+temperature, distinct-n, token entropy), generative perplexity under the judge with bootstrap intervals and tokens/s
+with SEs across prompts (dgemma/judging.py), and the fraction of accepted tokens re-noised at the next step (from
+traces, `dgemma.viz.renoised_fraction`). Learning curves come from the runs' metrics.jsonl (dgemma/curves.py).
 
 `evaluate(...)` runs everything and returns the report as a dict; `dgemma.report.write_report` writes it
 (`dgemma eval`, dgemma/cli/eval.py).
@@ -32,18 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.console import Progress
-from dgemma.decoding import (
-    DecodeRun,
-    ar_token_nll,
-    fixed_schedule,
-    generative_perplexity,
-    quality,
-    run_ar,
-    run_sampler,
-)
+from dgemma.curves import learning_curves
+from dgemma.decoding import DecodeRun, ar_token_nll, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
 from dgemma.diffusion import q_sample, sample_canvas_t
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
+from dgemma.judging import Z95, judge_description, point_stats
 from dgemma.model import DiffusionGemma
 from dgemma.nelbo import (
     EvalError,
@@ -222,15 +217,16 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def check_same_tokenizer(a: RunInfo, b: RunInfo, vocab_a: int, vocab_b: int) -> None:
-    """Likelihoods and perplexities compare only over the same token stream: the two runs must share a tokenizer."""
+def check_same_tokenizer(a: RunInfo, b: RunInfo, vocab_a: int, vocab_b: int, role: str = "baseline") -> None:
+    """Likelihoods and perplexities compare only over the same token stream: the two runs must share a tokenizer.
+    `role` names `b` in the error (the baseline, the judge)."""
     if a.tokenizer_path is not None and b.tokenizer_path is not None:
         if file_sha256(a.tokenizer_path) != file_sha256(b.tokenizer_path):
-            raise EvalError(f"baseline {b.path} uses another tokenizer than {a.path} ({b.tokenizer_path} differs "
+            raise EvalError(f"{role} {b.path} uses another tokenizer than {a.path} ({b.tokenizer_path} differs "
                             f"from {a.tokenizer_path}): per-token likelihoods of different tokenizations do not "
-                            "compare; train the baseline on the same prepared data")
+                            f"compare; train the {role} on the same prepared data")
     elif vocab_a != vocab_b:
-        raise EvalError(f"baseline {b.path} has vocab_size {vocab_b:,} but {a.path} has {vocab_a:,}: another "
+        raise EvalError(f"{role} {b.path} has vocab_size {vocab_b:,} but {a.path} has {vocab_a:,}: another "
                         "tokenizer, so the likelihoods do not compare")
 
 
@@ -267,7 +263,9 @@ class EvalSettings:
     batch_size: int = 8
     target_se: float = 0.01  # nats/token: the report says how many windows this needs
     seed: int = 0
-    quality_dtype: str = "float64"  # dtype of the diffusion model when drawing the samples that are scored
+    quality_dtype: str = "float64"  # dtype of both models when drawing the samples that are scored
+    ar_temperatures: tuple[float, ...] = (1.0,)  # the AR baseline's frontier
+    bootstrap: int = 1000  # resamples of the gen-PPL interval
     progress: bool = True
 
     def check(self) -> None:
@@ -283,6 +281,13 @@ class EvalSettings:
                             ("--num-steps", self.num_steps), ("--max-windows", self.max_windows)):
             if value is not None and value < 1:
                 problems.append(f"{flag} must be >= 1, got {value}")
+        if self.num_prompts < 2:
+            problems.append(f"--prompts must be >= 2 (half select the verdict's setting, half report it), got "
+                            f"{self.num_prompts}")
+        if not self.ar_temperatures or min(self.ar_temperatures) <= 0:
+            problems.append(f"--ar-temperatures must be numbers > 0, got {self.ar_temperatures}")
+        if self.bootstrap < 1:
+            problems.append(f"--bootstrap must be >= 1, got {self.bootstrap}")
         if self.target_se <= 0:
             problems.append(f"--target-se must be > 0, got {self.target_se}")
         if self.quality_dtype not in ("float64", "float32"):
@@ -292,11 +297,12 @@ class EvalSettings:
 
 
 def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str | Path | None = None,
-             settings: EvalSettings | None = None, log: Callable[[str], None] | None = None
-             ) -> tuple[dict[str, Any], dict[str, Trace]]:
+             judge_path: str | Path | None = None, settings: EvalSettings | None = None,
+             log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], dict[str, Trace]]:
     """Every metric for a diffusion run (and an AR baseline, if given) on the validation split of `data_dir`: the
     report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
-    both)."""
+    both). Generative perplexity is scored by the judge (`judge_path`, an AR run, in float64) when given, else by the
+    baseline."""
     from dgemma.data import TokenDataset
     from dgemma.model import load_model
     from dgemma.tokenizer import check_vocab, load_tokenizer
@@ -306,17 +312,24 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     log = log or (lambda msg: None)
     info = run_info(model_path)
     base = run_info(baseline_path) if baseline_path is not None else None
+    judge_info = run_info(judge_path) if judge_path is not None else None
     if info.objective == "ar":
         raise EvalError(f"--model {model_path} was trained with objective 'ar': pass the diffusion run as --model and "
                         "the AR run as --baseline")
-    if base is not None and base.objective not in (None, "ar"):
-        raise EvalError(f"--baseline {baseline_path} was trained with objective {base.objective!r}; the baseline "
-                        "must be an autoregressive run (objective 'ar')")
+    for flag, path, run in (("--baseline", baseline_path, base), ("--judge", judge_path, judge_info)):
+        if run is not None and run.objective not in (None, "ar"):
+            raise EvalError(f"{flag} {path} was trained with objective {run.objective!r}; the {flag[2:]} must be an "
+                            "autoregressive run (objective 'ar')")
     # The reference path: diffusion and AR decode on the same (readable) kernels.
     model = load_model(info.model_dir, dtype=torch.float32, impl="reference").eval()
     baseline = load_model(base.model_dir, dtype=torch.float32, impl="reference").eval() if base is not None else None
     if base is not None and baseline is not None:
         check_same_tokenizer(info, base, model.config.vocab_size, baseline.config.vocab_size)
+    judge = None
+    if judge_info is not None:
+        judge = load_model(judge_info.model_dir, dtype=torch.float32, impl="reference").eval()
+        check_same_tokenizer(info, judge_info, model.config.vocab_size, judge.config.vocab_size, role="judge")
+        judge = judge.to(torch.float64)
     val = TokenDataset(data_dir, "val")
     if val.num_tokens == 0:
         raise EvalError(f"{data_dir}: the validation split is empty (0 tokens); prepare the data with "
@@ -348,17 +361,22 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     eos = (val.eot_id,)
     gcfg = (getattr(model, "generation_config", None) or GenerationConfig()).replace(
         max_new_tokens=max_new, eos_token_id=eos, pad_token_id=None, truncate=False)
-    quality_model = copy.deepcopy(model).to(getattr(torch, s.quality_dtype)) if s.quality_dtype != "float32" else model
+    dtype = getattr(torch, s.quality_dtype)
+    quality_model = copy.deepcopy(model).to(dtype) if s.quality_dtype != "float32" else model
+    quality_baseline = None if baseline is None else \
+        copy.deepcopy(baseline).to(dtype) if s.quality_dtype != "float32" else baseline
+    scorer, judged_by = (judge, judge_info) if judge is not None else (baseline, base)
 
-    def sample_quality(run: DecodeRun) -> dict[str, Any]:
-        q = quality(run.samples)
-        if baseline is not None:
-            q |= generative_perplexity(baseline, prompts, run.samples)
-        return q
+    def judged(timed: DecodeRun, scored: DecodeRun) -> dict[str, Any]:
+        """Quality of the scored samples (all prompts) and both halves' numbers."""
+        nlls = sample_nlls(scorer, prompts, scored.samples) if scorer is not None else None
+        stats = point_stats(timed, scored, nlls, s.seed, s.bootstrap)
+        q = quality(scored.samples) | {k: v for k, v in stats["all"].items() if k.startswith(("gen_ppl", "nll_"))}
+        return {"quality": q | {"dtype": s.quality_dtype}, "stats": stats, "samples": scored.samples,
+                "example": tokenizer.decode(scored.samples[0]) if scored.samples else ""}
 
     frontier, traces = [], {}
-    settings_grid = [(n, eb) for n in s.steps for eb in s.entropy_bounds]
-    for n, eb in settings_grid:
+    for n, eb in [(n, eb) for n in s.steps for eb in s.entropy_bounds]:
         cfg = gcfg.replace(max_denoising_steps=n, entropy_bound=eb)
         label = f"N={n} eb={eb:g}"
         log(f"decoding {label}: adaptive and fixed schedules")
@@ -367,34 +385,79 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
                             progress=s.progress)
         scored = run_sampler(quality_model, prompts, cfg, seed=s.seed, trace=True, name=label + " " + s.quality_dtype,
                              progress=s.progress)
+        point = judged(timed, scored)
+        point["quality"]["renoised"] = renoised_fraction(scored.traces)
         frontier.append({"max_denoising_steps": n, "entropy_bound": eb, "adaptive": timed.summary(),
-                         "fixed": fixed.summary(), "fixed_rule_tokens_per_forward": L / (n + 1),
-                         "quality": sample_quality(scored) | {"renoised": renoised_fraction(scored.traces),
-                                                              "dtype": s.quality_dtype},
-                         "example": tokenizer.decode(scored.samples[0]) if scored.samples else ""})
+                         "fixed": fixed.summary(), "fixed_rule_tokens_per_forward": L / (n + 1), **point})
         traces[f"N{n}_eb{eb:g}".replace(".", "p")] = scored.traces[0]  # no dot: Path.with_suffix would eat it
-    ar_decode = None
-    if baseline is not None:
-        log("decoding with the AR baseline")
-        ar_run = run_ar(baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed, progress=s.progress)
-        ar_decode = ar_run.summary() | {"quality": sample_quality(ar_run),
-                                        "example": tokenizer.decode(ar_run.samples[0]) if ar_run.samples else ""}
+    ar_frontier = []
+    if baseline is not None and quality_baseline is not None:
+        for temp in s.ar_temperatures:
+            label = f"AR T={temp:g}"
+            log(f"decoding with the AR baseline at temperature {temp:g}")
+            timed = run_ar(baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed, temperature=temp,
+                           name=label, progress=s.progress)
+            scored = run_ar(quality_baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed,
+                            temperature=temp, name=label + " " + s.quality_dtype, progress=s.progress)
+            ar_frontier.append({"temperature": temp, **timed.summary(), **judged(timed, scored)})
     report = {
         "format": REPORT_FORMAT,
         "model": {"path": str(info.path), "checkpoint": str(info.model_dir), "objective": objective,
                   "train_config": info.train_config},
         "baseline": None if base is None else {"path": str(base.path), "checkpoint": str(base.model_dir),
                                                "train_config": base.train_config},
+        "judge": None if judged_by is None else judge_description(
+            judge is not None, judged_by.path, judged_by.model_dir, judged_by.train_config,
+            "float64" if judge is not None else "float32"),
         "data": {"path": str(data_dir), "split": "val", "tokens": val.num_tokens, "documents": val.num_documents},
         "settings": asdict(s) | {"seq_len": seq_len, "num_steps": T, "max_new_tokens": max_new},
         "likelihood": {name: None if r is None else r | {"estimate": r["estimate"].to_dict(s.target_se)}
                        for name, r in (("x0_ce", x0_ce), ("nelbo", nelbo), ("ar_ce", ar_ce))},
-        "prompts": {"count": len(prompts), "tokens": s.prompt_tokens},
+        "prompts": {"count": len(prompts), "tokens": s.prompt_tokens, "selection": "even (0, 2, 4, ...)",
+                    "report": "odd (1, 3, 5, ...)"},
         "frontier": frontier,
-        "ar_decode": ar_decode,
+        "ar_frontier": ar_frontier,
     }
+    curves = learning_curves(info.path, base.path if base is not None else None, data_dir)
+    if curves is not None:
+        report["curves"] = curves
     report["verdict"] = verdict(report)
+    # The AR point the verdict compares against (else the first): the frontier table's speedup reference.
+    chosen = report["verdict"].get("ar_index", 0)
+    report["ar_decode"] = ar_frontier[chosen] if ar_frontier else None
     return report, traces
+
+
+def _finite_or(x: Any, default: float) -> float:
+    return x if x is not None and math.isfinite(x) else default
+
+
+def _match(frontier: list[dict[str, Any]], ar: dict[str, Any], half: str, tolerance: float
+           ) -> tuple[dict[str, Any], bool]:
+    """The fastest frontier setting whose samples on `half` match the AR point's there (gen-PPL at most (1 + tol)
+    times, token entropy at least (1 - tol) times), else the best-perplexity one among those passing the entropy
+    check (else the best overall); and whether it matched."""
+    a = ar["stats"][half]
+    ar_ppl, ar_h = _finite_or(a.get("gen_ppl"), math.nan), a["token_entropy"]
+
+    def ppl(f: dict[str, Any]) -> float:
+        return _finite_or(f["stats"][half].get("gen_ppl"), math.inf)
+
+    varied = [f for f in frontier if f["stats"][half]["token_entropy"] >= (1 - tolerance) * ar_h]
+    matched = [f for f in varied if ppl(f) <= (1 + tolerance) * ar_ppl]
+    if matched:
+        return max(matched, key=lambda f: f["stats"][half]["tokens_per_second"]), True
+    return min(varied or frontier, key=ppl), False
+
+
+def _speedup(d: dict[str, Any], a: dict[str, Any]) -> tuple[float, list[float]]:
+    """Tokens/s ratio and its 95% interval (delta method on the log ratio, the two SEs independent)."""
+    if not a["tokens_per_second"] or not d["tokens_per_second"]:
+        return math.nan, [math.nan, math.nan]
+    ratio = d["tokens_per_second"] / a["tokens_per_second"]
+    rel = math.sqrt((_finite_or(d["tokens_per_second_se"], math.nan) / d["tokens_per_second"]) ** 2
+                    + (_finite_or(a["tokens_per_second_se"], math.nan) / a["tokens_per_second"]) ** 2)
+    return ratio, [ratio * math.exp(-Z95 * rel), ratio * math.exp(Z95 * rel)]
 
 
 def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict[str, Any]:
@@ -405,35 +468,43 @@ def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict
     frontier setting whose samples match the AR samples' quality within the same tolerance: generative perplexity
     at most (1 + tol) times theirs AND token entropy at least (1 - tol) times theirs (degenerate, repetitive samples
     have a low perplexity, so perplexity alone would reward them). Without a match, the speedup is reported at the
-    best-perplexity setting among those passing the entropy check (else the best overall), marked as not matched."""
+    best-perplexity setting among those passing the entropy check (else the best overall), marked as not matched.
+
+    The setting and the AR temperature are chosen on the selection prompts (`judging.split_prompts`); the AR
+    temperature is the one diffusion fares worst against there (one no setting matches, if any; else the smallest
+    speedup). The numbers reported (speedup, gen-PPL, entropy) are measured on the report prompts."""
     lk = report["likelihood"]
-    if lk["ar_ce"] is None or report["ar_decode"] is None:
+    if lk["ar_ce"] is None or not report["ar_frontier"]:
         return {"available": False, "reason": "no AR baseline (--baseline)"}
     ar_ce = lk["ar_ce"]["estimate"]["mean"]
     nelbo, x0 = lk["nelbo"]["estimate"], lk["x0_ce"]["estimate"]
     ratio = nelbo["mean"] / ar_ce
-    ar = report["ar_decode"]
-    ar_tps, ar_h = ar["tokens_per_second"], ar["quality"]["token_entropy"]
-    ar_ppl = ar["quality"].get("gen_ppl", math.nan)
-
-    def ppl(f: dict[str, Any]) -> float:
-        value = f["quality"].get("gen_ppl")
-        return value if value is not None and math.isfinite(value) else math.inf
-
-    varied = [f for f in report["frontier"] if f["quality"]["token_entropy"] >= (1 - tolerance) * ar_h]
-    matched = [f for f in varied if ppl(f) <= (1 + tolerance) * ar_ppl]
-    best = max(matched, key=lambda f: f["adaptive"]["tokens_per_second"]) if matched else \
-        min(varied or report["frontier"], key=ppl)
-    tps = best["adaptive"]["tokens_per_second"]
+    frontier, ar_points = report["frontier"], report["ar_frontier"]
+    choices = []
+    for i, ar in enumerate(ar_points):
+        best, matched = _match(frontier, ar, "select", tolerance)
+        speed, _ = _speedup(best["stats"]["select"], ar["stats"]["select"])
+        choices.append((matched, _finite_or(speed, math.inf), i, best))
+    matched, _, i, best = min(choices, key=lambda c: c[:3])
+    ar = ar_points[i]
+    d, a = best["stats"]["report"], ar["stats"]["report"]
+    speedup, speedup_ci = _speedup(d, a)
+    on_report = d["token_entropy"] >= (1 - tolerance) * a["token_entropy"] and \
+        _finite_or(d.get("gen_ppl"), math.inf) <= (1 + tolerance) * _finite_or(a.get("gen_ppl"), math.nan)
     return {
         "available": True, "tolerance": tolerance,
         "nelbo_over_ar": ratio, "nelbo_within_tolerance": ratio <= 1 + tolerance,
         "nelbo_upper_ratio": (nelbo["mean"] + 2 * nelbo["se"]) / ar_ce,
         "x0_ce_over_ar": x0["mean"] / ar_ce, "x0_ce_within_tolerance": x0["mean"] / ar_ce <= 1 + tolerance,
-        "speedup": tps / ar_tps if ar_tps else math.nan, "speedup_setting": {
+        "speedup": speedup, "speedup_ci95": speedup_ci, "speedup_setting": {
             "max_denoising_steps": best["max_denoising_steps"], "entropy_bound": best["entropy_bound"]},
-        "quality_matched": bool(matched), "gen_ppl": best["quality"].get("gen_ppl"), "ar_gen_ppl": ar_ppl,
-        "token_entropy": best["quality"]["token_entropy"], "ar_token_entropy": ar_h,
+        "ar_temperature": ar["temperature"], "ar_index": i,
+        "quality_matched": matched, "quality_matched_on_report": bool(on_report),
+        "gen_ppl": d.get("gen_ppl"), "gen_ppl_ci95": d.get("gen_ppl_ci95"),
+        "ar_gen_ppl": a.get("gen_ppl", math.nan), "ar_gen_ppl_ci95": a.get("gen_ppl_ci95"),
+        "token_entropy": d["token_entropy"], "ar_token_entropy": a["token_entropy"],
+        "tokens_per_second": d["tokens_per_second"], "ar_tokens_per_second": a["tokens_per_second"],
+        "prompts_select": len(best["stats"]["select"]["prompts"]), "prompts_report": len(d["prompts"]),
     }
 
 

@@ -1,9 +1,10 @@
-"""The report of `dgemma eval`: report.json, report.md and its two figures (frontier.png, likelihood.png), from the
-dict `dgemma.evaluate.evaluate` returns (docs/evaluation.md, section 4).
+"""The report of `dgemma eval`: report.json, report.md and its figures (frontier.png, likelihood.png, and curves.png
+when the runs logged learning curves), from the dict `dgemma.evaluate.evaluate` returns (docs/evaluation.md,
+section 4).
 
     write_report(report, out, command=..., traces=...)   everything into `out`, traces into out/traces/
     render_markdown(report)                              report.md
-    plot_frontier, plot_likelihood                       the figures (matplotlib, as `dgemma viz`: dgemma.viz)
+    plot_frontier, plot_likelihood, plot_curves          the figures (matplotlib, as `dgemma viz`: dgemma.viz)
 
 Every figure carries the command that produced it in its footer.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dgemma.curves import curves_markdown
 from dgemma.generate import Trace
 from dgemma.viz import figure, pyplot, save_figure
 
@@ -40,7 +42,8 @@ def _f(x: Any, fmt: str = ".3f") -> str:
 
 def write_report(report: dict[str, Any], out: str | Path, *, command: str, traces: dict[str, Trace] | None = None
                  ) -> list[Path]:
-    """report.json, report.md and the figures (frontier.png, likelihood.png) into `out`; traces into out/traces/."""
+    """report.json, report.md and the figures (frontier.png, likelihood.png, curves.png) into `out`; traces into
+    out/traces/."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = _finite({**report, "command": command, "out": str(out)})
@@ -49,6 +52,8 @@ def write_report(report: dict[str, Any], out: str | Path, *, command: str, trace
         written += list(trace.save(out / "traces" / name))
     written.append(plot_frontier(report, out / "frontier.png", command))
     written.append(plot_likelihood(report, out / "likelihood.png", command))
+    if report.get("curves"):
+        written.append(plot_curves(report, out / "curves.png", command))
     (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     (out / "report.md").write_text(render_markdown(report, sorted(traces or {})))
     return [*written, out / "report.json", out / "report.md"]
@@ -58,16 +63,32 @@ def _t_scheme(k: int) -> str:
     return "t uniform on 1..T" if k == 1 else f"t = 1 exactly, then one t uniform in each of {k - 1} equal strata"
 
 
+def _ci(values: Any, fmt: str) -> str:
+    return "–" if not values else f"[{_f(values[0], fmt)}, {_f(values[1], fmt)}]"
+
+
+def _judge_line(judge: dict[str, Any] | None) -> str:
+    if judge is None:
+        return "- judge: none (no generative perplexity without --baseline or --judge)"
+    trained = ", ".join(f"{v:,} {k}" for k, v in (("steps", judge["trained_step"]), ("tokens", judge["trained_tokens"]))
+                        if v is not None)
+    return (f"- judge (scores generative perplexity): {judge['judge']}, `{judge['checkpoint']}` (objective "
+            f"{judge['objective'] or 'unknown'}{', ' + trained if trained else ''}), in {judge['dtype']}")
+
+
 def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> str:
     lk, v, st = report["likelihood"], report["verdict"], report["settings"]
     lines = [f"# dgemma eval: {report['model']['path']}", "", f"Command: `{report['command']}`", "",
              f"- model: `{report['model']['checkpoint']}` (objective {report['model']['objective']})",
              f"- baseline: `{report['baseline']['checkpoint']}`" if report["baseline"] else "- baseline: none",
+             _judge_line(report.get("judge")),
              f"- data: `{report['data']['path']}`, validation split: {report['data']['tokens']:,} tokens, "
              f"{report['data']['documents']:,} documents",
              f"- held-out windows of {st['seq_len']} tokens; NELBO and x0 CE with T = {st['num_steps']}; "
              f"{report['prompts']['count']} prompts of {report['prompts']['tokens']} tokens, "
-             f"{st['max_new_tokens']} new tokens each", ""]
+             f"{st['max_new_tokens']} new tokens each; the verdict's setting and AR temperature are chosen on the "
+             f"{report['prompts']['selection']} prompts, its numbers measured on the {report['prompts']['report']} "
+             "ones", ""]
     lines += ["## Verdict (seed 003)", ""]
     if not v["available"]:
         lines += [f"Not available: {v['reason']}.", ""]
@@ -77,13 +98,19 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                   f"{_f(v['nelbo_over_ar'])} (with 2 SE: {_f(v['nelbo_upper_ratio'])}). The NELBO is an upper bound "
                   "on the diffusion model's NLL, so a pass is conservative. Seed 003's own measure, x0 CE / AR CE = "
                   f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
-                  f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** wall-clock useful tokens/s over the AR "
-                  f"baseline, at max_denoising_steps={v['speedup_setting']['max_denoising_steps']}, entropy_bound="
-                  f"{v['speedup_setting']['entropy_bound']:g}: generative perplexity {_f(v['gen_ppl'], '.1f')} and "
-                  f"token entropy {_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} and "
-                  f"{_f(v['ar_token_entropy'], '.2f')} "
-                  + ("(matched within tolerance)." if v["quality_matched"] else
-                     "(**no setting matched the AR samples' quality**; this is the best-quality setting)."), ""]
+                  f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** (95% interval "
+                  f"{_ci(v['speedup_ci95'], '.2f')}) wall-clock useful tokens/s over the AR baseline at temperature "
+                  f"{v['ar_temperature']:g}, at max_denoising_steps={v['speedup_setting']['max_denoising_steps']}, "
+                  f"entropy_bound={v['speedup_setting']['entropy_bound']:g}: generative perplexity "
+                  f"{_f(v['gen_ppl'], '.1f')} {_ci(v['gen_ppl_ci95'], '.1f')} and token entropy "
+                  f"{_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} "
+                  f"{_ci(v['ar_gen_ppl_ci95'], '.1f')} and {_f(v['ar_token_entropy'], '.2f')} "
+                  + ("(matched within tolerance on the selection prompts" if v["quality_matched"] else
+                     "(**no setting matched the AR samples' quality** on the selection prompts; this is the "
+                     "best-quality setting") + f"; on the report prompts: "
+                  f"{'matched' if v['quality_matched_on_report'] else 'not matched'}). Setting and AR temperature "
+                  f"chosen on {v['prompts_select']} selection prompts, numbers from {v['prompts_report']} report "
+                  "prompts; intervals: bootstrap over samples (gen-PPL), SE across prompts (tokens/s).", ""]
     lines += ["## Likelihood (held-out, nats/token)", "",
               "| metric | nats/token | ± SE | bits/byte | windows | tokens | windows for SE " +
               f"{_f(lk['nelbo']['estimate']['target_se'], 'g')} |", "|---|---|---|---|---|---|---|"]
@@ -108,36 +135,57 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
               "Tokens/forward: generated positions per backbone pass after the prefill (a fixed schedule of N steps: "
               "N denoise passes + 1 commit per canvas, L/(N+1)). Quality: samples drawn with the diffusion model in "
               f"{st['quality_dtype']}.", "",
-              "| N | entropy_bound | tok/s | speedup | tok/forward adaptive | fixed (rule) | steps/canvas | "
-              "gen PPL | distinct-2 | entropy | re-noised |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| N / AR temperature | entropy_bound | tok/s ± SE | speedup | tok/forward adaptive | fixed (rule) | "
+              "steps/canvas | gen PPL [95%] | distinct-2 | entropy | re-noised |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     ar = report["ar_decode"]
     for f in report["frontier"]:
-        a, q = f["adaptive"], f["quality"]
+        a, q, al = f["adaptive"], f["quality"], f["stats"]["all"]
         speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
-        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | {_f(a['tokens_per_second'], '.1f')} | "
-                     f"{_f(speed, '.2f')} | {_f(a['tokens_per_forward'], '.2f')} | "
+        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | {_f(a['tokens_per_second'], '.1f')} ± "
+                     f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
+                     f"{_f(a['tokens_per_forward'], '.2f')} | "
                      f"{_f(f['fixed']['tokens_per_forward'], '.2f')} ({_f(f['fixed_rule_tokens_per_forward'], '.2f')})"
-                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_f(q.get('gen_ppl'), '.1f')} | "
-                     f"{_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
+                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_f(q.get('gen_ppl'), '.1f')} "
+                     f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
                      f"{_f(q['renoised']['fraction'], '.3%')} |")
-    if ar:
-        q = ar["quality"]
-        lines.append(f"| AR | – | {_f(ar['tokens_per_second'], '.1f')} | 1.00 | "
-                     f"{_f(ar['tokens_per_forward'], '.2f')} | "
-                     f"– | – | {_f(q.get('gen_ppl'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
+    for p in report["ar_frontier"]:
+        q, al = p["quality"], p["stats"]["all"]
+        speed = p["tokens_per_second"] / ar["tokens_per_second"] if ar["tokens_per_second"] else None
+        lines.append(f"| AR T={p['temperature']:g} | – | {_f(p['tokens_per_second'], '.1f')} ± "
+                     f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
+                     f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_f(q.get('gen_ppl'), '.1f')} "
+                     f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
                      "| – |")
+    if ar:
+        lines += ["", f"Speedup: over the AR baseline at temperature {ar['temperature']:g} (the verdict's). "
+                  "Gen PPL: 95% bootstrap interval over the samples; tok/s: ± SE across prompts, all prompts."]
+    lines += ["", "### Adaptive stopping", "",
+              "Per setting, the denoising steps the adaptive sampler spent per canvas against its cap "
+              "(max_denoising_steps), and the share of canvases that stopped before the cap (timed runs).", "",
+              "| N (cap) | entropy_bound | mean steps/canvas | canvases | stopped early |", "|---|---|---|---|---|"]
+    for f in report["frontier"]:
+        a = f["adaptive"]
+        canvases = a["commit_passes"]  # one commit per canvas
+        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | "
+                     f"{_f(a['mean_steps_per_canvas'], '.2f')} / {f['max_denoising_steps']} | {canvases} | "
+                     f"{_f(a.get('early_stop_share'), '.0%')} |")
     lines += ["", "![frontier](frontier.png)", "", f"*frontier.png: `{report['command']}`*", ""]
     if trace_names:
         lines += ["## Traces", "", "The first prompt of each setting, traced (draw them with `dgemma viz`):", ""]
         lines += [f"- `traces/{n}`: `dgemma viz {Path(report['out']) / 'traces' / n} --out "
                   f"{Path(report['out']) / 'viz' / n}`" for n in trace_names]
         lines.append("")
+    if report.get("curves"):
+        lines += curves_markdown(report["curves"])
+        lines += [f"*curves.png: `{report['command']}`*", ""]
     lines += ["## Samples (first prompt)", ""]
     for f in report["frontier"]:
         lines += [f"**N={f['max_denoising_steps']}, entropy_bound={f['entropy_bound']:g}:**", "", "```",
                   f["example"].strip()[:600], "```", ""]
     if ar:
-        lines += ["**AR baseline:**", "", "```", ar["example"].strip()[:600], "```", ""]
+        lines += [f"**AR baseline, temperature {ar['temperature']:g}:**", "", "```", ar["example"].strip()[:600], "```",
+                  ""]
     return "\n".join(lines)
 
 
@@ -146,15 +194,19 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
 def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
     """Speed against quality over max_denoising_steps x entropy_bound: generated tokens/s (wall clock) and tokens per
     forward against the samples' generative perplexity under the AR baseline, and tokens/s against the samples'
-    token entropy (perplexity alone rewards repetitive text); the AR baseline as a star."""
+    token entropy (perplexity alone rewards repetitive text); the AR baseline at each temperature as a line of stars.
+    Perplexity error bars: the 95% bootstrap intervals."""
     plt = pyplot()
     fig = figure(plt, "Speed / quality frontier (each point: one sampler setting; labels N = max_denoising_steps)",
                   command)
     ar = report["ar_decode"]
+    ar_points = report["ar_frontier"]
     panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "token_entropy",
                "token entropy of the samples (nats; higher = more varied)")]
     if ar is not None:
-        ppl = "generative perplexity under the AR baseline"
+        judge = report.get("judge") or {}
+        ppl = "generative perplexity under the " + ("judge" if judge.get("judge", "").startswith("an independent")
+                                                    else "AR baseline")
         panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
                   ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
     bounds = sorted({f["entropy_bound"] for f in report["frontier"]})
@@ -164,13 +216,17 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
             pts = [f for f in report["frontier"] if f["entropy_bound"] == eb]
             xs = [f["adaptive"][xkey] for f in pts]
             ys = [_num(f["quality"].get(ykey)) for f in pts]
-            ax.plot(xs, ys, "o-", label=f"adaptive, entropy_bound={eb:g}")
+            ax.errorbar(xs, ys, yerr=_yerr(pts, ykey), fmt="o-", capsize=3, label=f"adaptive, entropy_bound={eb:g}")
             for f, x, y in zip(pts, xs, ys, strict=True):
                 ax.annotate(f"N={f['max_denoising_steps']}", (x, y), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
-        if ar is not None:
-            ax.plot([ar[xkey]], [_num(ar["quality"].get(ykey))], "*", markersize=14, color="k",
-                    label="AR baseline (KV cache)")
+        if ar_points:
+            xs = [p[xkey] for p in ar_points]
+            ys = [_num(p["quality"].get(ykey)) for p in ar_points]
+            ax.errorbar(xs, ys, yerr=_yerr(ar_points, ykey), fmt="*-", markersize=12, capsize=3, color="k",
+                        label="AR baseline (KV cache), by temperature")
+            for p, x, y in zip(ar_points, xs, ys, strict=True):
+                ax.annotate(f"T={p['temperature']:g}", (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
         ax.set_xlabel(xlabel, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=9)
         if ykey == "gen_ppl":
@@ -183,6 +239,59 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
 
 def _num(x: Any) -> float:
     return math.nan if x is None else float(x)
+
+
+def _yerr(points: Sequence[dict[str, Any]], key: str) -> np.ndarray | None:
+    """Asymmetric error bars (2, n) from each point's 95% interval of `key` (gen_ppl only), else None."""
+    if key != "gen_ppl":
+        return None
+    bars = []
+    for p in points:
+        y, ci = _num(p["quality"].get("gen_ppl")), p["quality"].get("gen_ppl_ci95") or [None, None]
+        bars.append([max(y - _num(ci[0]), 0.0), max(_num(ci[1]) - y, 0.0)] if math.isfinite(y) else [0.0, 0.0])
+    return np.nan_to_num(np.array(bars, dtype=np.float64).T)
+
+
+def plot_curves(report: dict[str, Any], path: Path, command: str) -> Path:
+    """Learning curves from the runs' metrics.jsonl: the diffusion run's held-out NELBO and the AR run's
+    cross-entropy against tokens seen, with 2-SE bands, the unigram cross-entropy as a line; and, on a second panel,
+    NELBO / AR CE at the token counts both runs evaluated."""
+    plt = pyplot()
+    c = report["curves"]
+    fig = figure(plt, "Learning curves (held-out, from the runs' metrics.jsonl; bands: 2 standard errors)", command)
+    ax = fig.add_subplot(1, 2, 1)
+    for side, name, color in (("diffusion", "diffusion NELBO (upper bound on NLL)", "tab:purple"),
+                              ("ar", "AR cross-entropy", "k")):
+        if not c.get(side):
+            continue
+        pts = c[side]["points"]
+        x = np.array([p["tokens"] for p in pts], dtype=np.float64)
+        y = np.array([_num(p["value"]) for p in pts])
+        se = np.array([_num(p["se"]) for p in pts])
+        ax.plot(x, y, "o-", color=color, label=name, markersize=3)
+        ax.fill_between(x, y - 2 * np.nan_to_num(se), y + 2 * np.nan_to_num(se), color=color, alpha=0.2)
+    if c.get("unigram_ce") is not None:
+        ax.axhline(c["unigram_ce"], color="tab:gray", linestyle="--", label="unigram cross-entropy (no context)")
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("nats per token")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax = fig.add_subplot(1, 2, 2)
+    if c["ratio"]:
+        x = np.array([r["tokens"] for r in c["ratio"]], dtype=np.float64)
+        y = np.array([_num(r["ratio"]) for r in c["ratio"]])
+        se = np.nan_to_num(np.array([_num(r["ratio_se"]) for r in c["ratio"]]))
+        ax.errorbar(x, y, yerr=2 * se, fmt="o-", capsize=3, color="tab:purple", label="NELBO / AR CE (matched tokens)")
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.axhline(1.05, color="tab:red", linestyle=":", label="+5% (seed 003's parity)")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no token count evaluated by both runs", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("diffusion NELBO / AR cross-entropy")
+    ax.grid(alpha=0.3)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.9, bottom=0.1, wspace=0.25)
+    return save_figure(fig, path)
 
 
 def plot_likelihood(report: dict[str, Any], path: Path, command: str) -> Path:
@@ -220,4 +329,4 @@ def plot_likelihood(report: dict[str, Any], path: Path, command: str) -> Path:
     return save_figure(fig, path)
 
 
-__all__ = ["plot_frontier", "plot_likelihood", "render_markdown", "write_report"]
+__all__ = ["plot_curves", "plot_frontier", "plot_likelihood", "render_markdown", "write_report"]

@@ -1,7 +1,7 @@
-"""`dgemma eval --model RUN [--baseline AR_RUN] --data DIR --out REPORT_DIR`: held-out likelihoods (NELBO bound, x0
-cross-entropy, AR cross-entropy), decoding speed and cost over a grid of sampler settings, sample quality, and seed
-003's verdict, written as report.md, report.json and plots (dgemma/evaluate.py, dgemma/report.py,
-docs/evaluation.md)."""
+"""`dgemma eval --model RUN [--baseline AR_RUN] [--judge AR_RUN] --data DIR --out REPORT_DIR`: held-out likelihoods
+(NELBO bound, x0 cross-entropy, AR cross-entropy), decoding speed and cost over a grid of sampler settings and AR
+temperatures, sample quality scored by a judge, learning curves of the runs, and seed 003's verdict, written as
+report.md, report.json and plots (dgemma/evaluate.py, dgemma/report.py, docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("--model", type=Path, required=True, metavar="RUN", help="diffusion run or checkpoint directory")
     p.add_argument("--baseline", type=Path, metavar="AR_RUN", help="autoregressive run (objective 'ar'), same data")
+    p.add_argument("--judge", type=Path, metavar="AR_RUN", help="an independent AR run (objective 'ar', same "
+                   "tokenizer) that scores both sides' samples in float64 (default: the baseline scores them)")
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="prepared data (its validation split)")
     p.add_argument("--out", type=Path, required=True, metavar="REPORT_DIR", help="folder for report.md/json, plots")
     p.add_argument("--prompts", type=int, default=8, metavar="N", help="prompts decoded per sampler setting")
@@ -35,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="max_denoising_steps values of the frontier (default 4,8,16,32)")
     p.add_argument("--entropy-bounds", type=_floats, default=(0.1, 1.0), metavar="X,X,..",
                    help="entropy_bound values of the frontier (default 0.1,1)")
+    p.add_argument("--ar-temperatures", type=_floats, default=(1.0,), metavar="X,X,..",
+                   help="temperatures the AR baseline decodes at: its frontier (default 1)")
     p.add_argument("--seq-len", type=int, metavar="N", help="held-out window (default: the run's training seq_len)")
     p.add_argument("--num-steps", type=int, metavar="T", help="T of the NELBO (default: the run's training T)")
     p.add_argument("--t-samples", type=int, default=4, metavar="K", help="stratified t samples per canvas (NELBO)")
@@ -44,7 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target-se", type=float, default=0.01, metavar="X", help="the report says how many windows "
                    "give this standard error (nats/token)")
     p.add_argument("--quality-dtype", default="float64", choices=("float64", "float32"),
-                   help="dtype of the diffusion model for the samples that are scored (default float64)")
+                   help="dtype of both models for the samples that are scored (default float64)")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap resamples of the "
+                   "generative-perplexity intervals (seeded with --seed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -60,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                             seq_len=args.seq_len, num_steps=args.num_steps, num_t_samples=args.t_samples,
                             max_windows=args.max_windows or None, batch_size=args.batch_size,
                             target_se=args.target_se, seed=args.seed, quality_dtype=args.quality_dtype,
-                            progress=not args.quiet)
+                            ar_temperatures=args.ar_temperatures, bootstrap=args.bootstrap, progress=not args.quiet)
     settings.check()
     try:  # before the long evaluation, not after it: the report needs its plots
         check_installed()
@@ -68,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dgemma eval: error: {e}", file=sys.stderr)
         return 2
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    report, traces = evaluate(args.model, args.data, baseline_path=args.baseline, settings=settings, log=log)
+    report, traces = evaluate(args.model, args.data, baseline_path=args.baseline, judge_path=args.judge,
+                              settings=settings, log=log)
     command = "dgemma eval " + shlex.join(_argv(args))
     for path in write_report(report, args.out, command=command, traces=traces):
         log(f"wrote {path}")
@@ -81,6 +88,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
     out = ["--model", shown_path(args.model)]
     if args.baseline is not None:
         out += ["--baseline", shown_path(args.baseline)]
+    if args.judge is not None:
+        out += ["--judge", shown_path(args.judge)]
     out += ["--data", shown_path(args.data), "--out", shown_path(args.out), "--prompts", str(args.prompts),
             "--steps", ",".join(map(str, args.steps)),
             "--entropy-bounds", ",".join(f"{x:g}" for x in args.entropy_bounds)]
@@ -89,6 +98,10 @@ def _argv(args: argparse.Namespace) -> list[str]:
                         ("--max-windows", args.max_windows), ("--seed", args.seed)):
         if value is not None:
             out += [flag, str(value)]
+    if args.ar_temperatures != (1.0,):
+        out += ["--ar-temperatures", ",".join(f"{x:g}" for x in args.ar_temperatures)]
+    if args.bootstrap != 1000:
+        out += ["--bootstrap", str(args.bootstrap)]
     if args.quality_dtype != "float64":
         out += ["--quality-dtype", args.quality_dtype]
     return out

@@ -1,0 +1,126 @@
+"""Learning curves for `dgemma eval` (docs/evaluation.md, section 6): the held-out evaluations `dgemma train` logged
+in RUN/metrics.jsonl, for the diffusion run and its AR baseline, against tokens seen.
+
+    read_metrics(path)              the records of a metrics.jsonl (a torn last line is skipped)
+    eval_points(run, metric)        one run's evaluations of `metric`: step, tokens, value, SE, CPU seconds
+    matched_ratio(diffusion, ar)    diffusion NELBO / AR CE at every token count both runs evaluated
+    learning_curves(...)            the report's `curves` section (None when neither run has a metrics.jsonl)
+    curves_markdown(curves)         report.md's table
+
+A diffusion run's curve is its `val_nelbo` (the held-out NELBO at the run's training T: an upper bound on its NLL;
+records without it are skipped), an AR run's its `val_loss` (next-token cross-entropy). The reference line is the
+held-out cross-entropy of the training split's unigram distribution (`dgemma.data.unigram_cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every JSON object of a metrics.jsonl, in order; lines that do not parse (a torn last line) are skipped."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
+    """The evaluation records of a training run directory (those with val_loss) that carry `metric`, one per step (the
+    last one logged, if a resume evaluated a step again), in step order: step, tokens, value, se (`metric`_se), and
+    cpu_s / elapsed_s of the training record of the same step when there is one. None without RUN/metrics.jsonl."""
+    path = Path(run) / METRICS
+    if not path.is_file():
+        return None
+    train: dict[int, dict[str, Any]] = {}
+    points: dict[int, dict[str, Any]] = {}
+    for rec in read_metrics(path):
+        step = rec.get("step")
+        if not isinstance(step, int):
+            continue
+        if "val_loss" not in rec:
+            if "cpu_s" in rec or "elapsed_s" in rec:
+                train[step] = rec
+            continue
+        if metric not in rec or "tokens" not in rec:
+            continue
+        t = train.get(step, {})
+        points[step] = {"step": step, "tokens": rec["tokens"], "value": rec[metric], "se": rec.get(f"{metric}_se"),
+                        "cpu_s": t.get("cpu_s"), "elapsed_s": t.get("elapsed_s")}
+    return [points[k] for k in sorted(points)]
+
+
+def matched_ratio(diffusion: list[dict[str, Any]], ar: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At every token count both runs evaluated: diffusion NELBO / AR CE, with the delta-method SE of the ratio
+    (the two SEs independent)."""
+    by_tokens = {p["tokens"]: p for p in ar}
+    out = []
+    for d in diffusion:
+        a = by_tokens.get(d["tokens"])
+        if a is None or not a["value"]:
+            continue
+        ratio = d["value"] / a["value"]
+        se = None
+        if d["se"] is not None and a["se"] is not None and d["value"]:
+            se = abs(ratio) * math.sqrt((d["se"] / d["value"]) ** 2 + (a["se"] / a["value"]) ** 2)
+        out.append({"tokens": d["tokens"], "step_diffusion": d["step"], "step_ar": a["step"], "nelbo": d["value"],
+                    "ar_ce": a["value"], "ratio": ratio, "ratio_se": se})
+    return out
+
+
+def learning_curves(model_path: str | Path, baseline_path: str | Path | None, data_dir: str | Path
+                    ) -> dict[str, Any] | None:
+    """The report's `curves` section: each run's curve (None for a run without metrics.jsonl or without points),
+    the unigram cross-entropy of `data_dir`, and the matched-token ratio; None when neither run has a curve."""
+    from dgemma.data import DataError, unigram_cross_entropy
+
+    runs = {"diffusion": (model_path, "val_nelbo"), "ar": (baseline_path, "val_loss")}
+    curves: dict[str, Any] = {}
+    for side, (path, metric) in runs.items():
+        points = eval_points(path, metric) if path is not None else None
+        curves[side] = {"path": str(path), "metric": metric, "points": points} if points else None
+    if curves["diffusion"] is None and curves["ar"] is None:
+        return None
+    try:
+        unigram = unigram_cross_entropy(data_dir)
+    except (DataError, FileNotFoundError, ValueError):  # no train split to count: no reference line
+        unigram = None
+    both = curves["diffusion"] is not None and curves["ar"] is not None
+    return curves | {"unigram_ce": unigram,
+                     "ratio": matched_ratio(curves["diffusion"]["points"], curves["ar"]["points"]) if both else []}
+
+
+def _f(x: Any, fmt: str) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def curves_markdown(curves: dict[str, Any]) -> list[str]:
+    """report.md's learning-curve section: one row per token count either run evaluated."""
+    sides = {side: {p["tokens"]: p for p in (curves[side] or {}).get("points") or []} for side in ("diffusion", "ar")}
+    ratios = {r["tokens"]: r for r in curves["ratio"]}
+    lines = ["## Learning curves (from the runs' metrics.jsonl)", "",
+             "Held-out evaluations logged by `dgemma train`: the diffusion run's NELBO at its training T (an upper "
+             "bound on its NLL) and the AR run's next-token cross-entropy, nats/token, ± SE, on the first "
+             "`eval_batches` validation batches (not the windows of the likelihood section). Unigram cross-entropy "
+             f"of the training split on the validation split: {_f(curves['unigram_ce'], '.4f')}.", "",
+             "| tokens | step | diffusion NELBO | ± SE | AR CE | ± SE | NELBO / AR CE |",
+             "|---|---|---|---|---|---|---|"]
+    for tokens in sorted(set(sides["diffusion"]) | set(sides["ar"])):
+        d, a, r = sides["diffusion"].get(tokens, {}), sides["ar"].get(tokens, {}), ratios.get(tokens, {})
+        ratio = f"{_f(r.get('ratio'), '.3f')} ± {_f(r.get('ratio_se'), '.3f')}" if r else "–"
+        lines.append(f"| {tokens:,} | {d.get('step', a.get('step'))} | {_f(d.get('value'), '.4f')} | "
+                     f"{_f(d.get('se'), '.4f')} | {_f(a.get('value'), '.4f')} | {_f(a.get('se'), '.4f')} | {ratio} |")
+    return [*lines, "", "![curves](curves.png)", ""]
+
+
+__all__ = ["curves_markdown", "eval_points", "learning_curves", "matched_ratio", "read_metrics"]

@@ -1,0 +1,118 @@
+"""Who scores the samples of `dgemma eval`, and how sure the numbers are (docs/evaluation.md, sections 2-4).
+
+    split_prompts(n)                  the selection half (even prompts) and the report half (odd prompts)
+    bootstrap_ppl(nlls, ...)          generative perplexity and its 95% interval, resampling samples (seeded)
+    rate_interval(tokens, seconds)    tokens/s over prompts and its SE / 95% interval (ratio estimator)
+    point_stats(timed, scored, ...)   one frontier point's numbers on all prompts and on each half
+    judge_description(...)            the report's `judge`: path, objective, steps and tokens trained
+
+The judge is `dgemma eval --judge RUN` (an AR run, in float64) when given: a model that is neither of the two
+compared, so that neither side scores its own samples. Without it the AR baseline scores both sides, and the report
+says so.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dgemma.curves import METRICS, read_metrics
+from dgemma.decoding import DecodeRun, distinct_n, token_entropy
+
+Z95 = 1.959963984540054  # the 97.5% point of the standard normal
+BOOTSTRAP_RESAMPLES = 1000
+BASELINE_JUDGE = "the AR baseline (one of the compared models)"
+INDEPENDENT_JUDGE = "an independent AR model (--judge)"
+
+
+def split_prompts(n: int) -> tuple[list[int], list[int]]:
+    """Indices of the selection half (0, 2, 4, ...) and of the report half (1, 3, 5, ...) of `n` prompts in the order
+    `pick_prompts` gives them (validation documents in order), so both halves spread over the split."""
+    return list(range(0, n, 2)), list(range(1, n, 2))
+
+
+def bootstrap_ppl(nlls: Sequence[tuple[float, int]], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                  level: float = 0.95) -> dict[str, Any]:
+    """Generative perplexity exp(sum NLL / sum tokens) over samples ((NLL sum, token count) each, as
+    `decoding.sample_nlls` gives them) and its percentile interval from `resamples` bootstrap resamples of the samples
+    (with replacement; a seeded generator, so the interval is reproducible). Empty samples carry no tokens and are
+    left out."""
+    s = np.array([x for x, n in nlls if n > 0], dtype=np.float64)
+    n = np.array([n for _, n in nlls if n > 0], dtype=np.float64)
+    if not n.size:
+        return {"gen_ppl": math.nan, "gen_ppl_ci95": [math.nan, math.nan], "nll_per_token": math.nan, "tokens": 0,
+                "samples": 0, "resamples": resamples}
+    nll = float(s.sum() / n.sum())
+    idx = np.random.default_rng(seed).integers(0, n.size, size=(resamples, n.size))
+    boot = np.exp(s[idx].sum(1) / n[idx].sum(1))
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return {"gen_ppl": math.exp(nll), "gen_ppl_ci95": [float(lo), float(hi)], "nll_per_token": nll,
+            "tokens": int(n.sum()), "samples": int(n.size), "resamples": resamples}
+
+
+def rate_interval(tokens: Sequence[int], seconds: Sequence[float]) -> dict[str, Any]:
+    """Tokens/s = sum tokens / sum seconds over prompts (the ratio estimator) with its delta-method SE across prompts,
+    sqrt(sum (tokens_i - R seconds_i)^2 / (n (n - 1))) / mean seconds, and R +- 1.96 SE. SE needs two prompts."""
+    t, s = np.asarray(tokens, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    if not t.size:
+        return {"tokens_per_second": math.nan, "tokens_per_second_se": math.nan,
+                "tokens_per_second_ci95": [math.nan, math.nan]}
+    rate = float(t.sum() / max(s.sum(), 1e-12))
+    se = math.nan
+    if t.size >= 2:
+        se = float(math.sqrt(((t - rate * s) ** 2).sum() / (t.size * (t.size - 1))) / max(s.mean(), 1e-12))
+    return {"tokens_per_second": rate, "tokens_per_second_se": se,
+            "tokens_per_second_ci95": [rate - Z95 * se, rate + Z95 * se]}
+
+
+def half_stats(timed: DecodeRun, scored: DecodeRun, nlls: Sequence[tuple[float, int]] | None, idx: Sequence[int],
+               seed: int, resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, Any]:
+    """The numbers of the prompts `idx`: speed from the timed run, quality from the scored (float64) samples."""
+    out = {"prompts": list(idx)} | rate_interval([len(timed.samples[i]) for i in idx], [timed.seconds[i] for i in idx])
+    samples = [scored.samples[i] for i in idx]
+    out |= {"token_entropy": token_entropy(samples), "distinct_2": distinct_n(samples, 2)}
+    if nlls is not None:
+        out |= bootstrap_ppl([nlls[i] for i in idx], resamples=resamples, seed=seed)
+    return out
+
+
+def point_stats(timed: DecodeRun, scored: DecodeRun, nlls: Sequence[tuple[float, int]] | None, seed: int,
+                resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, dict[str, Any]]:
+    """`half_stats` on all prompts ("all"), the selection half ("select") and the report half ("report")."""
+    n = len(timed.samples)
+    select, report = split_prompts(n)
+    return {name: half_stats(timed, scored, nlls, idx, seed, resamples)
+            for name, idx in (("all", range(n)), ("select", select), ("report", report))}
+
+
+def run_progress(path: Path, model_dir: Path) -> dict[str, Any]:
+    """Steps and tokens a checkpoint was trained for, when known: its step from the directory name (step-NNNNNNN),
+    its tokens from the last metrics.jsonl record of the run at or before that step."""
+    m = re.fullmatch(r"step-(\d+)", model_dir.name)
+    step = int(m.group(1)) if m else None
+    metrics = next((p for p in (path / METRICS, model_dir.parent.parent / METRICS) if p.is_file()), None)
+    tokens = None
+    if metrics is not None:
+        for rec in read_metrics(metrics):  # in order: the last record at or before the checkpoint's step
+            if isinstance(rec.get("step"), int) and "tokens" in rec and (step is None or rec["step"] <= step):
+                tokens = (rec["step"], rec["tokens"])
+    return {"step": step if step is not None else (tokens[0] if tokens else None),
+            "tokens": tokens[1] if tokens else None}
+
+
+def judge_description(independent: bool, path: Path, model_dir: Path, train_config: dict[str, Any] | None,
+                      dtype: str) -> dict[str, Any]:
+    """The report's `judge`: which model scores the samples (generative perplexity), and what it is."""
+    cfg = train_config or {}
+    return {"judge": INDEPENDENT_JUDGE if independent else BASELINE_JUDGE, "path": str(path),
+            "checkpoint": str(model_dir), "objective": cfg.get("objective"), "preset": cfg.get("preset"),
+            "dtype": dtype, **{f"trained_{k}": v for k, v in run_progress(path, model_dir).items()}}
+
+
+__all__ = ["BASELINE_JUDGE", "INDEPENDENT_JUDGE", "bootstrap_ppl", "half_stats", "judge_description", "point_stats",
+           "rate_interval", "run_progress", "split_prompts"]
