@@ -1,4 +1,4 @@
-"""Learning curves for `dgemma eval` (docs/evaluation.md, section 6): the held-out evaluations `dgemma train` logged
+"""Learning curves for `dgemma eval` (docs/evaluation.md, section 7): the held-out evaluations `dgemma train` logged
 in RUN/metrics.jsonl, for the diffusion run and its AR baseline, against tokens seen.
 
     read_metrics(path)              the records of a metrics.jsonl (a torn last line is skipped)
@@ -37,7 +37,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
     """The evaluation records of a training run directory (those with val_loss) that carry `metric`, one per step (the
-    last one logged, if a resume evaluated a step again), in step order: step, tokens, value, se (`metric`_se), and
+    last one logged, if a resume evaluated a step again), in step order: step, tokens, value, se (`metric`_se; None
+    when not finite, as with one evaluation batch), and
     cpu_s / elapsed_s of the training record of the same step when there is one. None without RUN/metrics.jsonl."""
     path = Path(run) / METRICS
     if not path.is_file():
@@ -55,7 +56,9 @@ def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
         if metric not in rec or "tokens" not in rec:
             continue
         t = train.get(step, {})
-        points[step] = {"step": step, "tokens": rec["tokens"], "value": rec[metric], "se": rec.get(f"{metric}_se"),
+        se = rec.get(f"{metric}_se")  # NaN (one micro-batch has no SE) as None
+        points[step] = {"step": step, "tokens": rec["tokens"], "value": rec[metric],
+                        "se": se if isinstance(se, (int, float)) and math.isfinite(se) else None,
                         "cpu_s": t.get("cpu_s"), "elapsed_s": t.get("elapsed_s")}
     return [points[k] for k in sorted(points)]
 

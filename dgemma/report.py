@@ -221,6 +221,7 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
                 ax.annotate(f"N={f['max_denoising_steps']}", (x, y), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
         if ar_points:
+            ar_points = sorted(ar_points, key=lambda p: p["temperature"])
             xs = [p[xkey] for p in ar_points]
             ys = [_num(p["quality"].get(ykey)) for p in ar_points]
             ax.errorbar(xs, ys, yerr=_yerr(ar_points, ykey), fmt="*-", markersize=12, capsize=3, color="k",

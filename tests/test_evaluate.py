@@ -466,3 +466,182 @@ def test_dgemma_eval_bad_inputs_are_clear_errors(pair, tmp_path, capsys):
     assert "no such model or run directory" in capsys.readouterr().err
     assert main(["eval", "--model", str(runs["clean-context"]), "--steps", "0", *base]) == 2
     assert "--steps must be positive" in capsys.readouterr().err
+
+
+# --- the judge, learning curves, intervals and the two prompt halves ------------------------------------------------
+
+def test_bootstrap_interval_holds_the_estimate_and_is_seeded():
+    from dgemma.judging import bootstrap_ppl
+
+    rng = np.random.default_rng(0)
+    nlls = [(float(rng.uniform(20, 60)), int(rng.integers(10, 20))) for _ in range(12)] + [(0.0, 0)]  # one empty
+    a = bootstrap_ppl(nlls, resamples=1000, seed=3)
+    total, count = sum(s for s, _ in nlls), sum(n for _, n in nlls)
+    assert a["gen_ppl"] == pytest.approx(math.exp(total / count)) and a["tokens"] == count and a["samples"] == 12
+    lo, hi = a["gen_ppl_ci95"]
+    assert lo < a["gen_ppl"] < hi
+    assert bootstrap_ppl(nlls, resamples=1000, seed=3) == a  # deterministic given the seed
+    assert bootstrap_ppl(nlls, resamples=1000, seed=4)["gen_ppl_ci95"] != a["gen_ppl_ci95"]
+    one = bootstrap_ppl(nlls[:1], seed=0)  # one sample: nothing to resample, the interval is the point
+    assert one["gen_ppl_ci95"] == [pytest.approx(one["gen_ppl"])] * 2
+    assert math.isnan(bootstrap_ppl([(0.0, 0)])["gen_ppl"])
+
+
+def test_tokens_per_second_interval_across_prompts():
+    from dgemma.judging import Z95, rate_interval
+
+    r = rate_interval([10, 20], [1.0, 1.0])
+    # R = 30 / 2 = 15; residuals -5, 5: SE = sqrt(50 / (2 * 1)) / mean seconds 1 = 5
+    assert r["tokens_per_second"] == 15 and r["tokens_per_second_se"] == pytest.approx(5.0)
+    assert r["tokens_per_second_ci95"] == pytest.approx([15 - Z95 * 5, 15 + Z95 * 5])
+    assert rate_interval([10, 20], [1.0, 2.0])["tokens_per_second_se"] == pytest.approx(0.0)  # same rate each
+    assert math.isnan(rate_interval([7], [1.0])["tokens_per_second_se"])
+
+
+def test_selection_and_report_prompts_are_disjoint_halves():
+    from dgemma.judging import split_prompts
+
+    for n in (2, 7, 8):
+        select, report = split_prompts(n)
+        assert not set(select) & set(report) and sorted(select + report) == list(range(n))
+        assert abs(len(select) - len(report)) <= 1 and select[0] == 0 and report[0] == 1
+
+
+def _point(select, report, **extra):
+    """A frontier point with given per-half (tokens/s, gen PPL, entropy) and the SEs of a real one."""
+    def half(tps, ppl, h, prompts):
+        return {"prompts": prompts, "tokens_per_second": tps, "tokens_per_second_se": 0.1 * tps, "gen_ppl": ppl,
+                "gen_ppl_ci95": [ppl - 1, ppl + 1], "token_entropy": h}
+    return {"stats": {"select": half(*select, [0, 2]), "report": half(*report, [1, 3])}, **extra}
+
+
+def test_verdict_chooses_on_the_selection_prompts_and_reports_the_others():
+    from dgemma.evaluate import verdict
+
+    est = {"mean": 2.0, "se": 0.01}
+    lk = {"ar_ce": {"estimate": est}, "nelbo": {"estimate": est}, "x0_ce": {"estimate": est}}
+    # on the selection prompts only the fast setting matches the AR samples; on the report prompts it does not
+    fast = _point((100.0, 10.0, 3.0), (90.0, 30.0, 3.0), max_denoising_steps=4, entropy_bound=1.0)
+    slow = _point((20.0, 10.0, 3.0), (25.0, 10.0, 3.0), max_denoising_steps=32, entropy_bound=0.1)
+    hot = _point((10.0, 10.0, 3.0), (9.0, 10.0, 3.0), temperature=1.0)
+    cold = _point((10.0, 5.0, 2.0), (9.0, 5.0, 2.0), temperature=0.7)  # nothing matches this one: the hard case
+    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot]})
+    assert v["speedup_setting"]["max_denoising_steps"] == 4 and v["quality_matched"]
+    assert v["speedup"] == pytest.approx(90 / 9) and v["gen_ppl"] == 30 and v["ar_gen_ppl"] == 10  # report half
+    assert not v["quality_matched_on_report"] and v["speedup_ci95"][0] < v["speedup"] < v["speedup_ci95"][1]
+    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot, cold]})
+    assert v["ar_temperature"] == 0.7 and not v["quality_matched"]
+
+
+def test_learning_curves_are_the_runs_metrics_records(pair):
+    from dgemma.curves import eval_points, learning_curves
+    from dgemma.data import unigram_cross_entropy
+
+    root, runs = pair
+    for objective, metric in (("clean-context", "val_nelbo"), ("ar", "val_loss")):
+        records = [json.loads(line) for line in (runs[objective] / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in records if "val_loss" in r]
+        assert [r["step"] for r in evals] == [0, 8]
+        points = eval_points(runs[objective], metric)
+        assert [(p["step"], p["tokens"], p["value"]) for p in points] == \
+            [(r["step"], r["tokens"], r[metric]) for r in evals]
+        for p, r in zip(points, evals, strict=True):  # one eval batch: an AR run's SE is NaN, kept as None
+            assert p["se"] == r[f"{metric}_se"] if math.isfinite(r[f"{metric}_se"]) else p["se"] is None
+        cpu = {r["step"]: r["cpu_s"] for r in records if "cpu_s" in r}
+        assert points[0]["cpu_s"] is None and points[1]["cpu_s"] == cpu[8] > 0
+    assert eval_points(runs["ar"], "val_nelbo") == [] and eval_points(root / "data", "val_loss") is None
+    curves = learning_curves(runs["clean-context"], runs["ar"], root / "data")
+    assert curves["unigram_ce"] == pytest.approx(unigram_cross_entropy(root / "data"))
+    d, a = curves["diffusion"]["points"], curves["ar"]["points"]
+    assert [r["tokens"] for r in curves["ratio"]] == [0, 8 * 4 * 32]
+    for r, dp, ap in zip(curves["ratio"], d, a, strict=True):
+        assert r["ratio"] == pytest.approx(dp["value"] / ap["value"])
+        assert r["ratio_se"] is None if ap["se"] is None or dp["se"] is None else r["ratio_se"] > 0
+    assert learning_curves(run_info(runs["clean-context"]).model_dir, None, root / "data") is None  # a checkpoint
+
+
+@pytest.fixture(scope="module")
+def judge_run(pair):
+    """A third tiny run on the same data: an AR model neither side of the comparison is."""
+    import io
+
+    from dgemma.train import TrainConfig, train
+
+    root, _ = pair
+    cfg = TrainConfig(preset="tiny", objective="ar", seq_len=32, batch_size=4, max_steps=6, warmup_steps=2,
+                      eval_every=6, eval_batches=1, save_every=6, chunk_rows=256, device="cpu", seed=7)
+    train(cfg, root / "data", root / "judge", stream=io.StringIO())
+    return root / "judge"
+
+
+def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tmp_path):
+    from dgemma.cli import main
+    from dgemma.data import TokenDataset
+    from dgemma.decoding import generative_perplexity
+    from dgemma.evaluate import pick_prompts
+    from dgemma.judging import INDEPENDENT_JUDGE
+    from dgemma.model import load_model
+
+    pytest.importorskip("matplotlib")
+    root, runs = pair
+    out = tmp_path / "report"
+    assert main(["eval", "--model", str(runs["clean-context"]), "--baseline", str(runs["ar"]), "--judge",
+                 str(judge_run), "--data", str(root / "data"), "--out", str(out), "--prompts", "4", "--steps", "2",
+                 "--entropy-bounds", "0.5", "--ar-temperatures", "0.7,1", "--max-windows", "2", "--t-samples", "1",
+                 "--bootstrap", "200", "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    judge = report["judge"]
+    assert judge["judge"] == INDEPENDENT_JUDGE and judge["path"] == str(judge_run) and judge["dtype"] == "float64"
+    assert judge["objective"] == "ar" and judge["trained_step"] == 6 and judge["trained_tokens"] == 6 * 4 * 32
+    assert [p["temperature"] for p in report["ar_frontier"]] == [0.7, 1.0]  # one AR point per temperature
+    # gen-PPL of both sides is the judge's (float64), on the very samples: not the baseline's
+    val = TokenDataset(root / "data", "val")
+    prompts = pick_prompts(val, 4, 32)
+    judge_model = load_model(judge_run, dtype=torch.float32).to(torch.float64).eval()
+    baseline = load_model(runs["ar"], dtype=torch.float32).eval()
+    for point in [*report["frontier"], *report["ar_frontier"]]:
+        direct = generative_perplexity(judge_model, prompts, point["samples"])["gen_ppl"]
+        assert point["quality"]["gen_ppl"] == pytest.approx(direct, rel=1e-9)
+        assert point["quality"]["gen_ppl"] != pytest.approx(
+            generative_perplexity(baseline, prompts, point["samples"])["gen_ppl"], rel=1e-3)
+        lo, hi = point["quality"]["gen_ppl_ci95"]
+        assert lo <= point["quality"]["gen_ppl"] <= hi
+        select, rep = point["stats"]["select"]["prompts"], point["stats"]["report"]["prompts"]
+        assert select == [0, 2] and rep == [1, 3]
+        assert point["stats"]["all"]["tokens_per_second_se"] >= 0
+    v = report["verdict"]
+    assert v["available"] and v["ar_temperature"] in (0.7, 1.0) and v["prompts_select"] == v["prompts_report"] == 2
+    assert report["ar_decode"]["temperature"] == v["ar_temperature"]
+    adaptive = report["frontier"][0]["adaptive"]
+    assert 0 <= adaptive["early_stop_share"] <= 1 and adaptive["mean_steps_per_canvas"] <= 2
+    # learning curves of both runs, and the report's sections
+    curves = report["curves"]
+    assert len(curves["diffusion"]["points"]) == len(curves["ar"]["points"]) == len(curves["ratio"]) == 2
+    md = (out / "report.md").read_text()
+    for text in ("## Learning curves", "### Adaptive stopping", "AR T=0.7", "AR T=1", "an independent AR model",
+                 "selection prompts"):
+        assert text in md, text
+    from PIL import Image
+
+    with Image.open(out / "curves.png") as im:
+        assert im.size == (1200, 800)
+
+
+def test_eval_without_a_judge_names_the_baseline_and_checks_the_judge(pair, tmp_path, capsys):
+    from dgemma.cli import main
+    from dgemma.judging import BASELINE_JUDGE
+
+    pytest.importorskip("matplotlib")
+    root, runs = pair
+    base = ["--model", str(runs["clean-context"]), "--data", str(root / "data"), "--quiet", "--max-windows", "2",
+            "--t-samples", "1", "--steps", "2", "--entropy-bounds", "0.5", "--prompts", "2"]
+    assert main(["eval", *base, "--baseline", str(runs["ar"]), "--out", str(tmp_path / "r")]) == 0
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["judge"]["judge"] == BASELINE_JUDGE and report["judge"]["path"] == str(runs["ar"])
+    assert "the AR baseline (one of the compared models)" in (tmp_path / "r" / "report.md").read_text()
+    assert main(["eval", *base, "--judge", str(runs["clean-context"]), "--out", str(tmp_path / "j")]) == 2
+    assert "the judge must be an autoregressive run" in capsys.readouterr().err
+    assert main(["eval", *base, "--ar-temperatures", "0", "--out", str(tmp_path / "t")]) == 2
+    assert "--ar-temperatures must be numbers > 0" in capsys.readouterr().err
+    assert main(["eval", *base, "--prompts", "1", "--out", str(tmp_path / "p")]) == 2
+    assert "--prompts must be >= 2" in capsys.readouterr().err
