@@ -594,6 +594,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     assert judge["judge"] == INDEPENDENT_JUDGE and judge["path"] == str(judge_run) and judge["dtype"] == "float64"
     assert judge["objective"] == "ar" and judge["trained_step"] == 6 and judge["trained_tokens"] == 6 * 4 * 32
     assert [p["temperature"] for p in report["ar_frontier"]] == [0.7, 1.0]  # one AR point per temperature
+    assert all(p["quality"]["dtype"] == "float64" for p in [*report["frontier"], *report["ar_frontier"]])
     # gen-PPL of both sides is the judge's (float64), on the very samples: not the baseline's
     val = TokenDataset(root / "data", "val")
     prompts = pick_prompts(val, 4, 32)
