@@ -454,6 +454,15 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=(SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL), sliding_window=64, num_experts=8,
         top_k_experts=2, moe_intermediate_size=128, canvas_length=32, max_position_embeddings=4096,
     ),
+    # `dgemma demo`'s model: the `dg` architecture small enough to train on ~300k tokens in three minutes on one CPU
+    # core (hidden 128, 4 layers, sliding/full 1:1, 8 experts top-2), an 8,192-id BPE (on Shakespeare alone most
+    # words are one token) and a 16-token canvas.
+    "cpu-tiny": ModelConfig(
+        vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, global_head_dim=64, num_global_key_value_heads=1,
+        layer_types=(SLIDING, FULL, SLIDING, FULL), sliding_window=64, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=64, canvas_length=16, max_position_embeddings=4096,
+    ),
     # The `dg` architecture at the size of seed 003's Lite, for one GPU: hidden 1024, 24 layers (5 sliding : 1 full),
     # GQA 16/4 with head_dim 64 (128 and 2 kv heads on full layers), dense MLP 1408 beside 16 experts top-4 of width
     # 128, the GPT-2 vocabulary, canvas 256. 381,442,944 parameters, 268,196,736 active per token.

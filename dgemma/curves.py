@@ -39,8 +39,11 @@ def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
     """The evaluation records of a training run directory (those with val_loss) that carry `metric`, one per step (the
     last one logged, if a resume evaluated a step again), in step order: step, tokens, value, se (`metric`_se; None
     when not finite, as with one evaluation batch), and
-    cpu_s / elapsed_s of the training record of the same step when there is one. None without RUN/metrics.jsonl."""
+    cpu_s / elapsed_s of the training record of the same step when there is one. A checkpoint of a run
+    (RUN/checkpoints/step-N) gives its run's whole curve. None without RUN/metrics.jsonl."""
     path = Path(run) / METRICS
+    if not path.is_file() and Path(run).parent.name == "checkpoints":  # RUN/checkpoints/step-N: the run's curve
+        path = Path(run).parent.parent / METRICS
     if not path.is_file():
         return None
     train: dict[int, dict[str, Any]] = {}

@@ -21,7 +21,7 @@ import math
 import multiprocessing
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -49,21 +49,32 @@ class DemoRecipe:
     diffusion: TrainConfig
     prompts: tuple[str, ...]
     ar_temperature: float  # the AR baseline samples at this temperature (the diffusion sampler's schedule: t_max)
-    ar_overrides: dict[str, Any] = field(default_factory=dict)
+    # Training steps one CPU core of the reference machine (docs/benchmarks.md) does in a minute: each run's cosine
+    # schedule spans --minutes of them, so it anneals by the end; a faster machine finishes early, a slower one stops
+    # at --minutes before the end of its schedule.
+    diffusion_steps_per_minute: float = 190.0
+    ar_steps_per_minute: float = 320.0
 
-    @property
-    def ar(self) -> TrainConfig:
-        """The baseline: the diffusion run's backbone, data, batch and schedule, trained as a causal LM."""
-        return self.diffusion.replace(objective="ar", t_sampling="uniform", loss_weighting="x0", time_embedding=None,
-                                      eval_nelbo_steps=0, **self.ar_overrides)
+    def configs(self, minutes: float, done: tuple[int, int] = (0, 0)) -> tuple[TrainConfig, TrainConfig]:
+        """The diffusion run's and the AR baseline's TrainConfig for `minutes` more, after `done` steps of each (a
+        rerun continues both, with a new schedule over the new steps). The AR baseline is the diffusion recipe's
+        backbone, data and batch trained as a causal LM, for the same minutes (it does more steps in them)."""
+        more = lambda rate: max(1, round(rate * minutes))
+        return (self.diffusion.replace(max_steps=done[0] + more(self.diffusion_steps_per_minute)),
+                self.diffusion.with_objective("ar").replace(max_steps=done[1] + more(self.ar_steps_per_minute)))
 
 
+# Shakespeare alone (1.5M tokens) with a BPE of 8,192 ids trained on it, so that most words are one token; the
+# `cpu-tiny` model (2.6M parameters, canvas 16) with cpu-small's diffusion recipe (time conditioning, stratified
+# levels). Three minutes on one core each is about 550 steps (280k tokens) for diffusion, twice that for the AR.
+# How it was chosen, and what the larger models and the other corpora give in the same time: docs/training.md,
+# "The demo".
 DEMO = DemoRecipe(
-    corpus=("default",),
-    tokenizer="bpe:4096",
-    diffusion=TrainConfig(preset="cpu-small", vocab_size=4096, time_embedding=True, t_sampling="stratified",
-                          max_steps=3000, eval_every=100, save_every=100, log_every=20),
-    prompts=("The history of", "William Shakespeare was", "The French Revolution"),
+    corpus=("default:shakespeare",),
+    tokenizer="bpe:8192",
+    diffusion=TrainConfig(preset="cpu-tiny", time_embedding=True, t_sampling="stratified", warmup_steps=20,
+                          eval_every=100, save_every=100, log_every=20),
+    prompts=("To be, or not to be,", "KING RICHARD.\n", "O Romeo, Romeo,"),
     ar_temperature=0.8,
 )
 
@@ -109,18 +120,19 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
 
     threads = max(1, torch.get_num_threads() // 2)
     resume = latest_checkpoint(diff_run) is not None
+    diffusion_cfg, ar_cfg = recipe.configs(minutes, (_progress(diff_run)["step"], _progress(ar_run)["step"]))
     say(f"== 2/4 training for {minutes:g} minute(s), side by side on {threads} thread(s) each"
         f"{' (continuing the previous runs)' if resume else ''}; Ctrl-C stops both early")
     ar_log = out / "ar-train.log"
     say(f"   diffusion: {diff_run} (console below)   AR baseline: {ar_run} (console in {ar_log})")
     child = multiprocessing.get_context("spawn").Process(
-        target=_train_baseline, args=(recipe.ar.to_json(), str(data), str(ar_run), minutes, threads, str(ar_log)),
+        target=_train_baseline, args=(ar_cfg.to_json(), str(data), str(ar_run), minutes, threads, str(ar_log)),
         daemon=True)
     child.start()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        train(recipe.diffusion, data, diff_run, resume=True, max_minutes=minutes, stream=out_stream)
+        train(diffusion_cfg, data, diff_run, resume=True, max_minutes=minutes, stream=out_stream)
     finally:
         torch.set_num_threads(previous)
         child.join()
@@ -160,7 +172,7 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
         say(line)
     written = _write_outputs(out, figures, prompts, d_texts, a_texts, trace, tok)
     say("written: " + ", ".join(str(p) for p in written))
-    say(f"continue training: dgemma train --data {data} --out {diff_run} --resume   (and --out {ar_run} for the AR)")
+    say(f"train on:          dgemma demo --out {out} --minutes {minutes:g}   (continues both runs)")
     say(f"evaluate both:     dgemma eval --model {diff_run} --baseline {ar_run} --data {data} --out {out / 'report'}")
     say(f"generate again:    dgemma generate --model {diff_run} --prompt {prompts[0]!r}")
     return DemoResult(figures, d_texts, a_texts, written)
@@ -205,8 +217,10 @@ def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], d_t
 
 
 def _progress(run: Path) -> dict[str, Any]:
-    """Step and tokens of the run's last training record."""
+    """Step and tokens of the run's last training record (0 for a run not started)."""
     last = {"step": 0, "tokens": 0}
+    if not (run / METRICS).is_file():
+        return last
     for line in (run / METRICS).read_text().splitlines():
         rec = json.loads(line)
         if "loss" in rec and "tokens" in rec:

@@ -2,7 +2,7 @@
 
 1. per preset, random weights (`testing.hf.randomize_`): max and mean |logit error| of the int8 model, and of the
    bf16 model for scale, against the fp32 model, on one prompt and one canvas (a self-conditioned denoise step);
-2. a trained `cpu-small` (`bash runs/cpu_small_results.sh 400` makes one; without one, this script trains one for
+2. a trained `cpu-small` (`bash runs/cpu_small_results.sh` makes one; without one, this script trains one for
    --train-steps with `dgemma train`): the held-out NELBO (nats/token, same windows and noise draws) in fp32 and
    int8, and the x0 cross-entropy;
 3. the same model: generation agreement at the same seed: the share of committed tokens identical to fp32's, and the
@@ -145,7 +145,7 @@ def trained_quality(run: Path, data: Path, prompts: int, windows: int, new_token
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default=",".join(CPU_PRESETS))
-    p.add_argument("--model", type=Path, default=ROOT / "runs/out/cpu-small/cpu-small-clean-context",
+    p.add_argument("--model", type=Path, default=ROOT / "runs/out/cpu-small/diffusion",
                    help="a trained diffusion run (default: what runs/cpu_small_results.sh writes)")
     p.add_argument("--data", type=Path, default=ROOT / "runs/out/cpu-small/data")
     p.add_argument("--train-steps", type=int, default=200, help="steps for `dgemma train` when --model is missing")

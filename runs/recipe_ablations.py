@@ -2,8 +2,9 @@
 corpus for the same steps (the same tokens, in the same order) with one recipe switch changed at a time, then each
 scored on the same held-out windows with the same noise draws (common random numbers, so differences are paired):
 
-    held-out NELBO at T = 16 (the training T of today's recipe) and at T = 256 (closer to the continuous-time bound),
-    each with its standard error, and the paired difference to the baseline with the SE of that difference.
+    held-out NELBO at T = 16 (the training T) and at T = 256 (closer to the continuous-time bound), each with its
+    standard error, the paired difference to the baseline at T = 16 with the SE of that difference, and the x0
+    cross-entropy (seed 003's measure).
 
 Training runs go `--jobs` at a time, each on one CPU thread (two runs on a 2-core machine use it fully); a variant
 whose run already has its last checkpoint is not retrained, so the script resumes where it stopped. Writes
@@ -89,17 +90,18 @@ def score(name: str, args: argparse.Namespace) -> dict:
 
 def table(results: list[dict]) -> str:
     base = results[0]
-    lines = ["| variant | what changes | NELBO T=16 | NELBO T=256 | vs baseline at T=256 (paired) |",
-             "|---|---|---:|---:|---:|"]
+    lines = ["| variant | what changes | NELBO T=16 | vs baseline at T=16 (paired) | NELBO T=256 | x0 CE |",
+             "|---|---|---:|---:|---:|---:|"]
     what = {n: w for n, w, _ in VARIANTS}
     for r in results:
         cells = [f"{r[f'nelbo_T{T}']['mean']:.3f} ± {r[f'nelbo_T{T}']['se']:.3f}" for T in EVAL_T]
         if r is base:
             diff = "–"
         else:
-            d = np.asarray(r["per_window_T256"]) - np.asarray(base["per_window_T256"])
+            d = np.asarray(r["per_window_T16"]) - np.asarray(base["per_window_T16"])
             diff = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(len(d)):.3f}" if len(d) > 1 else f"{d.mean():+.3f}"
-        lines.append(f"| {r['name']} | {what[r['name']]} | {cells[0]} | {cells[1]} | {diff} |")
+        ce = f"{r['x0_ce']['mean']:.3f} ± {r['x0_ce']['se']:.3f}"
+        lines.append(f"| {r['name']} | {what[r['name']]} | {cells[0]} | {diff} | {cells[1]} | {ce} |")
     return "\n".join(lines)
 
 
@@ -112,7 +114,8 @@ def main() -> int:
     p.add_argument("--t-samples", type=int, default=4, help="stratified t per canvas (default 4)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--out", type=Path, default=ROOT / "runs" / "out" / "ablations")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "runs" / "out" / "ablations")),
+                   help="where the data, the runs and the table go (default $OUT, else runs/out/ablations)")
     p.add_argument("--smoke", action="store_true", help="tiny model, toy corpus, 2 steps, 2 variants")
     args = p.parse_args()
     variants = VARIANTS

@@ -141,7 +141,8 @@ def test_empty_inputs_give_the_documented_defaults():
         ("full_attention",)
     assert GenerationConfig.from_hf({}) == GenerationConfig()
     assert GenerationConfig().max_denoising_steps == 48 and GenerationConfig().entropy_bound == 0.1
-    assert TrainConfig.from_json({}) == TrainConfig() == TRAIN_PRESETS["cpu-small"]
+    assert TrainConfig.from_json({}) == TrainConfig()
+    assert TRAIN_PRESETS["cpu-small"] == TrainConfig(time_embedding=True)  # the defaults plus time conditioning
     assert TrainConfig().preset == "cpu-small"
     assert RopeConfig.from_hf({}, "rope") == RopeConfig()
 

@@ -136,7 +136,8 @@ TINY_ARGS: dict[str, list[str]] = {
     'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--steps", "3",
                                                                                     "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
-    "bash runs/cpu_small_results.sh 400": ["--smoke"],
+    "bash runs/cpu_small_results.sh 3600": ["--smoke"],
+    "python runs/recipe_ablations.py": ["--smoke"],
     "python runs/bench_train.py --preset cpu-small --batch-size 4 --seq-len 128 --steps 12 --threads 2":
         ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--threads", "1"],
     "python runs/bench_ce_memory.py": ["--rows", "64", "--vocab", "1000"],

@@ -557,7 +557,12 @@ def test_learning_curves_are_the_runs_metrics_records(pair):
     for r, dp, ap in zip(curves["ratio"], d, a, strict=True):
         assert r["ratio"] == pytest.approx(dp["value"] / ap["value"])
         assert r["ratio_se"] is None if ap["se"] is None or dp["se"] is None else r["ratio_se"] > 0
-    assert learning_curves(run_info(runs["clean-context"]).model_dir, None, root / "data") is None  # a checkpoint
+    # a checkpoint of the run gives the run's curve; a checkpoint directory on its own has none
+    ckpt = run_info(runs["clean-context"]).model_dir
+    assert learning_curves(ckpt, None, root / "data")["diffusion"]["points"] == curves["diffusion"]["points"]
+    alone = root / "alone"
+    shutil.copytree(ckpt, alone)
+    assert learning_curves(alone, None, root / "data") is None
 
 
 @pytest.fixture(scope="module")

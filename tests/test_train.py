@@ -276,3 +276,35 @@ def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
     assert err.startswith("dgemma train: error:") and err.count("\n") == 1, err
     assert re.search(expected, err), err
     assert tree(run) == before  # nothing written, nothing removed
+
+
+def test_recipe_overrides_reach_the_model_and_the_eval_logs_a_nelbo_curve(corpus, tmp_path):
+    cfg = BASE.replace(time_embedding=True, canvas_length=8, t_sampling="stratified", loss_weighting="elbo",
+                       max_steps=2, eval_every=1, eval_batches=2, eval_t_samples=2)
+    assert cfg.model_config.time_embedding and cfg.model_config.canvas_length == 8
+    run = tmp_path / "run"
+    quiet_train(cfg, corpus, run)
+    model = load_model(resolve_model_dir(run))
+    assert model.config.time_embedding and model.config.canvas_length == 8 and model.time_proj is not None
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert [e["step"] for e in evals] == [0, 1, 2]
+    for e in evals:  # the learning curve: NELBO at the training T with its SE, against tokens seen
+        assert e["val_nelbo"] > 0 and e["val_nelbo_se"] > 0 and e["val_loss_se"] >= 0
+    assert [e["tokens"] for e in evals] == [0, 2 * 32, 4 * 32]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert all(s["cpu_s"] > 0 for s in steps)
+    ar = tmp_path / "ar"
+    quiet_train(BASE.replace(objective="ar", max_steps=1, eval_every=1, eval_batches=2), corpus, ar)
+    ar_evals = [json.loads(line) for line in (ar / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert ar_evals and all("val_nelbo" not in e and e["val_loss_se"] >= 0 for e in ar_evals)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(objective="ar", t_sampling="stratified"), "t_sampling: is a diffusion recipe switch"),
+    (dict(objective="ar", loss_weighting="elbo"), "loss_weighting: is a diffusion recipe switch"),
+    (dict(canvas_length=0), "canvas_length: must be a positive int"),
+    (dict(eval_nelbo_steps=-1), "eval_nelbo_steps: must be None or an int >= 0"),
+])
+def test_bad_recipe_switches_are_refused(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        BASE.replace(**change)

@@ -51,6 +51,10 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
     else:  # a new run, or one killed before it recorded anything: --resume starts it
         base = train_preset(given.get("preset", DEFAULT_PRESET))
+        if "objective" in given:  # an AR baseline of a diffusion recipe drops the diffusion-only switches
+            base = base.with_objective(given["objective"])
+        if "init_from" in given:  # the checkpoint's geometry replaces the preset's, overrides included
+            base = base.replace(vocab_size=None, canvas_length=None, time_embedding=None)
     return base.replace(**given)
 
 
