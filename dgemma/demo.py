@@ -261,7 +261,7 @@ def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...],
     write_atomic(out / "demo.json", json.dumps(figures, indent=1) + "\n")
     lines = ["# dgemma demo", "", "```", *figure_lines(figures), "```", ""]
     for p, d, a in zip(prompts, d_texts, a_texts, strict=True):
-        lines += [f"## {p}", "", f"- diffusion: {p}{_shown(d)}", f"- AR: {p}{_shown(a)}", ""]
+        lines += [f"## {_shown(p)}", "", f"- diffusion: {_shown(p + d)}", f"- AR: {_shown(p + a)}", ""]
     write_atomic(out / "demo.md", "\n".join(lines))
     written += [out / "demo.md", out / "demo.json"]
     if trace is not None:

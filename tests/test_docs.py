@@ -138,6 +138,11 @@ TINY_ARGS: dict[str, list[str]] = {
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
     "bash runs/cpu_small_results.sh 3600": ["--smoke"],
     "python runs/recipe_ablations.py": ["--smoke"],
+    # README: seed 003's GPU recipes, two steps each where a GPU is there
+    "dgemma train --data data-gpt2 --out runs/lite-380m --preset lite-380m --resume": ["--until-step", "2"],
+    "dgemma train --data data-gpt2 --out runs/lite-380m-ar --preset lite-380m --objective ar --resume":
+        ["--until-step", "2"],
+    "dgemma train --data data-gpt2 --out runs/dg-380m --preset dg-380m --resume": ["--until-step", "2"],
     "python runs/bench_train.py --preset cpu-small --batch-size 4 --seq-len 128 --steps 12 --threads 2":
         ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--threads", "1"],
     "python runs/bench_ce_memory.py": ["--rows", "64", "--vocab", "1000"],
