@@ -30,6 +30,7 @@ import torch
 from dgemma import prepare
 from dgemma.checkpoint import latest_checkpoint, resolve_model_dir
 from dgemma.console import Streamer
+from dgemma.curves import read_metrics
 from dgemma.data import decode_documents, unigram_cross_entropy
 from dgemma.decoding import prompt_agreement, real_word_share, run_ar, words
 from dgemma.generate import generate
@@ -94,14 +95,19 @@ def _train_baseline(cfg_json: dict[str, Any], data: str, run: str, minutes: floa
         train(TrainConfig.from_json(cfg_json), data, run, resume=True, max_minutes=minutes, stream=stream)
 
 
-def last_eval(run: Path) -> dict[str, Any]:
-    """The run's last held-out evaluation record (val_loss, val_nelbo and their SEs), from metrics.jsonl."""
-    found: dict[str, Any] = {}
-    for line in (run / METRICS).read_text().splitlines():
-        rec = json.loads(line)
-        if "val_loss" in rec:
-            found = rec
-    return found
+def last_records(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The run's last training record (step, tokens) and last held-out evaluation (val_loss, val_nelbo and their
+    SEs), from one read of its metrics.jsonl (`curves.read_metrics`); step 0 and no evaluation for a run not
+    started."""
+    trained: dict[str, Any] = {"step": 0, "tokens": 0}
+    evaluated: dict[str, Any] = {}
+    if (run / METRICS).is_file():
+        for rec in read_metrics(run / METRICS):
+            if "val_loss" in rec:
+                evaluated = rec
+            elif "loss" in rec and "tokens" in rec:
+                trained = rec
+    return trained, evaluated
 
 
 def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = None, max_new_tokens: int = 64,
@@ -120,7 +126,8 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
 
     threads = max(1, torch.get_num_threads() // 2)
     resume = latest_checkpoint(diff_run) is not None
-    diffusion_cfg, ar_cfg = recipe.configs(minutes, (_progress(diff_run)["step"], _progress(ar_run)["step"]))
+    diffusion_cfg, ar_cfg = recipe.configs(minutes, (last_records(diff_run)[0]["step"],
+                                                     last_records(ar_run)[0]["step"]))
     say(f"== 2/4 training for {minutes:g} minute(s), side by side on {threads} thread(s) each"
         f"{' (continuing the previous runs)' if resume else ''}; Ctrl-C stops both early")
     ar_log = out / "ar-train.log"
@@ -165,7 +172,7 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
     say("\n== 4/4 figures")
     vocabulary = {w for doc in decode_documents(data) for w in words(doc)}
     figures = _figures(diff_run, ar_run, data, vocabulary, d_texts, a_texts, d_samples, a_samples, per_forward,
-                       diffusion)
+                       diffusion, diffusion_cfg.nelbo_steps)
     figures["prompts"], figures["seed"], figures["minutes"] = list(prompts), seed, minutes
     figures["ar_temperature"] = recipe.ar_temperature
     for line in figure_lines(figures):
@@ -196,14 +203,12 @@ def _shown(text: str) -> str:
 
 def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], d_texts: list[str], a_texts: list[str],
              d_samples: list[list[int]], a_samples: list[list[int]], per_forward: list[float],
-             model: DiffusionGemma) -> dict[str, Any]:
-    d_eval, a_eval = last_eval(diff_run), last_eval(ar_run)
-    d_state, a_state = _progress(diff_run), _progress(ar_run)
+             model: DiffusionGemma, nelbo_steps: int) -> dict[str, Any]:
+    (d_state, d_eval), (a_state, a_eval) = last_records(diff_run), last_records(ar_run)
     return {
         "diffusion": {"steps": d_state["step"], "tokens": d_state["tokens"],
                       "heldout_nelbo": d_eval.get("val_nelbo"), "heldout_nelbo_se": d_eval.get("val_nelbo_se"),
-                      "nelbo_num_steps": json.loads((diff_run / "run.json").read_text())["train_config"]
-                      .get("num_steps"),
+                      "nelbo_num_steps": nelbo_steps,
                       "real_word_share": real_word_share(d_texts, vocabulary),
                       "prompt_agreement": prompt_agreement(d_samples),
                       "tokens_per_forward": sum(per_forward) / len(per_forward),
@@ -214,18 +219,6 @@ def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], d_t
                "prompt_agreement": prompt_agreement(a_samples), "tokens_per_forward": 1.0},
         "unigram_ce": unigram_cross_entropy(data),
     }
-
-
-def _progress(run: Path) -> dict[str, Any]:
-    """Step and tokens of the run's last training record (0 for a run not started)."""
-    last = {"step": 0, "tokens": 0}
-    if not (run / METRICS).is_file():
-        return last
-    for line in (run / METRICS).read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec and "tokens" in rec:
-            last = rec
-    return last
 
 
 def _pct(x: float | None) -> str:
@@ -278,5 +271,5 @@ def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...],
     return written
 
 
-__all__ = ["DEMO", "DemoRecipe", "DemoResult", "figure_lines", "last_eval", "run_demo"]
+__all__ = ["DEMO", "DemoRecipe", "DemoResult", "figure_lines", "last_records", "run_demo"]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the spawned child and this process both tokenize

@@ -79,14 +79,16 @@ def stratified_t(num_samples: int, num_steps: int, shape: tuple[int, ...],
     """t for `num_samples` passes, and the weight of each pass (K,): sum_k weight_k * L(t_k) is an unbiased estimate
     of sum_{t=1..T} L(t). With K = 1, t is uniform on {1..T} (weight T). With K >= 2, pass 0 is t = 1 exactly (the
     reconstruction term, the largest and most variable one) and pass k >= 1 draws t uniformly in the k-th of K - 1
-    equal strata of {2..T} (weight: the stratum's size). K = T visits every t once. Returns t (K, *shape) int64."""
+    equal strata of {2..T} (weight: the stratum's size). K = T visits every t once. Returns t (K, *shape) int64 on
+    the CPU, drawn on the generator's device (the one `q_sample` draws the noise on, a GPU's included)."""
     if not 1 <= num_samples <= num_steps:
         raise ValueError(f"t samples per canvas must be in [1, T={num_steps}], got {num_samples}")
     first, strata = (1, num_samples) if num_samples == 1 else (2, num_samples - 1)
     edges = np.round(np.linspace(first - 1, num_steps, strata + 1)).astype(int)
     sizes = np.diff(edges)
     view = (-1, *[1] * len(shape))
-    u = torch.rand((strata, *shape), generator=generator, dtype=torch.float64)
+    u = torch.rand((strata, *shape), generator=generator, dtype=torch.float64,
+                   device=None if generator is None else generator.device).cpu()
     t = 1 + torch.tensor(edges[:-1], dtype=torch.float64).view(view) + torch.floor(
         u * torch.tensor(sizes, dtype=torch.float64).view(view))
     weights = torch.tensor(sizes, dtype=torch.float64)

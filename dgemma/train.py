@@ -352,8 +352,9 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
                          self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
                          generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i), **rows_kw)
             spec = (nelbo, min(cfg.eval_t_samples, nelbo), cfg.objective)
+            g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
             per_window = None if not nelbo else net(x0[lo:hi].to(device), objective="nelbo", heldout_nelbo=spec,
-                                                    generator=torch.Generator().manual_seed(EVAL_SEED + i))[1].loss
+                                                    generator=g)[1].loss
         if out.tokens and not empty:
             loss = float(out.x0_loss)
             sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
