@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
 # The README's "Results on this machine" (and docs/results/cpu-small/): learning curves of the diffusion model and its
-# AR baseline on the default corpus, `cpu-small` with its preset recipe (train.py:TRAIN_PRESETS: time conditioning)
-# and stratified noise levels (the preset had them when these runs were made; the ablations then found no gain), then
-# `dgemma eval` with an independent judge, and `dgemma viz`.
+# AR baseline on the default corpus, `cpu-small` with its preset recipe (train.py:TRAIN_PRESETS: time conditioning),
+# then `dgemma eval` with an independent judge, and `dgemma viz`.
 #
 #   * diffusion and AR share one schedule spanning 2 x STEPS steps (512 tokens each): the diffusion run stops at STEPS
-#     (about 60 CPU-minutes on one core), the AR run goes on to 2 x STEPS (about 60 CPU-minutes: an AR step costs
-#     about half a diffusion step). Both evaluate the held-out NELBO / cross-entropy every EVERY steps with its SE.
+#     (4,800 steps: about 67 CPU-minutes on one core of this machine), the AR run goes on to 2 x STEPS (about 69
+#     CPU-minutes: an AR step costs about half a diffusion step). Both evaluate the held-out NELBO / cross-entropy
+#     every STEPS / 18 steps with its SE; every training record carries the process's CPU seconds (`cpu_s`).
 #   * the compared AR baseline is the AR run's checkpoint at step STEPS: the same tokens at the same point of the same
 #     schedule as the diffusion model; the judge that scores both sides' samples is the same AR run at 2 x STEPS,
 #     trained on twice the tokens and not one of the compared models.
-#   * the two runs train at the same time, one thread each (OMP_NUM_THREADS=1): about 75 minutes on 2 cores, plus
-#     about 10 for the evaluation. `--resume` throughout, so rerunning continues where it stopped.
+#   * the two runs train at the same time, one thread each (OMP_NUM_THREADS=1): about 70 minutes on 2 cores, plus
+#     about 15 for the evaluation. `--resume` throughout, so rerunning continues where it stopped (logs are appended).
 #
-#   bash runs/cpu_small_results.sh 3600            # what the README cites
-#   bash runs/cpu_small_results.sh 3600 --smoke    # the same pipeline on a toy corpus with the tiny preset (seconds)
+#   bash runs/cpu_small_results.sh 4800            # what the README cites
+#   bash runs/cpu_small_results.sh 4800 --smoke    # the same pipeline on a toy corpus with the tiny preset (seconds)
 #
 # Everything runs inside OUT (default runs/out/cpu-small) with relative paths, so the commands printed in the
 # report and in the pictures' footers name paths relative to the run, not absolute temporary ones.
 set -euo pipefail
-STEPS=${1:-3600}
+STEPS=${1:-4800}
 SMOKE=${2:-}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-runs/out/cpu-small}
@@ -30,7 +30,6 @@ dgemma() { "$PY" -m dgemma "$@"; }
 EVERY=$(( STEPS >= 18 ? STEPS / 18 : 1 ))
 TRAIN=(--preset cpu-small --max-steps $((2 * STEPS)) --eval-every "$EVERY" --eval-batches 8 --save-every $((3 * EVERY))
        --keep-last 40)
-DIFFUSION=(--t-sampling stratified)
 EVAL=(--prompts 16 --steps 8,16,32 --entropy-bounds 0.1,1 --ar-temperatures 0.7,0.85,1.0 --prompt-tokens 32
       --t-samples 8 --max-windows 128)
 PREPARE=()
@@ -50,10 +49,13 @@ fi
 
 [[ -f data/meta.json ]] || dgemma data prepare --out data "${PREPARE[@]}"
 export OMP_NUM_THREADS=1
-dgemma train "${TRAIN[@]}" "${DIFFUSION[@]}" --data data --out diffusion --until-step "$STEPS" --resume \
-    > diffusion.log 2>&1 &
+dgemma train "${TRAIN[@]}" --data data --out diffusion --until-step "$STEPS" --resume \
+    >> diffusion.log 2>&1 &
 diffusion=$!
-dgemma train "${TRAIN[@]}" --objective ar --data data --out ar --resume > ar.log 2>&1 &
+# The AR run stops at STEPS first, so that the compared checkpoint exists whatever STEPS and --save-every are, then
+# goes on to 2 x STEPS (resuming is bit-exact: the same weights as one uninterrupted run).
+{ dgemma train "${TRAIN[@]}" --objective ar --data data --out ar --until-step "$STEPS" --resume \
+    && dgemma train "${TRAIN[@]}" --objective ar --data data --out ar --resume; } >> ar.log 2>&1 &
 ar=$!
 wait "$diffusion" || { tail -n 3 diffusion.log; exit 1; }
 wait "$ar" || { tail -n 3 ar.log; exit 1; }

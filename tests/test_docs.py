@@ -136,7 +136,7 @@ TINY_ARGS: dict[str, list[str]] = {
     'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--steps", "3",
                                                                                     "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
-    "bash runs/cpu_small_results.sh 3600": ["--smoke"],
+    "bash runs/cpu_small_results.sh 4800": ["--smoke"],
     "python runs/recipe_ablations.py": ["--smoke"],
     # README: seed 003's GPU recipes, two steps each where a GPU is there
     "dgemma train --data data-gpt2 --out runs/lite-380m --preset lite-380m --resume": ["--until-step", "2"],
