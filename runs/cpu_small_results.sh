@@ -11,7 +11,7 @@
 #     schedule as the diffusion model; the judge that scores both sides' samples is the same AR run at 2 x STEPS,
 #     trained on twice the tokens and not one of the compared models.
 #   * the two runs train at the same time, one thread each (OMP_NUM_THREADS=1): about 70 minutes on 2 cores, plus
-#     about 15 for the evaluation. `--resume` throughout, so rerunning continues where it stopped (logs are appended).
+#     about 10 for the evaluation. `--resume` throughout, so rerunning continues where it stopped (logs are appended).
 #
 #   bash runs/cpu_small_results.sh 4800            # what the README cites
 #   bash runs/cpu_small_results.sh 4800 --smoke    # the same pipeline on a toy corpus with the tiny preset (seconds)
