@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dgemma.run_dir import write_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> (what it changes, `dgemma train` flags). Each builds on the named earlier variant's flags.
@@ -70,18 +72,26 @@ def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
     return f"{name}: trained in {time.time() - started:.0f} s"
 
 
-def score(name: str, args: argparse.Namespace) -> dict:
-    settings = {"steps": args.steps, "windows": args.windows, "t_samples": args.t_samples, "seq_len": args.seq_len,
-                "eval_t": list(EVAL_T)}
+def _settings(args: argparse.Namespace) -> dict:
+    return {"steps": args.steps, "windows": args.windows, "t_samples": args.t_samples, "seq_len": args.seq_len,
+            "eval_t": list(EVAL_T)}
+
+
+def cached_score(name: str, args: argparse.Namespace) -> dict | None:
+    """The variant's score from OUT/NAME/score.json when it was made with these settings, else None."""
     cached = args.out / name / "score.json"
     if cached.exists():
         saved = json.loads(cached.read_text())
-        if saved.get("settings") == settings:
+        if saved.get("settings") == _settings(args):
             return saved["result"]
-    result = _score(name, args)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "result": result}))
-    tmp.replace(cached)
+    return None
+
+
+def score(name: str, args: argparse.Namespace) -> dict:
+    result = cached_score(name, args)
+    if result is None:
+        result = _score(name, args)
+        write_atomic(args.out / name / "score.json", json.dumps({"settings": _settings(args), "result": result}))
     return result
 
 
@@ -144,6 +154,9 @@ def main() -> int:
         variants = [VARIANTS[0], VARIANTS[3]]
     if args.only:
         keep = set(args.only.split(","))
+        unknown = sorted(keep - {name for name, _, _ in VARIANTS})
+        if unknown:
+            p.error(f"--only {','.join(unknown)}: no such variant; choose from {', '.join(n for n, _, _ in VARIANTS)}")
         variants = [v for v in VARIANTS if v[0] in keep or v[0] == "baseline"]
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "data"
@@ -163,10 +176,10 @@ def main() -> int:
             print(line, flush=True)
         list(pool.map(score, [v[0] for v in variants], [args] * len(variants)))
     # The table: every variant scored with these settings (earlier --only calls included), in VARIANTS order.
-    results = [score(name, args) for name, _, _ in VARIANTS if (args.out / name / "score.json").exists()]
+    results = [r for name, _, _ in VARIANTS if (r := cached_score(name, args)) is not None]
     md = table(results)
-    (args.out / "ablations.md").write_text(md + "\n")
-    (args.out / "ablations.json").write_text(json.dumps(
+    write_atomic(args.out / "ablations.md", md + "\n")
+    write_atomic(args.out / "ablations.json", json.dumps(
         {"steps": args.steps, "windows": args.windows, "t_samples": args.t_samples, "seq_len": args.seq_len,
          "results": [{k: v for k, v in r.items() if not k.startswith("per_window")} for r in results]}, indent=1))
     print(md)

@@ -218,6 +218,14 @@ def test_every_runs_script_is_quoted_and_exercised():
             f"{script}: no quoted command runs it in a test (add its tiny flags to TINY_ARGS, or mark it [long])")
 
 
+def test_recipe_ablations_refuses_an_unknown_variant(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "runs" / "recipe_ablations.py"), "--only", "time,nope",
+                        "--out", str(tmp_path / "abl")], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert "error: --only nope: no such variant; choose from baseline, time," in p.stderr, p.stderr
+    assert not (tmp_path / "abl").exists()  # refused before anything is written
+
+
 def test_ci_markers_are_true():
     ci = (ROOT / ".ci" / "run").read_text()
     for where, cmds in doc_blocks():
