@@ -331,6 +331,31 @@ def test_serve_command_on_a_run_and_on_a_checkpoint(tiny_run):
                 proc.kill()
 
 
+def test_the_announced_url_accepts_connections_at_once():
+    """A client that connects the moment it reads the URL is queued, not refused: the port listens before it is
+    announced (it used to be bound only, and `dgemma serve --port 0` raced the client that read its first line)."""
+    import socket
+
+    from fastapi import FastAPI
+
+    from dgemma.serving.app import serve
+
+    class Announced(Exception):
+        pass
+
+    seen: list[str] = []
+
+    def connect_now(url: str) -> None:
+        seen.append(url)
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # ConnectionRefusedError if not listening
+        raise Announced  # stop before uvicorn starts: the connection above is all this test needs
+
+    with pytest.raises(Announced):
+        serve(FastAPI(), "127.0.0.1", 0, announce=connect_now)
+    assert len(seen) == 1 and seen[0].startswith("http://127.0.0.1:")
+
+
 def test_serve_command_errors_and_the_missing_extra(monkeypatch, capsys):
     from dgemma import cli
 

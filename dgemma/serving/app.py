@@ -554,23 +554,24 @@ class _CountRequests:
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "warning",
           announce: Callable[[str], None] = print) -> None:
-    """Run `app` on uvicorn at host:port until Ctrl-C (or SIGTERM); `announce` gets the URL once the port is bound
-    (port 0: a free one)."""
+    """Run `app` on uvicorn at host:port until Ctrl-C (or SIGTERM); `announce` gets the URL once the port listens
+    (port 0: a free one), so a client may connect the moment it reads the URL: connections made before uvicorn's
+    loop runs wait in the listen backlog instead of being refused."""
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
-    bound = sock.getsockname()[1]
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
-    announce(f"http://{shown}:{bound}/")
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
-    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(2048)  # uvicorn's own backlog; a bound socket that does not listen refuses connections
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        announce(f"http://{shown}:{bound}/")
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
         server.run(sockets=[sock])
     finally:
         sock.close()
