@@ -302,7 +302,7 @@ def test_memory_preflight_can_be_forced(model):
 
 def _trace(tmp: Path, model_dir: Path) -> Path:
     base = tmp / "t"
-    assert cli.main(["generate", "--model", str(model_dir), "--prompt-ids", "2,45", *FAST, "--trace",
+    assert cli.main(["generate", "--model", str(model_dir), "--prompt-ids", "2,45", "--seed", "0", *FAST, "--trace",
                      str(base), "--json"]) == 0
     return base
 

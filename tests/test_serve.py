@@ -315,7 +315,7 @@ def test_serve_command_on_a_run_and_on_a_checkpoint(tiny_run):
              for path in (tiny_run, checkpoint)]
     try:
         for proc, name in zip(procs, ("run", checkpoint.name), strict=True):
-            line = proc.stdout.readline()  # the URL, once the port is bound
+            line = proc.stdout.readline()  # the URL, once the port listens
             assert "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
             url = line.split(" at ")[1].split()[0]
             c = OpenAI(base_url=url + "v1", api_key=KEY, max_retries=0, timeout=60)
