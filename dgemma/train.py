@@ -250,8 +250,8 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
                         max_steps=200, eval_every=20, save_every=50, log_every=10, chunk_rows=256),
     # Laptop-sized: 10M parameters, 512 tokens a step (4 canvases of 32 a window), a high learning rate, 1.5M tokens
     # in all. The diffusion recipe is the best of the ablations in docs/training.md ("What the recipe options are
-    # worth"): time conditioning (-0.18 nats/token of held-out NELBO at the same tokens; its checkpoints do not load
-    # in transformers, whose DiffusionGemma has no time input), with the plain x0 loss.
+    # worth"): time conditioning (-0.17 nats/token of held-out NELBO at the same tokens, over two training seeds; its
+    # checkpoints do not load in transformers, whose DiffusionGemma has no time input), with the plain x0 loss.
     "cpu-small": TrainConfig(time_embedding=True),
     # Seed 003's single-GPU recipe: 8 x 2048 tokens x 4 micro-batches = 65k tokens a step, ~4B tokens in all.
     "dg-380m": TrainConfig(preset="dg-380m", seq_len=2048, batch_size=8, grad_accum=4, lr=3e-4, min_lr=3e-5,
