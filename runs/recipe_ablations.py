@@ -220,8 +220,8 @@ def main() -> int:
         md += "\n\nOver training seeds (NELBO at T = 16, nats/token):\n\n" + seeds
     write_atomic(args.out / "ablations.md", md + "\n")
     write_atomic(args.out / "ablations.json", json.dumps(
-        {"steps": args.steps, "windows": args.windows, "t_samples": args.t_samples, "seq_len": args.seq_len,
-         "results": [{k: v for k, v in r.items() if not k.startswith("per_window")} for r in results]}, indent=1))
+        {**_settings(args), "results": [{k: v for k, v in r.items() if not k.startswith("per_window")}
+                                        for r in results]}, indent=1))
     print(md)
     return 0
 
