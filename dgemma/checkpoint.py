@@ -12,6 +12,12 @@ dgemma's parameter names are the checkpoint's without the `model.decoder.` prefi
     model.decoder.<name>                                   <-> <name>
     model.encoder.language_model.layers.N.layer_scalar     <-> layers.N.encoder_layer_scalar
 
+Reading follows one rule for every file of a checkpoint (config.json, generation_config.json, the index, the weights,
+the tokenizer files): a file may be a symlink, followed the way `cat` follows it (the Hugging Face cache layout,
+`snapshots/REV/*` -> `../../blobs/HASH`, loads as it is), but what it resolves to must be a regular file (a FIFO, a
+device or a directory is refused at once, never read: dgemma/fsio.py). A file named inside another file (a shard in
+the index's `weight_map`) must be a plain relative name in the directory: not absolute, no `..`, no NUL.
+
 Loading reads tensors lazily and casts them one at a time into a model allocated once in the target dtype, so
 peak host memory stays near one copy of the weights. Pickle files are never unpickled.
 """
@@ -21,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,6 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dgemma import fsio
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 
@@ -39,6 +45,7 @@ ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.la
 IGNORED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.encoder.language_model.", "lm_head.")
 PICKLE_GLOBS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a LoRA adapter (dgemma/lora.py)
 
 
 CHECKPOINTS, STATE = "checkpoints", "trainer_state.pt"  # a training run's layout (dgemma/train.py writes it)
@@ -49,6 +56,10 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, malformed or does not match its config; the message names file, key and shapes."""
+
+
+class NonFiniteError(ValueError):
+    """A NaN or an infinity where training needs a number (a loss, a gradient, a tensor about to be saved)."""
 
 
 def to_checkpoint_key(name: str) -> str:
@@ -73,7 +84,7 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
     file). Only `model.safetensors` and the shards its index names are read: temporary files of an interrupted save
     (`.model.safetensors.*.tmp`) and pickle files never are."""
     index, single = path / INDEX, path / SINGLE
-    if index.exists():
+    if os.path.lexists(index):
         try:
             weight_map = read_json(index).get("weight_map")
         except ConfigError as e:
@@ -82,17 +93,16 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
             raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to shard files")
         files = {}
         for key, shard in weight_map.items():
-            if not isinstance(shard, str) or not shard:
-                raise CheckpointError(f"{index}: weight_map[{key!r}] must be a shard file name, got {shard!r}")
-            if not _confined(path, shard):
-                raise CheckpointError(f"{index}: weight_map[{key!r}] = {shard!r} points outside the checkpoint "
-                                      f"directory {path}; shards must be files inside it")
+            problem = fsio.plain_name_problem(shard)
+            if problem:
+                raise CheckpointError(f"{index}: weight_map[{key!r}]: {problem}; a shard must be named by a plain "
+                                      f"file name inside {path}")
             f = path / shard
-            if not f.is_file():
+            if not os.path.lexists(f):
                 raise CheckpointError(f"{index}: shard {shard!r} (holding {key!r}) does not exist in {path}")
             files[key] = f
         return files, index
-    if single.exists():
+    if os.path.lexists(single):
         with _open(single) as f:
             return {key: single for key in f.keys()}, single  # noqa: SIM118 (safe_open is not a Mapping)
     if (path / ".metadata").is_file():
@@ -108,24 +118,15 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
     raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}{hint}")
 
 
-def _confined(root: Path, name: str) -> bool:
-    """Whether the shard file `name` names a file inside `root`: relative, no `..`, and (after symlinks are resolved)
-    still under `root`."""
-    rel = Path(name)
-    if rel.is_absolute() or ".." in rel.parts or "\x00" in name:
-        return False
-    try:
-        return (root / rel).resolve().is_relative_to(root.resolve())
-    except (OSError, RuntimeError, ValueError):  # a symlink loop, an unencodable name
-        return False
-
-
 def _open(file: Path) -> Any:
     """safe_open, which checks the header and that the file is exactly as long as it says (so a truncated file fails
-    here, not at the first read)."""
+    here, not at the first read), of a regular file (the reading rule of the module docstring)."""
     try:
+        fsio.check_regular(file)
         return safe_open(str(file), framework="pt", device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:  # truncated, not safetensors, unreadable
+    except fsio.UnsafeFileError as e:  # a FIFO, a device, a directory
+        raise CheckpointError(str(e)) from None
+    except (SafetensorError, OSError, ValueError) as e:  # truncated, not safetensors, unreadable, a dangling link
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
@@ -180,7 +181,7 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (does not exist)"))
     config_path, gen_path = path / "config.json", path / "generation_config.json"
-    if not config_path.exists() and (path / "adapter_config.json").is_file():
+    if not config_path.exists() and (path / ADAPTER_CONFIG).is_file():
         raise CheckpointError(f"{path}: a LoRA adapter, not a whole checkpoint: load it with "
                               "dgemma.lora.load_merged(path), or write a merged checkpoint with `dgemma export`")
     try:
@@ -302,7 +303,9 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes
                     generation_config: GenerationConfig | None = None) -> None:
     """Write the transformers layout (config.json, generation_config.json, safetensors, sharded above
     `max_shard_bytes`). Every file is written to a temporary name, flushed to disk and renamed, so an interrupted
-    save never leaves a file that looks complete. The vision tower is not written (text-only).
+    save never leaves a file that looks complete (dgemma/fsio.py: `atomic_write`; a full disk is one NoSpaceError).
+    A tensor with a NaN or an infinity is refused (NonFiniteError) before anything is written. The vision tower is
+    not written (text-only).
 
     Weights are written before the configs. A save interrupted part-way leaves the earlier weights loadable (or, when
     it was overwriting the shards of an earlier sharded save, no index at all, so nothing half-old half-new loads)."""
@@ -312,9 +315,12 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes
         raise ValueError(f"a model quantized to {model.quantization} cannot be saved in the checkpoint layout (its "
                          "weights are no longer float tensors): save the unquantized model, quantize when loading")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
     state = checkpoint_state(model)
+    bad = nonfinite_tensor(iter(state.items()))
+    if bad:
+        raise NonFiniteError(f"{bad} has non-finite values (NaN or inf); nothing written to {path}")
+    path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, t in state.items():
@@ -324,65 +330,48 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes
             size = 0
         shards[-1][key] = t
         size += nbytes
-    metadata = {"format": "pt"}
     stale = [path / SINGLE, path / INDEX, *path.glob("model-*-of-*.safetensors")]
     if len(shards) == 1:
         written = [SINGLE]
-        _atomic(path / SINGLE, lambda tmp: save_file(shards[0], tmp, metadata=metadata))
+        write_safetensors(path / SINGLE, shards[0])
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         if any((path / n).exists() for n in names):  # the old index must not point at a mix of old and new shards
             (path / INDEX).unlink(missing_ok=True)
         for name, shard in zip(names, shards, strict=True):
-            _atomic(path / name, lambda tmp, shard=shard: save_file(shard, tmp, metadata=metadata))
+            write_safetensors(path / name, shard)
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": {k: name for name, shard in zip(names, shards, strict=True) for k in shard}}
-        _atomic_text(path / INDEX, json.dumps(index, indent=2))
+        fsio.write_text(path / INDEX, json.dumps(index, indent=2) + "\n")
         written = [*names, INDEX]
     for f in stale:  # weights of an earlier save in another layout would shadow or contradict these
         if f.name not in written and f.exists():
             f.unlink()
-    _atomic_text(path / "config.json", json.dumps(model.config.to_hf(), indent=2))
-    _atomic_text(path / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2))
-    _fsync_dir(path)
+    fsio.write_text(path / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
+    fsio.write_text(path / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2) + "\n")
 
 
-def _atomic(dest: Path, write: Any) -> None:
-    """`write(tmp)` to a hidden temporary file next to `dest`, fsync it, rename it over `dest`; on any failure the
-    temporary file is removed and `dest` is untouched. The file gets the usual permissions (0o666 less the umask)."""
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        mode = tmp.stat().st_mode & 0o777  # 0o666 less the umask
-        write(str(tmp))
-        os.chmod(tmp, mode)  # safetensors' save_file recreates the file owner-only (0o600)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def write_safetensors(dest: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file, written atomically (dgemma/fsio.py: a full disk is a NoSpaceError naming `dest`)."""
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    fsio.atomic_write(dest, lambda tmp, _f: save_file(tensors, str(tmp), metadata={"format": "pt"}), needed=needed)
 
 
-def _atomic_text(dest: Path, text: str) -> None:
-    _atomic(dest, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames durable (POSIX); a no-op where directories cannot be opened (Windows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def nonfinite_tensor(named: Iterator[tuple[str, Any]]) -> str | None:
+    """The name of the first tensor (nested in dicts and lists too) with a NaN or an infinity, else None."""
+    for name, value in named:
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                return name
+        elif isinstance(value, dict):
+            found = nonfinite_tensor((f"{name}.{k}", v) for k, v in value.items())
+            if found:
+                return found
+        elif isinstance(value, (list, tuple)):
+            found = nonfinite_tensor((f"{name}.{i}", v) for i, v in enumerate(value))
+            if found:
+                return found
+    return None
 
 
 def iter_checkpoint_keys(path: str | os.PathLike[str]) -> Iterator[str]:

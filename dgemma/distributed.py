@@ -35,7 +35,6 @@ import datetime
 import gc
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgemma import run_dir
-from dgemma.checkpoint import CHECKPOINTS, MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
+from dgemma import fsio, run_dir
+from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
@@ -368,20 +367,13 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
 
     msd, osd = get_state_dict(model, optimizer)
     d.agree(lambda: _refuse_nonfinite(state["step"], {"model": msd, "optimizer": osd}))
-    root = run / CHECKPOINTS
-    final = root / f"step-{state['step']:07d}"
-    tmp = root / f".tmp-{final.name}-sharded"
-
-    def fresh() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-
-    d.on_main(fresh)
+    final, tmp = run_dir.checkpoint_paths(run, state["step"], "sharded")
+    d.on_main(lambda: run_dir.fresh_dir(tmp))
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
         if consolidate else None
 
-    def publish() -> None:
+    def fill() -> None:
         if full is not None:
             with torch.device("meta"):
                 plain = DiffusionGemma(model.config)
@@ -390,23 +382,12 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
             save_pretrained(plain, tmp)
         else:  # the configs, so that `dgemma export` knows the model (and load_model names the way out)
             gen = getattr(model, "generation_config", None) or GenerationConfig()
-            run_dir.write_atomic(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2))
-            run_dir.write_atomic(tmp / "generation_config.json", json.dumps(gen.to_hf(), indent=2))
-        for name in MODEL_FILES:  # the tokenizer (and a fine-tuned run's chat template)
-            if (run / name).is_file():
-                shutil.copyfile(run / name, tmp / name)
-        run_dir.write_atomic(tmp / "train_config.json", json.dumps(train_config, indent=2) + "\n")
-        run_dir.write_atomic(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")
-        for f in tmp.iterdir():
-            run_dir.fsync(f)
-        if final.exists():  # only after resuming from an older checkpoint: same step, same content
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        run_dir.fsync(root)
-        run_dir.write_atomic(root / run_dir.LATEST, final.name + "\n")
-        for old in run_dir.list_checkpoints(run)[:-keep_last]:
-            shutil.rmtree(old)
+            fsio.write_text(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
+            fsio.write_text(tmp / "generation_config.json", json.dumps(gen.to_hf(), indent=2) + "\n")
+        fsio.write_text(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")
 
+    publish = lambda: run_dir.publish_checkpoint(run, tmp, final, train_config, keep_last, fill,
+                                                 needed=run_dir.tensor_bytes(full or {}))
     d.on_main(publish)
     return final
 
@@ -507,5 +488,5 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     save_pretrained(model, out)
     for name in MODEL_FILES:
         if (ckpt / name).is_file():
-            shutil.copyfile(ckpt / name, Path(out) / name)
+            fsio.copy_file(ckpt / name, Path(out) / name)
     return Path(out)

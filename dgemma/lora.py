@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from dgemma.checkpoint import CheckpointError, _atomic, _atomic_text, _fsync_dir, resolve_model_dir
+from dgemma import fsio
+from dgemma.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, resolve_model_dir, write_safetensors
 from dgemma.config import read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
 
-CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+CONFIG, WEIGHTS = ADAPTER_CONFIG, ADAPTER_WEIGHTS
 PREFIX = "base_model.model."  # what peft's PeftModel puts before the wrapped model's module paths
 DECODER, ENCODER = "model.decoder.", "model.encoder.language_model."
 ATTENTION = r"(model\.(decoder|encoder\.language_model)\.)?layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
@@ -107,11 +107,10 @@ def save_adapter(model: torch.nn.Module, config: Any, path: str | os.PathLike[st
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = adapter_state(model)
-    _atomic(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    write_safetensors(path / WEIGHTS, state)
     if generation_config is not None:
-        _atomic_text(path / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2))
-    _atomic_text(path / CONFIG, json.dumps(config_json(config), indent=2, sort_keys=True))
-    _fsync_dir(path)
+        fsio.write_text(path / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2) + "\n")
+    fsio.write_text(path / CONFIG, json.dumps(config_json(config), indent=2, sort_keys=True) + "\n")
 
 
 def is_adapter(path: str | os.PathLike[str]) -> bool:

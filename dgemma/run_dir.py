@@ -29,7 +29,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from dgemma.checkpoint import CHECKPOINTS, MODEL_FILES, STATE, list_checkpoints, save_pretrained
+from dgemma import fsio
+from dgemma.checkpoint import (
+    CHECKPOINTS,
+    MODEL_FILES,
+    STATE,
+    NonFiniteError,
+    list_checkpoints,
+    nonfinite_tensor,
+    save_pretrained,
+)
 
 LOCK, RECORD, METRICS, LATEST = ".lock", "run.json", "metrics.jsonl", "latest"
 T = TypeVar("T")
@@ -37,10 +46,6 @@ T = TypeVar("T")
 
 class RunBusyError(ValueError):
     """Another live process writes this run directory. A ValueError, so `dgemma` prints it on one line (exit 2)."""
-
-
-class NonFiniteError(ValueError):
-    """A NaN or an infinity where training needs a number (a loss, a gradient, a tensor about to be saved)."""
 
 
 class RunStateError(ValueError):
@@ -72,7 +77,7 @@ def check_unlocked(run: Path) -> None:
     """Raise RunBusyError if a live process holds `run`'s lock; touches nothing (a read-only probe)."""
     path = Path(run) / LOCK
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO there must not hang the probe
     except OSError:
         return
     try:
@@ -86,11 +91,12 @@ def check_unlocked(run: Path) -> None:
 @contextmanager
 def locked(run: Path) -> Iterator[None]:
     """Create `run` if needed and hold its writer lock for the block (RunBusyError if a live process holds it). The
-    lock file is never deleted: deleting it could let two processes lock two different files."""
+    lock file is never deleted: deleting it could let two processes lock two different files. It is updated in place,
+    so a symlink there is refused (UnsafeFileError), never written through."""
     run = Path(run)
     run.mkdir(parents=True, exist_ok=True)
     path = run / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = fsio.open_in_place(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -122,7 +128,7 @@ def read_record(run: Path) -> dict[str, Any] | None:
 
 
 def write_record(run: Path, record: dict[str, Any]) -> None:
-    write_atomic(Path(run) / RECORD, json.dumps(record, indent=2) + "\n")
+    fsio.write_text(Path(run) / RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:
@@ -183,57 +189,85 @@ def check_writable(run: Path, resume: bool, fingerprint: dict[str, Any], allow_n
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
-def nonfinite_tensor(named: Iterator[tuple[str, Any]]) -> str | None:
-    """The name of the first tensor (nested in dicts and lists too) with a NaN or an infinity, else None."""
-    for name, value in named:
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                return name
-        elif isinstance(value, dict):
-            found = nonfinite_tensor((f"{name}.{k}", v) for k, v in value.items())
-            if found:
-                return found
-        elif isinstance(value, (list, tuple)):
-            found = nonfinite_tensor((f"{name}.{i}", v) for i, v in enumerate(value))
-            if found:
-                return found
-    return None
-
-
 def save_checkpoint(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_config: dict[str, Any],
                     keep_last: int, state: dict[str, Any],
                     write_weights: Callable[[Path], None] | None = None) -> Path:
-    """Write checkpoints/step-XXXXXXX atomically (temporary directory, fsync, rename), then `latest`, then prune to
-    the last `keep_last`. Refuses (NonFiniteError) weights or optimizer state with a non-finite value.
-    `write_weights(dir)` writes the weights (default: `save_pretrained(model, dir)`; a LoRA run: its adapter). The
-    run's tokenizer and chat template files are copied in."""
+    """Write checkpoints/step-XXXXXXX atomically (`publish_checkpoint`). Refuses (NonFiniteError) weights or
+    optimizer state with a non-finite value. `write_weights(dir)` writes the weights (default:
+    `save_pretrained(model, dir)`; a LoRA run: its adapter)."""
     opt_state = optimizer.state_dict()
     bad = nonfinite_tensor(iter(model.state_dict().items())) or nonfinite_tensor(iter([("optimizer", opt_state)]))
     if bad:
         raise NonFiniteError(f"step {state['step']}: {bad} has non-finite values; no checkpoint written")
-    root = run / CHECKPOINTS
-    final = root / f"step-{state['step']:07d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True, exist_ok=True)
-    (write_weights or (lambda path: save_pretrained(model, path)))(tmp)  # fsyncs each file
-    copied = [tmp / name for name in MODEL_FILES if (run / name).is_file()]
-    for f in copied:
-        shutil.copyfile(run / f.name, f)
-    (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
+    final, tmp = checkpoint_paths(run, state["step"], str(os.getpid()))
+    fresh_dir(tmp)
     state = {**state, "optimizer": opt_state, "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save(state, tmp / STATE)
-    for f in (*copied, tmp / "train_config.json", tmp / STATE):
-        fsync(f)
-    if final.exists():  # only after resuming from an older checkpoint: same step, same content
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync(root)
-    write_atomic(root / LATEST, final.name + "\n")
+
+    def fill() -> None:
+        (write_weights or (lambda path: save_pretrained(model, path)))(tmp)
+        with open(tmp / STATE, "xb") as f:  # a Python file, so that a failed write keeps its errno (ENOSPC)
+            torch.save(state, f)
+
+    publish_checkpoint(run, tmp, final, train_config, keep_last, fill,
+                       needed=tensor_bytes(model.state_dict()) + tensor_bytes(state))
+    return final
+
+
+def checkpoint_paths(run: Path, step: int, tag: str) -> tuple[Path, Path]:
+    """(checkpoints/step-XXXXXXX, the temporary directory it is written in: `.tmp-step-XXXXXXX-TAG`)."""
+    root = Path(run) / CHECKPOINTS
+    final = root / f"step-{step:07d}"
+    return final, root / f".tmp-{final.name}-{tag}"
+
+
+def fresh_dir(tmp: Path) -> None:
+    """An empty `tmp` (what a killed save left there is removed first)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+
+
+def publish_checkpoint(run: Path, tmp: Path, final: Path, train_config: dict[str, Any], keep_last: int,
+                       fill: Callable[[], None], needed: int) -> None:
+    """Complete the temporary checkpoint directory `tmp` and publish it as `final`: `fill()` writes the weights and
+    the trainer state; the run's tokenizer and chat template files are copied in and train_config.json written;
+    everything is fsynced and `tmp` renamed to `final` (complete from the moment it has its name), then `latest` is
+    written and the run pruned to its last `keep_last` checkpoints. On any failure `tmp` is removed, so nothing
+    half-written is left filling the disk, and a full disk is one NoSpaceError naming `final` and the `needed`
+    bytes (resuming once there is space continues from the previous checkpoint, bit-exact)."""
+    root = final.parent
+    try:
+        fill()
+        for name in MODEL_FILES:
+            if (run / name).is_file():
+                fsio.copy_file(run / name, tmp / name)
+        fsio.write_text(tmp / "train_config.json", json.dumps(train_config, indent=2) + "\n")
+        for f in tmp.iterdir():
+            fsio.fsync_file(f)
+        if final.exists():  # only after resuming from an older checkpoint: same step, same content
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = fsio.no_space(e, final, needed)
+        if full is not None:
+            raise full from None
+        raise
+    fsio.fsync_dir(root)
+    fsio.write_text(root / LATEST, final.name + "\n")
     for old in list_checkpoints(run)[:-keep_last]:
         shutil.rmtree(old)
-    return final
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in `value` (nested in dicts, lists and tuples): what saving it takes on disk."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
 
 
 def newest_intact(run: Path, load: Callable[[Path], T], warn: Callable[[str], None]) -> tuple[Path, T] | None:
@@ -285,27 +319,4 @@ def repair_metrics(run: Path, step: int | None, warn: Callable[[str], None]) -> 
             raise RunStateError(f"{path}:{n}: not a metrics record ({line[:60]!r}); fix or delete that line")
         if step is not None and rec["step"] <= step:
             kept.append(line)
-    write_atomic(path, "".join(line + "\n" for line in kept))
-
-
-# --- files ---------------------------------------------------------------------------------------------------------
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync(path: Path) -> None:
-    if not path.exists():
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # directories cannot be fsynced everywhere
-        pass
-    finally:
-        os.close(fd)
+    fsio.write_text(path, "".join(line + "\n" for line in kept))
