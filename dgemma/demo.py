@@ -33,9 +33,10 @@ from dgemma.console import Streamer
 from dgemma.curves import read_metrics
 from dgemma.data import decode_documents, unigram_cross_entropy
 from dgemma.decoding import prompt_agreement, real_word_share, run_ar, words
+from dgemma.fsio import write_text
 from dgemma.generate import generate
 from dgemma.model import DiffusionGemma, load_model
-from dgemma.run_dir import METRICS, write_atomic
+from dgemma.run_dir import METRICS
 from dgemma.tokenizer import Tokenizer, load_tokenizer
 from dgemma.train import TrainConfig, train
 
@@ -251,11 +252,11 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
 def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...], d_texts: list[str],
                    a_texts: list[str], trace: Any, tok: Tokenizer) -> list[Path]:
     written = []
-    write_atomic(out / "demo.json", json.dumps(figures, indent=1) + "\n")
+    write_text(out / "demo.json", json.dumps(figures, indent=1) + "\n")
     lines = ["# dgemma demo", "", "```", *figure_lines(figures), "```", ""]
     for p, d, a in zip(prompts, d_texts, a_texts, strict=True):
         lines += [f"## {_shown(p)}", "", f"- diffusion: {_shown(p + d)}", f"- AR: {_shown(p + a)}", ""]
-    write_atomic(out / "demo.md", "\n".join(lines))
+    write_text(out / "demo.md", "\n".join(lines))
     written += [out / "demo.md", out / "demo.json"]
     if trace is not None:
         from dgemma.viz import load_trace, render_trace, write_player

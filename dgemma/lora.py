@@ -23,6 +23,7 @@ twice.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,11 @@ CONFIG, WEIGHTS = ADAPTER_CONFIG, ADAPTER_WEIGHTS
 PREFIX = "base_model.model."  # what peft's PeftModel puts before the wrapped model's module paths
 DECODER, ENCODER = "model.decoder.", "model.encoder.language_model."
 ATTENTION = r"(model\.(decoder|encoder\.language_model)\.)?layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")  # what an adapter's target_modules may name
+PARAMETER_NAMES = ("experts.gate_up_proj", "experts.down_proj")  # and its target_parameters
 TARGETS = {  # --lora-targets: modules (a regex fully matching a module path) and 3-D parameters adapted
     "attention": (ATTENTION, []),
-    "attention+experts": (ATTENTION, ["experts.gate_up_proj", "experts.down_proj"]),
+    "attention+experts": (ATTENTION, list(PARAMETER_NAMES)),
 }
 
 
@@ -122,8 +125,8 @@ def read_config(path: str | os.PathLike[str]) -> Any:
     """The LoraConfig of an adapter directory; AdapterError naming the file and field if it is not a plain LoRA."""
     file = Path(path) / CONFIG
     try:
-        d = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = json.loads(fsio.read_text(file))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, fsio.UnsafeFileError) as e:
         raise AdapterError(f"{file}: not readable JSON ({e})") from None
     if not isinstance(d, dict) or d.get("peft_type") != "LORA":
         got = d.get("peft_type") if isinstance(d, dict) else d
@@ -131,16 +134,51 @@ def read_config(path: str | os.PathLike[str]) -> Any:
     for field, ok in (("use_dora", False), ("lora_bias", False), ("bias", "none")):
         if d.get(field, ok) != ok:
             raise AdapterError(f"{file}: field {field!r} = {d[field]!r}: dgemma reads plain LoRA adapters only")
+    _check_fields(file, d)
     try:
         return _peft().LoraConfig.from_pretrained(str(path))
     except (TypeError, ValueError) as e:
         raise AdapterError(f"{file}: not a LoRA config peft reads ({e})") from None
 
 
+def _check_fields(file: Path, d: dict[str, Any]) -> None:
+    """The fields dgemma relies on, each refused with the file and the key: `r` a positive int, `lora_alpha` a
+    finite number > 0, `target_modules` a regex or a non-empty list of attention projection names, and
+    `target_parameters` null or a list of expert parameter names."""
+    r, alpha = d.get("r"), d.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterError(f"{file}: field 'r' must be a positive integer (the LoRA rank), got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{file}: field 'lora_alpha' must be a finite number > 0, got {alpha!r}")
+    modules = d.get("target_modules")
+    if isinstance(modules, str):
+        if not modules:
+            raise AdapterError(f"{file}: field 'target_modules' is an empty regex; give the modules to adapt")
+    elif not isinstance(modules, list) or not modules or not all(
+            isinstance(m, str) and m.rsplit(".", 1)[-1] in MODULE_NAMES for m in modules):
+        raise AdapterError(f"{file}: field 'target_modules' must be a regex or a non-empty list of module names "
+                           f"({', '.join(MODULE_NAMES)}), got {modules!r}")
+    parameters = d.get("target_parameters")
+    if parameters is not None and (not isinstance(parameters, list) or not all(
+            isinstance(p, str) and p in PARAMETER_NAMES for p in parameters)):
+        raise AdapterError(f"{file}: field 'target_parameters' must be null or a list of "
+                           f"{', '.join(PARAMETER_NAMES)}, got {parameters!r}")
+
+
+def _check_rank(model: DiffusionGemma, config: Any, file: Path) -> None:
+    """An adapter's rank is at most the width of each layer it adapts (`model` has it attached)."""
+    for name, module in model.named_modules():
+        widths = [getattr(module, a, None) for a in ("in_features", "out_features")]
+        if hasattr(module, "lora_A") and all(isinstance(w, int) for w in widths) and config.r > min(widths):
+            raise AdapterError(f"{file}: field 'r' = {config.r} is larger than {name}'s width {min(widths)} "
+                               f"({widths[0]} in, {widths[1]} out); a LoRA rank is at most the layer's width")
+
+
 def load_adapter(model: DiffusionGemma, path: str | os.PathLike[str]) -> Any:
     """Attach the adapter in `path` to `model` (in place) and load its weights; returns its LoraConfig."""
     config = read_config(path)
     attach(model, config)
+    _check_rank(model, config, Path(path) / CONFIG)
     with torch.no_grad():
         for name, t in read_weights(model, path).items():
             model.get_parameter(name).copy_(t)

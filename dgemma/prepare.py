@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
+from dgemma import dirkind
 from dgemma.console import Log, Progress
 from dgemma.corpus import (
     DEFAULT_CORPUS,
@@ -48,6 +49,7 @@ from dgemma.data import (
     verify,
     write_temp,
 )
+from dgemma.run_dir import locked
 from dgemma.tokenizer import (
     GPT2_EOT,
     GPT2_FILE_SHA256,
@@ -183,8 +185,11 @@ def _check_round_trip(tok: Tokenizer, docs: list[str], log: Log) -> None:
 
 
 def _check_out(out: Path, write: bool) -> None:
-    """--out must be a directory dgemma can read (to compare with meta.json) and, when `write`, write, or a path where
-    one can be created; checked up front, before any fetching or training, as one DataError naming it."""
+    """--out must be a new or empty directory or an existing data directory (never a run's, a checkpoint's or any
+    other non-empty directory: dgemma/dirkind.py) that dgemma can read (to compare with meta.json) and, when
+    `write`, write, or a path where one can be created; checked up front, before any fetching or training, as one
+    error naming it."""
+    dirkind.require(out, {dirkind.MISSING, dirkind.EMPTY, dirkind.DATA}, "--out")
     existing = out
     while True:
         try:
@@ -310,54 +315,55 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     tok.backend.encode_special_tokens = True
     _check_round_trip(tok, split_docs["train"], log)
     dtype = token_dtype(tok.vocab_size)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        clean_stray_files(out, keep={sh["file"] for sp in (old or {}).get("splits", {}).values()
-                                     for sh in sp["shards"]})
-    except OSError as e:
-        raise _write_error(out, e) from None
-    writers = [ShardWriter(out, f"{split}-{fingerprint[:8]}", shard_tokens, dtype) for split in SPLITS]
-    temps: list[Path] = []
-    splits: dict[str, dict[str, Any]] = {}
-    try:
-        for split, writer in zip(SPLITS, writers, strict=True):
-            docs = split_docs[split]
-            tokens = _encode_split(tok, docs, eot_id, writer, split, log) if docs else 0
-            splits[split] = {"documents": len(docs), "tokens": tokens, "characters": sum(map(len, docs)),
-                             "bytes": sum(len(d.encode("utf-8")) for d in docs), "shards": writer.close()}
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fingerprint, "inputs": inputs,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "prepare_seconds": round(time.perf_counter() - started, 2),
-            "tokenizers_version": tokenizers.__version__,
-            "tokenizer": {"spec": str(tokenizer), "kind": spec["kind"], "file": "tokenizer.json",
-                          "sha256": hashlib.sha256(tokenizer_json).hexdigest(),
-                          "licence": tokenizer_licence},
-            "vocab_size": tok.vocab_size, "dtype": dtype.str, "eot_token": eot_token, "eot_id": eot_id,
-            "special_tokens": _special_tokens(tok),
-            "document_format": "each document's tokens, then eot_id; no <bos>",
-            "seed": seed, "val_fraction": val_fraction, "shard_tokens": shard_tokens, "splits": splits,
-            "sources": [{"name": s.name, "origin": s.origin, "sha256": s.sha256, "files": s.files, **s.extra,
-                         "documents": len(s.documents), "characters": sum(map(len, s.documents)),
-                         "licence": s.licence} for s in sources],
-            "licences": {s.name: s.licence for s in sources} | {"tokenizer": tokenizer_licence},
-        }
-        # Commit: both files complete on disk first, then two renames back to back, meta.json last. Until then the
-        # old meta.json lists the old shards, which are untouched (the new ones carry a different tag).
-        files = {"tokenizer.json": tokenizer_json, "meta.json": (json.dumps(meta, indent=2) + "\n").encode()}
-        staged = [(write_temp(out / name, content, temps), out / name) for name, content in files.items()]
-        for tmp, final in staged:
-            os.replace(tmp, final)
-    except BaseException as e:
-        for path in [*temps, *(p for w in writers for p in w.written)]:
-            path.unlink(missing_ok=True)
-        if isinstance(e, OSError):  # a read-only or full disk, a directory removed under us
+    with locked(out):  # creates DIR; two prepares into one DIR take turns (RunBusyError names the holder)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            clean_stray_files(out, keep={sh["file"] for sp in (old or {}).get("splits", {}).values()
+                                         for sh in sp["shards"]})
+        except OSError as e:
             raise _write_error(out, e) from None
-        raise
-    try:
-        clean_stray_files(out, keep={sh["file"] for sp in splits.values() for sh in sp["shards"]})
-    except OSError as e:
-        raise _write_error(out, e) from None
+        writers = [ShardWriter(out, f"{split}-{fingerprint[:8]}", shard_tokens, dtype) for split in SPLITS]
+        temps: list[Path] = []
+        splits: dict[str, dict[str, Any]] = {}
+        try:
+            for split, writer in zip(SPLITS, writers, strict=True):
+                docs = split_docs[split]
+                tokens = _encode_split(tok, docs, eot_id, writer, split, log) if docs else 0
+                splits[split] = {"documents": len(docs), "tokens": tokens, "characters": sum(map(len, docs)),
+                                 "bytes": sum(len(d.encode("utf-8")) for d in docs), "shards": writer.close()}
+            meta = {
+                "format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fingerprint, "inputs": inputs,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "prepare_seconds": round(time.perf_counter() - started, 2),
+                "tokenizers_version": tokenizers.__version__,
+                "tokenizer": {"spec": str(tokenizer), "kind": spec["kind"], "file": "tokenizer.json",
+                              "sha256": hashlib.sha256(tokenizer_json).hexdigest(),
+                              "licence": tokenizer_licence},
+                "vocab_size": tok.vocab_size, "dtype": dtype.str, "eot_token": eot_token, "eot_id": eot_id,
+                "special_tokens": _special_tokens(tok),
+                "document_format": "each document's tokens, then eot_id; no <bos>",
+                "seed": seed, "val_fraction": val_fraction, "shard_tokens": shard_tokens, "splits": splits,
+                "sources": [{"name": s.name, "origin": s.origin, "sha256": s.sha256, "files": s.files, **s.extra,
+                             "documents": len(s.documents), "characters": sum(map(len, s.documents)),
+                             "licence": s.licence} for s in sources],
+                "licences": {s.name: s.licence for s in sources} | {"tokenizer": tokenizer_licence},
+            }
+            # Commit: both files complete on disk first, then two renames back to back, meta.json last. Until then the
+            # old meta.json lists the old shards, which are untouched (the new ones carry a different tag).
+            files = {"tokenizer.json": tokenizer_json, "meta.json": (json.dumps(meta, indent=2) + "\n").encode()}
+            staged = [(write_temp(out / name, content, temps), out / name) for name, content in files.items()]
+            for tmp, final in staged:
+                os.replace(tmp, final)
+        except BaseException as e:
+            for path in [*temps, *(p for w in writers for p in w.written)]:
+                path.unlink(missing_ok=True)
+            if isinstance(e, OSError):  # a read-only or full disk, a directory removed under us
+                raise _write_error(out, e) from None
+            raise
+        try:
+            clean_stray_files(out, keep={sh["file"] for sp in splits.values() for sh in sp["shards"]})
+        except OSError as e:
+            raise _write_error(out, e) from None
     log.info(f"prepared {out} in {time.perf_counter() - started:.1f}s")
     return {"status": "prepared", "meta": meta, "warnings": log.warnings}
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from dgemma import fsio
+from dgemma import dirkind, fsio
 from dgemma.checkpoint import (
     CHECKPOINTS,
     MODEL_FILES,
@@ -39,8 +39,9 @@ from dgemma.checkpoint import (
     nonfinite_tensor,
     save_pretrained,
 )
+from dgemma.dirkind import LOCK, RECORD
 
-LOCK, RECORD, METRICS, LATEST = ".lock", "run.json", "metrics.jsonl", "latest"
+METRICS, LATEST = "metrics.jsonl", "latest"
 T = TypeVar("T")
 
 
@@ -69,7 +70,7 @@ def _holder(path: Path) -> str:
 
 
 def _busy(run: Path, path: Path) -> RunBusyError:
-    return RunBusyError(f"run {run} is being written by {_holder(path)}; wait for it to finish or stop it, then run "
+    return RunBusyError(f"{run} is being written by {_holder(path)}; wait for it to finish or stop it, then run "
                         "the same command again")
 
 
@@ -154,16 +155,17 @@ def describe_data_change(old: dict[str, Any], new: dict[str, Any]) -> str | None
 
 def is_fresh(run: Path) -> bool:
     """True when `run` does not exist or holds nothing but its lock file."""
-    run = Path(run)
-    return not run.exists() or (run.is_dir() and all(p.name == LOCK for p in run.iterdir()))
+    return dirkind.classify(run)[0] in (dirkind.MISSING, dirkind.EMPTY)
 
 
 def check_writable(run: Path, resume: bool, fingerprint: dict[str, Any], allow_new_data: bool, data_dir: Path,
                    check_config: Callable[[dict[str, Any], Path], None]) -> dict[str, Any] | None:
     """Whether a writer may train in `run` (read-only): a new or empty directory; with `resume` (or for a run killed
     before its first checkpoint) a run whose recorded config passes `check_config(saved, source)` and whose data is
-    the same (unless `allow_new_data`). Returns the run's record (None for a new run)."""
+    the same (unless `allow_new_data`). Returns the run's record (None for a new run). Any other kind of directory
+    (a data directory, a checkpoint, an adapter: dgemma/dirkind.py) is refused as such."""
     run = Path(run)
+    dirkind.require(run, {dirkind.MISSING, dirkind.EMPTY, dirkind.RUN, dirkind.OTHER}, "--out")
     record = read_record(run)
     if is_fresh(run):
         return None

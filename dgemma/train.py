@@ -40,7 +40,6 @@ import io
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -51,7 +50,7 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import distributed, lora, run_dir
+from dgemma import distributed, fsio, lora, run_dir
 from dgemma.attention import IMPLS
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
@@ -548,7 +547,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
         files = train_set.model_files if isinstance(train_set, ChatData) else [train_set.tokenizer_path]
         for src in files:  # the tokenizer (and a checkpoint's chat template)
             if src.is_file():
-                d.on_main(lambda src=src: shutil.copyfile(src, run / src.name))
+                d.on_main(lambda src=src: fsio.copy_file(src, run / src.name))
         state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     else:
         ckpt, state = found

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dgemma.run_dir import write_atomic
+from dgemma.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def score(name: str, args: argparse.Namespace) -> dict:
     result = cached_score(name, args)
     if result is None:
         result = _score(name, args)
-        write_atomic(args.out / name / "score.json", json.dumps({"settings": _settings(args), "result": result}))
+        write_text(args.out / name / "score.json", json.dumps({"settings": _settings(args), "result": result}))
     return result
 
 
@@ -218,8 +218,8 @@ def main() -> int:
     md = table(results)
     if seeds := seed_table(results):
         md += "\n\nOver training seeds (NELBO at T = 16, nats/token):\n\n" + seeds
-    write_atomic(args.out / "ablations.md", md + "\n")
-    write_atomic(args.out / "ablations.json", json.dumps(
+    write_text(args.out / "ablations.md", md + "\n")
+    write_text(args.out / "ablations.json", json.dumps(
         {**_settings(args), "results": [{k: v for k, v in r.items() if not k.startswith("per_window")}
                                         for r in results]}, indent=1))
     print(md)
