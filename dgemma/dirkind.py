@@ -55,9 +55,10 @@ def classify(path: str | os.PathLike[str]) -> tuple[str, str]:
     return (OTHER, "") if names else (EMPTY, "")
 
 
-def require(path: str | os.PathLike[str], allowed: set[str], option: str) -> str:
+def require(path: str | os.PathLike[str], allowed: set[str], option: str, expected: str | None = None) -> str:
     """The kind of `path` when it is one of `allowed`, else DirectoryKindError: "PATH is KIND (MARKER); OPTION must
-    be a new or empty directory, or ..." (`option` names the argument, e.g. "--out")."""
+    be a new or empty directory, or ..." (`option` names the argument, e.g. "--out"; `expected` replaces the list
+    of what it accepts)."""
     kind, marker = classify(path)
     if kind in allowed:
         return kind
@@ -66,4 +67,4 @@ def require(path: str | os.PathLike[str], allowed: set[str], option: str) -> str
     phrases += [_EXPECT[k] for k in (DATA, RUN, CHECKPOINT, ADAPTER) if k in allowed]
     what = _DESCRIBE.get(kind, "an empty directory" if kind == EMPTY else "missing (does not exist)")
     raise DirectoryKindError(f"{path} is {what}{f' ({marker})' if marker else ''}; {option} must be "
-                             f"{', or '.join(phrases)}")
+                             f"{expected or ', or '.join(phrases)}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma import fast_sampler, sampling
+from dgemma import dirkind, fast_sampler, fsio, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.config import ConfigError
@@ -66,16 +67,43 @@ class Trace:
         }
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
-        path = Path(path)
-        npz, js = path.with_suffix(".npz"), path.with_suffix(".json")
-        npz.parent.mkdir(parents=True, exist_ok=True)
-        tmp = npz.with_name(npz.name + ".tmp.npz")
-        np.savez_compressed(tmp, **self.arrays())
-        tmp.replace(npz)
-        tmp_js = js.with_name(js.name + ".tmp")
-        tmp_js.write_text(json.dumps(self.summary, indent=2) + "\n")
-        tmp_js.replace(js)
+        """Write path.npz, then path.json, each atomically, where `check_trace_path` allows."""
+        npz, js = check_trace_path(path)
+        arrays = self.arrays()
+        fsio.atomic_write(npz, lambda _tmp, f: np.savez_compressed(f, **arrays),
+                          needed=sum(a.nbytes for a in arrays.values()))
+        fsio.write_text(js, json.dumps(self.summary, indent=2) + "\n")
         return npz, js
+
+
+def check_trace_path(path: str | Path) -> tuple[Path, Path]:
+    """(path.npz, path.json), where a trace may be written: in an existing directory (none is created) that is not
+    a checkpoint's, a run's, a data or an adapter directory (dgemma/dirkind.py), over nothing or over an earlier
+    trace only. GenerationError otherwise, naming the path; `dgemma generate --trace` checks before generating."""
+    path = Path(path)
+    npz, js = path.with_suffix(".npz"), path.with_suffix(".json")
+    if not npz.parent.is_dir():
+        raise GenerationError(f"--trace {path}: its directory {npz.parent} does not exist; create it first (a trace "
+                              "is written into an existing directory)")
+    try:
+        dirkind.require(npz.parent, {dirkind.EMPTY, dirkind.OTHER}, "--trace",
+                        expected="in a directory of your own, not a checkpoint, run, data or adapter directory")
+    except dirkind.DirectoryKindError as e:
+        raise GenerationError(f"--trace {path}: {e}") from None
+    existing = [f for f in (npz, js) if os.path.lexists(f)]
+    if existing and not _is_trace(js):
+        raise GenerationError(f"--trace {path}: {existing[0]} exists and is not a {TRACE_FORMAT} trace; choose "
+                              "another path (only an earlier trace is replaced)")
+    return npz, js
+
+
+def _is_trace(js: Path) -> bool:
+    """Whether `js` is a trace summary (a regular JSON file with "format": TRACE_FORMAT)."""
+    try:
+        summary = json.loads(fsio.read_text(js))
+    except (OSError, ValueError):  # missing, unreadable, a FIFO, not JSON
+        return False
+    return isinstance(summary, dict) and summary.get("format") == TRACE_FORMAT
 
 
 @dataclass

@@ -8,13 +8,16 @@ checkpoint with the chat template files of the run."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dgemma import lora
+from dgemma import dirkind, fsio, lora
 from dgemma.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError
 from dgemma.distributed import export
@@ -38,18 +41,37 @@ def run(args: argparse.Namespace) -> int:
     ckpt = resolve_model_dir(args.run)
     if not ckpt.is_dir():
         raise FileNotFoundError(f"{args.run}: no such run or checkpoint directory")
-    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        raise ConfigError(f"--out {args.out}: exists and is not an empty directory; choose another")
-    if lora.is_adapter(ckpt):
-        model = lora.load_merged(ckpt, base=args.base, dtype=DTYPES[args.dtype])
-        save_pretrained(model, args.out)
-        for name in MODEL_FILES:  # the tokenizer and the chat template the run was fine-tuned with
-            if (ckpt / name).is_file():
-                shutil.copyfile(ckpt / name, args.out / name)
-        print(f"exported {ckpt} merged into {lora.base_of(ckpt, lora.read_config(ckpt), args.base)} to {args.out}")
-        return 0
-    if args.base is not None:
+    dirkind.require(args.out, {dirkind.MISSING, dirkind.EMPTY}, "--out")
+    adapter = lora.is_adapter(ckpt)
+    if args.base is not None and not adapter:
         raise ConfigError(f"--base goes with a LoRA adapter; {ckpt} is a whole checkpoint")
-    out = export(ckpt, args.out, DTYPES[args.dtype])
-    print(f"exported {ckpt} to {out}")
+    with publishing(args.out) as tmp:
+        if adapter:
+            model = lora.load_merged(ckpt, base=args.base, dtype=DTYPES[args.dtype])
+            save_pretrained(model, tmp)
+            for name in MODEL_FILES:  # the tokenizer and the chat template the run was fine-tuned with
+                if (ckpt / name).is_file():
+                    fsio.copy_file(ckpt / name, tmp / name)
+        else:
+            export(ckpt, tmp, DTYPES[args.dtype])
+    if adapter:
+        print(f"exported {ckpt} merged into {lora.base_of(ckpt, lora.read_config(ckpt), args.base)} to {args.out}")
+    else:
+        print(f"exported {ckpt} to {args.out}")
     return 0
+
+
+@contextlib.contextmanager
+def publishing(out: Path) -> Iterator[Path]:
+    """A temporary directory beside `out` (new or empty) that is renamed to `out` once the block has written it: an
+    export that fails (a full disk, a bad tensor) leaves no half-written or empty `out` behind, only what was there."""
+    tmp = fsio.temp_name(out)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        fsio.fsync_dir(tmp)
+        os.replace(tmp, out)  # over an empty directory too (POSIX rename)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsio.fsync_dir(out.parent)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
-from dgemma.generate import generate
+from dgemma.generate import check_trace_path, generate
 from dgemma.tokenizer import Tokenizer, chat_token_ids, left_pad
 
 
@@ -79,6 +79,8 @@ def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: in
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        check_trace_path(args.trace)  # before the model is loaded and anything generated
     model, tok = load(args)
     rows, texts = read_prompts(args, tok, model.config.vocab_size)
     gcfg = model.generation_config
