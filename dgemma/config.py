@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from dgemma import fsio
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 T = TypeVar("T")
@@ -409,12 +411,14 @@ def read_json(path: str | Path) -> dict[str, Any]:
     """Read a JSON object, with an error that names the file on any failure."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = fsio.read_text(path)  # a regular file (or a symlink to one): a FIFO is refused, never blocks
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:  # a directory, a symlink loop, no permission, an I/O error
+    except fsio.UnsafeFileError as e:  # a directory, a FIFO, a device
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # a symlink loop, no permission, an I/O error
         raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
         obj = json.loads(text)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dgemma import fsio
 from dgemma.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "dgemma-token-shards"
@@ -104,9 +105,9 @@ class ShardWriter:
 def write_temp(final: Path, data: bytes, written: list[Path]) -> Path:
     """Write `data` under a hidden temporary name beside `final`, flushed to disk, so that renaming it to `final`
     publishes a complete file; the name goes into `written` first, for clean-up."""
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    tmp = fsio.temp_name(final)  # unique, created exclusively, never through a symlink
     written.append(tmp)
-    with open(tmp, "wb") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -141,12 +142,31 @@ def load_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     for key in ("vocab_size", "dtype", "eot_id", "splits", "tokenizer"):
         if key not in meta:
             raise DataError(f"{path}: no {key!r} field")
+    _check_file_names(path, meta)
     if np.dtype(meta["dtype"]) not in (np.dtype("<u2"), np.dtype("<u4")):
         raise DataError(f"{path}: dtype {meta['dtype']!r}; shards are uint16 or uint32")
     if meta["vocab_size"] > int(np.iinfo(np.dtype(meta["dtype"])).max) + 1:
         raise DataError(f"{path}: vocab_size {meta['vocab_size']:,} does not fit {np.dtype(meta['dtype']).name} "
                         "shards; re-prepare (ids that large need uint32)")
     return meta
+
+
+def _check_file_names(path: Path, meta: dict[str, Any]) -> None:
+    """Every file meta.json names (the tokenizer, each shard) is a plain file name inside its directory
+    (dgemma/fsio.py's rule, the one checkpoint shards follow): DataError naming the key otherwise."""
+    tokenizer, splits = meta["tokenizer"], meta["splits"]
+    if not isinstance(tokenizer, dict) or not isinstance(splits, dict):
+        raise DataError(f"{path}: 'tokenizer' and 'splits' must be objects")
+    named = [("tokenizer.file", tokenizer.get("file"))]
+    for split, entry in splits.items():
+        shards = entry.get("shards") if isinstance(entry, dict) else None
+        if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+            raise DataError(f"{path}: splits.{split}.shards must be a list of shard objects")
+        named += [(f"splits.{split}.shards[{i}].file", s.get("file")) for i, s in enumerate(shards)]
+    for key, name in named:
+        problem = fsio.plain_name_problem(name)
+        if problem:
+            raise DataError(f"{path}: {key}: {problem}; meta.json names files by plain names inside {path.parent}")
 
 
 def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None, checksums: bool = True) -> None:
