@@ -11,6 +11,7 @@ does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,7 +50,7 @@ from dgemma.data import (
     verify,
     write_temp,
 )
-from dgemma.run_dir import locked
+from dgemma.run_dir import check_unlocked, locked
 from dgemma.tokenizer import (
     GPT2_EOT,
     GPT2_FILE_SHA256,
@@ -189,7 +190,8 @@ def _check_out(out: Path, write: bool) -> None:
     other non-empty directory: dgemma/dirkind.py) that dgemma can read (to compare with meta.json) and, when
     `write`, write, or a path where one can be created; checked up front, before any fetching or training, as one
     error naming it."""
-    dirkind.require(out, {dirkind.MISSING, dirkind.EMPTY, dirkind.DATA}, "--out")
+    if dirkind.require(out, {dirkind.MISSING, dirkind.EMPTY, dirkind.DATA}, "--out") != dirkind.MISSING:
+        check_unlocked(out)  # another prepare writing it: say so now, not after the tokenizer is trained
     existing = out
     while True:
         try:
@@ -315,7 +317,8 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     tok.backend.encode_special_tokens = True
     _check_round_trip(tok, split_docs["train"], log)
     dtype = token_dtype(tok.vocab_size)
-    with locked(out):  # creates DIR; two prepares into one DIR take turns (RunBusyError names the holder)
+    # Two prepares into one existing DIR take turns (RunBusyError names the holder); a new DIR gets no lock file.
+    with locked(out) if out.is_dir() else contextlib.nullcontext():
         try:
             out.mkdir(parents=True, exist_ok=True)
             clean_stray_files(out, keep={sh["file"] for sp in (old or {}).get("splits", {}).values()
