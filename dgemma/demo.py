@@ -261,6 +261,7 @@ def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...],
     if trace is not None:
         from dgemma.viz import load_trace, render_trace, write_player
 
+        (out / "trace").mkdir(exist_ok=True)
         npz, _ = trace.save(out / "trace" / "prompt1")
         data = load_trace(npz)
         command = f"dgemma viz {npz} --out {out / 'trace'}"

@@ -48,6 +48,8 @@ def write_report(report: dict[str, Any], out: str | Path, *, command: str, trace
     out.mkdir(parents=True, exist_ok=True)
     report = _finite({**report, "command": command, "out": str(out)})
     written = []
+    if traces:
+        (out / "traces").mkdir(exist_ok=True)
     for name, trace in (traces or {}).items():
         written += list(trace.save(out / "traces" / name))
     written.append(plot_frontier(report, out / "frontier.png", command))
