@@ -37,9 +37,9 @@ class UnsafeFileError(ValueError):
 class NoSpaceError(OSError):
     """The filesystem (or the quota) is full; the message names the file being written and the space it needed."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, path: str | os.PathLike[str], needed: int | None):
         super().__init__(message)
-        self.errno = errno.ENOSPC
+        self.errno, self.filename, self.needed = errno.ENOSPC, str(path), needed
 
 
 # --- names and reading -------------------------------------------------------------------------------------------
@@ -136,7 +136,8 @@ def no_space(e: BaseException, path: str | os.PathLike[str], needed: int | None 
         what += f", {_mb(vfs.f_bavail * vfs.f_frsize)} free"
     except OSError:
         pass
-    return NoSpaceError(f"no space left on device writing {path} ({what}); free some space and run the command again")
+    return NoSpaceError(f"no space left on device writing {path} ({what}); free some space and run the command again",
+                        path, needed)
 
 
 def temp_name(dest: Path) -> Path:

@@ -71,6 +71,10 @@ def publishing(out: Path) -> Iterator[Path]:
         yield tmp
         fsio.fsync_dir(tmp)
         os.replace(tmp, out)  # over an empty directory too (POSIX rename)
+    except fsio.NoSpaceError as e:  # named by the file it would have become
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = out / Path(e.filename).relative_to(tmp) if Path(e.filename).is_relative_to(tmp) else e.filename
+        raise fsio.no_space(e, where, e.needed) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
