@@ -39,7 +39,7 @@ class NoSpaceError(OSError):
 
     def __init__(self, message: str, path: str | os.PathLike[str], needed: int | None):
         super().__init__(message)
-        self.errno, self.filename, self.needed = errno.ENOSPC, str(path), needed
+        self.errno, self.path, self.needed = errno.ENOSPC, Path(path), needed  # (filename would reformat str)
 
 
 # --- names and reading -------------------------------------------------------------------------------------------

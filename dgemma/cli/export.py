@@ -73,7 +73,7 @@ def publishing(out: Path) -> Iterator[Path]:
         os.replace(tmp, out)  # over an empty directory too (POSIX rename)
     except fsio.NoSpaceError as e:  # named by the file it would have become
         shutil.rmtree(tmp, ignore_errors=True)
-        where = out / Path(e.filename).relative_to(tmp) if Path(e.filename).is_relative_to(tmp) else e.filename
+        where = out / e.path.relative_to(tmp) if e.path.is_relative_to(tmp) else e.path
         raise fsio.no_space(e, where, e.needed) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
