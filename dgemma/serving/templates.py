@@ -87,7 +87,7 @@ class ChatTemplate:
                                    **self.special_tokens)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}): {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a template tripping on input
+        except Exception as e:  # untrusted code tripping on the request's messages (any error: OverflowError, ...)
             raise ChatTemplateError(f"chat template ({self.origin}) cannot render these messages: "
                                     f"{type(e).__name__}: {e}") from None
 
@@ -301,7 +301,7 @@ def parse_tool_call(convention: Convention, body: str) -> dict[str, Any] | None:
             if not isinstance(args, dict):
                 return None
             name = data["name"]
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, RecursionError):  # the model wrote something else (or nested it too deep)
         return None
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
