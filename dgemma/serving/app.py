@@ -2,8 +2,9 @@
 
 `create_app(engine, tokenizer, model_name)` serves OpenAI's `/v1/models`, `/v1/completions` and
 `/v1/chat/completions` (JSON, or server-sent events with one chunk per committed canvas and, on request, one per
-denoising step), `/health`, `/metrics` (Prometheus) and the live page at `/`. Requests are parsed by `api` (pure
-rules), turned into engine submissions (one per choice), and answered from the engine's events, which the engine
+denoising step), `/health`, `/metrics` (Prometheus) and the live page at `/`. A request passes `guards` (Host
+name, key, content type, its body read under a size cap and a time limit), is parsed by `api` (pure rules, on a
+worker thread), turned into engine submissions (one per choice), and answered from the engine's events, which the engine
 thread hands to the event loop with `call_soon_threadsafe`. A client that goes away cancels its engine requests at
 once. Every error is OpenAI's error object; nothing sends a traceback. `serve(app, host, port)` runs it on uvicorn.
 """
