@@ -72,16 +72,22 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
 
-def raw(url: str, data: bytes, timeout: float = 5.0) -> bytes:
-    """Send `data` on a fresh connection and read until the server closes it (or `timeout` passes)."""
+def raw(url: str, data: bytes, timeout: float = 5.0) -> tuple[bytes, bool]:
+    """Send `data` on a fresh connection and read until the server closes it or `timeout` passes: (what was read,
+    whether the server closed the connection)."""
     with socket.create_connection(("127.0.0.1", port_of(url)), timeout=timeout) as s:
         with contextlib.suppress(OSError):
             s.sendall(data)
-        out = b""
-        with contextlib.suppress(OSError):
+        out, closed = b"", False
+        try:
             while chunk := s.recv(65536):
                 out += chunk
-        return out
+            closed = True
+        except TimeoutError:
+            pass
+        except OSError:  # reset: closed too
+            closed = True
+        return out, closed
 
 
 def status_and_body(response: bytes) -> tuple[int, bytes]:
@@ -134,9 +140,10 @@ def test_eight_slow_bodies_hold_no_place_among_the_requests_in_flight(engine, to
 
 
 def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closes(server):
-    response = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: 100\r\n\r\n{")
+    response, closed = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{", timeout=3)
     status, body = status_and_body(response)
+    assert closed, "the connection stayed open after the 408"
     error = json.loads(body)["error"]
     assert status == 408 and error["code"] == "request_timeout", response
     assert re.search(r"did not arrive within 0\.25 s \(--body-timeout\)", error["message"])
@@ -414,7 +421,7 @@ def check_answer(url: str, kind: str, request: bytes) -> str | None:
     """What is wrong with the server's answer to `request`, or None: an answer within 2 s (random bytes may be
     no request at all), no 5xx, every JSON 4xx OpenAI's error object, a non-JSON 4xx only uvicorn's own answer to
     what is not HTTP, and /health still answering."""
-    response = raw(url, request, timeout=2.0)
+    response, _ = raw(url, request, timeout=2.0)
     problem = None if response or kind == "random" else "no answer within 2 s"
     if response:
         try:
