@@ -323,6 +323,7 @@ def test_hostile_json_gets_400_naming_the_field(server, path, body, param, patte
     ("{% for i in range(10**30) %}{{ i }}{% endfor %}", r"OverflowError"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", r"RecursionError"),
     ("{{ messages[0].content | int // 0 }}", r"ZeroDivisionError"),
+    ('{{ "\\ud800" }}{{ messages[0].content }}', r"UnicodeEncodeError"),
 ])
 def test_a_template_that_fails_to_render_is_a_400_naming_it(engine, tok, base, source, pattern):
     template = ChatTemplate(source, origin="bad.jinja")

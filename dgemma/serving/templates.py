@@ -83,8 +83,10 @@ class ChatTemplate:
 
         template = self._compiled[self.tool_source if tools and self.tool_source is not None else self.source]
         try:
-            return template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            text = template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
                                    **self.special_tokens)
+            text.encode("utf-8")  # a lone surrogate the template wrote ("\ud800") is no text a tokenizer takes
+            return text
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}): {e}") from None
         except Exception as e:  # untrusted code tripping on the request's messages (any error: OverflowError, ...)
