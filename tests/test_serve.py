@@ -187,7 +187,7 @@ def test_bad_fields_get_400_naming_them(client, kwargs, param):
 
 
 def test_malformed_requests_get_openai_errors_never_tracebacks(server):
-    auth = {"Authorization": f"Bearer {KEY}"}
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     for body, status in ((b"{not json", 400), (b"[1, 2]", 400), (b'{"prompt": [9999]}', 400),
                          (b'{"prompt": "x", "max_tokens": "many"}', 400), (b'{"model": "gpt-4", "prompt": "x"}', 404)):
         r = httpx.post(server + "/v1/completions", content=body, headers=auth)
@@ -204,7 +204,7 @@ def test_api_key_and_body_size(server):
         OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.post(server + "/v1/completions", json={"prompt": "x"}).status_code == 401
-    auth = {"Authorization": f"Bearer {KEY}"}
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     big = b'{"prompt": "' + b"a" * 70_000 + b'"}'
     r = httpx.post(server + "/v1/completions", content=big, headers=auth)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

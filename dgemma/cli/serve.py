@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dgemma.cli.common import UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
 from dgemma.tokenizer import TURN_END, build_test_tokenizer
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
@@ -25,6 +26,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--allowed-hosts", metavar="NAMES", type=_names, default=(),
+                   help="comma-separated Host names answered besides localhost (`*`: any); without --api-key on a "
+                        "loopback address only localhost, 127.x.x.x and [::1] are answered (DNS rebinding)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the directory or preset)")
     p.add_argument("--max-batch", type=int, default=16, metavar="N", help="requests denoised together (default 16)")
     p.add_argument("--max-context", type=int, default=2048, metavar="N",
@@ -36,6 +40,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body, else 413 (default 1 MiB)")
     p.add_argument("--max-n", type=int, default=8, metavar="N", help="the largest `n` a request may ask (default 8)")
+    p.add_argument("--max-denoising-steps", type=int, default=DEFAULT_MAX_DENOISING_STEPS, metavar="N",
+                   help=f"most denoising steps per canvas a request may ask (default {DEFAULT_MAX_DENOISING_STEPS})")
+    p.add_argument("--max-request-steps", type=int, default=DEFAULT_MAX_REQUEST_STEPS, metavar="N",
+                   help="the most denoising steps one request may run: choices x canvases x steps per canvas "
+                        f"(default {DEFAULT_MAX_REQUEST_STEPS})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+                   help=f"seconds a request body may take to arrive, else 408 (default {DEFAULT_BODY_TIMEOUT:g})")
     p.add_argument("--impl", choices=("reference", "fast"), default="fast", help="kernels (default fast)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch threads of the engine (default on CPU: all cores but one, which the HTTP loop keeps)")
@@ -50,12 +61,18 @@ def run(args: argparse.Namespace) -> int:
             print(INSTALL_HINT, file=sys.stderr)
             return 2
         raise
+    from dgemma.serving.api import Limits
     from dgemma.serving.engine import Engine
+    from dgemma.serving.guards import allowed_hosts, check_api_key
     from dgemma.serving.templates import load_chat_template
 
-    for name in ("max_batch", "max_context", "max_queue", "max_concurrency", "max_request_bytes", "max_n"):
+    for name in ("max_batch", "max_context", "max_queue", "max_concurrency", "max_request_bytes", "max_n",
+                 "max_denoising_steps", "max_request_steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.body_timeout < float("inf"):
+        raise UsageError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
+    check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
     if args.seed is not None:
         raise UsageError("--seed: each request carries its own `seed` (the same seed gives the same text)")
     if not 0 <= args.port < 65536:
@@ -74,9 +91,12 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, max_batch=args.max_batch, max_context=args.max_context, max_queue=args.max_queue,
                     impl=args.impl, force=args.force).start()
     try:
+        limits = Limits(max_n=args.max_n, max_denoising_steps=args.max_denoising_steps,
+                        max_request_steps=args.max_request_steps)
         app = create_app(engine, tok, name, template=template, generation_config=config, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes, max_concurrency=args.max_concurrency,
-                         max_n=args.max_n)
+                         limits=limits, body_timeout=args.body_timeout,
+                         allowed_hosts=allowed_hosts(args.host, args.api_key, args.allowed_hosts))
         announce = lambda url: print(f"dgemma serve: {name} at {url} (OpenAI API at {url}v1; Ctrl-C stops)",
                                      flush=True)
         serve(app, args.host, args.port, announce=announce)
@@ -85,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"give comma-separated host names (or *), got {text!r}")
+    return names
 
 
 def _dir(path: Path | None) -> Path | None:

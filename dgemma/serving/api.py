@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,15 +36,22 @@ MAX_STOP = 4
 MAX_CHOICES = 64  # engine requests one HTTP request may make (prompts x n)
 MAX_TEMPERATURE = 2.0
 SEED_LIMIT = 2**63
+MAX_JSON_DEPTH = 64  # objects and lists nested in a request body (a tool's JSON schema needs a dozen)
+MAX_INT_DIGITS = 64  # digits of a JSON integer (a seed has at most 19; Python refuses to convert over 4,300)
+DEFAULT_MAX_DENOISING_STEPS = 1024
+DEFAULT_MAX_REQUEST_STEPS = 65536
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
     """A request the server refuses: the HTTP status and OpenAI's error object."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+        self.headers = headers  # of the response (`Connection: close` where the rest of the request is not read)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
@@ -53,6 +61,30 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The work one request may ask of the server (`dgemma serve --max-n --max-denoising-steps
+    --max-request-steps`): `max_n` choices per prompt, `max_denoising_steps` per canvas, and `max_request_steps`
+    denoising steps in all (choices x canvases x steps per canvas, the most the engine could run for it)."""
+
+    max_n: int = 8
+    max_denoising_steps: int = DEFAULT_MAX_DENOISING_STEPS
+    max_request_steps: int = DEFAULT_MAX_REQUEST_STEPS
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_denoising_steps", "max_request_steps"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+
+    def check_steps(self, config: GenerationConfig) -> None:
+        """Refuse a config whose `max_denoising_steps` is over the per-canvas cap (a request's, or the server's
+        default config at start)."""
+        if config.max_denoising_steps > self.max_denoising_steps:
+            raise APIError(f"max_denoising_steps: at most {self.max_denoising_steps} on this server "
+                           f"(--max-denoising-steps), got {config.max_denoising_steps}", param="max_denoising_steps")
 
 
 @dataclass(frozen=True)
@@ -79,20 +111,79 @@ class GenerationRequest:
     conventions: tuple[Convention, ...]  # how to split the output (chat with a template that marks spans)
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400."""
+class _Refused:
+    """A JSON number `load_json` does not accept, kept in place so that the error names where it is."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+
+def _parse_int(text: str) -> int | _Refused:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        return _Refused(f"an integer of {digits:,} digits; at most {MAX_INT_DIGITS} are accepted")
+    return int(text)
+
+
+def _parse_float(text: str) -> float | _Refused:
+    value = float(text)
+    return value if math.isfinite(value) else _Refused(f"the number {text[:24]} overflows a float (not finite)")
+
+
+def _parse_constant(text: str) -> _Refused:
+    return _Refused(f"{text} is not a JSON number (non-finite numbers are refused)")
+
+
+def load_json(text: bytes | str, *, what: str = "the request body", param: str | None = None) -> Any:
+    """JSON from a client, or a 400 naming where it is wrong. The one parser of untrusted JSON (request bodies,
+    tool-call arguments): beyond the syntax it refuses nesting deeper than MAX_JSON_DEPTH, integers over
+    MAX_INT_DIGITS digits, numbers that are not finite (NaN, Infinity, 1e999) and strings with lone surrogates
+    (not valid Unicode: no tokenizer or encoder takes them). The error's `param` is `param`, else the top-level
+    key of a body where the problem is."""
     try:
-        body = json.loads(raw)
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except RecursionError:
+        raise APIError(f"{what}: nests deeper than {MAX_JSON_DEPTH} levels", param=param) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from None
+        raise APIError(f"{what} is not valid JSON: {e}", param=param) from None
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
+    while stack:  # iterative, so that the check itself cannot recurse too deep
+        v, path = stack.pop()
+        problem = None
+        if isinstance(v, _Refused):
+            problem = v.problem
+        elif isinstance(v, str) and (m := _SURROGATE.search(v)):
+            problem = f"a lone surrogate (U+{ord(m.group()):04X}) is not valid Unicode text"
+        elif isinstance(v, (dict, list)) and len(path) >= MAX_JSON_DEPTH:
+            problem = f"nests deeper than {MAX_JSON_DEPTH} levels"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if m := _SURROGATE.search(k):
+                    problem = f"a key with a lone surrogate (U+{ord(m.group()):04X}) is not valid Unicode text"
+                    break
+                stack.append((item, (*path, k)))
+        elif isinstance(v, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(v))
+        if problem is not None:
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+            top = param or (path[0] if path and isinstance(path[0], str) and path[0].isidentifier() else None)
+            raise APIError(f"{what}{', at ' + where if where else ''}: {problem}", param=top)
+    return value
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (`load_json`'s rules), or a 400."""
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
 
 
 def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: ChatTemplate,
-                       base_config: GenerationConfig, model_name: str, max_n: int = 8) -> GenerationRequest:
-    """POST /v1/chat/completions: messages rendered with `template`."""
+                       base_config: GenerationConfig, model_name: str, limits: Limits = Limits(),
+                       canvas_length: int | None = None) -> GenerationRequest:
+    """POST /v1/chat/completions: messages rendered with `template`. `limits` caps the work asked; the total
+    (`max_request_steps`) is checked when `canvas_length` (the model's) is given."""
     _check_fields(body, COMMON_FIELDS + CHAT_FIELDS)
     for name, neutral in (("top_logprobs", (None, 0)), ("parallel_tool_calls", (None, True))):
         _neutral(body, name, neutral)
@@ -117,12 +208,14 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     conventions = template.conventions
     if body.get("tool_choice") == "none":
         conventions = tuple(c for c in conventions if c.kind != "tool")
-    return _request("chat", body, [prompt], base_config, model_name, max_n, max_tokens_field, conventions)
+    return _request("chat", body, [prompt], base_config, model_name, limits, canvas_length, max_tokens_field,
+                    conventions)
 
 
 def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base_config: GenerationConfig,
-                             model_name: str, max_n: int = 8) -> GenerationRequest:
-    """POST /v1/completions: a prompt string, strings, token ids or token-id lists."""
+                             model_name: str, limits: Limits = Limits(), canvas_length: int | None = None
+                             ) -> GenerationRequest:
+    """POST /v1/completions: a prompt string, strings, token ids or token-id lists (`limits` as for chat)."""
     _check_fields(body, COMMON_FIELDS + COMPLETION_FIELDS)
     for name, neutral in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, ""))):
         _neutral(body, name, neutral)
@@ -130,11 +223,12 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
         raise APIError(f"logprobs: not supported (a diffusion sampler has no per-token log-probability of its "
                        f"output), got {body['logprobs']!r}", param="logprobs")
     prompts = _prompts(body.get("prompt"), tokenizer)
-    return _request("completion", body, prompts, base_config, model_name, max_n, "max_tokens", ())
+    return _request("completion", body, prompts, base_config, model_name, limits, canvas_length, "max_tokens", ())
 
 
 def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: GenerationConfig, model_name: str,
-             max_n: int, max_tokens_field: str, conventions: tuple[Convention, ...]) -> GenerationRequest:
+             limits: Limits, canvas_length: int | None, max_tokens_field: str, conventions: tuple[Convention, ...]
+             ) -> GenerationRequest:
     model = body.get("model")
     if model is not None and model != model_name:
         raise APIError(f"model {model!r} does not exist; this server serves {model_name!r}", param="model",
@@ -153,8 +247,8 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
         raise APIError(f"logit_bias: not supported, got {body['logit_bias']!r}", param="logit_bias")
     n = body.get("n", 1)
     n = 1 if n is None else n
-    if not is_int(n) or not 1 <= n <= max_n:
-        raise APIError(f"n: must be an int from 1 to {max_n}, got {n!r}", param="n")
+    if not is_int(n) or not 1 <= n <= limits.max_n:
+        raise APIError(f"n: must be an int from 1 to {limits.max_n}, got {n!r}", param="n")
     choices = len(prompts) * n
     if choices > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={n} make {choices} choices; at most {MAX_CHOICES}", param="n")
@@ -166,6 +260,15 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
         raise APIError(f"stream: must be true or false, got {stream!r}", param="stream")
     include_usage, include_denoising = _stream_options(body.get("stream_options"), bool(stream))
     config = _config(body, base, max_tokens_field)
+    limits.check_steps(config)
+    if canvas_length is not None:
+        canvases = -(-config.max_new_tokens // canvas_length)
+        work = choices * canvases * config.max_denoising_steps
+        if work > limits.max_request_steps:
+            raise APIError(f"{max_tokens_field}: this request may run {work:,} denoising steps ({choices} choices x "
+                           f"{canvases} canvases of {canvas_length} tokens x max_denoising_steps="
+                           f"{config.max_denoising_steps}); at most {limits.max_request_steps:,} on this server "
+                           "(--max-request-steps)", param=max_tokens_field)
     submissions = [Submission(index=p * n + i, prompt=p, config=config,
                               seed=None if seed is None else seed + p * n + i)
                    for p in range(len(prompts)) for i in range(n)]
@@ -336,10 +439,7 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
                        param="messages")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            raise APIError(f"{where}.function.arguments: not a JSON object: {args[:80]!r}", param="messages") from None
+        args = load_json(args, what=f"{where}.function.arguments", param="messages") if args.strip() else {}
     if not isinstance(args, dict):
         raise APIError(f"{where}.function.arguments: must be a JSON object", param="messages")
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}

@@ -2,8 +2,9 @@
 
 `create_app(engine, tokenizer, model_name)` serves OpenAI's `/v1/models`, `/v1/completions` and
 `/v1/chat/completions` (JSON, or server-sent events with one chunk per committed canvas and, on request, one per
-denoising step), `/health`, `/metrics` (Prometheus) and the live page at `/`. Requests are parsed by `api` (pure
-rules), turned into engine submissions (one per choice), and answered from the engine's events, which the engine
+denoising step), `/health`, `/metrics` (Prometheus) and the live page at `/`. A request passes `guards` (Host
+name, key, content type, its body read under a size cap and a time limit), is parsed by `api` (pure rules, on a
+worker thread), turned into engine submissions (one per choice), and answered from the engine's events, which the engine
 thread hands to the event loop with `call_soon_threadsafe`. A client that goes away cancels its engine requests at
 once. Every error is OpenAI's error object; nothing sends a traceback. `serve(app, host, port)` runs it on uvicorn.
 """
@@ -19,7 +20,7 @@ import math
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from importlib import resources
 from typing import Any
@@ -27,20 +28,24 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma.generation_config import GenerationConfig
 from dgemma.serving.api import (
+    DEFAULT_BODY_TIMEOUT,
     APIError,
     GenerationRequest,
+    Limits,
     error_body,
     parse_chat_request,
     parse_completion_request,
     parse_json,
 )
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
+from dgemma.serving.guards import HostCheck, check_api_key, read_body, require_json
+from dgemma.serving.metrics import CountRequests, Metrics
 from dgemma.serving.templates import (
     GEMMA_QUOTE,
     GEMMA_TOOL_CALL,
@@ -57,7 +62,6 @@ DEFAULT_MAX_CONCURRENCY = 256
 POLL_S = 0.1  # how often a waiting request checks whether its client is still there
 PLACEHOLDER_PAGE = ("<!doctype html><title>dgemma serve</title><p>dgemma serve is running. The OpenAI API is at "
                     "<code>/v1</code>; <code>/health</code> and <code>/metrics</code> describe it.</p>")
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/")
 
 
 class ClientGone(Exception):
@@ -67,20 +71,34 @@ class ClientGone(Exception):
 def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: ChatTemplate | None = None,
                generation_config: GenerationConfig | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
-               max_n: int = 8) -> FastAPI:
+               limits: Limits | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """The app over a started `engine`. `generation_config` holds the defaults a request overrides (default: the
     engine's model's); `template` the chat template (default: dgemma's Gemma template); `api_key`, when given, is
-    required as `Authorization: Bearer KEY` on /v1/*."""
-    state = _State(engine, tokenizer, model_name, template or ChatTemplate(None),
-                   generation_config or engine.model.generation_config, api_key, max_request_bytes, max_concurrency,
-                   max_n)
+    required as `Authorization: Bearer KEY` on /v1/*; `limits` caps the work of one request (default: `Limits()`),
+    `body_timeout` the seconds its body may take to arrive; `allowed_hosts` (`guards.allowed_hosts`), when given,
+    are the only Host names answered. Raises ValueError for a setting that cannot work (an empty key, a default
+    config over `limits`)."""
+    check_api_key(api_key)
+    if not body_timeout > 0:
+        raise ValueError(f"--body-timeout: must be > 0 seconds, got {body_timeout!r}")
+    limits = limits or Limits()
+    config = generation_config or engine.model.generation_config
+    try:
+        limits.check_steps(config)
+    except APIError as e:
+        raise ValueError(f"the default sampler settings exceed the server's limits: {e}") from None
+    state = _State(engine, tokenizer, model_name, template or ChatTemplate(None), config, api_key,
+                   max_request_bytes, max_concurrency, limits, body_timeout)
     app = FastAPI(title="dgemma serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dgemma = state
-    app.add_middleware(_CountRequests, counter=state.metrics.requests)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)
+    app.add_middleware(CountRequests, counter=state.metrics.requests)  # added last: outermost, counts refusals too
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -142,12 +160,12 @@ class _State:
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, model_name: str, template: ChatTemplate,
                  config: GenerationConfig, api_key: str | None, max_request_bytes: int, max_concurrency: int,
-                 max_n: int):
+                 limits: Limits, body_timeout: float):
         self.engine, self.tokenizer, self.model_name, self.template = engine, tokenizer, model_name, template
-        self.config, self.api_key, self.max_n = config, api_key, max_n
+        self.config, self.api_key, self.limits, self.body_timeout = config, api_key, limits, body_timeout
         self.max_request_bytes, self.max_concurrency = max_request_bytes, max_concurrency
         self.in_flight, self.created = 0, int(time.time())
-        self.metrics = _Metrics(engine, lambda: self.in_flight)
+        self.metrics = Metrics(engine, lambda: self.in_flight)
         self._pieces: dict[int, str] = {}
         specials = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
         self._special = {i: tokenizer.backend.id_to_token(i) or "" for i in specials}
@@ -165,36 +183,20 @@ class _State:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dgemma"}
 
-    async def read_body(self, request: Request) -> bytes:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
-            raise self._too_large()
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _too_large(self) -> APIError:
-        return APIError(f"the request body is larger than {self.max_request_bytes:,} bytes (--max-request-bytes)",
-                        status=413, code="request_too_large")
-
     async def generate(self, request: Request, kind: str) -> Response:
+        """Answer a generation request. It counts against --max-concurrency only once its body has arrived and
+        parses (a slow client holds no place); parsing, template rendering and tokenizing run on a worker thread,
+        so a large prompt does not stall the event loop (and /health) while it is tokenized."""
         self.authorize(request)
+        require_json(request)
+        body = await run_in_threadpool(parse_json, await read_body(request, self.max_request_bytes,
+                                                                   self.body_timeout))
         if self.in_flight >= self.max_concurrency:
             raise APIError(f"too many requests in flight ({self.max_concurrency}, --max-concurrency); retry later",
                            status=429, code="rate_limit_exceeded")
         self.in_flight += 1
         try:
-            body = parse_json(await self.read_body(request))
-            if kind == "chat":
-                req = parse_chat_request(body, tokenizer=self.tokenizer, template=self.template,
-                                         base_config=self.config, model_name=self.model_name, max_n=self.max_n)
-            else:
-                req = parse_completion_request(body, tokenizer=self.tokenizer, base_config=self.config,
-                                               model_name=self.model_name, max_n=self.max_n)
+            req = await run_in_threadpool(self._parse, kind, body)
             run = _Run(self, req, request)
             run.submit()
         except BaseException:
@@ -206,6 +208,13 @@ class _State:
             return JSONResponse(await run.complete())
         finally:
             self._release(run)
+
+    def _parse(self, kind: str, body: dict[str, Any]) -> GenerationRequest:
+        common = {"tokenizer": self.tokenizer, "base_config": self.config, "model_name": self.model_name,
+                  "limits": self.limits, "canvas_length": self.engine.model.config.canvas_length}
+        if kind == "chat":
+            return parse_chat_request(body, template=self.template, **common)
+        return parse_completion_request(body, **common)
 
     def _release(self, run: _Run) -> None:
         run.cancel()
@@ -468,88 +477,6 @@ class _Run:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class _Metrics:
-    """The app's Prometheus registry: HTTP counters, per-request histograms fed from the engine's events, and the
-    engine's own counters and gauges, read from `engine.stats()` at each scrape."""
-
-    def __init__(self, engine: Any, in_flight: Callable[[], int]):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("dgemma_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
-        Gauge("dgemma_http_requests_in_flight", "generation requests being answered", registry=r
-              ).set_function(in_flight)
-        self.canvas_steps = Histogram("dgemma_canvas_denoising_steps", "denoising steps per finished canvas",
-                                      buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), registry=r)
-        self.tokens_per_step = Histogram("dgemma_request_tokens_per_step",
-                                         "a request's completion tokens / its denoising steps",
-                                         buckets=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.ttfc = Histogram("dgemma_time_to_first_canvas_seconds", "submission to the first finished canvas",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.prompt_tokens = Counter("dgemma_prompt_tokens", "prompt tokens of answered requests", registry=r)
-        self.completion_tokens = Counter("dgemma_completion_tokens", "completion tokens of answered requests",
-                                         registry=r)
-        r.register(_EngineCollector(engine))
-
-    def done(self, event: DoneEvent) -> None:
-        if event.seconds_to_first_canvas is not None:
-            self.ttfc.observe(event.seconds_to_first_canvas)
-        if event.denoising_steps:
-            self.tokens_per_step.observe(event.completion_tokens / event.denoising_steps)
-
-    def usage(self, prompt: int, completion: int) -> None:
-        self.prompt_tokens.inc(prompt)
-        self.completion_tokens.inc(completion)
-
-
-class _EngineCollector:
-    """engine.stats() as Prometheus metrics, read at scrape time."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-
-    def collect(self) -> Any:
-        s = self.engine.stats()
-        for name, doc, value in (("queue_length", "engine requests waiting for a slot", s.queue_length),
-                                 ("active_requests", "engine slots in use", s.active),
-                                 ("max_batch", "engine slots", s.max_batch),
-                                 ("batch_occupancy", "mean rows per batched denoising forward since start",
-                                  s.denoise_rows / s.denoise_forwards if s.denoise_forwards else 0.0),
-                                 ("tokens_per_busy_second", "generated tokens / engine busy seconds since start",
-                                  s.generated_tokens / s.busy_seconds if s.busy_seconds else 0.0)):
-            yield GaugeMetricFamily(f"dgemma_engine_{name}", doc, value=value)
-        for name, doc, value in (("engine_denoise_forwards", "batched denoising forwards", s.denoise_forwards),
-                                 ("engine_denoise_rows", "rows over all batched denoising forwards", s.denoise_rows),
-                                 ("engine_commits", "commit passes (prefills and canvases)", s.commits),
-                                 ("generated_tokens", "output tokens delivered", s.generated_tokens),
-                                 ("engine_busy_seconds", "time the engine loop spent computing", s.busy_seconds)):
-            yield CounterMetricFamily(f"dgemma_{name}", doc, value=value)
-        requests = CounterMetricFamily("dgemma_engine_requests", "engine requests by state", labels=["state"])
-        for label, value in (("submitted", s.requests_submitted), ("finished", s.requests_finished),
-                             ("cancelled", s.requests_cancelled), ("failed", s.requests_failed)):
-            requests.add_metric([label], value)
-        yield requests
-
-
-class _CountRequests:
-    """ASGI middleware: counts answered requests by endpoint (the known routes, else "other") and status."""
-
-    def __init__(self, app: Any, counter: Counter):
-        self.app, self.counter = app, counter
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = next((e for e in ENDPOINTS if path == e or (e == "/v1/models" and path.startswith(e + "/"))),
-                        "other")
-
-        async def counting_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                self.counter.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "warning",

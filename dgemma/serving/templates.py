@@ -83,11 +83,13 @@ class ChatTemplate:
 
         template = self._compiled[self.tool_source if tools and self.tool_source is not None else self.source]
         try:
-            return template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+            text = template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
                                    **self.special_tokens)
+            text.encode("utf-8")  # a lone surrogate the template wrote ("\ud800") is no text a tokenizer takes
+            return text
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}): {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:  # a template tripping on input
+        except Exception as e:  # untrusted code tripping on the request's messages (any error: OverflowError, ...)
             raise ChatTemplateError(f"chat template ({self.origin}) cannot render these messages: "
                                     f"{type(e).__name__}: {e}") from None
 
@@ -301,7 +303,7 @@ def parse_tool_call(convention: Convention, body: str) -> dict[str, Any] | None:
             if not isinstance(args, dict):
                 return None
             name = data["name"]
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, RecursionError):  # the model wrote something else (or nested it too deep)
         return None
     return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}

@@ -1,0 +1,97 @@
+"""The Prometheus side of `dgemma serve`: the app's registry (HTTP counters, per-request histograms fed from the
+engine's events, the engine's own counters and gauges read at each scrape) and the middleware counting answered
+requests by endpoint and status (docs/serving.md, Metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from dgemma.serving.engine import DoneEvent
+
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/")
+
+
+class Metrics:
+    """The app's Prometheus registry: HTTP counters, per-request histograms fed from the engine's events, and the
+    engine's own counters and gauges, read from `engine.stats()` at each scrape."""
+
+    def __init__(self, engine: Any, in_flight: Callable[[], int]):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("dgemma_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        Gauge("dgemma_http_requests_in_flight", "generation requests being answered", registry=r
+              ).set_function(in_flight)
+        self.canvas_steps = Histogram("dgemma_canvas_denoising_steps", "denoising steps per finished canvas",
+                                      buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), registry=r)
+        self.tokens_per_step = Histogram("dgemma_request_tokens_per_step",
+                                         "a request's completion tokens / its denoising steps",
+                                         buckets=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.ttfc = Histogram("dgemma_time_to_first_canvas_seconds", "submission to the first finished canvas",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.prompt_tokens = Counter("dgemma_prompt_tokens", "prompt tokens of answered requests", registry=r)
+        self.completion_tokens = Counter("dgemma_completion_tokens", "completion tokens of answered requests",
+                                         registry=r)
+        r.register(_EngineCollector(engine))
+
+    def done(self, event: DoneEvent) -> None:
+        if event.seconds_to_first_canvas is not None:
+            self.ttfc.observe(event.seconds_to_first_canvas)
+        if event.denoising_steps:
+            self.tokens_per_step.observe(event.completion_tokens / event.denoising_steps)
+
+    def usage(self, prompt: int, completion: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.completion_tokens.inc(completion)
+
+
+class _EngineCollector:
+    """engine.stats() as Prometheus metrics, read at scrape time."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self) -> Any:
+        s = self.engine.stats()
+        for name, doc, value in (("queue_length", "engine requests waiting for a slot", s.queue_length),
+                                 ("active_requests", "engine slots in use", s.active),
+                                 ("max_batch", "engine slots", s.max_batch),
+                                 ("batch_occupancy", "mean rows per batched denoising forward since start",
+                                  s.denoise_rows / s.denoise_forwards if s.denoise_forwards else 0.0),
+                                 ("tokens_per_busy_second", "generated tokens / engine busy seconds since start",
+                                  s.generated_tokens / s.busy_seconds if s.busy_seconds else 0.0)):
+            yield GaugeMetricFamily(f"dgemma_engine_{name}", doc, value=value)
+        for name, doc, value in (("engine_denoise_forwards", "batched denoising forwards", s.denoise_forwards),
+                                 ("engine_denoise_rows", "rows over all batched denoising forwards", s.denoise_rows),
+                                 ("engine_commits", "commit passes (prefills and canvases)", s.commits),
+                                 ("generated_tokens", "output tokens delivered", s.generated_tokens),
+                                 ("engine_busy_seconds", "time the engine loop spent computing", s.busy_seconds)):
+            yield CounterMetricFamily(f"dgemma_{name}", doc, value=value)
+        requests = CounterMetricFamily("dgemma_engine_requests", "engine requests by state", labels=["state"])
+        for label, value in (("submitted", s.requests_submitted), ("finished", s.requests_finished),
+                             ("cancelled", s.requests_cancelled), ("failed", s.requests_failed)):
+            requests.add_metric([label], value)
+        yield requests
+
+
+class CountRequests:
+    """ASGI middleware: counts answered requests by endpoint (the known routes, else "other") and status."""
+
+    def __init__(self, app: Any, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = next((e for e in ENDPOINTS if path == e or (e == "/v1/models" and path.startswith(e + "/"))),
+                        "other")
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
