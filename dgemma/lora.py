@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dgemma.checkpoint import CheckpointError, _atomic, _atomic_text, _fsync_dir, resolve_model_dir
-from dgemma.config import read_json
+from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
 
@@ -56,6 +57,29 @@ def _peft() -> Any:
     except ImportError:
         raise AdapterError("LoRA needs peft: pip install 'dgemma[finetune]'") from None
     return peft
+
+
+def check_adapter(rank: int, alpha: float, targets: str, config: ModelConfig) -> None:
+    """Refuse (ConfigError) LoRA settings that cannot train on a model of `config`, before anything is built or
+    written: alpha must be > 0 (alpha / rank scales the update), and the rank at most the width of the narrowest
+    adapted layer (min(in, out) of a projection or an expert matrix; a larger rank adds nothing but parameters). The
+    widths come from the model built on the meta device, so the rule holds for every geometry."""
+    if not alpha > 0:
+        raise ConfigError(f"TrainConfig.lora_alpha: must be > 0 (the update B A is scaled by alpha / rank), got "
+                          f"{alpha!r}")
+    if rank <= 0:
+        return
+    modules, parameters = TARGETS[targets]
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    widths = {name: min(m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and re.fullmatch(modules, name)}
+    widths |= {name: min(p.shape[-2:]) for name, p in model.named_parameters()
+               if any(name.endswith(target) for target in parameters)}
+    narrowest = min(widths, key=lambda name: widths[name])
+    if rank > widths[narrowest]:
+        raise ConfigError(f"TrainConfig.lora_rank: {rank} exceeds the width of the narrowest adapted layer "
+                          f"({narrowest}: {widths[narrowest]}); use a rank from 1 to {widths[narrowest]}")
 
 
 def lora_config(rank: int, alpha: float, targets: str, base: str | None = None) -> Any:

@@ -285,7 +285,7 @@ class ChatData:
 
     def epoch_rows(self, seed: int, epoch: int) -> list[list[int]]:
         if epoch not in self._epochs:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
             order = torch.randperm(len(self.examples), generator=g).tolist()
             self._epochs = {epoch: pack(self.examples, order, self.L, self.seq_len)}
         return self._epochs[epoch]
