@@ -224,15 +224,19 @@ def _walk(top: Path, log: Log) -> _Walk:
     return found
 
 
-def _read_regular(path: Path) -> bytes:
-    """The bytes of a regular file. Opened non-blocking and checked before reading, so a FIFO never blocks: OSError
-    (with the reason in strerror) for anything else."""
+def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of a regular file. Opened non-blocking and checked before reading, so a FIFO never blocks and a
+    device (/dev/zero) is never read: OSError (with the reason in strerror) for anything else, and for a file over
+    `max_bytes`, found by reading at most max_bytes + 1 bytes (never the whole of a file that grows)."""
     fd = os.open(path, os.O_RDONLY | _NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, _file_kind(mode), str(path))
-        return f.read()
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"larger than the {max_bytes:,} bytes allowed", str(path))
+    return data
 
 
 def _unreadable_error(path: Path, why: str, more: int) -> DataError:
@@ -271,7 +275,7 @@ def read_path(path: str | os.PathLike[str], log: Log | None = None, skip_unreada
     digest, docs, empty, read = hashlib.sha256(), [], 0, 0
     for file in files:
         try:
-            data = _read_regular(file)
+            data = read_regular(file)
         except OSError as e:
             if is_dir and skip_unreadable:
                 unreadable.append((file, e.strerror or str(e)))
