@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.console import Log
-from dgemma.data import DataError, sha256_file
+from dgemma.data import DataError, parse_json_row, sha256_file
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")  # what a directory walk reads (plus .jsonl)
 
@@ -117,21 +117,13 @@ def read_jsonl(data: bytes, where: str) -> list[str]:
     for number, line in enumerate(_decode_text(data, where).split("\n"), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}:{number}: not valid JSON ({e.msg})") from None
+        record = parse_json_row(line, f"{where}:{number}")
         if not isinstance(record, dict) or "text" not in record:
             got = f"keys {sorted(record)[:5]}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
             raise DataError(f"{where}:{number}: a JSONL corpus needs an object with a \"text\" field on each line, "
                             f"got {got}")
         if not isinstance(record["text"], str):
             raise DataError(f"{where}:{number}: \"text\" must be a string, got {type(record['text']).__name__}")
-        try:
-            record["text"].encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone "\ud800" escape: valid JSON, not Unicode text
-            raise DataError(f"{where}:{number}: \"text\" holds a lone surrogate (U+{ord(record['text'][e.start]):04X} "
-                            f"at character {e.start}), which is not valid Unicode text; fix the \\u escape") from None
         docs.append(record["text"])
     return docs
 
