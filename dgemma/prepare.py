@@ -53,6 +53,7 @@ from dgemma.tokenizer import (
     GPT2_FILE_SHA256,
     Tokenizer,
     build_gpt2_tokenizer,
+    check_bpe_vocab,
     load_tokenizer,
     train_bpe_tokenizer,
 )
@@ -78,8 +79,10 @@ def parse_tokenizer_spec(spec: str | os.PathLike[str]) -> dict[str, Any]:
             vocab = int(text[4:])
         except ValueError:
             raise DataError(f"--tokenizer {text}: expected bpe:VOCAB with an integer VOCAB, e.g. bpe:8192") from None
-        if vocab < 261:
-            raise DataError(f"--tokenizer {text}: a byte-level BPE needs at least 261 ids (256 bytes + 5 special)")
+        try:
+            check_bpe_vocab(vocab)
+        except ValueError as e:
+            raise DataError(f"--tokenizer {text}: {e}") from None
         return {"kind": "bpe", "vocab_size": vocab}
     path = Path(text)
     file = path / "tokenizer.json" if path.is_dir() else path

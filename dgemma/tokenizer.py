@@ -41,6 +41,7 @@ ROLES = {"user": "user", "model": "model", "assistant": "model", "system": "syst
 # a pre-token longer than this many characters is cut into pieces of at most this many (see `bpe_training_texts`).
 # Ordinary text never has such words, so its merges are unchanged; the saved tokenizer encodes any text as before.
 MAX_TRAINING_WORD_CHARS = 256
+MAX_BPE_VOCAB = 1 << 20  # 1,048,576 ids: 4x Gemma's 262,144; beyond it the trainer's allocations abort the process
 
 
 class Tokenizer:
@@ -193,15 +194,22 @@ def bpe_training_texts(texts: Iterable[str], max_word: int = MAX_TRAINING_WORD_C
             yield text[start:end]
 
 
+def check_bpe_vocab(vocab_size: int, special: int = len(TEST_SPECIAL_TOKENS)) -> None:
+    """A byte-level BPE's vocabulary size must hold the 256 bytes and the `special` tokens, and be at most
+    MAX_BPE_VOCAB (the trainer allocates by the requested size up front: bpe:1000000000 aborts the process in Rust).
+    ValueError otherwise, saying what is accepted."""
+    minimum = special + 256
+    if not minimum <= vocab_size <= MAX_BPE_VOCAB:
+        raise ValueError(f"a byte-level BPE's vocab_size must be from {minimum} ({special} special tokens + 256 "
+                         f"bytes) to {MAX_BPE_VOCAB:,}, got {vocab_size:,}")
+
+
 def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...], *,
                           length: int | None = None, show_progress: bool = False) -> _HFTokenizer:
     """A byte-level BPE (GPT-2's pre-tokenizer regex, the 256 byte symbols always in the vocabulary, so any text
     encodes without an unknown token) trained on `texts`, `special_tokens` at ids 0, 1, ... Pre-tokens longer than
     MAX_TRAINING_WORD_CHARS are cut for training (`bpe_training_texts`), so training time is linear in the input."""
-    minimum = len(special_tokens) + 256
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be >= {minimum} ({len(special_tokens)} special tokens + 256 bytes), "
-                         f"got {vocab_size}")
+    check_bpe_vocab(vocab_size, len(special_tokens))
     backend = _HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
