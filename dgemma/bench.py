@@ -80,11 +80,11 @@ class BenchSettings:
         bad = [i for i in self.impls if i not in ("reference", "fast")]
         if bad or not self.impls:
             raise ConfigError(f"impls must be 'reference' and/or 'fast', got {self.impls!r}")
-        for name in ("steps", "canvases", "repeats", "batch", "train_steps"):
+        for name in ("steps", "canvases", "repeats", "batch", "train_steps", "prompt_length", "threads"):
             v = getattr(self, name)
-            if name == "train_steps" and v is None:
+            if name in ("train_steps", "prompt_length", "threads") and v is None:  # None: the default
                 continue
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")

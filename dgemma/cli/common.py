@@ -59,7 +59,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
-def _int(text: str) -> int:
+def int_value(text: str) -> int:
+    """Any int (its range checked where the setting has its rule)."""
     try:
         return int(text)
     except ValueError:
@@ -79,7 +80,7 @@ def _float(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """An int >= 1."""
-    v = _int(text)
+    v = int_value(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text!r}")
     return v
@@ -87,7 +88,7 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     """An int >= 0."""
-    v = _int(text)
+    v = int_value(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return v
@@ -116,7 +117,7 @@ def nonnegative_float(text: str) -> float:
 
 def seed(text: str) -> int:
     """A seed: an int in [0, 2**64 - 1] (dgemma.generation_config.is_seed, the one rule for seeds)."""
-    v = _int(text)
+    v = int_value(text)
     if not is_seed(v):
         raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1 = {SEED_MAX}, got {text!r}")
     return v

@@ -8,31 +8,23 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from dgemma.cli.common import nonnegative_int, positive_float, positive_int, seed, shown_path
+from dgemma.cli.common import finite_float, int_value, seed, shown_path
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    """A comma-separated list of positive ints (at least one)."""
-    return _list(text, positive_int)
+    """A comma-separated list of ints (EvalSettings.check says which are in range)."""
+    return tuple(int_value(x.strip()) for x in text.split(",") if x.strip())
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    """A comma-separated list of finite numbers > 0 (at least one)."""
-    return _list(text, positive_float)
-
-
-def _list(text: str, item: Callable[[str], Any]) -> tuple[Any, ...]:
-    values = tuple(item(x.strip()) for x in text.split(",") if x.strip())
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of values, got {text!r}")
-    return values
+    """A comma-separated list of finite numbers (EvalSettings.check says which are in range)."""
+    return tuple(finite_float(x.strip()) for x in text.split(",") if x.strip())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # The ranges of the settings are EvalSettings.check's (the library's rule); argparse parses the numbers.
     p = sub.add_parser("eval", help="evaluate a diffusion run against an AR baseline: likelihood, speed, quality",
                        description=__doc__)
     p.add_argument("--model", type=Path, required=True, metavar="RUN", help="diffusion run or checkpoint directory")
@@ -41,31 +33,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "tokenizer) that scores both sides' samples in float64 (default: the baseline scores them)")
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="prepared data (its validation split)")
     p.add_argument("--out", type=Path, required=True, metavar="REPORT_DIR", help="folder for report.md/json, plots")
-    p.add_argument("--prompts", type=positive_int, default=8, metavar="N", help="prompts decoded per sampler setting")
-    p.add_argument("--prompt-tokens", type=positive_int, default=32, metavar="N", help="tokens per prompt")
-    p.add_argument("--max-new-tokens", type=positive_int, metavar="N",
-                   help="new tokens per prompt (default: two canvases)")
+    p.add_argument("--prompts", type=int, default=8, metavar="N", help="prompts decoded per sampler setting")
+    p.add_argument("--prompt-tokens", type=int, default=32, metavar="N", help="tokens per prompt")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt (default: two canvases)")
     p.add_argument("--steps", type=_ints, default=(4, 8, 16, 32), metavar="N,N,..",
                    help="max_denoising_steps values of the frontier (default 4,8,16,32)")
     p.add_argument("--entropy-bounds", type=_floats, default=(0.1, 1.0), metavar="X,X,..",
                    help="entropy_bound values of the frontier (default 0.1,1)")
     p.add_argument("--ar-temperatures", type=_floats, default=(1.0,), metavar="X,X,..",
                    help="temperatures the AR baseline decodes at: its frontier (default 1)")
-    p.add_argument("--seq-len", type=positive_int, metavar="N",
-                   help="held-out window (default: the run's training seq_len)")
-    p.add_argument("--num-steps", type=positive_int, metavar="T", help="T of the NELBO (default: the run's training T)")
-    p.add_argument("--t-samples", type=positive_int, default=4, metavar="K",
-                   help="stratified t samples per canvas (NELBO)")
-    p.add_argument("--max-windows", type=nonnegative_int, default=64, metavar="N",
-                   help="held-out windows per likelihood "
+    p.add_argument("--seq-len", type=int, metavar="N", help="held-out window (default: the run's training seq_len)")
+    p.add_argument("--num-steps", type=int, metavar="T", help="T of the NELBO (default: the run's training T)")
+    p.add_argument("--t-samples", type=int, default=4, metavar="K", help="stratified t samples per canvas (NELBO)")
+    p.add_argument("--max-windows", type=int, default=64, metavar="N", help="held-out windows per likelihood "
                    "(0: the whole validation split)")
-    p.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="held-out windows per forward")
-    p.add_argument("--target-se", type=positive_float, default=0.01, metavar="X",
-                   help="the report says how many windows "
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="held-out windows per forward")
+    p.add_argument("--target-se", type=finite_float, default=0.01, metavar="X", help="the report says how many windows "
                    "give this standard error (nats/token)")
     p.add_argument("--quality-dtype", default="float64", choices=("float64", "float32"),
                    help="dtype of both models for the samples that are scored (default float64)")
-    p.add_argument("--bootstrap", type=positive_int, default=1000, metavar="N", help="bootstrap resamples of the "
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap resamples of the "
                    "generative-perplexity intervals (seeded with --seed)")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
