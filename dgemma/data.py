@@ -195,9 +195,11 @@ def load_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None, checksums: bool = True) -> None:
-    """Check the tokenizer and every shard against meta.json: present, the right size, and (with `checksums`) the
-    recorded sha256. The first mismatch is a DataError naming the file."""
+def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None, checksums: bool = True,
+           splits: tuple[str, ...] = SPLITS) -> None:
+    """Check the tokenizer and every shard of `splits` against meta.json: present, the right size, and (with
+    `checksums`) the recorded sha256. The first mismatch is a DataError naming the file. Training verifies both
+    splits, `dgemma eval` the validation split it reads."""
     directory = Path(directory)
     meta = meta or load_meta(directory)
     tok = directory / meta["tokenizer"]["file"]
@@ -207,7 +209,9 @@ def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None
         raise DataError(f"{tok}: sha256 does not match meta.json (changed after prepare, or an interrupted "
                         "re-prepare); run dgemma data prepare again")
     itemsize = np.dtype(meta["dtype"]).itemsize
-    for split in meta["splits"].values():
+    for name, split in meta["splits"].items():
+        if name not in splits:
+            continue
         for shard in split["shards"]:
             path = directory / shard["file"]
             if not path.is_file():
@@ -221,13 +225,15 @@ def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None
 
 
 def check_token_range(directory: str | os.PathLike[str], vocab_size: int, meta: dict[str, Any] | None = None,
-                      block: int = 1 << 22) -> None:
+                      block: int = 1 << 22, splits: tuple[str, ...] = SPLITS) -> None:
     """Every token id in every shard is < `vocab_size` (what the model can embed): a DataError naming the first shard
     with an id out of range, instead of an IndexError in the middle of training. Reads the shards in blocks."""
     directory = Path(directory)
     meta = meta or load_meta(directory)
     dtype = np.dtype(meta["dtype"])
-    for split in meta["splits"].values():
+    for name, split in meta["splits"].items():
+        if name not in splits:
+            continue
         for shard in split["shards"]:
             path = directory / shard["file"]
             tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.empty(0, dtype)

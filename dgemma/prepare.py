@@ -129,6 +129,23 @@ def split_documents(documents: list[str], val_fraction: float, seed: int) -> lis
     return is_val
 
 
+def split_warning(documents: list[str], is_val: list[bool], val_fraction: float) -> str | None:
+    """The one-line warning for a split by whole documents that misses --val-fraction badly: either split holding
+    under half the share of the characters asked for it (one large document decided the split: it took most of the
+    validation split, or left training too little), or None. Said, not refused: the split is still valid, and a
+    caller may mean it."""
+    total = sum(map(len, documents))
+    if val_fraction <= 0 or total == 0 or not any(is_val):
+        return None
+    val_share = sum(len(d) for d, v in zip(documents, is_val, strict=True) if v) / total
+    if val_share >= val_fraction / 2 and 1 - val_share >= (1 - val_fraction) / 2:
+        return None
+    largest = max(map(len, documents)) / total
+    return (f"--val-fraction {val_fraction}: the split is by whole document and gives validation {val_share:.2%} of "
+            f"the text and training {1 - val_share:.2%} (asked: {val_fraction:.2%} / {1 - val_fraction:.2%}); the "
+            f"largest document is {largest:.2%} of the corpus: split it into smaller documents (files or JSONL "
+            "records) for a closer split")
+
 
 # --- prepare --------------------------------------------------------------------------------------------------
 
@@ -300,6 +317,8 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     if val_fraction > 0 and not split_docs["val"]:
         log.warn("one document only: the validation split is empty (the split is by document; give more files or "
                  "JSONL records)")
+    if (warning := split_warning(documents, is_val, val_fraction)) is not None:
+        log.warn(warning)
 
     # 3. Tokenizer (a BPE is trained on the train split only), then the shards.
     tok, tokenizer_licence = _make_tokenizer(spec, split_docs["train"], cache, log)
@@ -366,4 +385,4 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
 
 
 __all__ = ["DEFAULT_SEED", "DEFAULT_SHARD_TOKENS", "DEFAULT_TOKENIZER", "DEFAULT_VAL_FRACTION", "parse_tokenizer_spec",
-           "prepare", "split_documents"]
+           "prepare", "split_documents", "split_warning"]
