@@ -17,6 +17,7 @@ import os
 import stat
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,12 @@ from dgemma.data import (
 from dgemma.tokenizer import (
     GPT2_EOT,
     GPT2_FILE_SHA256,
+    TEXT_CHUNK_CHARS,
     Tokenizer,
     build_gpt2_tokenizer,
     check_bpe_vocab,
     load_tokenizer,
+    text_chunks,
     train_bpe_tokenizer,
 )
 
@@ -63,7 +66,9 @@ DEFAULT_SHARD_TOKENS = 1 << 24  # 16.8M tokens, 32 MiB at uint16: a few shards p
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_SEED = 42
 EOT_CANDIDATES = (GPT2_EOT, "<eos>", "</s>", "<|end_of_text|>")  # a tokenizer.json's separator: the first it has
-_ENCODE_CHUNK_CHARS = 1 << 21  # documents per encode_batch call, by size: parallel enough, and progress moves
+# Characters per encode_batch call: pieces of TEXT_CHUNK_CHARS encode in parallel, progress moves, and the
+# tokenizer's structures stay small (about 160 bytes a character while a block is encoded: 80 MB).
+_ENCODE_BLOCK_CHARS = 1 << 19
 
 
 # --- tokenizer choice -----------------------------------------------------------------------------------------
@@ -173,23 +178,53 @@ def _make_tokenizer(spec: dict[str, Any], train_docs: list[str], cache_dir: Path
     return load_tokenizer(spec["path"]), f"user-supplied tokenizer {spec['path']} (licence not recorded)"
 
 
+def encode_documents(tok: Tokenizer, docs: list[str], eot_id: int, piece_chars: int = TEXT_CHUNK_CHARS,
+                     block_chars: int = _ENCODE_BLOCK_CHARS) -> Iterator[tuple[np.ndarray, int]]:
+    """The token stream of `docs` in order, each document followed by `eot_id`, as (ids, characters encoded) blocks
+    of at most `block_chars` characters (or one piece): a document longer than `piece_chars` is encoded in pieces
+    (tokenizer.text_chunks: cut between pre-tokens, so the ids are the whole document's for the byte-level BPEs),
+    short documents and pieces together, so memory follows the block, not the largest document (docs/data.md,
+    "Memory")."""
+    eot = np.array([eot_id], dtype=np.int64)
+
+    def encode(batch: list[tuple[str, bool]]) -> tuple[np.ndarray, int]:
+        encodings = tok.backend.encode_batch_fast([piece for piece, _ in batch], add_special_tokens=False)
+        ids = []
+        for (_, ends_document), e in zip(batch, encodings, strict=True):
+            ids += [np.asarray(e.ids, dtype=np.int64), eot] if ends_document else [np.asarray(e.ids, dtype=np.int64)]
+        return np.concatenate(ids), sum(len(piece) for piece, _ in batch)
+
+    batch: list[tuple[str, bool]] = []  # (piece, whether it ends its document)
+    size = 0
+    for doc in docs:
+        for piece, ends_document in _with_last(text_chunks(doc, piece_chars)):
+            if batch and size + len(piece) > block_chars:
+                yield encode(batch)
+                batch, size = [], 0
+            batch.append((piece, ends_document))
+            size += len(piece)
+    if batch:
+        yield encode(batch)
+
+
+def _with_last(items: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """Each item with whether it is the last."""
+    previous = next(items)
+    for item in items:
+        yield previous, False
+        previous = item
+    yield previous, True
+
+
 def _encode_split(tok: Tokenizer, docs: list[str], eot_id: int, writer: ShardWriter, desc: str, log: Log) -> int:
-    """Tokenize `docs` in order, each followed by `eot_id`, into `writer`. Returns the token count."""
-    total, start = 0, 0
+    """Tokenize `docs` in order, each followed by `eot_id`, into `writer` a block at a time (`encode_documents`).
+    Returns the token count."""
+    total = 0
     with Progress(f"tokenizing {desc}", sum(map(len, docs)), "chars", enabled=not log.quiet) as bar:
-        while start < len(docs):
-            end, size = start, 0
-            while end < len(docs) and (end == start or size + len(docs[end]) <= _ENCODE_CHUNK_CHARS):
-                size, end = size + len(docs[end]), end + 1
-            encodings = tok.backend.encode_batch(docs[start:end], add_special_tokens=False)
-            pieces = []
-            for e in encodings:
-                pieces += [np.asarray(e.ids, dtype=np.int64), np.array([eot_id], dtype=np.int64)]
-            ids = np.concatenate(pieces)
+        for ids, size in encode_documents(tok, docs, eot_id):
             writer.add(ids)
             total += ids.size
             bar.update(size)
-            start = end
     return total
 
 
@@ -384,5 +419,5 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     return {"status": "prepared", "meta": meta, "warnings": log.warnings}
 
 
-__all__ = ["DEFAULT_SEED", "DEFAULT_SHARD_TOKENS", "DEFAULT_TOKENIZER", "DEFAULT_VAL_FRACTION", "parse_tokenizer_spec",
-           "prepare", "split_documents", "split_warning"]
+__all__ = ["DEFAULT_SEED", "DEFAULT_SHARD_TOKENS", "DEFAULT_TOKENIZER", "DEFAULT_VAL_FRACTION", "encode_documents",
+           "parse_tokenizer_spec", "prepare", "split_documents", "split_warning"]
