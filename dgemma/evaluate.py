@@ -306,6 +306,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     from dgemma.data import TokenDataset, check_token_range, verify
     from dgemma.model import load_model
     from dgemma.tokenizer import check_vocab, load_tokenizer
+    from dgemma.train import CONFIG_JSON
 
     s = settings or EvalSettings()
     s.check()
@@ -321,7 +322,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
         # without it, a diffusion checkpoint included, would score samples with the wrong factorisation.
         if run is not None and run.objective != "ar":
             how = (f"was trained with objective {run.objective!r}" if run.objective is not None else
-                   f"has no {run.model_dir / 'train_config.json'} to show it was trained autoregressively")
+                   f"has no {run.model_dir / CONFIG_JSON} to show it was trained autoregressively")
             raise EvalError(f"{flag} {path} {how}; the {flag[2:]} must be an autoregressive run (objective 'ar': "
                             "dgemma train --objective ar), or a checkpoint of one")
     # The reference path: diffusion and AR decode on the same (readable) kernels.
