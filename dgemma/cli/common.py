@@ -123,7 +123,9 @@ def seed(text: str) -> int:
     return v
 
 
-_TYPES = {"int": int, "float": finite_float, "str": str, "int | None": int, "str | None": str}
+# A dataclass's fields are checked by the dataclass (TrainConfig.__post_init__: finite floats, positive counts), the
+# one home of those rules; argparse only parses them, and a seed with the one seed rule.
+_TYPES = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}
 
 
 def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
@@ -138,7 +140,7 @@ def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]
         else:
             kw["type"] = seed if f.name == "seed" else _TYPES[str(f.type)]
             kw["choices"] = f.metadata.get("choices")
-            kw["metavar"] = None if kw["choices"] else {int: "N", finite_float: "X", seed: "N", str: "NAME"}[kw["type"]]
+            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", seed: "N", str: "NAME"}[kw["type"]]
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
