@@ -60,10 +60,13 @@ def _peft() -> Any:
 
 
 def check_adapter(rank: int, alpha: float, targets: str, config: ModelConfig) -> None:
-    """Refuse (ConfigError) LoRA settings that cannot train on a model of `config`, before anything is built or
-    written: alpha must be > 0 (alpha / rank scales the update), and the rank at most the width of the narrowest
-    adapted layer (min(in, out) of a projection or an expert matrix; a larger rank adds nothing but parameters). The
-    widths come from the model built on the meta device, so the rule holds for every geometry."""
+    """Refuse (ConfigError) LoRA settings that cannot train on a model of `config` (TrainConfig checks its own with
+    it, so before anything is built or written): the rank an int >= 0 (0: no adapters) and at most the width of the
+    narrowest adapted layer (min(in, out) of a projection or an expert matrix; a larger rank adds nothing but
+    parameters), alpha > 0 (alpha / rank scales the update). The widths come from the model built on the meta device
+    (no memory), so the rule holds for every geometry."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError(f"TrainConfig.lora_rank: must be an int >= 0, got {rank!r}")
     if not alpha > 0:
         raise ConfigError(f"TrainConfig.lora_alpha: must be > 0 (the update B A is scaled by alpha / rank), got "
                           f"{alpha!r}")

@@ -167,7 +167,6 @@ class TrainConfig:
             check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
         check(is_seed(self.seed), "seed", "must be an int from 0 to 2**64 - 1")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
-        check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank", "must be an int >= 0")
         check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)
                                                 and not isinstance(self.eval_nelbo_steps, bool)
                                                 and self.eval_nelbo_steps >= 0), "eval_nelbo_steps",
@@ -201,6 +200,7 @@ class TrainConfig:
               f"must be a multiple of the preset's canvas_length={L} for a diffusion objective")
         check(self.seq_len <= mc.max_position_embeddings, "seq_len",
               f"must be <= the preset's max_position_embeddings={mc.max_position_embeddings}")
+        lora.check_adapter(self.lora_rank, self.lora_alpha, self.lora_targets, mc)  # the rank against layer widths
 
     @property
     def nelbo_steps(self) -> int:
