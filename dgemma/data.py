@@ -68,7 +68,7 @@ def parse_json_row(text: str, where: str, error: type[DataError] = DataError) ->
     if bad is not None:
         field, string, at = bad
         raise error(f"{where}: {json.dumps(field or 'the value')} holds a lone surrogate (U+{ord(string[at]):04X} "
-                        f"at character {at}), which is not valid Unicode text; fix the \\u escape")
+                    f"at character {at}), which is not valid Unicode text; fix the \\u escape")
     return value
 
 
@@ -88,7 +88,6 @@ def _lone_surrogate(value: Any, field: str) -> tuple[str, str, int] | None:
         if found is not None:
             return found
     return None
-
 
 
 def sha256_file(path: Path) -> str:

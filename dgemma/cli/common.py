@@ -67,7 +67,7 @@ def int_value(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def _float(text: str) -> float:
+def finite_float(text: str) -> float:
     """A finite number float32 holds (what the model computes in): NaN, an infinity or 1e39 are refused."""
     try:
         v = float(text)
@@ -94,24 +94,11 @@ def nonnegative_int(text: str) -> int:
     return v
 
 
-def finite_float(text: str) -> float:
-    """Any finite number within float32's range."""
-    return _float(text)
-
-
 def positive_float(text: str) -> float:
     """A finite number > 0 (minutes, a target standard error)."""
-    v = _float(text)
+    v = finite_float(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite number >= 0."""
-    v = _float(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return v
 
 
