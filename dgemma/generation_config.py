@@ -20,6 +20,12 @@ def is_seed(v: Any) -> bool:
     return is_int(v) and 0 <= v <= SEED_MAX
 
 
+def offset_seed(seed: int, k: int) -> int:
+    """The k-th seed derived from `seed` (prompt i of an evaluation, turn k of a chat): seed + k, wrapped into
+    [0, SEED_MAX] so that every accepted seed, 2**64 - 1 included, derives seeds torch.Generator takes."""
+    return (seed + k) % (SEED_MAX + 1)
+
+
 def check_floats(obj: Any) -> None:
     """Every `float` field of the dataclass `obj` is a finite number that float32 holds (|x| <= FLOAT32_MAX): what
     the sampler computes in, so a value beyond it (t_max=4e38 from the command line, 1e308 from a request) is an

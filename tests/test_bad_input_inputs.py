@@ -220,6 +220,19 @@ def test_one_seed_rule_and_64_bit_training_seeds():
     assert g.initial_seed() == (SEED_MAX * 1_000_003 + 7) % 2**64
 
 
+def test_the_largest_seed_derives_per_prompt_seeds():
+    """eval's decoding loops seed prompt i with seed + i, which overflowed torch.Generator at 2**64 - 1."""
+    from dgemma.decoding import run_ar, run_sampler
+    from dgemma.generation_config import offset_seed
+
+    assert offset_seed(SEED_MAX, 2) == 1 and offset_seed(5, 2) == 7
+    model = dgemma.init_weights(dgemma.DiffusionGemma(TINY)).eval()
+    prompts = [torch.tensor([2, 45, 7]), torch.tensor([2, 9])]
+    config = GenerationConfig(max_new_tokens=16, max_denoising_steps=2)
+    assert len(run_sampler(model, prompts, config, seed=SEED_MAX, progress=False).samples) == 2
+    assert len(run_ar(model, prompts, max_new_tokens=4, eos=(), seed=SEED_MAX, progress=False).samples) == 2
+
+
 def test_lora_rank_is_checked_against_the_narrowest_adapted_layer():
     from dgemma.lora import check_adapter
 
