@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from dgemma import attention, costs, diffusion
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import GenerationConfig, offset_seed
 from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 
@@ -80,11 +80,11 @@ class BenchSettings:
         bad = [i for i in self.impls if i not in ("reference", "fast")]
         if bad or not self.impls:
             raise ConfigError(f"impls must be 'reference' and/or 'fast', got {self.impls!r}")
-        for name in ("steps", "canvases", "repeats", "batch", "train_steps"):
+        for name in ("steps", "canvases", "repeats", "batch", "train_steps", "prompt_length", "threads"):
             v = getattr(self, name)
-            if name == "train_steps" and v is None:
+            if name in ("train_steps", "prompt_length", "threads") and v is None:  # None: the default
                 continue
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
@@ -366,7 +366,7 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
         runs: dict[str, list[RunTimes]] = {name: [] for name in order}
         for r in range(s.repeats):
             for name in order if r % 2 == 0 else reversed(order):  # alternate, so drift hits every side alike
-                runs[name].append(runners[name](s.seed + 1 + r))
+                runs[name].append(runners[name](offset_seed(s.seed, 1 + r)))
     results = {name: summarize(rs) for name, rs in runs.items()}
     ratios = {}
     for a, b in (("fast", "reference"), ("fast", "transformers"), ("reference", "transformers")):
@@ -397,7 +397,7 @@ def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int, 
     layers, model.layers = model.layers, nn.ModuleList()
     parts = [model.to(dtype), *layers]  # the model without its layers (embedding, norm, self-conditioning) first
     for i, part in enumerate(parts):
-        randomize_(part.to_empty(device=device), seed + i)
+        randomize_(part.to_empty(device=device), offset_seed(seed, i))
         for name in list(q.quantized_names(part)):
             q.replace(part, name, quantize)
     model.layers = layers

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dgemma.generate import GenerationResult, generate
+from dgemma.generation_config import offset_seed
 from dgemma.tokenizer import TURN_END, TURN_START, Tokenizer, chat_token_ids, encode_template
 
 
@@ -68,7 +69,7 @@ class ChatSession:
             if on_canvas is not None:
                 on_canvas(index, tokens)
 
-        seed = None if self.seed is None else self.seed + self.turn
+        seed = None if self.seed is None else offset_seed(self.seed, self.turn)
         result = generate(self.model, torch.tensor([ids], device=self.model.device), cache=self.cache, seed=seed,
                           on_step=on_step, on_canvas=keep_last, **self.overrides)
         eos = set(result.eos_token_id)

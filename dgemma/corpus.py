@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.console import Log
-from dgemma.data import DataError, sha256_file
+from dgemma.data import DataError, parse_json_row, sha256_file
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")  # what a directory walk reads (plus .jsonl)
 
@@ -117,21 +117,13 @@ def read_jsonl(data: bytes, where: str) -> list[str]:
     for number, line in enumerate(_decode_text(data, where).split("\n"), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}:{number}: not valid JSON ({e.msg})") from None
+        record = parse_json_row(line, f"{where}:{number}")
         if not isinstance(record, dict) or "text" not in record:
             got = f"keys {sorted(record)[:5]}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
             raise DataError(f"{where}:{number}: a JSONL corpus needs an object with a \"text\" field on each line, "
                             f"got {got}")
         if not isinstance(record["text"], str):
             raise DataError(f"{where}:{number}: \"text\" must be a string, got {type(record['text']).__name__}")
-        try:
-            record["text"].encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone "\ud800" escape: valid JSON, not Unicode text
-            raise DataError(f"{where}:{number}: \"text\" holds a lone surrogate (U+{ord(record['text'][e.start]):04X} "
-                            f"at character {e.start}), which is not valid Unicode text; fix the \\u escape") from None
         docs.append(record["text"])
     return docs
 
@@ -224,15 +216,19 @@ def _walk(top: Path, log: Log) -> _Walk:
     return found
 
 
-def _read_regular(path: Path) -> bytes:
-    """The bytes of a regular file. Opened non-blocking and checked before reading, so a FIFO never blocks: OSError
-    (with the reason in strerror) for anything else."""
+def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of a regular file. Opened non-blocking and checked before reading, so a FIFO never blocks and a
+    device (/dev/zero) is never read: OSError (with the reason in strerror) for anything else, and for a file over
+    `max_bytes`, found by reading at most max_bytes + 1 bytes (never the whole of a file that grows)."""
     fd = os.open(path, os.O_RDONLY | _NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, _file_kind(mode), str(path))
-        return f.read()
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"larger than the {max_bytes:,} bytes allowed", str(path))
+    return data
 
 
 def _unreadable_error(path: Path, why: str, more: int) -> DataError:
@@ -271,7 +267,7 @@ def read_path(path: str | os.PathLike[str], log: Log | None = None, skip_unreada
     digest, docs, empty, read = hashlib.sha256(), [], 0, 0
     for file in files:
         try:
-            data = _read_regular(file)
+            data = read_regular(file)
         except OSError as e:
             if is_dir and skip_unreadable:
                 unreadable.append((file, e.strerror or str(e)))

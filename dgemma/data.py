@@ -45,6 +45,51 @@ class DataError(ValueError):
     `dgemma` prints it on one line and exits 2."""
 
 
+MAX_JSON_DEPTH = 64  # nesting of one JSON row of a data file: a chat with tool calls needs under ten
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a JSON string literal, escapes included
+
+
+def parse_json_row(text: str, where: str, error: type[DataError] = DataError) -> Any:
+    """One JSON value of a data file (a JSONL line: a corpus record, a chat), or DataError naming `where` (the file
+    and line): invalid JSON, nesting deeper than MAX_JSON_DEPTH (measured before parsing, so a line of 100k `[`s is
+    an error, not a RecursionError), or a string holding a lone surrogate (a "\\ud800" escape is valid JSON but not
+    Unicode text, and would fail later, when it is encoded). The one reader of JSON rows, for every data file;
+    `error`: the DataError subclass to raise (sft's ChatDataError)."""
+    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
+    steps = (np.isin(brackets, (ord("["), ord("{"))).astype(np.int32)
+             - np.isin(brackets, (ord("]"), ord("}"))).astype(np.int32))
+    depth = int(np.cumsum(steps).max()) if steps.size else 0
+    if depth > MAX_JSON_DEPTH:
+        raise error(f"{where}: JSON nested {depth} levels deep; a data row may nest at most {MAX_JSON_DEPTH}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    bad = _lone_surrogate(value, "")
+    if bad is not None:
+        field, string, at = bad
+        raise error(f"{where}: {json.dumps(field or 'the value')} holds a lone surrogate (U+{ord(string[at]):04X} "
+                    f"at character {at}), which is not valid Unicode text; fix the \\u escape")
+    return value
+
+
+def _lone_surrogate(value: Any, field: str) -> tuple[str, str, int] | None:
+    """(the field, the string, the index) of the first string in `value`, a key or a value, that is not encodable
+    as UTF-8 (a lone surrogate), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return field, value, e.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        name = f"{field}[{key}]" if isinstance(key, int) else f"{field}.{key}" if field else key
+        found = (_lone_surrogate(key, name) if isinstance(key, str) else None) or _lone_surrogate(item, name)
+        if found is not None:
+            return found
+    return None
+
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -169,9 +214,11 @@ def _check_file_names(path: Path, meta: dict[str, Any]) -> None:
             raise DataError(f"{path}: {key}: {problem}; meta.json names files by plain names inside {path.parent}")
 
 
-def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None, checksums: bool = True) -> None:
-    """Check the tokenizer and every shard against meta.json: present, the right size, and (with `checksums`) the
-    recorded sha256. The first mismatch is a DataError naming the file."""
+def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None, checksums: bool = True,
+           splits: tuple[str, ...] = SPLITS) -> None:
+    """Check the tokenizer and every shard of `splits` against meta.json: present, the right size, and (with
+    `checksums`) the recorded sha256. The first mismatch is a DataError naming the file. Training verifies both
+    splits, `dgemma eval` the validation split it reads."""
     directory = Path(directory)
     meta = meta or load_meta(directory)
     tok = directory / meta["tokenizer"]["file"]
@@ -181,7 +228,9 @@ def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None
         raise DataError(f"{tok}: sha256 does not match meta.json (changed after prepare, or an interrupted "
                         "re-prepare); run dgemma data prepare again")
     itemsize = np.dtype(meta["dtype"]).itemsize
-    for split in meta["splits"].values():
+    for name, split in meta["splits"].items():
+        if name not in splits:
+            continue
         for shard in split["shards"]:
             path = directory / shard["file"]
             if not path.is_file():
@@ -195,13 +244,15 @@ def verify(directory: str | os.PathLike[str], meta: dict[str, Any] | None = None
 
 
 def check_token_range(directory: str | os.PathLike[str], vocab_size: int, meta: dict[str, Any] | None = None,
-                      block: int = 1 << 22) -> None:
+                      block: int = 1 << 22, splits: tuple[str, ...] = SPLITS) -> None:
     """Every token id in every shard is < `vocab_size` (what the model can embed): a DataError naming the first shard
     with an id out of range, instead of an IndexError in the middle of training. Reads the shards in blocks."""
     directory = Path(directory)
     meta = meta or load_meta(directory)
     dtype = np.dtype(meta["dtype"])
-    for split in meta["splits"].values():
+    for name, split in meta["splits"].items():
+        if name not in splits:
+            continue
         for shard in split["shards"]:
             path = directory / shard["file"]
             tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.empty(0, dtype)

@@ -29,7 +29,7 @@ from torch import Tensor
 from dgemma.attention import causal_masks
 from dgemma.console import Progress
 from dgemma.generate import Trace, generate
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import GenerationConfig, offset_seed
 from dgemma.model import DiffusionGemma
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
@@ -122,7 +122,7 @@ def run_sampler(model: DiffusionGemma, prompts: Sequence[Tensor], config: Genera
             ids = prompt.to(model.device)[None]
             cache = model.new_cache(1, ids.shape[1] + num_canvases * L)  # preallocated: no growth while timed
             started = time.perf_counter()
-            result = generate(model, ids, generation_config=config, seed=seed + i, cache=cache, trace=trace)
+            result = generate(model, ids, generation_config=config, seed=offset_seed(seed, i), cache=cache, trace=trace)
             model.commit(result.sequences[:, -L:], result.cache)  # leaves the output committed, ready to continue
             run.seconds.append(time.perf_counter() - started)
             # Batch 1: each step of a canvas is one denoise pass over its L positions, and each canvas is committed
@@ -154,7 +154,7 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
         model.next_token_logits(prompts[0][:2].to(model.device)[None], cache)
     with Progress(f"decode {name}", len(prompts), "prompts", enabled=progress) as bar:
         for i, prompt in enumerate(prompts):
-            g = torch.Generator(device=model.device).manual_seed(seed + i)
+            g = torch.Generator(device=model.device).manual_seed(offset_seed(seed, i))
             ids = prompt.to(model.device)[None]
             started = time.perf_counter()
             cache = model.new_cache(1, ids.shape[1] + max_new_tokens)

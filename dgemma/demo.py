@@ -115,8 +115,8 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
              seed: int = 0, recipe: DemoRecipe = DEMO, stream: TextIO | None = None, live: bool | None = None
              ) -> DemoResult:
     """The four steps above; returns the figures (also in OUT/demo.json) and the texts."""
-    if minutes <= 0:
-        raise ValueError(f"--minutes must be > 0, got {minutes}")
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ValueError(f"--minutes must be a finite number > 0, got {minutes}")
     out_stream = stream or sys.stdout
     say = lambda msg: print(msg, file=out_stream, flush=True)
     prompts = prompts or recipe.prompts

@@ -303,9 +303,10 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
     both). Generative perplexity is scored by the judge (`judge_path`, an AR run, in float64) when given, else by the
     baseline."""
-    from dgemma.data import TokenDataset
+    from dgemma.data import TokenDataset, check_token_range, verify
     from dgemma.model import load_model
     from dgemma.tokenizer import check_vocab, load_tokenizer
+    from dgemma.train import CONFIG_JSON
 
     s = settings or EvalSettings()
     s.check()
@@ -317,9 +318,13 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
         raise EvalError(f"--model {model_path} was trained with objective 'ar': pass the diffusion run as --model and "
                         "the AR run as --baseline")
     for flag, path, run in (("--baseline", baseline_path, base), ("--judge", judge_path, judge_info)):
-        if run is not None and run.objective not in (None, "ar"):
-            raise EvalError(f"{flag} {path} was trained with objective {run.objective!r}; the {flag[2:]} must be an "
-                            "autoregressive run (objective 'ar')")
+        # Only a run's train_config.json says a checkpoint is autoregressive (the architecture is the same): one
+        # without it, a diffusion checkpoint included, would score samples with the wrong factorisation.
+        if run is not None and run.objective != "ar":
+            how = (f"was trained with objective {run.objective!r}" if run.objective is not None else
+                   f"has no {run.model_dir / CONFIG_JSON} to show it was trained autoregressively")
+            raise EvalError(f"{flag} {path} {how}; the {flag[2:]} must be an autoregressive run (objective 'ar': "
+                            "dgemma train --objective ar), or a checkpoint of one")
     # The reference path: diffusion and AR decode on the same (readable) kernels.
     model = load_model(info.model_dir, dtype=torch.float32, impl="reference").eval()
     baseline = load_model(base.model_dir, dtype=torch.float32, impl="reference").eval() if base is not None else None
@@ -335,6 +340,9 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
         raise EvalError(f"{data_dir}: the validation split is empty (0 tokens); prepare the data with "
                         "--val-fraction > 0")
     check_vocab(val.tokenizer(), model.config)
+    # What training checks of its data, for the split evaluation reads: a damaged shard is one error naming it.
+    verify(data_dir, val.meta, splits=("val",))
+    check_token_range(data_dir, model.config.vocab_size, val.meta, splits=("val",))
     if info.tokenizer_path is not None and file_sha256(info.tokenizer_path) != file_sha256(val.tokenizer_path):
         raise EvalError(f"{data_dir} was tokenized with another tokenizer than {model_path} "
                         f"({val.tokenizer_path} differs from {info.tokenizer_path})")

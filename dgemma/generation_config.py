@@ -10,6 +10,31 @@ from typing import Any
 from dgemma.config import ConfigError, ModelConfig, is_int, is_real, is_token_ids, parse_json_object, require
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: a larger setting overflows to inf there
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
+
+def is_seed(v: Any) -> bool:
+    """An int in [0, SEED_MAX]: the seeds dgemma accepts (the command line, TrainConfig). One rule, called by every
+    place that checks a seed, so a seed is refused up front rather than where torch.Generator overflows."""
+    return is_int(v) and 0 <= v <= SEED_MAX
+
+
+def offset_seed(seed: int, k: int) -> int:
+    """The k-th seed derived from `seed` (prompt i of an evaluation, turn k of a chat): seed + k, wrapped into
+    [0, SEED_MAX] so that every accepted seed, 2**64 - 1 included, derives seeds torch.Generator takes."""
+    return (seed + k) % (SEED_MAX + 1)
+
+
+def check_floats(obj: Any) -> None:
+    """Every `float` field of the dataclass `obj` is a finite number that float32 holds (|x| <= FLOAT32_MAX): what
+    the sampler computes in, so a value beyond it (t_max=4e38 from the command line, 1e308 from a request) is an
+    error naming the field, not an overflow to inf that returns no tokens."""
+    for f in dataclasses.fields(obj):
+        if f.type == "float":
+            v = getattr(obj, f.name)
+            require(is_real(v) and abs(v) <= FLOAT32_MAX, f.name,
+                    f"must be a finite number within float32's range (|x| <= {FLOAT32_MAX:.4g}), got {v!r}")
 
 
 class GenerationError(ValueError):
@@ -63,17 +88,16 @@ class GenerationConfig:
                f"must be a positive int or None, got {self.max_length!r}")
         require(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
                f"must be a positive int, got {self.max_denoising_steps!r}")
-        require(is_real(self.entropy_bound) and self.entropy_bound > 0, "entropy_bound",
-               f"must be a number > 0 (and finite), got {self.entropy_bound!r}")
-        require(is_real(self.t_min) and self.t_min >= 0, "t_min", f"must be >= 0 (and finite), got {self.t_min!r}")
-        require(is_real(self.t_max), "t_max", f"must be a finite number, got {self.t_max!r}")
+        check_floats(self)
+        require(self.entropy_bound > 0, "entropy_bound", f"must be a number > 0, got {self.entropy_bound!r}")
+        require(self.t_min >= 0, "t_min", f"must be >= 0, got {self.t_min!r}")
         require(self.t_max > self.t_min, "t_max", f"must be > t_min={self.t_min!r}, got {self.t_max!r}")
         require(self.t_max >= MIN_TEMPERATURE, "t_max", f"must be >= {MIN_TEMPERATURE} (a smaller temperature "
                f"overflows the tempered logits), got {self.t_max!r}")
         require(is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
                f"must be an int >= 0, got {self.stability_threshold!r}")
-        require(is_real(self.confidence_threshold) and self.confidence_threshold > 0,
-               "confidence_threshold", f"must be > 0 (and finite), got {self.confidence_threshold!r}")
+        require(self.confidence_threshold > 0, "confidence_threshold",
+               f"must be > 0, got {self.confidence_threshold!r}")
         for name in ("pad_token_id", "bos_token_id"):
             v = getattr(self, name)
             require(v is None or (is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 
 from dgemma import fsio
 from dgemma.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, resolve_model_dir, write_safetensors
-from dgemma.config import read_json
+from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
 
@@ -59,6 +60,47 @@ def _peft() -> Any:
     except ImportError:
         raise AdapterError("LoRA needs peft: pip install 'dgemma[finetune]'") from None
     return peft
+
+
+def check_adapter(rank: int, alpha: float, targets: str, config: ModelConfig) -> None:
+    """Refuse (ConfigError) LoRA settings that cannot train on a model of `config` (TrainConfig checks its own with
+    it, so before anything is built or written): the rank an int >= 0 (0: no adapters) and at most the width of the
+    narrowest adapted layer (min(in, out) of a projection or an expert matrix; a larger rank adds nothing but
+    parameters), alpha > 0 (alpha / rank scales the update). The widths come from the model built on the meta device
+    (no memory), so the rule holds for every geometry."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError(f"TrainConfig.lora_rank: must be an int >= 0, got {rank!r}")
+    if not alpha > 0:
+        raise ConfigError(f"TrainConfig.lora_alpha: must be > 0 (the update B A is scaled by alpha / rank), got "
+                          f"{alpha!r}")
+    if rank <= 0:
+        return
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    narrowest, width = narrowest_adapted(model, *TARGETS[targets])
+    if rank > width:
+        raise ConfigError(f"TrainConfig.lora_rank: {rank} exceeds the width of the narrowest adapted layer "
+                          f"({narrowest}: {width}); use a rank from 1 to {width}")
+
+
+def narrowest_adapted(model: torch.nn.Module, modules: str | list[str], parameters: Any) -> tuple[str, int]:
+    """The adapted layer of `model` with the smallest width min(in, out), and that width: the largest rank a LoRA
+    on it can use (a larger one adds parameters and nothing else). `modules` is peft's `target_modules` (a regex
+    matched against whole module names, or a list of module-name suffixes), `parameters` its `target_parameters`
+    (expert matrices, by name suffix)."""
+    def targeted(name: str) -> bool:
+        if isinstance(modules, str):
+            return re.fullmatch(modules, name) is not None
+        return any(name == m or name.endswith("." + m) for m in modules)
+
+    widths = {name: min(m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and targeted(name)}
+    widths |= {name: min(p.shape[-2:]) for name, p in model.named_parameters()
+               if any(name.endswith(target) for target in parameters or ())}
+    if not widths:
+        raise ConfigError(f"no layer of the model matches the LoRA targets {modules!r} / {parameters!r}")
+    narrowest = min(widths, key=lambda name: widths[name])
+    return narrowest, widths[narrowest]
 
 
 def lora_config(rank: int, alpha: float, targets: str, base: str | None = None) -> Any:
@@ -166,19 +208,21 @@ def _check_fields(file: Path, d: dict[str, Any]) -> None:
 
 
 def _check_rank(model: DiffusionGemma, config: Any, file: Path) -> None:
-    """An adapter's rank is at most the width of each layer it adapts (`model` has it attached)."""
-    for name, module in model.named_modules():
-        widths = [getattr(module, a, None) for a in ("in_features", "out_features")]
-        if hasattr(module, "lora_A") and all(isinstance(w, int) for w in widths) and config.r > min(widths):
-            raise AdapterError(f"{file}: field 'r' = {config.r} is larger than {name}'s width {min(widths)} "
-                               f"({widths[0]} in, {widths[1]} out); a LoRA rank is at most the layer's width")
+    """An adapter's rank is at most the width of the narrowest layer it adapts (`narrowest_adapted`)."""
+    try:
+        name, width = narrowest_adapted(model, config.target_modules, config.target_parameters)
+    except ConfigError as e:
+        raise AdapterError(f"{file}: {e}") from None
+    if config.r > width:
+        raise AdapterError(f"{file}: field 'r' = {config.r} is larger than {name}'s width {width}; a LoRA rank is "
+                           "at most the width of the layers it adapts")
 
 
 def load_adapter(model: DiffusionGemma, path: str | os.PathLike[str]) -> Any:
     """Attach the adapter in `path` to `model` (in place) and load its weights; returns its LoraConfig."""
     config = read_config(path)
-    attach(model, config)
     _check_rank(model, config, Path(path) / CONFIG)
+    attach(model, config)
     with torch.no_grad():
         for name, t in read_weights(model, path).items():
             model.get_parameter(name).copy_(t)

@@ -18,6 +18,7 @@ import os
 import stat
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,12 @@ from dgemma.run_dir import check_unlocked, locked
 from dgemma.tokenizer import (
     GPT2_EOT,
     GPT2_FILE_SHA256,
+    TEXT_CHUNK_CHARS,
     Tokenizer,
     build_gpt2_tokenizer,
+    check_bpe_vocab,
     load_tokenizer,
+    text_chunks,
     train_bpe_tokenizer,
 )
 
@@ -65,7 +69,9 @@ DEFAULT_SHARD_TOKENS = 1 << 24  # 16.8M tokens, 32 MiB at uint16: a few shards p
 DEFAULT_VAL_FRACTION = 0.01
 DEFAULT_SEED = 42
 EOT_CANDIDATES = (GPT2_EOT, "<eos>", "</s>", "<|end_of_text|>")  # a tokenizer.json's separator: the first it has
-_ENCODE_CHUNK_CHARS = 1 << 21  # documents per encode_batch call, by size: parallel enough, and progress moves
+# Characters per encode_batch call: pieces of TEXT_CHUNK_CHARS encode in parallel, progress moves, and the
+# tokenizer's structures stay small (about 160 bytes a character while a block is encoded: 80 MB).
+_ENCODE_BLOCK_CHARS = 1 << 19
 
 
 # --- tokenizer choice -----------------------------------------------------------------------------------------
@@ -81,8 +87,10 @@ def parse_tokenizer_spec(spec: str | os.PathLike[str]) -> dict[str, Any]:
             vocab = int(text[4:])
         except ValueError:
             raise DataError(f"--tokenizer {text}: expected bpe:VOCAB with an integer VOCAB, e.g. bpe:8192") from None
-        if vocab < 261:
-            raise DataError(f"--tokenizer {text}: a byte-level BPE needs at least 261 ids (256 bytes + 5 special)")
+        try:
+            check_bpe_vocab(vocab)
+        except ValueError as e:
+            raise DataError(f"--tokenizer {text}: {e}") from None
         return {"kind": "bpe", "vocab_size": vocab}
     path = Path(text)
     file = path / "tokenizer.json" if path.is_dir() else path
@@ -129,6 +137,23 @@ def split_documents(documents: list[str], val_fraction: float, seed: int) -> lis
     return is_val
 
 
+def split_warning(documents: list[str], is_val: list[bool], val_fraction: float) -> str | None:
+    """The one-line warning for a split by whole documents that misses --val-fraction badly: either split holding
+    under half the share of the characters asked for it (one large document decided the split: it took most of the
+    validation split, or left training too little), or None. Said, not refused: the split is still valid, and a
+    caller may mean it."""
+    total = sum(map(len, documents))
+    if val_fraction <= 0 or total == 0 or not any(is_val):
+        return None
+    val_share = sum(len(d) for d, v in zip(documents, is_val, strict=True) if v) / total
+    if val_share >= val_fraction / 2 and 1 - val_share >= (1 - val_fraction) / 2:
+        return None
+    largest = max(map(len, documents)) / total
+    return (f"--val-fraction {val_fraction}: the split is by whole document and gives validation {val_share:.2%} of "
+            f"the text and training {1 - val_share:.2%} (asked: {val_fraction:.2%} / {1 - val_fraction:.2%}); the "
+            f"largest document is {largest:.2%} of the corpus: split it into smaller documents (files or JSONL "
+            "records) for a closer split")
+
 
 # --- prepare --------------------------------------------------------------------------------------------------
 
@@ -156,23 +181,53 @@ def _make_tokenizer(spec: dict[str, Any], train_docs: list[str], cache_dir: Path
     return load_tokenizer(spec["path"]), f"user-supplied tokenizer {spec['path']} (licence not recorded)"
 
 
+def encode_documents(tok: Tokenizer, docs: list[str], eot_id: int, piece_chars: int = TEXT_CHUNK_CHARS,
+                     block_chars: int = _ENCODE_BLOCK_CHARS) -> Iterator[tuple[np.ndarray, int]]:
+    """The token stream of `docs` in order, each document followed by `eot_id`, as (ids, characters encoded) blocks
+    of at most `block_chars` characters (or one piece): a document longer than `piece_chars` is encoded in pieces
+    (tokenizer.text_chunks: cut between pre-tokens, so the ids are the whole document's for the byte-level BPEs),
+    short documents and pieces together, so memory follows the block, not the largest document (docs/data.md,
+    "Memory")."""
+    eot = np.array([eot_id], dtype=np.int64)
+
+    def encode(batch: list[tuple[str, bool]]) -> tuple[np.ndarray, int]:
+        encodings = tok.backend.encode_batch_fast([piece for piece, _ in batch], add_special_tokens=False)
+        ids = []
+        for (_, ends_document), e in zip(batch, encodings, strict=True):
+            ids += [np.asarray(e.ids, dtype=np.int64), eot] if ends_document else [np.asarray(e.ids, dtype=np.int64)]
+        return np.concatenate(ids), sum(len(piece) for piece, _ in batch)
+
+    batch: list[tuple[str, bool]] = []  # (piece, whether it ends its document)
+    size = 0
+    for doc in docs:
+        for piece, ends_document in _with_last(text_chunks(doc, piece_chars)):
+            if batch and size + len(piece) > block_chars:
+                yield encode(batch)
+                batch, size = [], 0
+            batch.append((piece, ends_document))
+            size += len(piece)
+    if batch:
+        yield encode(batch)
+
+
+def _with_last(items: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """Each item with whether it is the last."""
+    previous = next(items)
+    for item in items:
+        yield previous, False
+        previous = item
+    yield previous, True
+
+
 def _encode_split(tok: Tokenizer, docs: list[str], eot_id: int, writer: ShardWriter, desc: str, log: Log) -> int:
-    """Tokenize `docs` in order, each followed by `eot_id`, into `writer`. Returns the token count."""
-    total, start = 0, 0
+    """Tokenize `docs` in order, each followed by `eot_id`, into `writer` a block at a time (`encode_documents`).
+    Returns the token count."""
+    total = 0
     with Progress(f"tokenizing {desc}", sum(map(len, docs)), "chars", enabled=not log.quiet) as bar:
-        while start < len(docs):
-            end, size = start, 0
-            while end < len(docs) and (end == start or size + len(docs[end]) <= _ENCODE_CHUNK_CHARS):
-                size, end = size + len(docs[end]), end + 1
-            encodings = tok.backend.encode_batch(docs[start:end], add_special_tokens=False)
-            pieces = []
-            for e in encodings:
-                pieces += [np.asarray(e.ids, dtype=np.int64), np.array([eot_id], dtype=np.int64)]
-            ids = np.concatenate(pieces)
+        for ids, size in encode_documents(tok, docs, eot_id):
             writer.add(ids)
             total += ids.size
             bar.update(size)
-            start = end
     return total
 
 
@@ -304,6 +359,8 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     if val_fraction > 0 and not split_docs["val"]:
         log.warn("one document only: the validation split is empty (the split is by document; give more files or "
                  "JSONL records)")
+    if (warning := split_warning(documents, is_val, val_fraction)) is not None:
+        log.warn(warning)
 
     # 3. Tokenizer (a BPE is trained on the train split only), then the shards.
     tok, tokenizer_licence = _make_tokenizer(spec, split_docs["train"], cache, log)
@@ -371,5 +428,5 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     return {"status": "prepared", "meta": meta, "warnings": log.warnings}
 
 
-__all__ = ["DEFAULT_SEED", "DEFAULT_SHARD_TOKENS", "DEFAULT_TOKENIZER", "DEFAULT_VAL_FRACTION", "parse_tokenizer_spec",
-           "prepare", "split_documents"]
+__all__ = ["DEFAULT_SEED", "DEFAULT_SHARD_TOKENS", "DEFAULT_TOKENIZER", "DEFAULT_VAL_FRACTION", "encode_documents",
+           "parse_tokenizer_spec", "prepare", "split_documents", "split_warning"]

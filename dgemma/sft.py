@@ -32,7 +32,6 @@ Batch m of the stream is a function of the seed and m alone, so resume stays bit
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from torch import Tensor
 
 from dgemma.attention import FULL, SLIDING
 from dgemma.checkpoint import MODEL_FILES
+from dgemma.data import DataError, parse_json_row
 from dgemma.serving.templates import ChatTemplate, ChatTemplateError
 from dgemma.tokenizer import Tokenizer, encode_template
 
@@ -52,7 +52,7 @@ ASSISTANT_ROLES = ("assistant", "model")
 
 
 
-class ChatDataError(ValueError):
+class ChatDataError(DataError):
     """A chat file that cannot be used; the message names the file, the line and the field."""
 
 
@@ -87,10 +87,7 @@ def read_chats(path: str | os.PathLike[str]) -> list[tuple[int, list[dict[str, A
                 raise ChatDataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not text.strip():
                 continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ChatDataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            obj = parse_json_row(text, where, ChatDataError)
             if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
                 raise ChatDataError(f"{where}: field 'messages' must be a non-empty list of messages")
             out.append((n, [_message(m, f"{where}: messages[{i}]") for i, m in enumerate(obj["messages"])]))
@@ -285,7 +282,7 @@ class ChatData:
 
     def epoch_rows(self, seed: int, epoch: int) -> list[list[int]]:
         if epoch not in self._epochs:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
             order = torch.randperm(len(self.examples), generator=g).tolist()
             self._epochs = {epoch: pack(self.examples, order, self.L, self.seq_len)}
         return self._epochs[epoch]

@@ -43,6 +43,8 @@ ROLES = {"user": "user", "model": "model", "assistant": "model", "system": "syst
 # a pre-token longer than this many characters is cut into pieces of at most this many (see `bpe_training_texts`).
 # Ordinary text never has such words, so its merges are unchanged; the saved tokenizer encodes any text as before.
 MAX_TRAINING_WORD_CHARS = 256
+TEXT_CHUNK_CHARS = 1 << 17  # a longer document is trained on and encoded in pieces (text_chunks): memory per piece
+MAX_BPE_VOCAB = 1 << 20  # 1,048,576 ids: 4x Gemma's 262,144; beyond it the trainer's allocations abort the process
 
 
 class Tokenizer:
@@ -178,15 +180,46 @@ def toy_corpus(n: int = 400) -> list[str]:
 _BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False)
 
 
-def bpe_training_texts(texts: Iterable[str], max_word: int = MAX_TRAINING_WORD_CHARS) -> Iterator[str]:
-    """`texts` as BPE training sees them: a text whose pre-tokens (GPT-2's regex) are all at most `max_word`
-    characters is yielded as it is; any other is yielded in pieces, cut only inside its over-long pre-tokens, every
-    `max_word` characters from the pre-token's start. The pieces concatenate to the text, each pre-token of a piece
-    is at most `max_word` characters, and the other pre-tokens are the text's own (cuts fall strictly inside a
-    pre-token, and GPT-2's regex looks ahead one character at most), so the trainer's work stays linear in the
-    input while ordinary text trains exactly as before."""
+def text_chunks(text: str, max_chars: int = TEXT_CHUNK_CHARS) -> Iterator[str]:
+    """`text` in consecutive pieces of at most `max_chars` characters (the text itself when it is that short), so a
+    large document is trained on and encoded a piece at a time: the tokenizer's per-token structures for a 16 MB
+    document took 2.7 GB. Each cut is where GPT-2's pre-tokenizer regex (the byte-level BPEs', bpe:N and gpt2)
+    splits anyway, so the pieces' pre-tokens, and so their token ids, are the whole text's: after a newline or before
+    a space, each between two non-whitespace characters (the newline is a pre-token of its own, the space starts the
+    next word's), in the second half of the piece, the last such place. A piece with no such place (half a chunk
+    without a lone space or newline) is cut at `max_chars`, and there the ids may differ; so may they at every cut for
+    a tokenizer.json with another pre-tokenizer."""
+    start, n = 0, len(text)
+    while n - start > max_chars:
+        end = _cut(text, start + max_chars // 2, start + max_chars)
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def _cut(text: str, lo: int, hi: int) -> int:
+    """The last cut in (lo, hi] that keeps the pre-tokens whole (see text_chunks), else hi."""
+    for char, after in (("\n", 1), (" ", 0)):  # a newline cut first: pieces end at line ends where they can
+        i = text.rfind(char, lo, hi)
+        while i > lo:
+            if not text[i - 1].isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+                return i + after
+            i = text.rfind(char, lo, i)
+    return hi
+
+
+def bpe_training_texts(texts: Iterable[str], max_word: int = MAX_TRAINING_WORD_CHARS,
+                       chunk_chars: int = TEXT_CHUNK_CHARS) -> Iterator[str]:
+    """`texts` as BPE training sees them: each in pieces of at most `chunk_chars` characters (`text_chunks`: cut
+    between pre-tokens, so the pre-tokens the trainer counts are the same, and its memory follows the piece, not the
+    document); a piece whose pre-tokens (GPT-2's regex) are all at most `max_word` characters is yielded as it is;
+    any other is yielded in pieces, cut only inside its over-long pre-tokens, every `max_word` characters from the
+    pre-token's start. The pieces concatenate to the text, each pre-token of a piece is at most `max_word`
+    characters, and the other pre-tokens are the text's own (cuts fall strictly inside a pre-token, and GPT-2's
+    regex looks ahead one character at most), so the trainer's work stays linear in the input while ordinary text
+    trains exactly as before."""
     pattern = re.compile(rf"[\S\x1c-\x1f]{{{max_word},}}|\s{{{max_word + 1},}}")  # re caches the compiled form
-    for text in texts:
+    for text in (piece for whole in texts for piece in text_chunks(whole, chunk_chars)):
         if not pattern.search(text):
             yield text
             continue
@@ -196,15 +229,22 @@ def bpe_training_texts(texts: Iterable[str], max_word: int = MAX_TRAINING_WORD_C
             yield text[start:end]
 
 
+def check_bpe_vocab(vocab_size: int, special: int = len(TEST_SPECIAL_TOKENS)) -> None:
+    """A byte-level BPE's vocabulary size must hold the 256 bytes and the `special` tokens, and be at most
+    MAX_BPE_VOCAB (the trainer allocates by the requested size up front: bpe:1000000000 aborts the process in Rust).
+    ValueError otherwise, saying what is accepted."""
+    minimum = special + 256
+    if not minimum <= vocab_size <= MAX_BPE_VOCAB:
+        raise ValueError(f"a byte-level BPE's vocab_size must be from {minimum} ({special} special tokens + 256 "
+                         f"bytes) to {MAX_BPE_VOCAB:,}, got {vocab_size:,}")
+
+
 def _train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...], *,
                           length: int | None = None, show_progress: bool = False) -> _HFTokenizer:
     """A byte-level BPE (GPT-2's pre-tokenizer regex, the 256 byte symbols always in the vocabulary, so any text
     encodes without an unknown token) trained on `texts`, `special_tokens` at ids 0, 1, ... Pre-tokens longer than
     MAX_TRAINING_WORD_CHARS are cut for training (`bpe_training_texts`), so training time is linear in the input."""
-    minimum = len(special_tokens) + 256
-    if vocab_size < minimum:
-        raise ValueError(f"vocab_size must be >= {minimum} ({len(special_tokens)} special tokens + 256 bytes), "
-                         f"got {vocab_size}")
+    check_bpe_vocab(vocab_size, len(special_tokens))
     backend = _HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

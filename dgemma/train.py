@@ -58,7 +58,7 @@ from dgemma.console import Console
 from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
 from dgemma.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, LossOutput, sft_loss, training_loss
 from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import GenerationConfig, is_seed
 from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.nelbo import clean_context_posterior, noisy_context_posterior, window_nelbo
 from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
@@ -164,9 +164,8 @@ class TrainConfig:
             check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), name,
                   "must be a positive int or None")
             check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
-        check(isinstance(self.seed, int) and self.seed >= 0, "seed", "must be an int >= 0")
+        check(is_seed(self.seed), "seed", "must be an int from 0 to 2**64 - 1")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
-        check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "lora_rank", "must be an int >= 0")
         check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)
                                                 and not isinstance(self.eval_nelbo_steps, bool)
                                                 and self.eval_nelbo_steps >= 0), "eval_nelbo_steps",
@@ -200,6 +199,7 @@ class TrainConfig:
               f"must be a multiple of the preset's canvas_length={L} for a diffusion objective")
         check(self.seq_len <= mc.max_position_embeddings, "seq_len",
               f"must be <= the preset's max_position_embeddings={mc.max_position_embeddings}")
+        lora.check_adapter(self.lora_rank, self.lora_alpha, self.lora_targets, mc)  # the rank against layer widths
 
     @property
     def nelbo_steps(self) -> int:
@@ -276,7 +276,7 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 def micro_step_generator(cfg: TrainConfig, micro_step: int, device: torch.device) -> torch.Generator:
     """The only source of randomness of micro-step `micro_step` (noise levels, corruption, self-conditioning)."""
-    return torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + micro_step)
+    return torch.Generator(device=device).manual_seed((cfg.seed * 1_000_003 + micro_step) % 2**64)  # 64-bit seeds
 
 
 def make_optimizer(model: DiffusionGemma, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

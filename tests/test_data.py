@@ -252,7 +252,7 @@ def test_bad_options_and_directories(corpus, tmp_path):
     (tmp_path / "nothing" / "photo.jpg").write_bytes(b"\xff\xd8")
     with pytest.raises(DataError, match="nothing: no text, Markdown or JSONL files"):
         prepare(tmp_path / "out", tmp_path / "nothing")
-    for spec, match in (("bpe:abc", "expected bpe:VOCAB"), ("bpe:100", "at least 261"),
+    for spec, match in (("bpe:abc", "expected bpe:VOCAB"), ("bpe:100", "from 261"),
                         ("nope.json", "nope.json: no such tokenizer")):
         with pytest.raises((DataError, FileNotFoundError), match=match):
             prepare(tmp_path / "out", corpus[0], tokenizer=spec)

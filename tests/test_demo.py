@@ -66,7 +66,8 @@ def test_demo_figures_measure_what_they_say():
 def test_demo_refuses_a_bad_budget_in_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dgemma", "demo", "--minutes", "0", "--out", str(tmp_path / "d")],
                        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert p.returncode != 0 and p.stderr.count("\n") == 1 and "--minutes must be > 0" in p.stderr, p.stderr
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "dgemma demo: error: argument --minutes: must be a finite number > 0" in p.stderr, p.stderr
     assert not (tmp_path / "d").exists()
 
 

@@ -135,7 +135,7 @@ def test_packed_pass_equals_commit_then_denoise(impl):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("not json", "line 2: not JSON"),
+    ("not json", "line 2: not valid JSON"),
     ('{"text": "hello"}', "line 2: field 'messages' must be a non-empty list"),
     ('{"messages": [{"content": "hi"}]}', "line 2: messages[0]: field 'role' is missing"),
     ('{"messages": [{"role": "user"}]}', "line 2: messages[0]: field 'content' is missing"),

@@ -18,6 +18,7 @@ from dgemma.cli import inspect as inspect_cmd
 from dgemma.cli import serve as serve_cmd
 from dgemma.cli import train as train_cmd
 from dgemma.cli import viz as viz_cmd
+from dgemma.cli.common import Parser
 from dgemma.distributed import should_print
 
 COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_cmd, export_cmd, eval_cmd, viz_cmd,
@@ -25,7 +26,7 @@ COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dgemma", description="Block-diffusion language models (DiffusionGemma) in PyTorch: run, train, "
         "evaluate and measure them. `dgemma demo` shows the whole path on a CPU in a few minutes.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from dgemma import bench
+from dgemma.cli.common import positive_int, seed
 
 
 def register(subparsers: Any) -> None:
@@ -22,11 +23,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run transformers' generate (its default kernels) on the same checkpoint, alternating")
     p.add_argument("--impl", choices=("fast", "reference", "both"), default="both", help="dgemma path(s) to time")
-    p.add_argument("--steps", type=int, default=16, metavar="N", help="denoising steps per canvas, fixed (16)")
-    p.add_argument("--canvases", type=int, default=2, metavar="N", help="canvases per generate call (2)")
-    p.add_argument("--repeats", type=int, default=3, metavar="R", help="timed runs per implementation (3)")
-    p.add_argument("--batch", type=int, default=1, metavar="B", help="prompts per generate call (1)")
-    p.add_argument("--prompt-length", type=int, metavar="T", help="default: sliding window + canvas/4")
+    p.add_argument("--steps", type=positive_int, default=16, metavar="N", help="denoising steps per canvas, fixed (16)")
+    p.add_argument("--canvases", type=positive_int, default=2, metavar="N", help="canvases per generate call (2)")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="R", help="timed runs per implementation (3)")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="prompts per generate call (1)")
+    p.add_argument("--prompt-length", type=positive_int, metavar="T", help="default: sliding window + canvas/4")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=sorted(bench.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast path's denoise step")
@@ -34,11 +35,12 @@ def register(subparsers: Any) -> None:
                    help="weight-only quantization of dgemma's model (torchao; int4 on CUDA); transformers stays float")
     p.add_argument("--offload-experts", action="store_true",
                    help="keep the expert weights in a memory-mapped file, read per layer (docs/benchmarks.md)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch intra-op threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, metavar="N", help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-train", action="store_true", help="skip the training-throughput measurement")
     p.add_argument("--train-preset", metavar="NAME", help="default: cpu-small on CPU, lite-380m on CUDA")
-    p.add_argument("--train-steps", type=int, metavar="N", help="timed optimizer steps per objective (default: R)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-steps", type=positive_int, metavar="N",
+                   help="timed optimizer steps per objective (default: R)")
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH",
                    help="append a dated entry to docs/benchmarks.md (or PATH)")

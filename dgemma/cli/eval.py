@@ -10,18 +10,21 @@ import shlex
 import sys
 from pathlib import Path
 
-from dgemma.cli.common import shown_path
+from dgemma.cli.common import finite_float, int_value, seed, shown_path
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+    """A comma-separated list of ints (EvalSettings.check says which are in range)."""
+    return tuple(int_value(x.strip()) for x in text.split(",") if x.strip())
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
+    """A comma-separated list of finite numbers (EvalSettings.check says which are in range)."""
+    return tuple(finite_float(x.strip()) for x in text.split(",") if x.strip())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # The ranges of the settings are EvalSettings.check's (the library's rule); argparse parses the numbers.
     p = sub.add_parser("eval", help="evaluate a diffusion run against an AR baseline: likelihood, speed, quality",
                        description=__doc__)
     p.add_argument("--model", type=Path, required=True, metavar="RUN", help="diffusion run or checkpoint directory")
@@ -45,13 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-windows", type=int, default=64, metavar="N", help="held-out windows per likelihood "
                    "(0: the whole validation split)")
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="held-out windows per forward")
-    p.add_argument("--target-se", type=float, default=0.01, metavar="X", help="the report says how many windows "
+    p.add_argument("--target-se", type=finite_float, default=0.01, metavar="X", help="the report says how many windows "
                    "give this standard error (nats/token)")
     p.add_argument("--quality-dtype", default="float64", choices=("float64", "float32"),
                    help="dtype of both models for the samples that are scored (default float64)")
     p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap resamples of the "
                    "generative-perplexity intervals (seeded with --seed)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 

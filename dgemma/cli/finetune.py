@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import add_config_args, run_training
+from dgemma.cli.common import add_config_args, positive_float, positive_int, run_training
 from dgemma.run_dir import read_record
 from dgemma.train import TrainConfig
 
@@ -27,8 +27,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (new or empty, unless "
                    "--resume)")
     p.add_argument("--resume", action="store_true", help="continue RUN from its newest intact checkpoint")
-    p.add_argument("--minutes", type=float, metavar="M", help="stop (and checkpoint) after M minutes")
-    p.add_argument("--until-step", type=int, metavar="N", help="stop (and checkpoint) at step N")
+    p.add_argument("--minutes", type=positive_float, metavar="M", help="stop (and checkpoint) after M minutes")
+    p.add_argument("--until-step", type=positive_int, metavar="N", help="stop (and checkpoint) at step N")
     p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
     add_config_args(p, TrainConfig, skip=FIXED)
     p.set_defaults(func=run)

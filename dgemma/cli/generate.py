@@ -13,8 +13,12 @@ from typing import Any
 import torch
 
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.corpus import read_regular
 from dgemma.generate import check_trace_path, generate
 from dgemma.tokenizer import Tokenizer, chat_token_ids, left_pad
+
+MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
+MAX_BATCH_PROMPTS = 4096  # prompts in one --batch-file batch (every prompt is a row of the same generate call)
 
 
 def register(subparsers: Any) -> None:
@@ -22,7 +26,9 @@ def register(subparsers: Any) -> None:
     add_model_args(p)
     p.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer)")
     p.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma-separated: 2,651,1234")
-    p.add_argument("--batch-file", type=Path, metavar="FILE", help="one prompt a line (blank lines skipped), one batch")
+    p.add_argument("--batch-file", type=Path, metavar="FILE",
+                   help="one prompt a line (blank lines skipped), one batch: a text file of at most "
+                        f"{MAX_BATCH_FILE_BYTES >> 20} MiB and {MAX_BATCH_PROMPTS} prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the Gemma chat turn template")
     add_sampler_args(p)
     p.add_argument("--trace", type=Path, metavar="FILE", help="save a per-step trace: FILE (.npz) and FILE with .json")
@@ -41,6 +47,30 @@ def parse_ids(spec: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def read_batch_file(path: Path) -> list[str]:
+    """The prompts of --batch-file: its non-blank lines, stripped. One batch of at most MAX_BATCH_PROMPTS prompts in a
+    regular file of at most MAX_BATCH_FILE_BYTES: a device, a FIFO or a larger file is refused before it is read
+    whole (`dgemma generate --batch-file /dev/zero` once grew without bound)."""
+    try:
+        data = read_regular(path, MAX_BATCH_FILE_BYTES)
+    except OSError as e:  # a directory, a device, no permission, missing, too large
+        raise UsageError(f"--batch-file {path}: cannot read ({e.strerror or e}; give a text file of at most "
+                         f"{MAX_BATCH_FILE_BYTES:,} bytes, one prompt a line)") from None
+    try:
+        content = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UsageError(f"--batch-file {path}: line {line} is not UTF-8 text ({e.reason} at byte {e.start})"
+                         ) from None
+    texts = [line.strip() for line in content.splitlines() if line.strip()]
+    if not texts:
+        raise UsageError(f"empty prompt: {path} has no non-blank lines")
+    if len(texts) > MAX_BATCH_PROMPTS:
+        raise UsageError(f"--batch-file {path}: {len(texts):,} prompts; one batch takes at most "
+                         f"{MAX_BATCH_PROMPTS:,} (split the file and run generate once per part)")
+    return texts
+
+
 def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: int) -> tuple[list[list[int]], list]:
     """Token ids of each prompt, and each prompt as given (text, or None for --prompt-ids)."""
     given = [name for name in ("prompt", "prompt_ids", "batch_file") if getattr(args, name) is not None]
@@ -55,17 +85,7 @@ def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: in
             raise UsageError("empty prompt: --prompt-ids has no ids")
         return [ids], [None]
     if args.batch_file is not None:
-        try:
-            content = args.batch_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            line = args.batch_file.read_bytes()[:e.start].count(b"\n") + 1
-            raise UsageError(f"--batch-file {args.batch_file}: line {line} is not UTF-8 text ({e.reason} at byte "
-                             f"{e.start})") from None
-        except OSError as e:  # a directory, no permission, missing
-            raise UsageError(f"--batch-file {args.batch_file}: cannot read ({e.strerror or e})") from None
-        texts = [line.strip() for line in content.splitlines() if line.strip()]
-        if not texts:
-            raise UsageError(f"empty prompt: {args.batch_file} has no non-blank lines")
+        texts = read_batch_file(args.batch_file)
     else:
         texts = [args.prompt]
         if not args.prompt.strip():

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.checkpoint import latest_checkpoint
-from dgemma.cli.common import add_config_args, run_training
+from dgemma.cli.common import add_config_args, positive_float, positive_int, run_training
 from dgemma.distributed import rescale_for_world
 from dgemma.run_dir import read_record
 from dgemma.train import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train_preset
@@ -28,8 +28,9 @@ def register(subparsers: Any) -> None:
                    "or start it when it has none: the same command starts a run and restarts it after a kill")
     p.add_argument("--allow-new-data", action="store_true", help="with --resume: continue on a data directory other "
                    "than the one the run was trained on (the resume is then not bit-exact)")
-    p.add_argument("--minutes", type=float, metavar="M", help="stop (and checkpoint) after M minutes")
-    p.add_argument("--until-step", type=int, metavar="N", help="stop (and checkpoint) at step N; the learning-rate "
+    p.add_argument("--minutes", type=positive_float, metavar="M", help="stop (and checkpoint) after M minutes")
+    p.add_argument("--until-step", type=positive_int, metavar="N",
+                   help="stop (and checkpoint) at step N; the learning-rate "
                    "schedule still spans --max-steps")
     p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
     add_config_args(p, TrainConfig)
