@@ -175,11 +175,11 @@ def test_prepare_into_a_data_directory_takes_its_lock(tiny_data, corpus, tmp_pat
 
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
-    before = snapshot(data)
-    with locked(data):  # another prepare writing it
+    with locked(data):  # another prepare writing it (its .lock is in the snapshot)
+        before = snapshot(data)
         fails(capsys, ["data", "prepare", "--out", str(data), "--corpus", str(corpus), "--tokenizer", "bpe:300"],
               rf"{re.escape(str(data))} is being written by pid {os.getpid()}")
-    assert snapshot(data) == before
+        assert snapshot(data) == before
 
 
 def test_train_and_export_refuse_other_kinds_of_directory(tiny_data, tiny_run, ckpt, tmp_path, capsys):
