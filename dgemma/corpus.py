@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dgemma import fsio
 from dgemma.console import Log
 from dgemma.data import DataError, parse_json_row, sha256_file
 
@@ -216,21 +217,6 @@ def _walk(top: Path, log: Log) -> _Walk:
     return found
 
 
-def read_regular(path: Path, max_bytes: int | None = None) -> bytes:
-    """The bytes of a regular file. Opened non-blocking and checked before reading, so a FIFO never blocks and a
-    device (/dev/zero) is never read: OSError (with the reason in strerror) for anything else, and for a file over
-    `max_bytes`, found by reading at most max_bytes + 1 bytes (never the whole of a file that grows)."""
-    fd = os.open(path, os.O_RDONLY | _NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, _file_kind(mode), str(path))
-        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
-    if max_bytes is not None and len(data) > max_bytes:
-        raise OSError(errno.EFBIG, f"larger than the {max_bytes:,} bytes allowed", str(path))
-    return data
-
-
 def _unreadable_error(path: Path, why: str, more: int) -> DataError:
     rest = f" (and {more} more unreadable path(s))" if more else ""
     return DataError(f"{path}: cannot read ({why}){rest}; fix the permissions or pass --skip-unreadable to leave "
@@ -267,14 +253,14 @@ def read_path(path: str | os.PathLike[str], log: Log | None = None, skip_unreada
     digest, docs, empty, read = hashlib.sha256(), [], 0, 0
     for file in files:
         try:
-            data = read_regular(file)
-        except OSError as e:
+            data = fsio.read_bytes(file)
+        except (OSError, fsio.UnsafeFileError) as e:
             if is_dir and skip_unreadable:
-                unreadable.append((file, e.strerror or str(e)))
+                unreadable.append((file, fsio.reason(e)))
                 continue
             if is_dir:
-                raise _unreadable_error(file, e.strerror or str(e), 0) from None
-            raise DataError(f"{file}: cannot read ({e.strerror or e})") from None
+                raise _unreadable_error(file, fsio.reason(e), 0) from None
+            raise DataError(f"{file}: cannot read ({fsio.reason(e)})") from None
         read += 1
         digest.update(f"{file.relative_to(root).as_posix()}\0{len(data)}\0".encode())
         digest.update(data)

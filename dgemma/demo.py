@@ -27,8 +27,9 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import prepare
+from dgemma import dirkind, prepare
 from dgemma.checkpoint import latest_checkpoint, resolve_model_dir
+from dgemma.config import PRESETS
 from dgemma.console import Streamer
 from dgemma.curves import read_metrics
 from dgemma.data import decode_documents, unigram_cross_entropy
@@ -117,6 +118,11 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
     """The four steps above; returns the figures (also in OUT/demo.json) and the texts."""
     if not (math.isfinite(minutes) and minutes > 0):
         raise ValueError(f"--minutes must be a finite number > 0, got {minutes}")
+    context = PRESETS[recipe.diffusion.preset].max_position_embeddings
+    if not 1 <= max_new_tokens <= context:  # checked now, not after minutes of training
+        raise ValueError(f"--max-new-tokens must be from 1 to {context} (the model's context), got {max_new_tokens}")
+    dirkind.require(out, {dirkind.MISSING, dirkind.EMPTY, dirkind.OTHER}, "--out", "a directory (a new one, or "
+                    "the demo's own from an earlier run)")
     out_stream = stream or sys.stdout
     say = lambda msg: print(msg, file=out_stream, flush=True)
     prompts = prompts or recipe.prompts

@@ -40,7 +40,7 @@ def classify(path: str | os.PathLike[str]) -> tuple[str, str]:
     if not os.path.lexists(path):
         return MISSING, ""
     if not path.is_dir():
-        return FILE, ""
+        return FILE, "a symbolic link to nothing" if path.is_symlink() and not path.exists() else ""
     names = {p.name for p in path.iterdir()} - {LOCK}
     if RECORD in names:
         return RUN, RECORD

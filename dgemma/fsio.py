@@ -31,7 +31,17 @@ _NO_SPACE_TEXT = ("no space left", "os error 28", "disk quota exceeded", "os err
 
 class UnsafeFileError(ValueError):
     """A file dgemma refuses to read or write as asked (not a regular file, a symlink to write through, a name
-    outside its directory); the message names the path and what would be accepted."""
+    outside its directory, larger than a reader allows); the message names the path and what would be accepted,
+    `why` says what is wrong without the path (for callers that phrase their own message)."""
+
+    def __init__(self, message: str, why: str | None = None):
+        super().__init__(message)
+        self.why = why or message
+
+
+def reason(e: OSError | UnsafeFileError) -> str:
+    """What is wrong with a file, without its path: an OSError's strerror, an UnsafeFileError's `why`."""
+    return (e.strerror or str(e)) if isinstance(e, OSError) else e.why
 
 
 class NoSpaceError(OSError):
@@ -73,9 +83,13 @@ def check_regular(path: str | os.PathLike[str]) -> os.stat_result:
     FileNotFoundError (and other OSErrors) pass through."""
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafeFileError(f"{path}: {_kind(st.st_mode)}, not a regular file; only regular files (or symlinks to "
-                              "them) are read")
+        raise _not_regular(path, st.st_mode)
     return st
+
+
+def _not_regular(path: str | os.PathLike[str], mode: int) -> UnsafeFileError:
+    why = f"{_kind(mode)}, not a regular file"
+    return UnsafeFileError(f"{path}: {why}; only regular files (or symlinks to them) are read", why)
 
 
 def open_read(path: str | os.PathLike[str], mode: str = "rb", encoding: str | None = None) -> IO[Any]:
@@ -85,8 +99,7 @@ def open_read(path: str | os.PathLike[str], mode: str = "rb", encoding: str | No
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFileError(f"{path}: {_kind(st.st_mode)}, not a regular file; only regular files (or symlinks "
-                                  "to them) are read")
+            raise _not_regular(path, st.st_mode)
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, mode, encoding=encoding)
@@ -95,9 +108,15 @@ def open_read(path: str | os.PathLike[str], mode: str = "rb", encoding: str | No
         raise
 
 
-def read_bytes(path: str | os.PathLike[str]) -> bytes:
+def read_bytes(path: str | os.PathLike[str], max_bytes: int | None = None) -> bytes:
+    """The bytes of a regular file (`open_read`); with `max_bytes`, a larger file is refused (UnsafeFileError) after
+    reading at most max_bytes + 1 bytes, never the whole of a file that grows."""
     with open_read(path) as f:
-        return f.read()
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        why = f"larger than the {max_bytes:,} bytes allowed"
+        raise UnsafeFileError(f"{path}: {why}", why)
+    return data
 
 
 def read_text(path: str | os.PathLike[str], encoding: str = "utf-8") -> str:

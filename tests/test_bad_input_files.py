@@ -349,3 +349,15 @@ def test_a_full_disk_under_any_writer_is_a_no_space_error(tmp_path):
     err = fsio.no_space(raised.value, tmp_path / "x.bin", needed=3 * 2**20)
     assert isinstance(err, fsio.NoSpaceError) and re.search(r"writing .*x\.bin \(needed ~3\.0 MB", str(err))
     assert fsio.no_space(ValueError("bad"), tmp_path / "x.bin") is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling"])
+def test_a_chat_template_file_that_cannot_be_read_is_an_error_not_the_default(tmp_path, kind):
+    """A chat_template.jinja that is there but unreadable (a FIFO, a link to nothing) is refused naming it; it used
+    to be skipped as if absent, so the server rendered chats with the built-in template instead."""
+    from dgemma.serving.templates import ChatTemplateError, load_chat_template
+
+    jinja = tmp_path / "chat_template.jinja"
+    os.mkfifo(jinja) if kind == "fifo" else jinja.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ChatTemplateError, match=rf"{re.escape(str(jinja))}: not a readable template"):
+        load_chat_template(tmp_path)

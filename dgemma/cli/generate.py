@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from dgemma import fsio
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
-from dgemma.corpus import read_regular
 from dgemma.generate import check_trace_path, generate
 from dgemma.tokenizer import Tokenizer, chat_token_ids, left_pad
 
@@ -52,9 +52,9 @@ def read_batch_file(path: Path) -> list[str]:
     regular file of at most MAX_BATCH_FILE_BYTES: a device, a FIFO or a larger file is refused before it is read
     whole (`dgemma generate --batch-file /dev/zero` once grew without bound)."""
     try:
-        data = read_regular(path, MAX_BATCH_FILE_BYTES)
-    except OSError as e:  # a directory, a device, no permission, missing, too large
-        raise UsageError(f"--batch-file {path}: cannot read ({e.strerror or e}; give a text file of at most "
+        data = fsio.read_bytes(path, MAX_BATCH_FILE_BYTES)
+    except (OSError, fsio.UnsafeFileError) as e:  # a directory, a device, no permission, missing, too large
+        raise UsageError(f"--batch-file {path}: cannot read ({fsio.reason(e)}; give a text file of at most "
                          f"{MAX_BATCH_FILE_BYTES:,} bytes, one prompt a line)") from None
     try:
         content = data.decode("utf-8")

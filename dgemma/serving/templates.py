@@ -14,6 +14,7 @@ close instead of plain text.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from dgemma import fsio
 from dgemma.tokenizer import BOS, Tokenizer, encode_template, format_chat
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -142,15 +144,19 @@ def load_chat_template(*dirs: Path | None) -> ChatTemplate:
         if d is None:
             continue
         config = d / "tokenizer_config.json"
-        cfg = _read_json_object(config) if config.is_file() else {}
+        cfg = _read_json_object(config) if os.path.lexists(config) else {}
         for key in SPECIAL_TOKEN_KEYS:
             tok = cfg.get(key)
             tok = tok.get("content") if isinstance(tok, dict) else tok
             if isinstance(tok, str):
                 specials.setdefault(key, tok)
         jinja = d / "chat_template.jinja"
-        if jinja.is_file():
-            return ChatTemplate(jinja.read_text(encoding="utf-8"), origin=str(jinja), special_tokens=specials)
+        if os.path.lexists(jinja):  # there: it must be readable (a FIFO or a dangling link is an error, not "none")
+            try:
+                text = fsio.read_text(jinja)
+            except (OSError, UnicodeDecodeError, fsio.UnsafeFileError) as e:
+                raise ChatTemplateError(f"{jinja}: not a readable template ({e})") from None
+            return ChatTemplate(text, origin=str(jinja), special_tokens=specials)
         template = cfg.get("chat_template")
         if isinstance(template, str):
             return ChatTemplate(template, origin=f"{config} chat_template", special_tokens=specials)
@@ -169,8 +175,8 @@ def load_chat_template(*dirs: Path | None) -> ChatTemplate:
 
 def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(fsio.read_text(path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, fsio.UnsafeFileError) as e:
         raise ChatTemplateError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(data, dict):
         raise ChatTemplateError(f"{path}: must hold a JSON object, got {type(data).__name__}")
