@@ -177,7 +177,7 @@ def static_denoise_masks(is_token: Tensor, end: Tensor, num_new: int, slots: Ten
     return {FULL: full, SLIDING: sliding}
 
 
-# --- training masks: whole sequences, no cache (dgemma/diffusion.py's objectives) --------------------------------
+# --- training masks: whole sequences, no cache (dgemma/train/diffusion.py's objectives) -------------------------------
 # The same rules over one sequence that holds several canvases: a canvas sees the clean canvases before it (its
 # sliding layers the last `window - 1` of their tokens) and itself bidirectionally; clean tokens attend causally.
 

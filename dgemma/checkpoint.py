@@ -48,8 +48,8 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a LoRA adapter (dgemma/lora.py)
 
 
-CHECKPOINTS, STATE = "checkpoints", "trainer_state.pt"  # a training run's layout (dgemma/train.py writes it)
-SHARDED_STATE = "trainer_state.json"  # instead of STATE in a sharded checkpoint (dgemma/distributed.py)
+CHECKPOINTS, STATE = "checkpoints", "trainer_state.pt"  # a training run's layout (dgemma/train/loop.py writes it)
+SHARDED_STATE = "trainer_state.json"  # instead of STATE in a sharded checkpoint (dgemma/train/distributed.py)
 # The tokenizer and chat template files that travel with a checkpoint's weights (a run copies them into each one).
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 

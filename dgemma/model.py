@@ -424,7 +424,7 @@ class DiffusionGemma(nn.Module):
         """The training forward: one pass over a whole sequence (B, S) without a cache. Tokens [0, num_clean) run in
         the encoder role (what `commit` does: plain embedding, encoder layer scalars); the rest are canvas tokens
         in the decoder role (self-conditioning on `soft` (B, S - num_clean, D), post-norm, decoder scalars).
-        `masks[layer_type]` (B or 1, 1, S, S) bool says who attends to whom (dgemma/diffusion.py builds them);
+        `masks[layer_type]` (B or 1, 1, S, S) bool says who attends to whom (dgemma/train/diffusion.py builds them);
         `t` (B, S): noise levels in [0, 1] for a time-embedding model. Returns the final hidden states (B, S, D),
         what the head reads (`final_hidden`); differentiable."""
         S = tokens.shape[1]

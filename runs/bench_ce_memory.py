@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import dgemma
-from dgemma.diffusion import x0_cross_entropy
+from dgemma.train.diffusion import x0_cross_entropy
 
 CHUNKS = ["none", "1024", "256"]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's "Results on this machine" (and docs/results/cpu-small/): learning curves of the diffusion model and its
-# AR baseline on the default corpus, `cpu-small` with its preset recipe (train.py:TRAIN_PRESETS: time conditioning),
+# AR baseline on the default corpus, `cpu-small` with its preset recipe (train/loop.py:TRAIN_PRESETS: time conditioning),
 # then `dgemma eval` with an independent judge, and `dgemma viz`.
 #
 #   * diffusion and AR share one schedule spanning 2 x STEPS steps (512 tokens each): the diffusion run stops at STEPS
@@ -37,7 +37,7 @@ if [[ "$SMOKE" == --smoke ]]; then  # toy corpus, tiny model, two steps and a on
   STEPS=2
   "$PY" -c "
 from pathlib import Path
-from dgemma.tokenizer import toy_corpus
+from dgemma.data.tokenizer import toy_corpus
 s = toy_corpus(120); Path('toy').mkdir(exist_ok=True)
 for i in range(150): Path(f'toy/d{i:03d}.txt').write_text(' '.join(s[(7 * i + j) % len(s)] for j in range(12)))"
   PREPARE=(--corpus toy --cache-dir .cache -q)

@@ -30,8 +30,8 @@ import torch
 import dgemma
 from dgemma import quantize
 from dgemma.config import PRESETS
-from dgemma.data import TokenDataset
-from dgemma.evaluate import heldout_nelbo, heldout_x0_ce, pick_prompts
+from dgemma.data.shards import TokenDataset
+from dgemma.eval.evaluate import heldout_nelbo, heldout_x0_ce, pick_prompts
 from dgemma.testing.hf import randomize_
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def ensure_trained(model: Path, data: Path, steps: int, smoke: bool) -> None:
     if not (data / "meta.json").exists():
         extra = []
         if smoke:
-            from dgemma.tokenizer import toy_corpus
+            from dgemma.data.tokenizer import toy_corpus
 
             s, toy = toy_corpus(120), data.parent / "toy"
             toy.mkdir(parents=True, exist_ok=True)

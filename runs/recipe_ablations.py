@@ -121,8 +121,8 @@ def _score(name: str, args: argparse.Namespace) -> dict:
     import torch
 
     from dgemma.checkpoint import resolve_model_dir
-    from dgemma.data import TokenDataset
-    from dgemma.evaluate import heldout_nelbo, heldout_x0_ce
+    from dgemma.data.shards import TokenDataset
+    from dgemma.eval.evaluate import heldout_nelbo, heldout_x0_ce
     from dgemma.model import load_model
 
     torch.set_num_threads(1)
@@ -201,7 +201,7 @@ def main() -> int:
     if not (data / "meta.json").exists():
         extra = []
         if args.smoke:
-            from dgemma.tokenizer import toy_corpus
+            from dgemma.data.tokenizer import toy_corpus
             s = toy_corpus(120)
             (args.out / "toy").mkdir(exist_ok=True)
             for i in range(150):

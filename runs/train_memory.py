@@ -1,9 +1,9 @@
 """The training memory pre-flight against the measured peak: the table "Memory pre-flight vs measured peak" in
 docs/training.md (cpu-small recipe: 1,016 MiB measured, 1,236 MiB estimated, 1.22).
 
-Each configuration trains for 3 steps (one thread, eager fp32 on the CPU) with `dgemma.train.train` in its own
+Each configuration trains for 3 steps (one thread, eager fp32 on the CPU) with `dgemma.train.loop.train` in its own
 process; the measured figure is that whole process's peak resident set (ru_maxrss), the estimate the sum of
-`dgemma.train.estimate_memory`, the number the pre-flight compares with the free memory.
+`dgemma.train.loop.estimate_memory`, the number the pre-flight compares with the free memory.
 
     python runs/train_memory.py DATA    # DATA: a bpe:8192 directory from `dgemma data prepare`
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dgemma.train import estimate_memory, train, train_preset
+from dgemma.train.loop import estimate_memory, train, train_preset
 
 # (label, TrainConfig overrides of the cpu-small recipe)
 CONFIGS = [

@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tok_path(tmp_path_factory) -> Path:
     """A toy chat tokenizer.json (`build_test_tokenizer(512)`: the Gemma special tokens at ids 0..4)."""
-    from dgemma.tokenizer import build_test_tokenizer
+    from dgemma.data.tokenizer import build_test_tokenizer
 
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     build_test_tokenizer(512, path)
@@ -54,11 +54,11 @@ def tok_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
-    """A prepared data directory (`dgemma.prepare.prepare`, a 512-id BPE): 200 documents, each 12 sentences drawn from
-    26 toy sentences, so held-out documents share the training text's sentences and a model that learns the corpus
+    """A prepared data directory (`dgemma.data.prepare.prepare`, a 512-id BPE): 200 documents, each 12 sentences drawn
+    from 26 toy sentences, so held-out documents share the training text's sentences and a model that learns the corpus
     has a held-out loss far below log(V)."""
-    from dgemma import prepare
-    from dgemma.tokenizer import toy_corpus
+    from dgemma.data import prepare
+    from dgemma.data.tokenizer import toy_corpus
 
     root = tmp_path_factory.mktemp("train-corpus")
     sentences = toy_corpus(12)[14:]
@@ -76,7 +76,7 @@ def tiny_run(tiny_data, tmp_path_factory) -> Path:
     """A real training run directory: the `tiny` preset trained for 2 steps on `tiny_data` (checkpoints/step-0000002
     with config.json, weights, tokenizer.json)."""
 
-    from dgemma.train import train, train_preset
+    from dgemma.train.loop import train, train_preset
 
     run = tmp_path_factory.mktemp("tiny-run") / "run"
     cfg = train_preset("tiny").replace(batch_size=2, max_steps=2, warmup_steps=1, eval_every=100,

@@ -424,7 +424,7 @@ def test_chat_survives_a_line_that_is_not_utf8(ckpt, tok_path, monkeypatch, caps
 
 def test_viz_warns_about_ids_beyond_the_tokenizer(ckpt, tmp_path, tok_path, capsys):
     pytest.importorskip("matplotlib")
-    from dgemma.tokenizer import build_test_tokenizer
+    from dgemma.data.tokenizer import build_test_tokenizer
 
     small = tmp_path / "small.json"
     build_test_tokenizer(300, small)

@@ -171,7 +171,7 @@ def test_prepare_refuses_a_run_a_checkpoint_and_a_foreign_directory(tiny_run, ck
 
 
 def test_prepare_into_a_data_directory_takes_its_lock(tiny_data, corpus, tmp_path, capsys):
-    from dgemma.run_dir import locked
+    from dgemma.lock import locked
 
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
@@ -355,7 +355,7 @@ def test_a_full_disk_under_any_writer_is_a_no_space_error(tmp_path):
 def test_a_chat_template_file_that_cannot_be_read_is_an_error_not_the_default(tmp_path, kind):
     """A chat_template.jinja that is there but unreadable (a FIFO, a link to nothing) is refused naming it; it used
     to be skipped as if absent, so the server rendered chats with the built-in template instead."""
-    from dgemma.serving.templates import ChatTemplateError, load_chat_template
+    from dgemma.data.templates import ChatTemplateError, load_chat_template
 
     jinja = tmp_path / "chat_template.jinja"
     os.mkfifo(jinja) if kind == "fifo" else jinja.symlink_to(tmp_path / "nowhere")

@@ -18,9 +18,9 @@ import torch
 import dgemma
 from dgemma import cli
 from dgemma.config import ConfigError
-from dgemma.data import DataError, parse_json_row
+from dgemma.data.shards import DataError, parse_json_row
+from dgemma.data.tokenizer import build_test_tokenizer, toy_corpus
 from dgemma.generation_config import SEED_MAX, GenerationConfig, is_seed
-from dgemma.tokenizer import build_test_tokenizer, toy_corpus
 
 TINY = dgemma.preset("tiny")  # vocab 512, hidden 64, k_proj 64 -> 32
 RANDOM = ["--preset", "tiny", "--random-init"]
@@ -56,7 +56,7 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """Prepared data (bpe:300 on the toy corpus, 30% held out) that the tiny model can read."""
-    from dgemma.prepare import prepare
+    from dgemma.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("data")
     corpus = root / "corpus.jsonl"
@@ -210,7 +210,7 @@ def test_the_server_refuses_t_max_1e308_naming_the_field():
 
 
 def test_one_seed_rule_and_64_bit_training_seeds():
-    from dgemma.train import TrainConfig, micro_step_generator
+    from dgemma.train.loop import TrainConfig, micro_step_generator
 
     assert is_seed(0) and is_seed(SEED_MAX) and not is_seed(-1) and not is_seed(SEED_MAX + 1) and not is_seed(True)
     with pytest.raises(ConfigError, match=r"TrainConfig\.seed: must be an int from 0 to 2\*\*64 - 1"):
@@ -222,7 +222,7 @@ def test_one_seed_rule_and_64_bit_training_seeds():
 
 def test_the_largest_seed_derives_per_prompt_seeds():
     """eval's decoding loops seed prompt i with seed + i, which overflowed torch.Generator at 2**64 - 1."""
-    from dgemma.decoding import run_ar, run_sampler
+    from dgemma.eval.decoding import run_ar, run_sampler
     from dgemma.generation_config import offset_seed
 
     assert offset_seed(SEED_MAX, 2) == 1 and offset_seed(5, 2) == 7
@@ -293,7 +293,7 @@ def test_eval_refuses_a_diffusion_checkpoint_as_the_judge(model_of_data, data, t
 # --- the split, and large documents in pieces ------------------------------------------------------------------------
 
 def test_a_split_decided_by_one_large_document_warns_once(tmp_path):
-    from dgemma.prepare import prepare
+    from dgemma.data.prepare import prepare
 
     (tmp_path / "big.txt").write_text("word " * 20_000)
     for i in range(3):
@@ -314,8 +314,8 @@ def test_a_split_decided_by_one_large_document_warns_once(tmp_path):
 def test_a_large_document_in_pieces_gives_the_whole_documents_ids():
     from tokenizers import pre_tokenizers
 
-    from dgemma.prepare import encode_documents
-    from dgemma.tokenizer import bpe_training_texts, text_chunks, train_bpe_tokenizer
+    from dgemma.data.prepare import encode_documents
+    from dgemma.data.tokenizer import bpe_training_texts, text_chunks, train_bpe_tokenizer
 
     sentences = toy_corpus(300)
     text = "".join(s + ("\n" if i % 3 == 0 else " ") for i, s in enumerate(sentences))  # prose: lines of sentences

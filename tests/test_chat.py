@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.chat import ChatSession, ContextFullError
 from dgemma.config import ConfigError
+from dgemma.data.tokenizer import TURN_END, chat_token_ids, left_pad, load_tokenizer
 from dgemma.generation_config import GenerationConfig
-from dgemma.tokenizer import TURN_END, chat_token_ids, left_pad, load_tokenizer
+from dgemma.serving.chat import ChatSession, ContextFullError
 
 FAST = {"max_denoising_steps": 3, "max_new_tokens": 32}
 

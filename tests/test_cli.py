@@ -14,9 +14,9 @@ import torch
 import dgemma
 from dgemma import cli
 from dgemma.checkpoint import latest_checkpoint
-from dgemma.tokenizer import load_tokenizer
-from dgemma.train import TRAIN_PRESETS
-from dgemma.viz import load_trace
+from dgemma.data.tokenizer import load_tokenizer
+from dgemma.eval.viz import load_trace
+from dgemma.train.loop import TRAIN_PRESETS
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L, V = TINY.canvas_length, TINY.vocab_size

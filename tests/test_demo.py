@@ -1,4 +1,4 @@
-"""`dgemma demo` (dgemma/demo.py): the pipeline with its recipe pointed at the test corpus, the figures it prints,
+"""`dgemma demo` (dgemma/eval/demo.py): the pipeline with its recipe pointed at the test corpus, the figures it prints,
 and (--runslow) the real recipe, shortened, against the issue's targets."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-import dgemma.train as T
+import dgemma.train.loop as T
 from dgemma.checkpoint import latest_checkpoint
-from dgemma.data import decode_documents
-from dgemma.decoding import prompt_agreement, real_word_share, words
-from dgemma.demo import DemoRecipe, run_demo
+from dgemma.data.shards import decode_documents
+from dgemma.eval.decoding import prompt_agreement, real_word_share, words
+from dgemma.eval.demo import DemoRecipe, run_demo
 
 
 def test_demo_runs_end_to_end(tiny_data, tmp_path):

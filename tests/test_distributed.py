@@ -33,10 +33,10 @@ from safetensors.torch import load_file
 
 from dgemma import cli
 from dgemma.checkpoint import CheckpointError, list_checkpoints
-from dgemma.data import TokenDataset
-from dgemma.diffusion import training_loss
+from dgemma.data.shards import TokenDataset
 from dgemma.model import DiffusionGemma, init_weights, load_model
-from dgemma.train import train, train_preset
+from dgemma.train.diffusion import training_loss
+from dgemma.train.loop import train, train_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -279,8 +279,8 @@ def test_split_rows_draw_the_noise_of_the_whole_batch(data):
 
 def test_resume_on_another_world_size_keeps_the_windows_per_step(data, ddp_run, tmp_path):
     from dgemma.config import ConfigError
-    from dgemma.distributed import rescale_for_world
-    from dgemma.train import TrainConfig
+    from dgemma.train.distributed import rescale_for_world
+    from dgemma.train.loop import TrainConfig
 
     cfg = TrainConfig.from_json(json.loads((ddp_run / "run.json").read_text())["train_config"])
     assert rescale_for_world(cfg, 2, 1).batch_size == 4

@@ -334,7 +334,7 @@ def test_doc_commands_run(where, commands, tmp_path):
 
     toy = tmp_path / "toy-corpus"
     toy.mkdir()
-    from dgemma.tokenizer import toy_corpus
+    from dgemma.data.tokenizer import toy_corpus
 
     sentences = toy_corpus(120)
     for i in range(150):  # enough held-out text for a few windows of cpu-small's 128 tokens

@@ -1,4 +1,4 @@
-"""dgemma.evaluate: the NELBO against exact enumeration, token-forward counting, sample metrics, `dgemma eval`."""
+"""dgemma.eval.evaluate: the NELBO against exact enumeration, token-forward counting, sample metrics, `dgemma eval`."""
 
 from __future__ import annotations
 
@@ -12,13 +12,21 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, token_entropy, useful
-from dgemma.evaluate import run_info
+from dgemma.eval.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, token_entropy, useful
+from dgemma.eval.evaluate import run_info
+from dgemma.eval.viz import renoise_counts
 from dgemma.generate import TRACE_FORMAT
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
-from dgemma.nelbo import EvalError, clean_context_posterior, estimate, prior_kl, reverse_kl, stratified_t, window_nelbo
-from dgemma.viz import renoise_counts
+from dgemma.train.nelbo import (
+    EvalError,
+    clean_context_posterior,
+    estimate,
+    prior_kl,
+    reverse_kl,
+    stratified_t,
+    window_nelbo,
+)
 
 # --- an exactly solvable case: V = 3 tokens, canvases of 2, a known correlated data distribution --------------------
 
@@ -349,7 +357,7 @@ def test_clean_context_posterior_is_what_denoise_sees_after_committing_the_prefi
 def _corpus(path, n_docs=160, seed=0):
     import random
 
-    from dgemma.tokenizer import toy_corpus
+    from dgemma.data.tokenizer import toy_corpus
 
     rng = random.Random(seed)
     sentences = toy_corpus(400)
@@ -364,8 +372,8 @@ def pair(tmp_path_factory):
     clean-context diffusion and the AR baseline, both on the tiny preset."""
     import io
 
-    from dgemma.prepare import prepare
-    from dgemma.train import TrainConfig, train
+    from dgemma.data.prepare import prepare
+    from dgemma.train.loop import TrainConfig, train
 
     root = tmp_path_factory.mktemp("pair")
     prepare(root / "data", [str(_corpus(root / "corpus.jsonl"))], tokenizer="bpe:512", val_fraction=0.1, quiet=True)
@@ -379,10 +387,10 @@ def pair(tmp_path_factory):
 
 
 def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
-    from dgemma.data import TokenDataset
-    from dgemma.diffusion import training_loss
-    from dgemma.evaluate import heldout_ar_ce, heldout_x0_ce
+    from dgemma.data.shards import TokenDataset
+    from dgemma.eval.evaluate import heldout_ar_ce, heldout_x0_ce
     from dgemma.model import load_model
+    from dgemma.train.diffusion import training_loss
 
     root, runs = pair
     val = TokenDataset(root / "data", "val")
@@ -403,7 +411,7 @@ def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
 
 def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
     from dgemma.cli import main
-    from dgemma.viz import load_trace
+    from dgemma.eval.viz import load_trace
 
     pytest.importorskip("matplotlib")
     from PIL import Image
@@ -441,8 +449,8 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
 
 def test_dgemma_eval_bad_inputs_are_clear_errors(pair, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.prepare import prepare
-    from dgemma.tokenizer import build_test_tokenizer
+    from dgemma.data.prepare import prepare
+    from dgemma.data.tokenizer import build_test_tokenizer
 
     root, runs = pair
     base = ["--data", str(root / "data"), "--out", str(tmp_path / "r"), "--quiet"]
@@ -471,7 +479,7 @@ def test_dgemma_eval_bad_inputs_are_clear_errors(pair, tmp_path, capsys):
 # --- the judge, learning curves, intervals and the two prompt halves ------------------------------------------------
 
 def test_bootstrap_interval_holds_the_estimate_and_is_seeded():
-    from dgemma.judging import bootstrap_ppl
+    from dgemma.eval.judging import bootstrap_ppl
 
     rng = np.random.default_rng(0)
     nlls = [(float(rng.uniform(20, 60)), int(rng.integers(10, 20))) for _ in range(12)] + [(0.0, 0)]  # one empty
@@ -488,7 +496,7 @@ def test_bootstrap_interval_holds_the_estimate_and_is_seeded():
 
 
 def test_tokens_per_second_interval_across_prompts():
-    from dgemma.judging import Z95, rate_interval
+    from dgemma.eval.judging import Z95, rate_interval
 
     r = rate_interval([10, 20], [1.0, 1.0])
     # R = 30 / 2 = 15; residuals -5, 5: SE = sqrt(50 / (2 * 1)) / mean seconds 1 = 5
@@ -499,7 +507,7 @@ def test_tokens_per_second_interval_across_prompts():
 
 
 def test_selection_and_report_prompts_are_disjoint_halves():
-    from dgemma.judging import split_prompts
+    from dgemma.eval.judging import split_prompts
 
     for n in (2, 7, 8):
         select, report = split_prompts(n)
@@ -516,7 +524,7 @@ def _point(select, report, **extra):
 
 
 def test_verdict_chooses_on_the_selection_prompts_and_reports_the_others():
-    from dgemma.evaluate import verdict
+    from dgemma.eval.evaluate import verdict
 
     est = {"mean": 2.0, "se": 0.01}
     lk = {"ar_ce": {"estimate": est}, "nelbo": {"estimate": est}, "x0_ce": {"estimate": est}}
@@ -534,8 +542,8 @@ def test_verdict_chooses_on_the_selection_prompts_and_reports_the_others():
 
 
 def test_learning_curves_are_the_runs_metrics_records(pair):
-    from dgemma.curves import eval_points, learning_curves
-    from dgemma.data import unigram_cross_entropy
+    from dgemma.data.shards import unigram_cross_entropy
+    from dgemma.eval.curves import eval_points, learning_curves
 
     root, runs = pair
     for objective, metric in (("clean-context", "val_nelbo"), ("ar", "val_loss")):
@@ -570,7 +578,7 @@ def judge_run(pair):
     """A third tiny run on the same data: an AR model neither side of the comparison is."""
     import io
 
-    from dgemma.train import TrainConfig, train
+    from dgemma.train.loop import TrainConfig, train
 
     root, _ = pair
     cfg = TrainConfig(preset="tiny", objective="ar", seq_len=32, batch_size=4, max_steps=6, warmup_steps=2,
@@ -581,10 +589,10 @@ def judge_run(pair):
 
 def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tmp_path):
     from dgemma.cli import main
-    from dgemma.data import TokenDataset
-    from dgemma.decoding import generative_perplexity
-    from dgemma.evaluate import pick_prompts
-    from dgemma.judging import INDEPENDENT_JUDGE
+    from dgemma.data.shards import TokenDataset
+    from dgemma.eval.decoding import generative_perplexity
+    from dgemma.eval.evaluate import pick_prompts
+    from dgemma.eval.judging import INDEPENDENT_JUDGE
     from dgemma.model import load_model
 
     pytest.importorskip("matplotlib")
@@ -635,7 +643,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
 
 def test_eval_without_a_judge_names_the_baseline_and_checks_the_judge(pair, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.judging import BASELINE_JUDGE
+    from dgemma.eval.judging import BASELINE_JUDGE
 
     pytest.importorskip("matplotlib")
     root, runs = pair

@@ -90,3 +90,30 @@ def test_imports_point_down_the_layers():
                 wrong.append(f"{name or 'dgemma'} (layer {layers[name]}) imports {dep or 'dgemma'} "
                              f"(layer {layers[dep]})")
     assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+# The packages, from the bottom: a module may import its own package and the packages of lower rank (the core, ""
+# below everything), never a package of the same or a higher rank (train and serving share a rank: neither imports
+# the other). docs/architecture.md, "Module map", draws it.
+PACKAGE_RANK = {"": 0, "testing": 0, "data": 1, "train": 2, "serving": 2, "eval": 3, "cli": 4}
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to ("" for the core modules at the top of dgemma/ and the package itself)."""
+    if module == "__main__":
+        return "cli"
+    first = module.split(".")[0]
+    return first if first in PACKAGE_RANK and (module != first or (PACKAGE / first).is_dir()) else ""
+
+
+def test_packages_point_one_way():
+    mods = modules()
+    assert {package_of(m) for m in mods} <= set(PACKAGE_RANK), "a package missing from PACKAGE_RANK"
+    wrong = []
+    for name, path in sorted(mods.items()):
+        own = package_of(name)
+        for dep in sorted(dgemma_imports(path, set(mods)) - {name}):
+            theirs = package_of(dep)
+            if theirs != own and PACKAGE_RANK[theirs] >= PACKAGE_RANK[own]:
+                wrong.append(f"{name or 'dgemma'} ({own or 'core'}) imports {dep} ({theirs or 'core'})")
+    assert not wrong, "imports between packages that point up or sideways:\n" + "\n".join(wrong)

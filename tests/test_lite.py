@@ -8,7 +8,7 @@ import torch
 from dgemma import DiffusionGemma, generate, init_weights, load_model, preset, save_pretrained
 from dgemma.attention import clean_context_masks
 from dgemma.costs import parameter_counts
-from dgemma.diffusion import soft_embedding, training_loss
+from dgemma.train.diffusion import soft_embedding, training_loss
 from tests.helpers import random_ids
 
 CFG = preset("lite-tiny")

@@ -96,7 +96,7 @@ def test_empty_prompt_denoises_against_nothing(model):
 
 def test_gradients_flow_through_the_training_forward(model):
     """The training path (no_grad only wraps the public inference methods) is differentiable."""
-    from dgemma.diffusion import training_loss
+    from dgemma.train.diffusion import training_loss
 
     m = DiffusionGemma(preset("tiny"))
     m.load_state_dict(model.state_dict())

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 from tokenizers import pre_tokenizers
 
-from dgemma import cli, data
-from dgemma import corpus as corpora
-from dgemma import prepare as pipeline
+from dgemma import cli
 from dgemma.console import Log
-from dgemma.data import DataError
-from dgemma.tokenizer import MAX_TRAINING_WORD_CHARS, bpe_training_texts, toy_corpus, train_bpe_tokenizer
+from dgemma.data import corpus as corpora
+from dgemma.data import prepare as pipeline
+from dgemma.data import shards as data
+from dgemma.data.shards import DataError
+from dgemma.data.tokenizer import MAX_TRAINING_WORD_CHARS, bpe_training_texts, toy_corpus, train_bpe_tokenizer
 
 B = MAX_TRAINING_WORD_CHARS
 _PRE = pre_tokenizers.ByteLevel(add_prefix_space=False)

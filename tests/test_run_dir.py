@@ -1,4 +1,4 @@
-"""A training run directory under concurrency and faults (dgemma/run_dir.py): the writer's lock (two writers, a
+"""A training run directory under concurrency and faults (dgemma/train/run_dir.py): the writer's lock (two writers, a
 writer and a resume, a writer killed by SIGKILL while it holds the lock, each with real `dgemma train` processes),
 restart semantics (the same --resume command starts and restarts a run; fallback to the newest intact checkpoint;
 a torn metrics line; another data directory), damaged shards, and non-finite numbers."""
@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import dgemma.train as T
-from dgemma import cli, run_dir
+import dgemma.train.loop as T
+from dgemma import cli, lock
 from dgemma.checkpoint import latest_checkpoint, list_checkpoints
-from dgemma.data import DataError
+from dgemma.data.shards import DataError
 from dgemma.model import DiffusionGemma, init_weights
+from dgemma.train import run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = T.train_preset("tiny").replace(batch_size=2, max_steps=4, warmup_steps=2, eval_every=100, eval_batches=1,
@@ -214,7 +215,7 @@ def test_no_checkpoint_with_a_nonfinite_tensor_is_written(tmp_path):
 
 def test_the_lock_refuses_a_second_writer_in_process(tiny_data, tmp_path):
     run = tmp_path / "run"
-    with run_dir.locked(run), pytest.raises(run_dir.RunBusyError, match=f"being written by pid {os.getpid()} on "):
+    with lock.locked(run), pytest.raises(lock.BusyError, match=f"being written by pid {os.getpid()} on "):
         quiet_train(BASE, tiny_data, run, resume=True)
     assert [p.name for p in run.iterdir()] == [".lock"]
     quiet_train(BASE.replace(max_steps=1), tiny_data, run)  # released: a run holding only its lock file is new
@@ -224,8 +225,8 @@ def test_the_lock_refuses_a_second_writer_in_process(tiny_data, tmp_path):
 # creating argv[2]: a writer holding its run's lock for as long as the test needs.
 GATED = """
 import os, sys, time
-import dgemma.train as T
-from dgemma import cli
+import dgemma.train.loop as T
+from dgemma import cli, lock
 gate, flag = sys.argv[1], sys.argv[2]
 real, calls = T.training_loss, [0]
 def gated(*args, **kw):

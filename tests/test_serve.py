@@ -20,10 +20,10 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 import dgemma
+from dgemma.data.tokenizer import chat_token_ids, load_tokenizer
 from dgemma.generation_config import GenerationConfig
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import Engine
-from dgemma.tokenizer import chat_token_ids, load_tokenizer
 from tests.helpers import running_server
 
 KEY = "sk-test"

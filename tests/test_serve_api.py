@@ -1,5 +1,5 @@
 """The pure parts of `dgemma serve`: the OpenAI request rules (dgemma/serving/api.py), chat templates rendered as
-transformers renders them, and the thinking / tool-call output parser (dgemma/serving/templates.py)."""
+transformers renders them, and the thinking / tool-call output parser (dgemma/data/templates.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import json
 
 import pytest
 
-from dgemma.generation_config import GenerationConfig
-from dgemma.serving.api import APIError, parse_chat_request, parse_completion_request, parse_json
-from dgemma.serving.templates import (
+from dgemma.data.templates import (
     BUILTIN_CONVENTIONS,
     CONVENTIONS,
     ChatTemplate,
@@ -18,7 +16,9 @@ from dgemma.serving.templates import (
     load_chat_template,
     parse_output,
 )
-from dgemma.tokenizer import encode_template, format_chat, load_tokenizer
+from dgemma.data.tokenizer import encode_template, format_chat, load_tokenizer
+from dgemma.generation_config import GenerationConfig
+from dgemma.serving.api import APIError, parse_chat_request, parse_completion_request, parse_json
 
 BASE = GenerationConfig(max_new_tokens=32, max_denoising_steps=8, eos_token_id=(1,))
 

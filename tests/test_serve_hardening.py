@@ -24,13 +24,13 @@ from tokenizers import pre_tokenizers
 
 import dgemma
 from dgemma import cli
+from dgemma.data.templates import ChatTemplate
+from dgemma.data.tokenizer import build_test_tokenizer
 from dgemma.generation_config import GenerationConfig
 from dgemma.serving.api import Limits
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import Engine
 from dgemma.serving.guards import allowed_hosts
-from dgemma.serving.templates import ChatTemplate
-from dgemma.tokenizer import build_test_tokenizer
 from tests.helpers import running_server
 
 JSON = {"Content-Type": "application/json"}

@@ -1,7 +1,8 @@
-"""Fine-tuning on chats (dgemma/sft.py, diffusion.py:sft_loss, `dgemma finetune`): the loss covers exactly the answer
-tokens of a hand-built conversation; a packed training pass computes what commit + denoise compute at sampling time;
-bad chat files fail with one error naming file, line and field; a tiny checkpoint written by transformers, fine-tuned
-through the real CLI on a fixed question -> answer mapping, answers its training prompts through `dgemma chat`."""
+"""Fine-tuning on chats (dgemma/data/sft.py, train/diffusion.py:sft_loss, `dgemma finetune`): the loss covers exactly
+the answer tokens of a hand-built conversation; a packed training pass computes what commit + denoise compute at
+sampling time; bad chat files fail with one error naming file, line and field; a tiny checkpoint written by
+transformers, fine-tuned through the real CLI on a fixed question -> answer mapping, answers its training prompts
+through `dgemma chat`."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ import torch.nn.functional as F
 
 import dgemma
 from dgemma import cli
-from dgemma.diffusion import q_sample, sample_canvas_t, sft_loss
-from dgemma.serving.templates import ChatTemplate
-from dgemma.sft import ChatData, ChatDataError, Example, build_examples, collate, pack, sft_masks
-from dgemma.tokenizer import TURN_END, build_test_tokenizer, chat_token_ids, encode_template
-from dgemma.train import TrainConfig, train
+from dgemma.data.sft import ChatData, ChatDataError, Example, build_examples, collate, pack, sft_masks
+from dgemma.data.templates import ChatTemplate
+from dgemma.data.tokenizer import TURN_END, build_test_tokenizer, chat_token_ids, encode_template
+from dgemma.train.diffusion import q_sample, sample_canvas_t, sft_loss
+from dgemma.train.loop import TrainConfig, train
 
 from .helpers import random_model
 

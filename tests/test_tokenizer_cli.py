@@ -14,9 +14,8 @@ import torch
 
 import dgemma
 from dgemma import cli
-from dgemma.chat import next_turn_text
 from dgemma.cli.generate import Streamer
-from dgemma.tokenizer import (
+from dgemma.data.tokenizer import (
     build_test_tokenizer,
     chat_token_ids,
     check_vocab,
@@ -24,6 +23,7 @@ from dgemma.tokenizer import (
     format_chat,
     load_tokenizer,
 )
+from dgemma.serving.chat import next_turn_text
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L = TINY.canvas_length

@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dgemma.train as T
+import dgemma.train.loop as T
 from dgemma import cli
 from dgemma.checkpoint import latest_checkpoint, list_checkpoints, resolve_model_dir
 from dgemma.config import ConfigError
 from dgemma.model import load_model
-from dgemma.train import TrainConfig, learning_rate, train
+from dgemma.train.loop import TrainConfig, learning_rate, train
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 3  # steps before the interruption; the uninterrupted run does 2N
@@ -82,7 +82,7 @@ def test_resume_equals_uninterrupted(corpus, uninterrupted, tmp_path):
 KILLED_RUN = """
 import sys, time, json, torch
 torch.set_num_threads(1)
-import dgemma.train as T
+import dgemma.train.loop as T
 cfg = T.TrainConfig.from_json(json.loads(sys.argv[1]))
 real, calls = T.training_loss, [0]
 def slow(*args, **kw):
@@ -268,7 +268,7 @@ def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
     elif case == "non-empty run":
         expected = "exists and is not an empty directory: pass --resume"
     else:
-        monkeypatch.setattr("dgemma.preflight.available_memory", lambda device: 10 * 2**20)
+        monkeypatch.setattr("dgemma.train.preflight.available_memory", lambda device: 10 * 2**20)
         expected = r"estimated peak memory .* GiB .* exceeds the 0.01 GiB available on cpu"
     before = tree(run)
     code, err = run_cli(capsys, *args)

@@ -15,13 +15,13 @@ import torch
 
 import dgemma
 from dgemma.cli import main
+from dgemma.data.tokenizer import build_test_tokenizer
 from dgemma.generate import TRACE_FORMAT
-from dgemma.tokenizer import build_test_tokenizer
 
 pytest.importorskip("matplotlib", reason="dgemma[viz] not installed")
 from PIL import Image
 
-from dgemma import viz
+from dgemma.eval import viz
 
 STEPS = 4
 

@@ -9,8 +9,8 @@ import shlex
 import sys
 from typing import Any
 
-from dgemma import bench
 from dgemma.cli.common import positive_int, seed
+from dgemma.eval import bench
 
 
 def register(subparsers: Any) -> None:

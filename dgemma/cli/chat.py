@@ -8,8 +8,8 @@ import argparse
 import sys
 from typing import Any
 
-from dgemma.chat import ChatSession, ContextFullError
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides, positive_int
+from dgemma.serving.chat import ChatSession, ContextFullError
 
 
 def register(subparsers: Any) -> None:

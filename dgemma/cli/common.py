@@ -22,11 +22,11 @@ from dgemma import lora
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
+from dgemma.data.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
 from dgemma.model import check_memory
 from dgemma.offload import offload_experts
 from dgemma.quantize import check_supported, quantize_model
-from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -228,8 +228,8 @@ def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) 
     """What `dgemma train` and `dgemma finetune` do with their parsed flags: resolve the TrainConfig (every rank of a
     torchrun job parses the same flags and files, so rank 0 alone shows what is wrong with them), run the trainer as
     this rank of the job (or as the one process), and print where to go next."""
-    from dgemma.distributed import Dist, shared
-    from dgemma.train import train
+    from dgemma.train.distributed import Dist, shared
+    from dgemma.train.loop import train
 
     allow_new_data = getattr(args, "allow_new_data", False)
     try:

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dgemma import data, prepare
 from dgemma.cli.common import finite_float, positive_int, seed
+from dgemma.data import prepare
+from dgemma.data import shards as data
 
 
 def register(subparsers: Any) -> None:

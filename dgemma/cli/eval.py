@@ -1,7 +1,7 @@
 """`dgemma eval --model RUN [--baseline AR_RUN] [--judge AR_RUN] --data DIR --out REPORT_DIR`: held-out likelihoods
 (NELBO bound, x0 cross-entropy, AR cross-entropy), decoding speed and cost over a grid of sampler settings and AR
 temperatures, sample quality scored by a judge, learning curves of the runs, and seed 003's verdict, written as
-report.md, report.json and plots (dgemma/evaluate.py, dgemma/report.py, docs/evaluation.md)."""
+report.md, report.json and plots (dgemma/eval/evaluate.py, dgemma/eval/report.py, docs/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dgemma.evaluate import EvalSettings, evaluate
-    from dgemma.report import write_report
-    from dgemma.viz import check_installed
+    from dgemma.eval.evaluate import EvalSettings, evaluate
+    from dgemma.eval.report import write_report
+    from dgemma.eval.viz import check_installed
 
     settings = EvalSettings(steps=args.steps, entropy_bounds=args.entropy_bounds, num_prompts=args.prompts,
                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,

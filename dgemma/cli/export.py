@@ -20,7 +20,7 @@ import torch
 from dgemma import dirkind, fsio, lora
 from dgemma.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError
-from dgemma.distributed import export
+from dgemma.train.distributed import export
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

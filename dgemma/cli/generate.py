@@ -14,8 +14,8 @@ import torch
 
 from dgemma import fsio
 from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.data.tokenizer import Tokenizer, chat_token_ids, left_pad
 from dgemma.generate import check_trace_path, generate
-from dgemma.tokenizer import Tokenizer, chat_token_ids, left_pad
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
 MAX_BATCH_PROMPTS = 4096  # prompts in one --batch-file batch (every prompt is a row of the same generate call)

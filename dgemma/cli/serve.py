@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from dgemma.cli.common import UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
-from dgemma.tokenizer import TURN_END, build_test_tokenizer
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
 
@@ -61,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
             print(INSTALL_HINT, file=sys.stderr)
             return 2
         raise
+    from dgemma.data.templates import load_chat_template
     from dgemma.serving.api import Limits
     from dgemma.serving.engine import Engine
     from dgemma.serving.guards import allowed_hosts, check_api_key
-    from dgemma.serving.templates import load_chat_template
 
     for name in ("max_batch", "max_context", "max_queue", "max_concurrency", "max_request_bytes", "max_n",
                  "max_denoising_steps", "max_request_steps"):

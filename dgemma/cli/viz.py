@@ -1,4 +1,4 @@
-"""`dgemma viz TRACE --out DIR`: pictures of a generation trace (dgemma/viz.py) and an HTML canvas player."""
+"""`dgemma viz TRACE --out DIR`: pictures of a generation trace (dgemma/eval/viz.py) and an HTML canvas player."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dgemma.tokenizer import load_tokenizer
-    from dgemma.viz import load_trace, render_trace
+    from dgemma.data.tokenizer import load_tokenizer
+    from dgemma.eval.viz import load_trace, render_trace
 
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out}: exists and is not a directory")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.config import ConfigError, is_int, is_real
+from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
+from dgemma.data.tokenizer import Tokenizer
 from dgemma.generation_config import GenerationConfig
-from dgemma.serving.templates import ChatTemplate, ChatTemplateError, Convention
-from dgemma.tokenizer import Tokenizer
 
 # dgemma's sampler settings a request may set (docs/sampling.md); the others (special tokens, max_length, truncate)
 # belong to the model or to the server.

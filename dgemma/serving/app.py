@@ -32,6 +32,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dgemma.data.templates import (
+    GEMMA_QUOTE,
+    GEMMA_TOOL_CALL,
+    ChatTemplate,
+    OutputParser,
+    ParsedOutput,
+    partial_suffix,
+)
+from dgemma.data.tokenizer import Tokenizer
 from dgemma.generation_config import GenerationConfig
 from dgemma.serving.api import (
     DEFAULT_BODY_TIMEOUT,
@@ -46,15 +55,6 @@ from dgemma.serving.api import (
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
 from dgemma.serving.guards import HostCheck, check_api_key, read_body, require_json
 from dgemma.serving.metrics import CountRequests, Metrics
-from dgemma.serving.templates import (
-    GEMMA_QUOTE,
-    GEMMA_TOOL_CALL,
-    ChatTemplate,
-    OutputParser,
-    ParsedOutput,
-    partial_suffix,
-)
-from dgemma.tokenizer import Tokenizer
 
 log = logging.getLogger("dgemma.serve")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma import fsio
-from dgemma.tokenizer import BOS, Tokenizer, encode_template, format_chat
+from dgemma.data.tokenizer import BOS, Tokenizer, encode_template, format_chat
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 

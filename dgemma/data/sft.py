@@ -1,5 +1,5 @@
 """Supervised fine-tuning data: OpenAI-style chats (JSONL) to packed, canvas-aligned training rows and their masks.
-The loss is `diffusion.py:sft_loss`; `train.py:train` runs it with `objective="sft"`.
+The loss is `train/diffusion.py:sft_loss`; `train/loop.py:train` runs it with `objective="sft"`.
 
 Input: one JSON object per line, `{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`
 (content may also be a list of `{"type": "text", "text": ...}` parts). Every assistant message is one example: its
@@ -15,7 +15,7 @@ canvases from its first token: canvas k holds response tokens [kL, (k+1)L), its 
 One example in a training row (P prompt tokens, R response tokens, n = ceil(R / L) canvases):
 
     clean stream   [ prompt (P) | response canvases 0 .. n-2 (clean) ]    encoder role, causal: what commit writes
-    noisy stream   [ canvas 0 | canvas 1 | ... | canvas n-1 ]             decoder role; diffusion.py noises each
+    noisy stream   [ canvas 0 | canvas 1 | ... | canvas n-1 ]             decoder role; train/diffusion.py noises each
 
 Noisy canvas k attends to the clean tokens at positions < P + kL (its sliding layers to the last sliding_window - 1
 of them) and to itself, bidirectionally: exactly commit(prompt + canvases < k) then denoise(canvas k). Positions
@@ -44,9 +44,9 @@ from torch import Tensor
 
 from dgemma.attention import FULL, SLIDING
 from dgemma.checkpoint import MODEL_FILES
-from dgemma.data import DataError, parse_json_row
-from dgemma.serving.templates import ChatTemplate, ChatTemplateError
-from dgemma.tokenizer import Tokenizer, encode_template
+from dgemma.data.shards import DataError, parse_json_row
+from dgemma.data.templates import ChatTemplate, ChatTemplateError
+from dgemma.data.tokenizer import Tokenizer, encode_template
 
 ASSISTANT_ROLES = ("assistant", "model")
 
@@ -268,7 +268,7 @@ def sft_masks(batch: ChatBatch, canvas_length: int, window: int) -> dict[str, Te
 class ChatData:
     """A chat file as training batches: `batches` (the seeded packed order, epoch after epoch, restartable at any
     batch) and `heldout_batches` (the file's order, for the held-out loss), with the interface of
-    `data.py:TokenDataset` that the trainer uses."""
+    `data/shards.py:TokenDataset` that the trainer uses."""
 
     def __init__(self, path: str | os.PathLike[str], tokenizer: Tokenizer, template: ChatTemplate, *,
                  canvas_length: int, seq_len: int, max_positions: int, pad_id: int, model_dir: Path | None = None):

@@ -12,7 +12,7 @@ the Gemma 4 turn template, which DiffusionGemma inherits:
 `build_test_tokenizer(vocab_size, path)` trains a small byte-level BPE on built-in English sentences, so toy
 models (vocab 512) can be driven with text, offline. `train_bpe_tokenizer(texts, vocab_size)` trains the same kind
 on a real corpus, and `build_gpt2_tokenizer(encoder_json, vocab_bpe)` builds the exact GPT-2 BPE from OpenAI's two
-files (checked by sha256); `dgemma.data` uses both to turn text into token shards.
+files (checked by sha256); `dgemma.data.shards` uses both to turn text into token shards.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, *, length: int | 
     """Train a byte-level BPE of at most `vocab_size` ids on `texts` (deterministic for the same texts in the same
     order), with the test tokenizer's special tokens <pad>=0, <eos>=1, <bos>=2, <|turn>=3, <turn|>=4: Gemma's
     pad/eos/bos ids, and the turn markers so the chat template encodes. No post-processor: `encode` gives the text's
-    tokens only, exactly what `dgemma.data` writes between <eos> separators. A corpus with few distinct pairs
+    tokens only, exactly what `dgemma.data.shards` writes between <eos> separators. A corpus with few distinct pairs
     yields fewer ids than `vocab_size`."""
     backend = _train_byte_level_bpe(texts, vocab_size, TEST_SPECIAL_TOKENS, length=length,
                                     show_progress=show_progress)

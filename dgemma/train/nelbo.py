@@ -1,14 +1,14 @@
 """The NELBO of uniform-state block diffusion and the statistics of held-out estimates (docs/evaluation.md, section 1).
 
     NELBO   an upper bound on the held-out NLL of the uniform-state D3PM with the cosine schedule
-            (`dgemma.diffusion.alpha_bar`, the schedule training uses) and T steps, canvas by canvas given the clean
-            prefix (block-autoregressive):
+            (`dgemma.train.diffusion.alpha_bar`, the schedule training uses) and T steps, canvas by canvas given the
+            clean prefix (block-autoregressive):
                 NLL(x) <= sum_b NELBO(canvas_b | canvases < b)
             = prior KL + sum over t of the reverse-step KLs (`reverse_kl`), estimated by Monte Carlo over stratified t
             (`stratified_t`, `window_nelbo`) with the model's p(x0 | x_t) from one of the training forwards
             (`clean_context_posterior`, `noisy_context_posterior`).
 
-`Estimate` is a per-token mean over held-out windows with its standard error; `dgemma.evaluate` runs the loops.
+`Estimate` is a per-token mean over held-out windows with its standard error; `dgemma.eval.evaluate` runs the loops.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from dgemma.attention import clean_context_masks, noisy_context_masks
-from dgemma.diffusion import KL_CHUNK_ROWS, prior_kl, q_sample, reverse_kl
 from dgemma.model import DiffusionGemma
+from dgemma.train.diffusion import KL_CHUNK_ROWS, prior_kl, q_sample, reverse_kl
 
 # posterior(x0 (B, S), x_t (B, S), t (B, C)) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean canvases before)
 Posterior = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -72,7 +72,7 @@ def estimate(per_window_nats: Sequence[float], per_window_tokens: Sequence[int],
     return Estimate(float(nats.sum() / toks.sum()), sd / math.sqrt(len(nats)), len(nats), int(toks.sum()), sd,
                     num_bytes)
 
-# --- the NELBO of the uniform-state process (its reverse KLs: dgemma/diffusion.py) ------------------------------
+# --- the NELBO of the uniform-state process (its reverse KLs: dgemma/train/diffusion.py) ------------------------------
 
 def stratified_t(num_samples: int, num_steps: int, shape: tuple[int, ...],
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:

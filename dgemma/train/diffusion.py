@@ -18,7 +18,7 @@ Objectives, all one forward pass through `DiffusionGemma.sequence_hidden` with a
                     (seed 003 section 2.1).
     ar              x0 alone, causal, next-token loss: the autoregressive baseline on the same backbone.
     sft             (`sft_loss`) chats: the clean prompt and answer canvases in the encoder role, each noisy answer
-                    canvas against the clean tokens before it (dgemma/sft.py packs the rows and builds the masks);
+                    canvas against the clean tokens before it (dgemma/data/sft.py packs the rows and builds the masks);
                     the loss covers the answer tokens only.
 
 Sliding-window layers keep their sampling-time visibility in every mask: an encoder query sees `sliding_window`
@@ -37,8 +37,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
+from dgemma.data.sft import ChatBatch, sft_masks
 from dgemma.model import DiffusionGemma
-from dgemma.sft import ChatBatch, sft_masks
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
@@ -50,7 +50,7 @@ LOSS_WEIGHTING = ("x0", "elbo")  # how the levels' losses are weighted
 
 def alpha_bar(t: Tensor, num_steps: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Probability that a token is still clean at noise level t (cosine schedule), computed in float64 and returned
-    in `dtype`: float32 for corruption, float64 for the NELBO (dgemma/nelbo.py), whose logs need it near t = 0."""
+    in `dtype`: float32 for corruption, float64 for the NELBO (dgemma/train/nelbo.py), whose logs need it near t = 0."""
     return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).to(dtype)
 
 
@@ -274,9 +274,10 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
 def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, self_conditioning_prob: float = 0.5,
              chunk_rows: int | None = 1024, generator: torch.Generator | None = None,
              batch_rows: tuple[int, int] | None = None) -> LossOutput:
-    """The fine-tuning loss on packed chat rows (dgemma/sft.py): each answer canvas (B, N / L per row) draws its own
-    noise level and is corrupted by q_sample; one pass over [clean ; x_t] under `sft.py:sft_masks`; cross-entropy of
-    the x0 prediction over the answer tokens only (`batch.loss_mask`). Random draws in training_loss's order."""
+    """The fine-tuning loss on packed chat rows (dgemma/data/sft.py): each answer canvas (B, N / L per row) draws its
+    own noise level and is corrupted by q_sample; one pass over [clean ; x_t] under `data/sft.py:sft_masks`;
+    cross-entropy of the x0 prediction over the answer tokens only (`batch.loss_mask`). Random draws in training_loss's
+    order."""
     cfg = model.config
     L, V = cfg.canvas_length, cfg.vocab_size
     (B, N), C, device = batch.x0.shape, batch.clean.shape[1], batch.x0.device

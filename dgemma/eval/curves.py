@@ -9,7 +9,7 @@ in RUN/metrics.jsonl, for the diffusion run and its AR baseline, against tokens 
 
 A diffusion run's curve is its `val_nelbo` (the held-out NELBO at the run's training T: an upper bound on its NLL;
 records without it are skipped), an AR run's its `val_loss` (next-token cross-entropy). The reference line is the
-held-out cross-entropy of the training split's unigram distribution (`dgemma.data.unigram_cross_entropy`).
+held-out cross-entropy of the training split's unigram distribution (`dgemma.data.shards.unigram_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def learning_curves(model_path: str | Path, baseline_path: str | Path | None, da
                     ) -> dict[str, Any] | None:
     """The report's `curves` section: each run's curve (None for a run without metrics.jsonl or without points),
     the unigram cross-entropy of `data_dir`, and the matched-token ratio; None when neither run has a curve."""
-    from dgemma.data import DataError, unigram_cross_entropy
+    from dgemma.data.shards import DataError, unigram_cross_entropy
 
     runs = {"diffusion": (model_path, "val_nelbo"), "ar": (baseline_path, "val_loss")}
     curves: dict[str, Any] = {}

@@ -7,7 +7,7 @@
     renoise_counts, renoised_fraction    acceptance transitions counted over a trace (the re-noised fraction)
 
 matplotlib is optional (`pip install 'dgemma[viz]'`) and imported only when a figure is drawn. Every figure carries the
-command that produced it in its footer (`figure`, also used by the plots of the eval report, dgemma/report.py).
+command that produced it in its footer (`figure`, also used by the plots of the eval report, dgemma/eval/report.py).
 Figures have fixed pixel sizes (no tight bounding box), so they can be laid out and tested.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from dgemma.generate import TRACE_FORMAT, Trace
-from dgemma.nelbo import EvalError
+from dgemma.train.nelbo import EvalError
 
 FIGURE_INCHES = (12.0, 8.0)  # every PNG: 1200 x 800 pixels at DPI
 GIF_INCHES = (6.0, 6.0)  # every GIF frame: 480 x 480 pixels at GIF_DPI

@@ -5,15 +5,15 @@ Likelihood (nats per token, with bits per byte beside them), each a loop over th
     x0 cross-entropy     the training objective at t ~ U{1..T}, without self-conditioning (seed 003 section 7).
                          Not a likelihood: it is what the model is trained on, reported as the seed reports it.
     NELBO                an upper bound on the held-out NLL, canvas by canvas given the clean prefix; the maths
-                         (reverse KLs, stratified t, the posteriors) is dgemma/nelbo.py.
+                         (reverse KLs, stratified t, the posteriors) is dgemma/train/nelbo.py.
     AR cross-entropy     next-token loss of an autoregressive run (objective 'ar') on the same held-out tokens.
 
-Cost, speed and sample quality: the decode runs of dgemma/decoding.py (`run_sampler`, `run_ar` at each AR
+Cost, speed and sample quality: the decode runs of dgemma/eval/decoding.py (`run_sampler`, `run_ar` at each AR
 temperature, distinct-n, token entropy), generative perplexity under the judge with bootstrap intervals and tokens/s
-with SEs across prompts (dgemma/judging.py), and the fraction of accepted tokens re-noised at the next step (from
-traces, `dgemma.viz.renoised_fraction`). Learning curves come from the runs' metrics.jsonl (dgemma/curves.py).
+with SEs across prompts (dgemma/eval/judging.py), and the fraction of accepted tokens re-noised at the next step (from
+traces, `dgemma.eval.viz.renoised_fraction`). Learning curves come from the runs' metrics.jsonl (dgemma/eval/curves.py).
 
-`evaluate(...)` runs everything and returns the report as a dict; `dgemma.report.write_report` writes it
+`evaluate(...)` runs everything and returns the report as a dict; `dgemma.eval.report.write_report` writes it
 (`dgemma eval`, dgemma/cli/eval.py).
 """
 
@@ -33,14 +33,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.console import Progress
-from dgemma.curves import learning_curves
-from dgemma.decoding import DecodeRun, ar_token_nll, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
-from dgemma.diffusion import q_sample, sample_canvas_t
+from dgemma.eval.curves import learning_curves
+from dgemma.eval.decoding import DecodeRun, ar_token_nll, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
+from dgemma.eval.judging import Z95, judge_description, point_stats
+from dgemma.eval.viz import renoised_fraction
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
-from dgemma.judging import Z95, judge_description, point_stats
 from dgemma.model import DiffusionGemma
-from dgemma.nelbo import (
+from dgemma.train.diffusion import q_sample, sample_canvas_t
+from dgemma.train.nelbo import (
     EvalError,
     Posterior,
     clean_context_posterior,
@@ -49,7 +50,6 @@ from dgemma.nelbo import (
     prior_kl,
     window_nelbo,
 )
-from dgemma.viz import renoised_fraction
 
 REPORT_FORMAT = "dgemma-eval-1"
 PARITY_TOLERANCE = 0.05  # seed 003's verdict: held-out NLL within +5% of the AR baseline's
@@ -199,7 +199,7 @@ class RunInfo:
 def run_info(path: str | Path) -> RunInfo:
     """Resolve a run (RUN/checkpoints/step-*, the newest) or a model directory, with its train config and tokenizer."""
     from dgemma.checkpoint import resolve_model_dir
-    from dgemma.train import CONFIG_JSON
+    from dgemma.train.loop import CONFIG_JSON
 
     path = Path(path)
     if not path.exists():
@@ -303,10 +303,10 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
     both). Generative perplexity is scored by the judge (`judge_path`, an AR run, in float64) when given, else by the
     baseline."""
-    from dgemma.data import TokenDataset, check_token_range, verify
+    from dgemma.data.shards import TokenDataset, check_token_range, verify
+    from dgemma.data.tokenizer import check_vocab, load_tokenizer
     from dgemma.model import load_model
-    from dgemma.tokenizer import check_vocab, load_tokenizer
-    from dgemma.train import CONFIG_JSON
+    from dgemma.train.loop import CONFIG_JSON
 
     s = settings or EvalSettings()
     s.check()

@@ -1,4 +1,4 @@
-"""Prepared token data: the directory `dgemma data prepare` writes (dgemma/prepare.py), read back for training.
+"""Prepared token data: the directory `dgemma data prepare` writes (dgemma/data/prepare.py), read back for training.
 
     DIR/meta.json                  written last: the commit point. Counts, tokenizer, sources, licences, checksums
     DIR/tokenizer.json             the tokenizer the shards were made with (Hugging Face format)
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from dgemma import fsio
-from dgemma.tokenizer import Tokenizer, load_tokenizer
+from dgemma.data.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = "dgemma-token-shards"
 FORMAT_VERSION = 1  # in the fingerprint: bump when the layout, the split or a reader changes, to re-prepare

@@ -27,19 +27,20 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import dirkind, prepare
+from dgemma import dirkind
 from dgemma.checkpoint import latest_checkpoint, resolve_model_dir
 from dgemma.config import PRESETS
 from dgemma.console import Streamer
-from dgemma.curves import read_metrics
-from dgemma.data import decode_documents, unigram_cross_entropy
-from dgemma.decoding import prompt_agreement, real_word_share, run_ar, words
+from dgemma.data import prepare
+from dgemma.data.shards import decode_documents, unigram_cross_entropy
+from dgemma.data.tokenizer import Tokenizer, load_tokenizer
+from dgemma.eval.curves import read_metrics
+from dgemma.eval.decoding import prompt_agreement, real_word_share, run_ar, words
 from dgemma.fsio import write_text
 from dgemma.generate import generate
 from dgemma.model import DiffusionGemma, load_model
-from dgemma.run_dir import METRICS
-from dgemma.tokenizer import Tokenizer, load_tokenizer
-from dgemma.train import TrainConfig, train
+from dgemma.train.loop import TrainConfig, train
+from dgemma.train.run_dir import METRICS
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...],
     write_text(out / "demo.md", "\n".join(lines))
     written += [out / "demo.md", out / "demo.json"]
     if trace is not None:
-        from dgemma.viz import load_trace, render_trace, write_player
+        from dgemma.eval.viz import load_trace, render_trace, write_player
 
         (out / "trace").mkdir(exist_ok=True)
         npz, _ = trace.save(out / "trace" / "prompt1")

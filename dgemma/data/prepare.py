@@ -1,7 +1,7 @@
-"""The prepare pipeline (`dgemma data prepare`): corpus -> tokenizer -> token shards in a directory (dgemma/data.py
-describes the layout).
+"""The prepare pipeline (`dgemma data prepare`): corpus -> tokenizer -> token shards in a directory
+(dgemma/data/shards.py describes the layout).
 
-`prepare(out, corpus, tokenizer)` reads every local input first (dgemma/corpus.py), fetches the built-in sources,
+`prepare(out, corpus, tokenizer)` reads every local input first (dgemma/data/corpus.py), fetches the built-in sources,
 splits documents into train and val whole, by a seeded hash of their text, trains or loads the tokenizer, and writes
 the shards. Shards are written under a temporary name and renamed when complete, and `meta.json` is replaced only once
 everything it lists is on disk, so an interrupted or failed run leaves the previous output as it was; a re-run with
@@ -27,7 +27,7 @@ import tokenizers
 
 from dgemma import dirkind
 from dgemma.console import Log, Progress
-from dgemma.corpus import (
+from dgemma.data.corpus import (
     DEFAULT_CORPUS,
     GPT2_LICENCE,
     BuiltinSource,
@@ -38,7 +38,7 @@ from dgemma.corpus import (
     read_builtin,
     read_path,
 )
-from dgemma.data import (
+from dgemma.data.shards import (
     FORMAT,
     FORMAT_VERSION,
     SPLITS,
@@ -51,8 +51,7 @@ from dgemma.data import (
     verify,
     write_temp,
 )
-from dgemma.run_dir import check_unlocked, locked
-from dgemma.tokenizer import (
+from dgemma.data.tokenizer import (
     GPT2_EOT,
     GPT2_FILE_SHA256,
     TEXT_CHUNK_CHARS,
@@ -63,6 +62,7 @@ from dgemma.tokenizer import (
     text_chunks,
     train_bpe_tokenizer,
 )
+from dgemma.lock import check_unlocked, locked
 
 DEFAULT_TOKENIZER = "bpe:8192"  # the LM head dominates a CPU-sized model's cost at GPT-2's 50k (3.7x slower)
 DEFAULT_SHARD_TOKENS = 1 << 24  # 16.8M tokens, 32 MiB at uint16: a few shards per 100M tokens
@@ -374,7 +374,7 @@ def prepare(out: str | os.PathLike[str], corpus: list[str] | tuple[str, ...] = (
     tok.backend.encode_special_tokens = True
     _check_round_trip(tok, split_docs["train"], log)
     dtype = token_dtype(tok.vocab_size)
-    # Two prepares into one existing DIR take turns (RunBusyError names the holder); a new DIR gets no lock file.
+    # Two prepares into one existing DIR take turns (lock.BusyError names the holder); a new DIR gets no lock file.
     with locked(out) if out.is_dir() else contextlib.nullcontext():
         try:
             out.mkdir(parents=True, exist_ok=True)

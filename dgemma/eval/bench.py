@@ -35,12 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dgemma import attention, costs, diffusion
+from dgemma import attention, costs
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
 from dgemma.generation_config import GenerationConfig, offset_seed
 from dgemma.model import DiffusionGemma, init_weights, load_model
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
+from dgemma.train import diffusion
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -455,7 +456,7 @@ def bench_training(s: BenchSettings, peak_flops: float) -> dict[str, Any]:
     cfg = PRESETS[name]
     batch, seq_len, sc_prob, chunk = 4, 4 * cfg.canvas_length, 0.5, 1024
     try:
-        from dgemma.train import train_preset
+        from dgemma.train.loop import train_preset
         tc = train_preset(name)
         batch, seq_len, sc_prob, chunk = tc.batch_size, tc.seq_len, tc.self_conditioning_prob, tc.chunk_rows
     except (ImportError, ConfigError):
@@ -575,7 +576,7 @@ def write_docs(r: dict[str, Any], command: str, path: str | os.PathLike[str] = "
     path = Path(path)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# Benchmarks\n\nAppended by `dgemma bench --write-docs`; the top of dgemma/bench.py says "
+        path.write_text("# Benchmarks\n\nAppended by `dgemma bench --write-docs`; the top of dgemma/eval/bench.py says "
                         "what each number means.\n\n")
     with path.open("a") as f:
         f.write(docs_entry(r, command) + "\n")

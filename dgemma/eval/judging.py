@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from dgemma.curves import METRICS, read_metrics
-from dgemma.decoding import DecodeRun, distinct_n, token_entropy
+from dgemma.eval.curves import METRICS, read_metrics
+from dgemma.eval.decoding import DecodeRun, distinct_n, token_entropy
 
 Z95 = 1.959963984540054  # the 97.5% point of the standard normal
 BOOTSTRAP_RESAMPLES = 1000

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from dgemma.data.tokenizer import TURN_END, TURN_START, Tokenizer, chat_token_ids, encode_template
 from dgemma.generate import GenerationResult, generate
 from dgemma.generation_config import offset_seed
-from dgemma.tokenizer import TURN_END, TURN_START, Tokenizer, chat_token_ids, encode_template
 
 
 class ContextFullError(ValueError):

@@ -1,7 +1,7 @@
 """Training on several processes (`torchrun`): the process group, data-parallel wrapping (DDP or FSDP2), agreement
-of the ranks on errors, and sharded checkpoints (`torch.distributed.checkpoint`). `dgemma/train.py` runs one loop
+of the ranks on errors, and sharded checkpoints (`torch.distributed.checkpoint`). `dgemma/train/loop.py` runs one loop
 for every world size; a `Dist` says which rank it is and does what differs. World size 1 (a plain `dgemma train`)
-is `Dist()`: no process group, no wrapping, the single-file checkpoints of dgemma/run_dir.py.
+is `Dist()`: no process group, no wrapping, the single-file checkpoints of dgemma/train/run_dir.py.
 
     Dist.from_env(device)        torchrun's RANK / LOCAL_RANK / WORLD_SIZE -> the process group (gloo on the CPU,
                                  NCCL on CUDA) and this rank's device; WORLD_SIZE unset or 1: a single process
@@ -13,7 +13,7 @@ is `Dist()`: no process group, no wrapping, the single-file checkpoints of dgemm
                                  size reads them back, resharded); the last one also gets the consolidated weights
 
 Data and noise are split by rows: micro-batch m of a run is the same `batch_size x world_size` windows, and the same
-random draws, whatever the number of ranks (dgemma/data.py `TokenDataset.batches`, `diffusion.training_loss`'s
+random draws, whatever the number of ranks (dgemma/data/shards.py `TokenDataset.batches`, `diffusion.training_loss`'s
 `batch_rows`), so W ranks x batch B compute what one process with batch W x B does, to fp32 rounding.
 
 A sharded checkpoint, RUN/checkpoints/step-XXXXXXX/:
@@ -45,11 +45,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgemma import fsio, run_dir
+from dgemma import fsio
 from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma, load_model
+from dgemma.train import run_dir
 
 T = TypeVar("T")
 PARALLEL = ("ddp", "fsdp")

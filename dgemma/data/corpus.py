@@ -24,7 +24,7 @@ from typing import Any
 
 from dgemma import fsio
 from dgemma.console import Log
-from dgemma.data import DataError, parse_json_row, sha256_file
+from dgemma.data.shards import DataError, parse_json_row, sha256_file
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")  # what a directory walk reads (plus .jsonl)
 

@@ -1,10 +1,10 @@
 """The report of `dgemma eval`: report.json, report.md and its figures (frontier.png, likelihood.png, and curves.png
-when the runs logged learning curves), from the dict `dgemma.evaluate.evaluate` returns (docs/evaluation.md,
+when the runs logged learning curves), from the dict `dgemma.eval.evaluate.evaluate` returns (docs/evaluation.md,
 section 4).
 
     write_report(report, out, command=..., traces=...)   everything into `out`, traces into out/traces/
     render_markdown(report)                              report.md
-    plot_frontier, plot_likelihood, plot_curves          the figures (matplotlib, as `dgemma viz`: dgemma.viz)
+    plot_frontier, plot_likelihood, plot_curves          the figures (matplotlib, as `dgemma viz`: dgemma.eval.viz)
 
 Every figure carries the command that produced it in its footer.
 """
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from dgemma.curves import curves_markdown
+from dgemma.eval.curves import curves_markdown
+from dgemma.eval.viz import figure, pyplot, save_figure
 from dgemma.generate import Trace
-from dgemma.viz import figure, pyplot, save_figure
 
 # --- the report -----------------------------------------------------------------------------------------------------
 

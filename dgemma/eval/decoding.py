@@ -4,7 +4,7 @@ Cost and speed: `run_sampler` and `run_ar` decode the same prompts one at a time
 count the backbone passes and tokens after the prefill from what the decoders did (the steps `generate` reports per
 canvas, the commits; nothing is patched into the model).
 
-Sample quality: per-sample NLL sums of samples under an AR scorer (the judge of `dgemma eval`, dgemma/judging.py)
+Sample quality: per-sample NLL sums of samples under an AR scorer (the judge of `dgemma eval`, dgemma/eval/judging.py)
 and the generative perplexity they give, distinct-n and per-sample token entropy; and the two figures `dgemma demo`
 prints, which need no judge: the share of generated words that occur in the training corpus (`real_word_share`),
 and how much the continuations of different prompts from the same seed agree (`prompt_agreement`: 1 when the prompt

@@ -1,12 +1,13 @@
 """Training from scratch: `train(TrainConfig, data_dir, out_dir)`, one process, or one rank of a torchrun job (the
-`dist` argument, dgemma/distributed.py: the same loop, with each micro-batch split across the ranks). The same loop
-fine-tunes a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file (dgemma/sft.py
-packs it, `diffusion.py:sft_loss` scores the answers), every weight or LoRA adapters (`lora_rank`, dgemma/lora.py).
+`dist` argument, dgemma/train/distributed.py: the same loop, with each micro-batch split across the ranks). The same
+loop fine-tunes a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file
+(dgemma/data/sft.py packs it, `train/diffusion.py:sft_loss` scores the answers), every weight or LoRA adapters
+(`lora_rank`, dgemma/lora.py).
 
     for step in range(start, max_steps):
         lr = warmup then cosine
         for each of grad_accum micro-batches:        data replayed from its index; a generator per micro-step
-            loss = training_loss(model, x0, ...)     dgemma/diffusion.py: clean-context | noisy-context | ar
+            loss = training_loss(model, x0, ...)     dgemma/train/diffusion.py: clean-context | noisy-context | ar
             (loss / grad_accum).backward()
         clip; skip the step if the loss or the gradient is not finite; AdamW
         held-out loss every eval_every steps; checkpoint every save_every steps (and at the end)
@@ -19,16 +20,16 @@ non-finite loss still consumes its micro-batches and its learning-rate slot, so 
 Run directory:
 
     RUN/.lock, RUN/run.json             the writer's lock and the run's record (config, data fingerprint):
-                                        dgemma/run_dir.py
+                                        dgemma/train/run_dir.py
     RUN/metrics.jsonl                   one JSON object per step, evaluation and skipped step
     RUN/tokenizer.json                  copied from the data, so `dgemma generate --model RUN` can read text
     RUN/checkpoints/step-0000200/       config.json, generation_config.json, model.safetensors (the Hugging Face
                                         layout, fp32), tokenizer.json, train_config.json, trainer_state.pt
     RUN/checkpoints/latest              the name of the newest complete checkpoint, written last
-    (with several ranks, checkpoints are torch.distributed.checkpoint shards: dgemma/distributed.py)
+    (with several ranks, checkpoints are torch.distributed.checkpoint shards: dgemma/train/distributed.py)
 
 A checkpoint is written into a hidden temporary directory and renamed into place, so a `step-*` directory is always
-complete, whenever the process dies. One process at a time writes a run (dgemma/run_dir.py's lock); a non-finite
+complete, whenever the process dies. One process at a time writes a run (dgemma/train/run_dir.py's lock); a non-finite
 loss or gradient on the first NONFINITE_FIRST_STEPS steps, or on NONFINITE_STREAK steps in a row, stops the run.
 """
 
@@ -50,22 +51,23 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import distributed, fsio, lora, run_dir
+from dgemma import fsio, lock, lora
 from dgemma.attention import IMPLS
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.console import Console
-from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
-from dgemma.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, LossOutput, sft_loss, training_loss
-from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
+from dgemma.data.sft import ChatData
+from dgemma.data.shards import TokenDataset, check_token_range, sha256_file, verify
+from dgemma.data.templates import load_chat_template
+from dgemma.data.tokenizer import check_vocab, load_tokenizer
 from dgemma.generation_config import GenerationConfig, is_seed
 from dgemma.model import DiffusionGemma, init_weights, load_model
-from dgemma.nelbo import clean_context_posterior, noisy_context_posterior, window_nelbo
-from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
-from dgemma.run_dir import NonFiniteError
-from dgemma.serving.templates import load_chat_template
-from dgemma.sft import ChatData
-from dgemma.tokenizer import check_vocab, load_tokenizer
+from dgemma.train import distributed, run_dir
+from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, LossOutput, sft_loss, training_loss
+from dgemma.train.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
+from dgemma.train.nelbo import clean_context_posterior, noisy_context_posterior, window_nelbo
+from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
+from dgemma.train.run_dir import NonFiniteError
 
 CONFIG_JSON = "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
@@ -326,7 +328,7 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
 
         val_loss, val_loss_se     the objective's loss (the x0 cross-entropy of a diffusion run: seed 003's held-out
                                   measure; the next-token cross-entropy of an AR run), its SE across micro-batches
-        val_nelbo, val_nelbo_se   diffusion runs with eval_nelbo_steps > 0: the NELBO (dgemma/nelbo.py) at
+        val_nelbo, val_nelbo_se   diffusion runs with eval_nelbo_steps > 0: the NELBO (dgemma/train/nelbo.py) at
                                   T = eval_nelbo_steps (default: the training T) with eval_t_samples stratified t
                                   per canvas, an upper bound on the held-out NLL that compares with the AR run's
                                   val_loss; SE across windows
@@ -382,9 +384,10 @@ def _se(total: float, squares: float, n: float) -> float:
 
 def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0,
                heldout_nelbo: tuple[int, int, str] | None = None, **kw: Any) -> LossOutput:
-    """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows (diffusion.py:training_loss)
-    or packed chats (diffusion.py:sft_loss, which has no next-token term). For evaluation, objective "nelbo" with
-    `heldout_nelbo` = (T, t samples, the run's objective): the NELBO of each window in nats, (B,), as `loss`."""
+    """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows
+    (train/diffusion.py:training_loss) or packed chats (train/diffusion.py:sft_loss, which has no next-token term). For
+    evaluation, objective "nelbo" with `heldout_nelbo` = (T, t samples, the run's objective): the NELBO of each window
+    in nats, (B,), as `loss`."""
     if objective == "nelbo":
         T, k, run_objective = heldout_nelbo  # type: ignore[misc]
         cfg = model.config
@@ -424,9 +427,9 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     to `until_step` (the schedule still spans max_steps), or for `max_minutes`; it checkpoints where it stops. With
     `resume`, a run with no checkpoint yet (or no directory) starts at step 0, so one command line serves the first
     start and every restart. Every input problem raises (ConfigError, ValueError, FileNotFoundError) before `out_dir`
-    is touched; the run is written under its lock (run_dir.RunBusyError if another process holds it).
+    is touched; the run is written under its lock (lock.BusyError if another process holds it).
 
-    `dist` (dgemma/distributed.py, `Dist.from_env()` under torchrun) makes this call one rank of a job: every rank
+    `dist` (dgemma/train/distributed.py, `Dist.from_env()` under torchrun) makes this call one rank of a job: every rank
     runs this function; rank 0 alone checks and writes the run directory (lock, run.json, metrics, console) and every
     check is agreed on, so a failure on any rank stops them all. None: a single process."""
     d = dist or Dist(device=resolve_device(cfg.device))
@@ -443,14 +446,14 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
             raise ValueError("TrainConfig.dtype: bfloat16 autocast is for CUDA; train in float32 on the CPU")
         if cfg.objective == "sft":
             if d.is_main:
-                run_dir.check_unlocked(run)
+                lock.check_unlocked(run)
             return open_chats(cfg, data_dir)
         if not data_dir.is_dir():
             raise FileNotFoundError(f"{data_dir}: no such data directory (prepare one with `dgemma data prepare`)")
         train_set, val_set = TokenDataset(data_dir, split="train"), TokenDataset(data_dir, split="val")
         check_vocab(train_set.tokenizer(), mc)
         if d.is_main:
-            run_dir.check_unlocked(run)
+            lock.check_unlocked(run)
         if d.local_rank == 0:  # one rank per node reads every shard
             verify(data_dir, train_set.meta)  # checksums, then ids < vocab: a damaged shard is one error naming it
             check_token_range(data_dir, mc.vocab_size, train_set.meta)
@@ -473,7 +476,7 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     # Nothing above wrote anything; from here on the run directory is ours, and the checks are redone under its lock.
     with contextlib.ExitStack() as held:
         def take_run() -> None:
-            held.enter_context(run_dir.locked(run))
+            held.enter_context(lock.locked(run))
             record = run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config)
             change = record and "data" in record and run_dir.describe_data_change(record["data"], fingerprint)
             if change:

@@ -1,0 +1,1 @@
+"""Data: tokenizers, chat templates, corpora, `data prepare`, token shards and fine-tuning rows."""
