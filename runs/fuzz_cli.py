@@ -124,6 +124,9 @@ def build_world(root: Path) -> World:
 
 def hostile_path(kind: str, case_dir: Path, w: World) -> str:
     p = case_dir / f"p-{kind}"
+    n = 1
+    while os.path.lexists(p):  # the same kind twice in one case
+        p, n = case_dir / f"p-{kind}-{n}", n + 1
     if kind == "fifo":
         os.mkfifo(p)
     elif kind == "dir":
