@@ -77,9 +77,10 @@ def test_architecture_doc_covers_the_gemma_quirks() -> None:
 #   [long]       runs only under `pytest --runslow` (minutes, or the network)
 #   [GPU]        runs only under `pytest --runslow`, on a machine with CUDA
 #   [CI]         run as written by .ci/run (the README's install and test commands); checked to be there
-# The other commands run for real in the default suite, in a fresh directory per block, in order (a block's later
-# commands use what the earlier ones wrote). To keep them fast, TINY_ARGS appends flags to some (argparse: the last
-# value of a flag wins), and a data prepare without --corpus reads a toy corpus instead of fetching the default one.
+# The other commands run for real in the integration tier (`pytest -m integration`, as .ci/run does), in a fresh
+# directory per block, in order (a block's later commands use what the earlier ones wrote), and OUTPUT_CHECKS checks
+# what each wrote or printed. To keep them fast, TINY_ARGS appends flags to some (argparse: the last value of a flag
+# wins), and a data prepare without --corpus reads a toy corpus instead of fetching the default one.
 # The measurement scripts under runs/ (`python runs/X.py`, `bash runs/X.sh`) run the same way, from the repository's
 # runs/ folder, in their tiny mode (TINY_ARGS); test_every_runs_script_is_quoted_and_exercised keeps that true.
 # A command ending in ` &` starts a server (`dgemma serve ... --port 8000 &`): it runs in the background, on a free
@@ -286,8 +287,8 @@ def test_named_files_exist(doc: Path) -> None:
 
 
 def test_every_runs_script_is_quoted_and_exercised():
-    """Each script under runs/ is quoted as a command in a doc, and that command runs: in the default suite (in its
-    tiny mode, TINY_ARGS) or, marked [long], under --runslow. A doc may name only scripts that exist
+    """Each script under runs/ is quoted as a command in a doc, and that command runs: in the integration tier (in
+    its tiny mode, TINY_ARGS) or, marked [long], under --runslow. A doc may name only scripts that exist
     (test_named_files_exist)."""
     scripts = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "runs").glob("*") if p.suffix in (".py", ".sh"))
     assert scripts, "runs/ has no scripts"

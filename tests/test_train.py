@@ -98,6 +98,7 @@ T.train(cfg, sys.argv[2], sys.argv[3])
 """
 
 
+@pytest.mark.integration
 def test_sigkill_mid_step_keeps_the_last_checkpoint_and_resumes_exactly(corpus, uninterrupted, tmp_path):
     run, flag = tmp_path / "run", tmp_path / "in-step"
     cfg = BASE.replace(save_every=1)
@@ -162,6 +163,7 @@ def test_nan_guard_skips_the_step_and_logs_it(corpus, tmp_path, monkeypatch):
 
 # --- learning ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_tiny_learns(corpus, tmp_path):
     run = tmp_path / "run"
     cfg = T.train_preset("tiny").replace(max_steps=100, eval_every=100, eval_batches=2, save_every=1000)
