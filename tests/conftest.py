@@ -2,9 +2,10 @@
 session with the package's own code, so the CLI tests run the real thing end to end).
 
 The tiers (markers registered in pyproject.toml):
-- `pytest`: the unit and fast integration tests (minutes on 2 cores);
-- `pytest -m integration`: the heavy tests (torchrun jobs, the documented commands, serving load, browsers,
-  learning runs, process kills) -- `.ci/run` runs both of these;
+- `pytest`: the unit and fast integration tests (under 3 minutes on 2 cores: keep it so);
+- `pytest -m integration`: the heavy tests -- torchrun jobs, the documented commands, serving load, browsers,
+  learning runs, process kills, and any other test that takes more than ~5 s on 2 cores (mark it
+  `@pytest.mark.integration`) -- `.ci/run` runs both of these;
 - `pytest --runslow`: everything, including the tests marked `slow` that CI never runs (the full parity sweep,
   long trainings, the `[long]`/`[GPU]` doc commands); `-m integration --runslow` is the heavy tier with them."""
 

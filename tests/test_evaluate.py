@@ -579,7 +579,6 @@ def judge_run(pair):
     return root / "judge"
 
 
-@pytest.mark.integration
 def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tmp_path):
     from dgemma.cli import main
     from dgemma.data import TokenDataset

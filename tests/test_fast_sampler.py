@@ -44,7 +44,6 @@ def test_denoise_step_matches_denoise(static, padding):
         model.commit(canvas, cache)
 
 
-@pytest.mark.integration
 def test_denoise_step_compiles_whole():
     """torch.compile(fullgraph=True) takes the static step in one graph (traced by aot_eager: seconds, not minutes),
     and a new canvas position reuses it (the committed length is a device scalar, not a guard)."""

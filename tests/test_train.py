@@ -98,7 +98,6 @@ T.train(cfg, sys.argv[2], sys.argv[3])
 """
 
 
-@pytest.mark.integration
 def test_sigkill_mid_step_keeps_the_last_checkpoint_and_resumes_exactly(corpus, uninterrupted, tmp_path):
     run, flag = tmp_path / "run", tmp_path / "in-step"
     cfg = BASE.replace(save_every=1)
