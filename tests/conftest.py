@@ -1,5 +1,13 @@
-"""Shared by the test modules: the `--runslow` flag, and tiny real data and a tiny real training run (built once per
-session with the package's own code, so the CLI tests run the real thing end to end)."""
+"""Shared by the test modules: the test tiers, and tiny real data and a tiny real training run (built once per
+session with the package's own code, so the CLI tests run the real thing end to end).
+
+The tiers (markers registered in pyproject.toml):
+- `pytest`: the unit and fast integration tests (under 3 minutes on 2 cores: keep it so);
+- `pytest -m integration`: the heavy tests -- torchrun jobs, the documented commands, serving load, browsers,
+  learning runs, process kills, and any other test that takes more than ~5 s on 2 cores (mark it
+  `@pytest.mark.integration`) -- `.ci/run` runs both of these;
+- `pytest --runslow`: everything, including the tests marked `slow` that CI never runs (the full parity sweep,
+  long trainings, the `[long]`/`[GPU]` doc commands); `-m integration --runslow` is the heavy tier with them."""
 
 from __future__ import annotations
 
@@ -30,15 +38,32 @@ def _one_thread():
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the tests marked slow (long trainings, the full parity sweep, long doc commands)")
+                     help="run every tier: the integration tests too, and the tests marked slow (long trainings, the "
+                          "full parity sweep, long doc commands)")
+
+
+def _tier_filter_off(config: pytest.Config) -> bool:
+    """The default tier leaves the integration tests out unless a marker expression (`-m ...`) or --runslow asks."""
+    return bool(config.getoption("markexpr")) or config.getoption("--runslow")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _tier_filter_off(config):
+        return None
+    return "tier: unit + fast integration (the heavy tier: pytest -m integration; everything: pytest --runslow)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not _tier_filter_off(config):
+        heavy = [item for item in items if item.get_closest_marker("integration")]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if not item.get_closest_marker("integration")]
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")
     for item in items:
-        if "slow" in item.keywords:
+        if item.get_closest_marker("slow"):
             item.add_marker(skip)
 
 

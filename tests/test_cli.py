@@ -135,6 +135,7 @@ def test_chat_turns_match_generate_and_reuse_the_cache(capsys, tok_path, monkeyp
 
 # --- train, inspect -------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_train_without_preset_is_the_documented_cpu_small_recipe(capsys, tiny_data, tmp_path):
     """`dgemma train --data D --out R` (docs/training.md), stopped after one step: no --preset means cpu-small."""
     out_dir = tmp_path / "run"

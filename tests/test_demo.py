@@ -19,6 +19,7 @@ from dgemma.eval.decoding import prompt_agreement, real_word_share, words
 from dgemma.eval.demo import DemoRecipe, run_demo
 
 
+@pytest.mark.integration
 def test_demo_runs_end_to_end(tiny_data, tmp_path):
     """The demo's whole pipeline on the test corpus (a local text folder, a 512-id BPE, the tiny preset; the real
     recipe fetches its corpus and trains for minutes: the slow test below): data, the two trainings side by side (the

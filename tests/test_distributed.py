@@ -113,6 +113,7 @@ def single_run(data, tmp_path_factory) -> Path:
 
 # --- equivalence ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_ddp_two_ranks_equal_one_process_with_twice_the_batch(ddp_run, single_run):
     assert_close_runs(ddp_run, single_run)
     record = json.loads((ddp_run / "run.json").read_text())
@@ -125,6 +126,7 @@ def test_ddp_two_ranks_equal_one_process_with_twice_the_batch(ddp_run, single_ru
     load_model(ddp_run)  # what `dgemma generate --model RUN` loads
 
 
+@pytest.mark.integration
 def test_fsdp_two_ranks_equal_ddp(data, ddp_run, tmp_path):
     run = tmp_path / "fsdp"
     train_ranks(data, run, "--batch-size", "2", "--parallel", "fsdp")
@@ -141,6 +143,7 @@ def cut_at_step_5(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.integration
 def test_sharded_checkpoint_resumes_bit_exactly_on_two_ranks(data, ddp_run, tmp_path):
     run = cut_at_step_5(ddp_run, tmp_path / "run")
     done = train_ranks(data, run, "--batch-size", "2", "--resume")
@@ -150,6 +153,7 @@ def test_sharded_checkpoint_resumes_bit_exactly_on_two_ranks(data, ddp_run, tmp_
     assert losses(run) == losses(ddp_run)
 
 
+@pytest.mark.integration
 def test_sharded_checkpoint_resumes_on_one_process(data, ddp_run, tmp_path, capsys):
     run = cut_at_step_5(ddp_run, tmp_path / "run")
     # The same command without torchrun: the run's 2 ranks x batch 2 become 1 process x batch 4.
@@ -160,6 +164,7 @@ def test_sharded_checkpoint_resumes_on_one_process(data, ddp_run, tmp_path, caps
     assert (list_checkpoints(run)[-1] / "trainer_state.pt").is_file()  # one process writes its own format
 
 
+@pytest.mark.integration
 def test_export_consolidates_a_sharded_checkpoint(ddp_run, tmp_path, capsys):
     step5, step10 = list_checkpoints(ddp_run)
     with pytest.raises(CheckpointError, match="dgemma export"):
@@ -175,6 +180,7 @@ def test_export_consolidates_a_sharded_checkpoint(ddp_run, tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_fsdp_fine_tunes_a_checkpoint_from_rank_0s_copy(data, single_run, tmp_path):
     """--init-from under FSDP: the model is built on the meta device and each rank's shards are filled from the
     weights rank 0 alone reads; 3 steps match one process from the same checkpoint."""
@@ -194,6 +200,7 @@ def test_fsdp_fine_tunes_a_checkpoint_from_rank_0s_copy(data, single_run, tmp_pa
 
 # --- failures ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_an_error_every_rank_meets_is_shown_once(data, ddp_run):
     done = torchrun(["train", "--data", str(data), "--out", str(ddp_run), *FLAGS])  # exists, no --resume
     assert done.returncode != 0
@@ -217,6 +224,7 @@ def rank_pids(agent: int) -> dict[int, int]:
     return found
 
 
+@pytest.mark.integration
 def test_sigkill_of_one_rank_stops_the_job_and_the_same_command_resumes(data, tmp_path):
     run = tmp_path / "run"
     args = ["train", "--data", str(data), "--out", str(run), *FLAGS, "--batch-size", "2", "--max-steps", "60",
@@ -277,6 +285,7 @@ def test_split_rows_draw_the_noise_of_the_whole_batch(data):
     assert float(sum(p.x0_loss for p in parts) / 2) == pytest.approx(float(whole.x0_loss), rel=1e-6)
 
 
+@pytest.mark.integration
 def test_resume_on_another_world_size_keeps_the_windows_per_step(data, ddp_run, tmp_path):
     from dgemma.config import ConfigError
     from dgemma.train.distributed import rescale_for_world

@@ -77,9 +77,10 @@ def test_architecture_doc_covers_the_gemma_quirks() -> None:
 #   [long]       runs only under `pytest --runslow` (minutes, or the network)
 #   [GPU]        runs only under `pytest --runslow`, on a machine with CUDA
 #   [CI]         run as written by .ci/run (the README's install and test commands); checked to be there
-# The other commands run for real in the default suite, in a fresh directory per block, in order (a block's later
-# commands use what the earlier ones wrote). To keep them fast, TINY_ARGS appends flags to some (argparse: the last
-# value of a flag wins), and a data prepare without --corpus reads a toy corpus instead of fetching the default one.
+# The other commands run for real in the integration tier (`pytest -m integration`, as .ci/run does), in a fresh
+# directory per block, in order (a block's later commands use what the earlier ones wrote), and OUTPUT_CHECKS checks
+# what each wrote or printed. To keep them fast, TINY_ARGS appends flags to some (argparse: the last value of a flag
+# wins), and a data prepare without --corpus reads a toy corpus instead of fetching the default one.
 # The measurement scripts under runs/ (`python runs/X.py`, `bash runs/X.sh`) run the same way, from the repository's
 # runs/ folder, in their tiny mode (TINY_ARGS); test_every_runs_script_is_quoted_and_exercised keeps that true.
 # A command ending in ` &` starts a server (`dgemma serve ... --port 8000 &`): it runs in the background, on a free
@@ -169,6 +170,86 @@ DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt"
                               ("Why is the sky blue?", "Because of scattered sunlight.")))}
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of a flag as argparse sees it: the last one given wins (TINY_ARGS relies on that)."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
+    return values[-1] if values else None
+
+
+def _prepared(argv: list[str], out: str, cwd: Path) -> None:
+    data = cwd / _flag(argv, "--out")
+    assert (data / "meta.json").is_file() and (data / "tokenizer.json").is_file(), sorted(data.iterdir())
+    assert list(data.glob("train-*.bin")) and list(data.glob("val-*.bin")), sorted(data.iterdir())
+
+
+def _trained(argv: list[str], out: str, cwd: Path) -> None:
+    from dgemma.checkpoint import list_checkpoints
+
+    ckpts = list_checkpoints(cwd / _flag(argv, "--out"))
+    assert ckpts, f"no checkpoint under {_flag(argv, '--out')}"
+    last = _flag(argv, "--until-step") or _flag(argv, "--max-steps")
+    assert last is None or int(ckpts[-1].name.removeprefix("step-")) == int(last), [c.name for c in ckpts]
+
+
+def _exported(argv: list[str], out: str, cwd: Path) -> None:
+    folder = cwd / _flag(argv, "--out")
+    assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors")), sorted(folder.iterdir())
+
+
+def _generated(argv: list[str], out: str, cwd: Path) -> None:
+    if "--json" in argv:
+        assert json.loads(out)["token_ids"], out[:500]
+    else:
+        assert out.strip(), "generate printed nothing"  # the text, or the ids where there is no tokenizer
+    if _flag(argv, "--trace"):
+        trace = cwd / _flag(argv, "--trace")
+        assert trace.with_suffix(".json").is_file() and trace.with_suffix(".npz").is_file(), sorted(cwd.iterdir())
+
+
+def _answered(argv: list[str], out: str, cwd: Path) -> None:
+    assert out.strip(), "the chat printed no answer"
+
+
+def _pattern(regex: str):
+    def check(argv: list[str], out: str, cwd: Path) -> None:
+        assert re.search(regex, out, re.M), f"expected {regex!r} in the output:\n{out[-2000:]}"
+    return check
+
+
+# What success looks like beyond exit 0, per `dgemma` subcommand (the longest matching word prefix wins): files it
+# must have written (paths from the command's own flags, relative to the block's folder) or a pattern its stdout
+# must show. A subcommand not in the table is checked by its exit status only.
+OUTPUT_CHECKS = {
+    ("data", "prepare"): _prepared,
+    ("data", "inspect"): _pattern(r"^train +[\d,]+ +[\d,]+.*\n^val +[\d,]+ +[\d,]+"),
+    ("train",): _trained,
+    ("finetune",): _trained,
+    ("export",): _exported,
+    ("generate",): _generated,
+    ("chat",): _answered,
+    ("inspect",): _pattern(r"^model \S+: \d+ layers"),
+    ("bench",): _pattern(r"^ +fast +\d[\d.]* +\d"),
+}
+
+
+def check_doc_output(argv: list[str], out: str, cwd: Path) -> None:
+    """Run OUTPUT_CHECKS' check for a documented `dgemma` command (argv without `dgemma`, TINY_ARGS appended)."""
+    for n in (2, 1):
+        if (check := OUTPUT_CHECKS.get(tuple(argv[:n]))) is not None:
+            check(argv, out, cwd)
+            return
+
+
+def check_curl_output(argv: list[str], out: str) -> None:
+    """A documented curl against the server answered what its endpoint answers: a stream ends with `data: [DONE]`,
+    anything else is a JSON body without an error."""
+    if "-sN" in argv or "-N" in argv:
+        assert out.rstrip().endswith("data: [DONE]"), out[-2000:]
+    else:
+        body = json.loads(out)
+        assert "error" not in body, body
+
+
 def doc_blocks() -> list[tuple[str, list[tuple[str, str]]]]:
     """(doc:line, [(command, marker)]) for every block of commands in README.md and docs/*.md."""
     blocks = []
@@ -206,8 +287,8 @@ def test_named_files_exist(doc: Path) -> None:
 
 
 def test_every_runs_script_is_quoted_and_exercised():
-    """Each script under runs/ is quoted as a command in a doc, and that command runs: in the default suite (in its
-    tiny mode, TINY_ARGS) or, marked [long], under --runslow. A doc may name only scripts that exist
+    """Each script under runs/ is quoted as a command in a doc, and that command runs: in the integration tier (in
+    its tiny mode, TINY_ARGS) or, marked [long], under --runslow. A doc may name only scripts that exist
     (test_named_files_exist)."""
     scripts = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "runs").glob("*") if p.suffix in (".py", ".sh"))
     assert scripts, "runs/ has no scripts"
@@ -280,6 +361,7 @@ def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
         done = subprocess.run([*argv, "--fail-with-body", "--max-time", "120"], cwd=cwd, capture_output=True, text=True,
                               timeout=150)
         assert done.returncode == 0, f"{code!r} -> exit {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        check_curl_output(argv, done.stdout)
         return
     if argv[0] in ("python", "bash"):
         args = argv[1:] + TINY_ARGS.get(code, [])
@@ -309,6 +391,7 @@ def run_doc_command(code: str, cwd: Path, toy: Path) -> None:
         os.chdir(old_cwd)
         sys.stdin = old_stdin
     assert rc == 0, f"{code!r} -> exit {rc}: {err.getvalue()}"
+    check_doc_output(argv, out.getvalue(), cwd)
 
 
 def _block_params():
@@ -328,6 +411,7 @@ def _block_params():
     return params
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("where, commands", _block_params())
 def test_doc_commands_run(where, commands, tmp_path):
     import torch
@@ -361,6 +445,7 @@ def test_doc_commands_run(where, commands, tmp_path):
                     continue
                 done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
                 assert done.returncode == 0, f"{code!r} -> exit {done.returncode}: {done.stderr[-3000:]}"
+                check_doc_output(cmd[cmd.index("dgemma") + 1:], done.stdout, tmp_path)
                 continue
             if code.endswith(" &"):
                 port = start_doc_server(code.removesuffix(" &"), tmp_path, servers)

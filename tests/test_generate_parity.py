@@ -112,6 +112,7 @@ ISSUE_GENERATION = dict(max_denoising_steps=10, t_min=0.4, t_max=0.8, stability_
                         confidence_threshold=0.005, eos_token_id=[1, 7], pad_token_id=0)
 
 
+@pytest.mark.integration
 def test_the_fidelity_issue_reproduction_is_token_identical(tmp_path):
     hf = build_hf_model("tiny", seed=0, canvas_length=8, text_overrides=ISSUE_TEXT)
     hf.generation_config.update(sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), **ISSUE_GENERATION)

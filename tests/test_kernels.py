@@ -153,19 +153,62 @@ def test_head_and_sample_matches_reference_and_ignores_chunking():
 
 
 def test_bench_cli_smoke(capsys):
-    assert main(["bench", "--preset", "tiny", "--steps", "2", "--repeats", "1", "--json"]) == 0
+    """`dgemma bench --json` at fixed steps: every per-implementation figure its module docstring documents is there
+    and finite, the counts are what 2 canvases x 2 fixed steps imply, and each derived figure is the one its own
+    timings give (not a timing assert: the relations hold whatever the machine's speed)."""
+    import math
+    import re
+
+    from dgemma import bench
+
+    steps, canvases, canvas = 2, 2, preset("tiny").canvas_length
+    assert main(["bench", "--preset", "tiny", "--steps", str(steps), "--repeats", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    documented = re.findall(r"^    (\w+)  +\S", bench.__doc__, re.M)
+    assert "tokens_per_forward" in documented and "peak_memory_bytes" in documented, documented
+    gen = report["generation"]
+    assert (gen["steps"], gen["canvases"], gen["canvas_length"], gen["batch"]) == (steps, canvases, canvas, 1)
+    peak = report["peak"]
+    assert math.isfinite(peak["matmul_flops_per_second"]) and peak["matmul_flops_per_second"] > 0
+    assert math.isfinite(peak["copy_bytes_per_second"]) and peak["copy_bytes_per_second"] > 0
+    close = dict(rel_tol=1e-9)
     for impl in ("reference", "fast"):
-        r = report["generation"]["results"][impl]
-        for field in ("tokens_per_second", "tokens_per_forward", "ms_per_denoise_step", "ms_per_commit",
-                      "ms_prefill", "ms_to_first_canvas", "peak_memory_bytes"):
-            assert r[field] is not None and r[field] > 0, (impl, field)
-        assert r["generated_tokens"] == 2 * 16 and r["denoising_passes"] == 2 * 2
-        t = report["training"]["results"][impl]
-        assert t["clean-context"]["mfu"] > 0 and t["ar"]["tokens_per_second"] > 0
-    assert report["generation"]["ratios"]["fast/reference"] > 0
-    assert report["peak"]["matmul_flops_per_second"] > 0 and report["peak"]["copy_bytes_per_second"] > 0
-    assert report["generation"]["bounds"]["denoise_step"]["ms_bound"] > 0
+        r = gen["results"][impl]
+        missing = [k for k in documented if k not in r]
+        assert not missing, (impl, missing)
+        for key in documented:
+            assert isinstance(r[key], (int, float)) and math.isfinite(r[key]) and r[key] > 0, (impl, key, r[key])
+        # fixed steps: every canvas runs all its steps, so a forward yields canvas / steps tokens
+        assert r["generated_tokens"] == canvases * canvas and r["denoising_passes"] == canvases * steps, r
+        assert r["tokens_per_forward"] == canvas / steps, r
+        assert r["repeats"] == 1 and r["all_tokens_per_second"] == [r["tokens_per_second"]], r
+        total_ms = 1e3 * r["seconds_per_run"]
+        assert math.isclose(r["tokens_per_second"], r["generated_tokens"] / r["seconds_per_run"], **close), r
+        # the wall time is prefill + one commit between the canvases + the denoising passes
+        commits_ms = (canvases - 1) * r["ms_per_commit"]
+        assert math.isclose(r["ms_per_denoise_step"] * r["denoising_passes"],
+                            total_ms - r["ms_prefill"] - commits_ms, **close), r
+        assert r["ms_prefill"] < r["ms_to_first_canvas"] < total_ms, r
+        for objective in ("clean-context", "ar"):
+            t = report["training"]["results"][impl][objective]
+            assert all(math.isfinite(v) and v > 0 for v in t.values()), (impl, objective, t)
+            seconds = t["ms_per_step"] / 1e3
+            tokens = report["training"]["batch"] * report["training"]["seq_len"]
+            assert math.isclose(t["tokens_per_second"], tokens / seconds, **close), t
+            assert math.isclose(t["mfu"], t["model_flops_per_step"] / seconds / peak["matmul_flops_per_second"],
+                                **close), t
+        train = report["training"]["results"][impl]
+        assert math.isclose(train["diffusion/ar_time"],
+                            train["clean-context"]["ms_per_step"] / train["ar"]["ms_per_step"], **close), train
+    ratio = gen["results"]["fast"]["tokens_per_second"] / gen["results"]["reference"]["tokens_per_second"]
+    assert math.isclose(gen["ratios"]["fast/reference"], ratio, **close), gen["ratios"]
+    bound = gen["bounds"]["denoise_step"]
+    assert bound["flops"] > 0 and bound["bytes"] > 0, bound
+    assert math.isclose(bound["ms_bound"], max(bound["ms_compute_bound"], bound["ms_memory_bound"]), **close), bound
+    assert math.isclose(bound["ms_compute_bound"], 1e3 * bound["flops"] / peak["matmul_flops_per_second"],
+                        **close), bound
+    assert math.isclose(bound["ms_memory_bound"], 1e3 * bound["bytes"] / peak["copy_bytes_per_second"],
+                        rel_tol=1e-5), bound  # the report rounds the bytes to an integer
     assert report["commit"] and report["machine"]["cores"]
 
 

@@ -264,6 +264,7 @@ def dgemma_train(*argv: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.integration
 def test_a_second_writer_and_a_resume_are_refused_and_the_first_loses_nothing(tiny_data, tmp_path):
     run = tmp_path / "run"
     writer, gate = start_gated_writer(tiny_data, run, tmp_path)
@@ -286,6 +287,7 @@ def test_a_second_writer_and_a_resume_are_refused_and_the_first_loses_nothing(ti
     assert json.loads((run / "run.json").read_text())["train_config"]["max_steps"] == 6
 
 
+@pytest.mark.integration
 def test_a_writer_killed_while_holding_the_lock_releases_it(tiny_data, tmp_path):
     run = tmp_path / "run"
     writer, _ = start_gated_writer(tiny_data, run, tmp_path)

@@ -272,6 +272,7 @@ def test_disconnect_mid_stream_cancels_and_the_server_goes_on(client, engine):
 
 # --- load ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_32_concurrent_streams_batch_and_none_is_lost_or_mixed_up(server, client, engine):
     n, max_tokens = 32, 32
 
@@ -305,6 +306,7 @@ def test_32_concurrent_streams_batch_and_none_is_lost_or_mixed_up(server, client
 
 # --- the command -----------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_serve_command_on_a_run_and_on_a_checkpoint(tiny_run):
     checkpoint = sorted((tiny_run / "checkpoints").glob("step-*"))[-1]
     assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer.json").is_file()

@@ -30,8 +30,9 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists()
                                                  else None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                                reason="chromium and chromium-driver not installed (apt-get install chromium-driver)")
+pytestmark = [pytest.mark.integration,  # a browser and a server: the heavy tier
+              pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                                 reason="chromium and chromium-driver not installed (apt-get install chromium-driver)")]
 
 CANVAS_LENGTH = 16  # the tiny preset's
 TIMEOUT = 120

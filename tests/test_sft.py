@@ -182,6 +182,7 @@ def test_sft_resume_is_bit_exact(tmp_path, base):
         assert not torch.equal(a.layers[0].self_attn.q_proj.weight, start.layers[0].self_attn.q_proj.weight)
 
 
+@pytest.mark.integration
 def test_finetuned_tiny_model_answers_its_training_prompts(tmp_path, base):
     """The real CLI: `dgemma finetune` a transformers-written tiny checkpoint on four question -> answer chats, then
     `dgemma chat` answers each question with its answer (the held-out loss falls from ~6.7 to under 0.1)."""

@@ -162,6 +162,7 @@ def test_nan_guard_skips_the_step_and_logs_it(corpus, tmp_path, monkeypatch):
 
 # --- learning ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_tiny_learns(corpus, tmp_path):
     run = tmp_path / "run"
     cfg = T.train_preset("tiny").replace(max_steps=100, eval_every=100, eval_batches=2, save_every=1000)

@@ -120,6 +120,7 @@ def _chromium():
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(_chromium() is None, reason="chromium not installed (apt-get install -y chromium)")
 def test_player_loads_steps_and_plays_in_headless_chromium(rendered):
     url = (rendered / "player.html").as_uri()
