@@ -159,7 +159,7 @@ def test_bench_cli_smoke(capsys):
     import math
     import re
 
-    from dgemma import bench
+    from dgemma.eval import bench
 
     steps, canvases, canvas = 2, 2, preset("tiny").canvas_length
     assert main(["bench", "--preset", "tiny", "--steps", str(steps), "--repeats", "1", "--json"]) == 0
