@@ -39,7 +39,7 @@ from dgemma import attention, costs
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
 from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.model import DiffusionGemma, check_memory, init_weights, load_model
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 from dgemma.train import diffusion
 
@@ -355,6 +355,9 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
         hf = load_hf_model(path, dtype=dtype, device=s.device, eager=False) if s.compare_transformers else None  # type: ignore[arg-type]
         cfg = model.config
         prompt_len = s.prompt_length or cfg.sliding_window + max(4, cfg.canvas_length // 4)
+        # the batch's prompts, cache and logits must fit before anything is allocated (--batch 1000000000)
+        check_memory(cfg, dtype, s.device, batch_size=s.batch, prompt_length=prompt_len,
+                     cache_length=prompt_len + s.canvases * cfg.canvas_length)
         g = torch.Generator().manual_seed(s.seed)
         prompt = torch.randint(0, cfg.vocab_size - 3, (s.batch, prompt_len), generator=g).to(s.device)
         runners: dict[str, Callable[[int], RunTimes]] = {
