@@ -13,6 +13,7 @@ import torch
 
 from dgemma.generate import GenerationResult, generate
 from dgemma.generation_config import offset_seed
+from dgemma.request_rules import eos_index
 from dgemma.tokenizer import TURN_END, TURN_START, Tokenizer, chat_token_ids, encode_template
 
 
@@ -72,8 +73,7 @@ class ChatSession:
         seed = None if self.seed is None else offset_seed(self.seed, self.turn)
         result = generate(self.model, torch.tensor([ids], device=self.model.device), cache=self.cache, seed=seed,
                           on_step=on_step, on_canvas=keep_last, **self.overrides)
-        eos = set(result.eos_token_id)
         row = last[0] if last else []
-        self.pending = row[:next((j for j, t in enumerate(row) if t in eos), len(row))]  # cut before EOS
+        self.pending = row[:eos_index(row, result.eos_token_id)]  # cut before EOS
         self.cache, self.turn = result.cache, self.turn + 1
         return result

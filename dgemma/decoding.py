@@ -31,6 +31,7 @@ from dgemma.console import Progress
 from dgemma.generate import Trace, generate
 from dgemma.generation_config import GenerationConfig, offset_seed
 from dgemma.model import DiffusionGemma
+from dgemma.request_rules import eos_index
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
 
@@ -84,12 +85,8 @@ class DecodeRun:
 
 def useful(tokens: Sequence[int], eos: Sequence[int], max_new: int) -> list[int]:
     """New tokens up to and including the first EOS, at most `max_new`: what a reader gets."""
-    out: list[int] = []
-    for tok in list(tokens)[:max_new]:
-        out.append(int(tok))
-        if tok in eos:
-            break
-    return out
+    kept = [int(t) for t in list(tokens)[:max_new]]
+    return kept[:eos_index(kept, eos) + 1]
 
 
 def fixed_schedule(config: GenerationConfig) -> GenerationConfig:

@@ -25,6 +25,7 @@ from dgemma.config import SLIDING
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma
+from dgemma.request_rules import sliding_prefix
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}  # compiled `_static_hidden` per mode, made on first use (not import)
 
@@ -137,8 +138,7 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas, finished=finished,
                               canvas_index=canvas_index, on_step=on_step, trace=trace)
     if step is None:
-        sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
-        step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix, compile=compile)
+        step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix(model.config, config), compile=compile)
     weight = model.embed_tokens.weight
     if head is None:
         softcap = model.config.final_logit_softcapping

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,10 +32,10 @@ from torch import Tensor
 from dgemma import dirkind, fast_sampler, fsio, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.config import ConfigError
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, check_memory, check_token_ids
+from dgemma.request_rules import check_seed, eos_index, new_token_budget, resolve_generation_config, sliding_prefix
 
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
 
@@ -121,23 +120,11 @@ class GenerationResult:
     def new_tokens(self) -> list[list[int]]:
         """Generated ids per row, up to and including the first EOS, padding removed."""
         out = []
+        pad, eos = self.pad_token_id, self.eos_token_id
         for row in self.sequences[:, self.prompt_length:].tolist():
-            kept = []
-            for t in row:
-                if self.pad_token_id is not None and t == self.pad_token_id and t not in self.eos_token_id:
-                    continue
-                kept.append(t)
-                if t in self.eos_token_id:
-                    break
-            out.append(kept)
+            kept = [t for t in row if pad is None or t != pad or t in eos]
+            out.append(kept[:eos_index(kept, eos) + 1])
         return out
-
-
-def resolve_config(model: DiffusionGemma, generation_config: GenerationConfig | None,
-                   overrides: dict[str, Any]) -> GenerationConfig:
-    """Precedence: `overrides` > `generation_config` > the model's generation_config.json > defaults."""
-    base = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
-    return base.replace(**overrides) if overrides else base
 
 
 def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConfig, *,
@@ -153,10 +140,10 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     sampler = CanvasSampler(model, config, cache.batch_size, generator=generator, canvas=canvas,
                             self_conditioning_logits=self_conditioning_logits, finished=finished,
                             canvas_index=canvas_index, on_step=on_step, trace=trace)
-    sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
+    prefix = sliding_prefix(model.config, config)
     while True:
         x, sc, level = sampler.inputs()
-        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level,
+        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=prefix, t=level,
                                impl=impl)
         del x, sc  # the step frees the previous logits before it allocates its own
         if sampler.step(logits):
@@ -286,19 +273,14 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     check_impl(impl)
     if compile and impl != "fast":
         raise ValueError("compile=True needs impl='fast' (the static denoise step lives in dgemma/fast_sampler.py)")
-    config = resolve_config(model, generation_config, overrides)
+    config = resolve_generation_config(model, generation_config, overrides)
     _check_inputs(model, input_ids, cache, config)
     B, T = input_ids.shape
     L, device = model.config.canvas_length, model.device
     input_ids = input_ids.to(device)
     past = cache.length if cache is not None else 0
     cur_len = past + T
-    if config.max_length is not None and config.max_new_tokens == 256:  # transformers' rule, literal 256 included
-        max_new = config.max_length - cur_len
-        if max_new <= 0:
-            raise ConfigError(f"max_length={config.max_length} leaves no room after {cur_len} context tokens")
-    else:
-        max_new = config.max_new_tokens
+    max_new = new_token_budget(config, cur_len)
     num_canvases = math.ceil(max_new / L)
     end = cur_len + num_canvases * L
     if end > model.config.max_position_embeddings:
@@ -311,13 +293,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
                                   f"canvas_length={L}), got {got}")
         check_token_ids(decoder_input_ids, model.config.vocab_size, "decoder_input_ids")
     if generator is None and seed is not None:
-        try:
-            ok = not isinstance(seed, bool) and -(2**63) <= operator.index(seed) < 2**64
-        except TypeError:
-            ok = False
-        if not ok:
-            raise GenerationError(f"seed must be an int in [-2**63, 2**64) (what torch.Generator takes), got {seed!r}")
-        generator = torch.Generator(device=device).manual_seed(seed)
+        generator = torch.Generator(device=device).manual_seed(check_seed(seed))
     new_slots = end - L - (cache.max_length if cache is not None else 0)
     check_memory(model.config, model.dtype, device, batch_size=B, cache_length=max(new_slots, 0), prompt_length=T,
                  force=force)
