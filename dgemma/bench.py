@@ -39,7 +39,8 @@ from dgemma import attention, costs, diffusion
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
 from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.loading import load_model
+from dgemma.model import DiffusionGemma, init_weights
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
@@ -401,7 +402,7 @@ def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int, 
         for name in list(q.quantized_names(part)):
             q.replace(part, name, quantize)
     model.layers = layers
-    model.quantization = quantize  # type: ignore[assignment]
+    model.quantization = quantize
     return model.eval()
 
 

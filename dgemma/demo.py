@@ -36,7 +36,8 @@ from dgemma.data import decode_documents, unigram_cross_entropy
 from dgemma.decoding import prompt_agreement, real_word_share, run_ar, words
 from dgemma.fsio import write_text
 from dgemma.generate import generate
-from dgemma.model import DiffusionGemma, load_model
+from dgemma.loading import load_model
+from dgemma.model import DiffusionGemma
 from dgemma.run_dir import METRICS
 from dgemma.tokenizer import Tokenizer, load_tokenizer
 from dgemma.train import TrainConfig, train

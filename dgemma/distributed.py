@@ -49,7 +49,7 @@ from dgemma import fsio, run_dir
 from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
-from dgemma.model import DiffusionGemma, load_model
+from dgemma.model import DiffusionGemma
 
 T = TypeVar("T")
 PARALLEL = ("ddp", "fsdp")
@@ -218,7 +218,8 @@ class Dist:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
                 model.to_empty(device=self.device)
-                full = load_model(fill_from, dtype=torch.float32).state_dict() if self.is_main else {}
+                full = (DiffusionGemma.from_pretrained(fill_from, dtype=torch.float32).state_dict() if self.is_main
+                        else {})
                 set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                            broadcast_from_rank0=True))
         elif fill_from is not None:
@@ -426,7 +427,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         if read_weights is not None:  # part of the model (LoRA): every other tensor is already in place
             weights = {**model.state_dict(), **read_weights(ckpt)}
         else:
-            weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
+            weights = DiffusionGemma.from_pretrained(ckpt, dtype=torch.float32, device="cpu").state_dict()
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
             set_state_dict(model, optimizer, model_state_dict=weights,
                            optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),
@@ -469,7 +470,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     Peak memory: the whole model in fp32 (26B-A4B: ~101 GB)."""
     ckpt = Path(ckpt)
     if not is_sharded_checkpoint(ckpt):
-        model = load_model(ckpt, dtype=dtype)
+        model = DiffusionGemma.from_pretrained(ckpt, dtype=dtype)
     else:
         import torch.distributed.checkpoint as dcp
 

@@ -304,7 +304,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     both). Generative perplexity is scored by the judge (`judge_path`, an AR run, in float64) when given, else by the
     baseline."""
     from dgemma.data import TokenDataset, check_token_range, verify
-    from dgemma.model import load_model
+    from dgemma.loading import load_model
     from dgemma.tokenizer import check_vocab, load_tokenizer
     from dgemma.train import CONFIG_JSON
 

@@ -54,7 +54,7 @@ class DenoiseStep:
         self.model, self.cache, self.sliding_prefix = model, cache, sliding_prefix
         self.static = static or bool(compile)
         self._fn: Callable[..., Tensor] = _static_hidden
-        if compile and (getattr(model, "quantization", None) or getattr(model, "offloaded", None)):
+        if compile and (model.quantization or model.offloaded):
             raise ValueError("compile=True (--compile) does not take a quantized model or offloaded experts: the "
                              "compiled step's expert op reads plain tensors; run such a model without it")
         if compile:

@@ -59,7 +59,8 @@ from dgemma.data import TokenDataset, check_token_range, sha256_file, verify
 from dgemma.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, LossOutput, sft_loss, training_loss
 from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.generation_config import GenerationConfig, is_seed
-from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.loading import load_model
+from dgemma.model import DiffusionGemma, init_weights
 from dgemma.nelbo import clean_context_posterior, noisy_context_posterior, window_nelbo
 from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.run_dir import NonFiniteError

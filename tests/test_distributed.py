@@ -35,7 +35,8 @@ from dgemma import cli
 from dgemma.checkpoint import CheckpointError, list_checkpoints
 from dgemma.data import TokenDataset
 from dgemma.diffusion import training_loss
-from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.loading import load_model
+from dgemma.model import DiffusionGemma, init_weights
 from dgemma.train import train, train_preset
 
 ROOT = Path(__file__).resolve().parents[1]

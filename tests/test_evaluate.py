@@ -382,7 +382,7 @@ def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
     from dgemma.data import TokenDataset
     from dgemma.diffusion import training_loss
     from dgemma.evaluate import heldout_ar_ce, heldout_x0_ce
-    from dgemma.model import load_model
+    from dgemma.loading import load_model
 
     root, runs = pair
     val = TokenDataset(root / "data", "val")
@@ -585,7 +585,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     from dgemma.decoding import generative_perplexity
     from dgemma.evaluate import pick_prompts
     from dgemma.judging import INDEPENDENT_JUDGE
-    from dgemma.model import load_model
+    from dgemma.loading import load_model
 
     pytest.importorskip("matplotlib")
     root, runs = pair

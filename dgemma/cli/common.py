@@ -6,26 +6,18 @@ canvas being refined)."""
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-import dgemma
-from dgemma import lora
-from dgemma.checkpoint import resolve_model_dir
+from dgemma import loading
 from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
-from dgemma.model import check_memory
-from dgemma.offload import offload_experts
-from dgemma.quantize import check_supported, quantize_model
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -173,34 +165,16 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES.get(args.dtype)
+    weights = dict(dtype=dtype, device=args.device, force=getattr(args, "force", False),
+                   quantize=getattr(args, "quantize", None), offload_experts=getattr(args, "offload_experts", False))
     if args.preset is not None:
         if not args.random_init:
             raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
-        config = dgemma.preset(args.preset)
-        # Before anything is built: the weights and one canvas's sampler buffers must fit in free memory.
-        quantize = getattr(args, "quantize", None)
-        if quantize is not None:
-            check_supported(quantize, args.device, dtype or torch.float32)
-        check_memory(config, dtype or torch.float32, args.device, weights=True, batch_size=1,
-                     force=getattr(args, "force", False), quantize=quantize)
-        model = dgemma.init_weights(dgemma.DiffusionGemma(config))
-        model = quantize_model(model.to(dtype=dtype or torch.float32, device=args.device).eval(), quantize)
-        if getattr(args, "offload_experts", False):
-            _offload_to_temp_file(model, quantize)
-        model.generation_config = GenerationConfig.for_model(model.config)
+        model = loading.build_model(args.preset, **weights)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
-        force = getattr(args, "force", False)
-        quantize, offload = getattr(args, "quantize", None), getattr(args, "offload_experts", False)
-        if lora.is_adapter(resolve_model_dir(args.model)):  # a LoRA run or adapter: its base with it merged
-            model = lora.load_merged(resolve_model_dir(args.model), dtype=dtype, device=args.device, force=force)
-            model = quantize_model(model, quantize)  # merged in memory first, then quantized or offloaded
-            if offload:
-                _offload_to_temp_file(model, quantize)
-        else:
-            model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=force, quantize=quantize,
-                                      offload_experts=offload)
+        model = loading.load_model(args.model, **weights)
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):
@@ -212,16 +186,6 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
         if args.preset is not None:  # a random model with a chat tokenizer stops at <turn|>, as Gemma's does
             model.generation_config = model.generation_config.stopping_at(tok.token_to_id(TURN_END))
     return model, tok
-
-
-def _offload_to_temp_file(model: Any, quantize: str | None) -> None:
-    """--offload-experts for a model built in memory: its experts written to a temporary file (removed at exit) and
-    memory-mapped from there (dgemma/offload.py)."""
-    if quantize is not None:
-        raise UsageError("--offload-experts and --quantize do not combine: pick one")
-    folder = tempfile.mkdtemp(prefix="dgemma-experts-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    offload_experts(model, Path(folder) / "experts.safetensors")
 
 
 def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) -> int:
