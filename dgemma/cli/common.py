@@ -18,6 +18,7 @@ from dgemma import loading
 from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
+from dgemma.serving.templates import ChatTemplate, load_chat_template
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -156,6 +157,14 @@ def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any
     """generate()'s keyword overrides from the sampler flags given (GenerationConfig.overrides checks them)."""
     return gcfg.overrides(sampler=args.sampler, max_new_tokens=args.max_new_tokens, max_denoising_steps=args.steps,
                           entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max)
+
+
+def chat_template(args: argparse.Namespace) -> ChatTemplate:
+    """The chat template of --tokenizer's directory, else --model's (`chat_template.jinja` or tokenizer_config.json's,
+    rendered in jinja2's sandbox), else dgemma's built-in Gemma template: the one template of chat, generate --chat
+    and serve."""
+    dirs = [None if p is None else p if p.is_dir() else p.parent for p in (args.tokenizer, args.model)]
+    return load_chat_template(*dirs)
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
