@@ -8,8 +8,9 @@ Rows that stopped keep their state through `torch.where`, not a branch on a host
 `done.all()` only once every `sync_every` steps.
 
 Same decisions as the readable loop given the same logits and noise (tests/test_fast_sampler.py); the random draws
-differ (inverse-CDF or exponential race instead of torch.multinomial). `generate(..., impl="fast")` uses it for the
-settings `supports` accepts and the readable loop on the fast kernels otherwise.
+differ (inverse-CDF or exponential race instead of torch.multinomial). `generate(..., loop="sync-free")` (the default
+with impl="fast") runs it; settings it does not implement (`unsupported`) are an error naming them, and
+`loop="readable"` runs those on the fast kernels.
 """
 
 from __future__ import annotations
@@ -30,11 +31,23 @@ from dgemma.request_rules import sliding_prefix
 _COMPILED: dict[str, Callable[..., Tensor]] = {}  # compiled `_static_hidden` per mode, made on first use (not import)
 
 
-def supports(config: GenerationConfig) -> bool:
-    """Whether the fast loop implements `config`: the entropy-bound sampler with transformers' posterior and first
-    self-conditioning input (the Lite sampler and the other switches run the readable loop on fast kernels)."""
-    return config.sampler == "entropy-bound" and config.posterior_rule == "tempered" and \
-        config.initial_self_conditioning == "zeros"
+IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
+
+
+def unsupported(config: GenerationConfig) -> list[str]:
+    """The settings of `config` this loop does not implement, as "name=value" (empty: it implements `config`). It
+    implements the entropy-bound sampler with transformers' posterior and first self-conditioning input."""
+    return [f"{k}={getattr(config, k)!r}" for k, v in IMPLEMENTED.items() if getattr(config, k) != v]
+
+
+def check_supported(config: GenerationConfig) -> None:
+    """GenerationError naming the settings of `config` this loop does not implement, and the way out."""
+    bad = unsupported(config)
+    if bad:
+        raise GenerationError(f"the sync-free sampler loop (loop='sync-free', the default with impl='fast') does not "
+                              f"implement {', '.join(bad)} (it runs "
+                              f"{', '.join(f'{k}={v!r}' for k, v in IMPLEMENTED.items())}); pass loop='readable' to "
+                              "run these settings on the fast kernels")
 
 
 class DenoiseStep:
@@ -123,16 +136,13 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
                    head: Callable[[Tensor, Tensor | None], Tensor] | None = None,
                    draw: kernels.Draw | None = None, sync_every: int | None = None, chunk_rows: int | None = None,
                    compile: bool = False) -> StagedCanvas:
-    """Twin of `generate.denoise_canvas` for the settings `supports` accepts (module docstring). `step`: the
+    """Twin of `generate.denoise_canvas` for the settings `check_supported` accepts (module docstring). `step`: the
     denoise step (default `DenoiseStep`); `head`: rows -> fp32 logits (default the model's tied head); `draw`:
     "cdf" (default on CPU) or "race" (default on CUDA); `sync_every`: steps between host reads of `done.all()`
     (default: every step on CPU, where a read costs nothing; every 4 on CUDA; steps run after the whole batch stopped
     are discarded, so the per-row step counts are the readable loop's); `chunk_rows`: rows of (rows, V) logits per
     chunk."""
-    if not supports(config):
-        raise ValueError("the fast sampler implements the entropy-bound sampler with posterior='tempered' and "
-                         f"initial_self_conditioning='zeros', not {config.sampler!r}, {config.posterior_rule!r}, "
-                         f"{config.initial_self_conditioning!r}")
+    check_supported(config)
     B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
     device = model.device
     state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas, finished=finished,

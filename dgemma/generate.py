@@ -37,6 +37,7 @@ from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, check_memory, check_token_ids
 from dgemma.request_rules import check_seed, eos_index, new_token_budget, resolve_generation_config, sliding_prefix
 
+LOOPS = ("readable", "sync-free")  # generate's sampler loops
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
 
 
@@ -252,7 +253,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
              on_step: Callable[[StepInfo], None] | None = None,
              on_canvas: Callable[[int, Tensor], None] | None = None, trace: bool = False,
              cache: KVCache | None = None, decoder_input_ids: Tensor | None = None,
-             impl: Impl | None = None, compile: bool = False, force: bool = False,
+             impl: Impl | None = None, loop: str | None = None, compile: bool = False, force: bool = False,
+             around_commit: Callable[[Callable[[], None]], None] | None = None,
              **overrides: Any) -> GenerationResult:
     """Generate whole canvases after `input_ids` (B, T).
 
@@ -262,18 +264,30 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     numbers on CPU). `attention_mask` (B, T) marks left padding. `cache`: continue from a cache (multi-turn);
     `input_ids` are then only the tokens not yet committed. `decoder_input_ids` replaces the first canvas's
     initial noise. `on_step(StepInfo)` runs after every denoising step, `on_canvas(index, tokens)` after each
-    canvas is finalised (EOS/padding applied).
-    `impl` (default: the model's, `model.impl`): "fast" runs the fast kernels and, where it implements the
-    settings, the sync-free sampler loop of dgemma/fast_sampler.py (the same decisions, other random draws);
-    `compile=True` (fast only) compiles its denoise step. The model is never modified: calls on different caches
-    may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
+    canvas is finalised (EOS/padding applied). `around_commit(run)` is called for each cache write (the prefill,
+    then each canvas before the next) with `run`, the write, which it must call once: `dgemma bench` times the
+    commits this way (default: the write alone).
+    `impl` (default: the model's, `model.impl`): the kernels, "reference" or "fast". `loop`: the sampler loop,
+    "readable" (`denoise_canvas`, on either kernels) or "sync-free" (dgemma/fast_sampler.py: the same decisions,
+    other random draws; fast kernels); default "sync-free" with impl="fast", else "readable". Settings the sync-free
+    loop does not implement (the Lite sampler, ...) are a GenerationError naming them, never a silent switch of
+    loop; `compile=True` (sync-free only) compiles its denoise step. The model is never modified: calls on different
+    caches may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
     cache and sampler buffers larger than the free memory unless `force`; NaN or inf logits raise GenerationError
     naming the canvas and step."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
-    if compile and impl != "fast":
-        raise ValueError("compile=True needs impl='fast' (the static denoise step lives in dgemma/fast_sampler.py)")
+    loop = ("sync-free" if impl == "fast" else "readable") if loop is None else loop
+    if loop not in LOOPS:
+        raise GenerationError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
+    if loop == "sync-free" and impl != "fast":
+        raise GenerationError("loop='sync-free' runs the fast kernels: pass impl='fast' (or loop='readable')")
+    if compile and loop != "sync-free":
+        raise ValueError("compile=True needs impl='fast' and the sync-free loop (the static denoise step lives in "
+                         "dgemma/fast_sampler.py)")
     config = resolve_generation_config(model, generation_config, overrides)
+    if loop == "sync-free":
+        fast_sampler.check_supported(config)  # before anything is allocated
     _check_inputs(model, input_ids, cache, config)
     B, T = input_ids.shape
     L, device = model.config.canvas_length, model.device
@@ -302,7 +316,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     else:
         cache.ensure_capacity(end - L)
 
-    model.commit(input_ids, cache, attention_mask=attention_mask, impl=impl)  # prefill
+    commit = around_commit or (lambda run: run())
+    commit(lambda: model.commit(input_ids, cache, attention_mask=attention_mask, impl=impl))  # prefill
     eos = torch.tensor(config.eos_token_id, dtype=torch.long, device=device) if config.eos_token_id else None
     sequences = input_ids
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -310,10 +325,11 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     steps_per_canvas, stop_reasons, records = [], [], []
     for c in range(num_canvases):
         if c > 0:
-            model.commit(sequences[:, -L:], cache, impl=impl)  # the previous canvas, as finalised
+            previous = sequences[:, -L:]  # the previous canvas, as finalised
+            commit(lambda previous=previous: model.commit(previous, cache, impl=impl))
         kwargs: dict[str, Any] = dict(generator=generator, finished=finished, canvas_index=c, on_step=on_step,
                                       trace=trace, canvas=decoder_input_ids if c == 0 else None)
-        if impl == "fast" and fast_sampler.supports(config):  # the sync-free loop (dgemma/fast_sampler.py)
+        if loop == "sync-free":
             staged = fast_sampler.denoise_canvas(model, cache, config, compile=compile, **kwargs)
         else:
             staged = denoise_canvas(model, cache, config, impl=impl, **kwargs)
