@@ -34,6 +34,7 @@ import contextlib
 import datetime
 import gc
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -54,7 +55,20 @@ from dgemma.model import DiffusionGemma
 T = TypeVar("T")
 PARALLEL = ("ddp", "fsdp")
 SHARED = "dgemma_shared_by_all_ranks"  # set on an exception every rank raises alike: only rank 0 prints it
-TIMEOUT = datetime.timedelta(minutes=float(os.environ.get("DGEMMA_DIST_TIMEOUT_MIN", "30")))
+DEFAULT_TIMEOUT_MIN = 30.0  # minutes a collective may wait for the other ranks (DGEMMA_DIST_TIMEOUT_MIN overrides)
+
+
+def process_group_timeout() -> datetime.timedelta:
+    """How long a collective waits for the other ranks: DGEMMA_DIST_TIMEOUT_MIN minutes (default 30), read when the
+    process group starts (not at import, so a caller that sets it before training is heard)."""
+    raw = os.environ.get("DGEMMA_DIST_TIMEOUT_MIN", str(DEFAULT_TIMEOUT_MIN))
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = math.nan
+    if not 0 < minutes < math.inf:
+        raise ValueError(f"DGEMMA_DIST_TIMEOUT_MIN must be a number of minutes > 0, got {raw!r}")
+    return datetime.timedelta(minutes=minutes)
 
 
 # What gloo and NCCL say when a peer's process is gone.
@@ -124,7 +138,7 @@ class Dist:
         if world > 1:
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=TIMEOUT,
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=process_group_timeout(),
                                     device_id=dev if dev.type == "cuda" else None)
         return cls(rank, world, local, dev)
 

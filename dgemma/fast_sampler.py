@@ -15,6 +15,7 @@ with impl="fast") runs it; settings it does not implement (`unsupported`) are an
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -27,9 +28,6 @@ from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma
 from dgemma.request_rules import sliding_prefix
-
-_COMPILED: dict[str, Callable[..., Tensor]] = {}  # compiled `_static_hidden` per mode, made on first use (not import)
-
 
 IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
 
@@ -99,10 +97,13 @@ def compiled_static_hidden(device: torch.device, cache: KVCache | None = None, b
         for t in (*cache.keys, *cache.values, cache.is_token):
             torch._dynamo.mark_static_address(t)
     kernels.register_expert_loop_op()
-    key = f"{backend}/{mode}"
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_static_hidden, fullgraph=True, dynamic=False, backend=backend, mode=mode)
-    return _COMPILED[key]
+    return _compiled(backend, mode)
+
+
+@functools.cache
+def _compiled(backend: str, mode: str | None) -> Callable[..., Tensor]:
+    """torch.compile of `_static_hidden` for one backend and mode, made once (compiling is what costs)."""
+    return torch.compile(_static_hidden, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
 
 def _static_hidden(model: DiffusionGemma, keys: list[Tensor], values: list[Tensor], is_token: Tensor,

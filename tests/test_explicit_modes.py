@@ -61,3 +61,19 @@ def test_the_bench_does_not_patch_the_model():
     rt = run_dgemma(model, random_ids(500, 1, 5), "reference", BenchSettings(steps=2, canvases=2), seed=0)
     assert len(rt.commits) == 1 and rt.prefill > 0 and all(c > 0 for c in rt.commits)
     assert "commit" not in vars(model) and torch.is_tensor(model.embed_tokens.weight)
+
+
+def test_the_process_group_timeout_is_read_when_asked(monkeypatch):
+    """DGEMMA_DIST_TIMEOUT_MIN is read when a process group starts, not once at import."""
+    import datetime
+
+    from dgemma.distributed import process_group_timeout
+
+    monkeypatch.setenv("DGEMMA_DIST_TIMEOUT_MIN", "2.5")
+    assert process_group_timeout() == datetime.timedelta(minutes=2.5)
+    monkeypatch.delenv("DGEMMA_DIST_TIMEOUT_MIN")
+    assert process_group_timeout() == datetime.timedelta(minutes=30)
+    for bad in ("soon", "0", "inf"):
+        monkeypatch.setenv("DGEMMA_DIST_TIMEOUT_MIN", bad)
+        with pytest.raises(ValueError, match=rf"DGEMMA_DIST_TIMEOUT_MIN must be a number of minutes > 0, got '{bad}'"):
+            process_group_timeout()
