@@ -181,12 +181,7 @@ def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
     T = inputs.shape[1]
     hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
                                    causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
-    if hidden.dtype == torch.float64:  # a float64 judge scores in float64 (model.logits returns fp32)
-        logits = F.linear(hidden, model.embed_tokens.weight)
-        cap = model.config.final_logit_softcapping
-        logits = logits if cap is None else torch.tanh(logits / cap) * cap
-    else:
-        logits = model.logits(hidden)  # (B, T, V)
+    logits = model.logits(hidden, torch.promote_types(hidden.dtype, torch.float32))  # (B, T, V); float64 judges
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
     return nll.view(x.shape[0], T)
 
@@ -224,7 +219,7 @@ def distinct_n(samples: Sequence[Sequence[int]], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else math.nan
 
 
-def token_entropy(samples: Sequence[Sequence[int]]) -> float:
+def unigram_entropy(samples: Sequence[Sequence[int]]) -> float:
     """Mean over samples of the entropy (nats) of the sample's own unigram distribution: low for repetitive text."""
     values = []
     for s in samples:
@@ -237,7 +232,7 @@ def token_entropy(samples: Sequence[Sequence[int]]) -> float:
 
 def quality(samples: Sequence[Sequence[int]]) -> dict[str, float]:
     return {"distinct_1": distinct_n(samples, 1), "distinct_2": distinct_n(samples, 2),
-            "distinct_3": distinct_n(samples, 3), "token_entropy": token_entropy(samples),
+            "distinct_3": distinct_n(samples, 3), "token_entropy": unigram_entropy(samples),
             "mean_length": float(np.mean([len(s) for s in samples])) if samples else math.nan}
 
 

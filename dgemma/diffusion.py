@@ -163,12 +163,26 @@ def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chun
 
 
 @torch.no_grad()
-def soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024) -> Tensor:
-    """Self-conditioning input from a pre-pass's final hidden states (B, L, D): softmax(head) @ E * sqrt(D), in row
-    chunks so only (chunk_rows, V) probabilities exist at a time (the full-vocabulary product is the hazard)."""
+def chunked_soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024) -> Tensor:
+    """Self-conditioning input from a pre-pass's final hidden states (B, L, D): `DiffusionGemma.soft_embedding` of
+    the head's logits, softmax(head) @ E * sqrt(D), in row chunks so only (chunk_rows, V) probabilities exist at a
+    time (the full-vocabulary product is the hazard)."""
     flat = final.reshape(-1, final.shape[-1])
     return torch.cat([model.soft_embedding(model.logits(flat[lo:lo + chunk_rows]))
                       for lo in range(0, flat.shape[0], chunk_rows)]).view(final.shape)
+
+
+def self_conditioned_hidden(model: DiffusionGemma, tokens: Tensor, positions: Tensor, masks: Any, *, num_clean: int,
+                            level: Tensor, self_conditioned: bool, chunk_rows: int | None) -> Tensor:
+    """The training pass over `tokens` (the clean copy's `num_clean` tokens, then the noisy ones). With
+    `self_conditioned`, a pre-pass without gradient first: its re-embedded posterior of the noisy tokens
+    (`chunked_soft_embedding`, detached) conditions the real pass, as the sampler feeds back its last posterior."""
+    soft = None
+    if self_conditioned:
+        with torch.no_grad():
+            pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, t=level)
+            soft = chunked_soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
+    return model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft, t=level)
 
 
 def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt: Tensor, t: Tensor,
@@ -251,12 +265,8 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
         masks = noisy_context_masks(T, L, W, device)
     else:
         raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    soft = None
-    if use_sc:  # pre-pass without gradient; its re-embedded posterior conditions the real pass (detached)
-        with torch.no_grad():
-            pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, t=level)
-            soft = soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
-    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft, t=level)
+    hidden = self_conditioned_hidden(model, tokens, positions, masks, num_clean=num_clean, level=level,
+                                     self_conditioned=use_sc, chunk_rows=chunk_rows)
     D = hidden.shape[-1]
     final = hidden[:, num_clean:].reshape(-1, D)
     if loss_weighting == "elbo":
@@ -287,12 +297,8 @@ def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, se
     tokens, positions = torch.cat([batch.clean, xt], 1), batch.positions
     masks = sft_masks(batch, L, cfg.sliding_window)
     level = torch.cat([torch.zeros(B, C, device=device), (t.float() / num_steps).repeat_interleave(L, dim=1)], 1)
-    soft = None
-    if use_sc:
-        with torch.no_grad():
-            pre = model.sequence_hidden(tokens, positions, masks, num_clean=C, t=level)
-            soft = soft_embedding(model, pre[:, C:], chunk_rows or 1024)
-    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=C, soft=soft, t=level)
+    hidden = self_conditioned_hidden(model, tokens, positions, masks, num_clean=C, level=level,
+                                     self_conditioned=use_sc, chunk_rows=chunk_rows)
     keep = batch.loss_mask
     loss = x0_cross_entropy(model, hidden[:, C:][keep], batch.x0[keep], chunk_rows)
     return LossOutput(loss, loss.detach(), None, int(keep.sum()), use_sc)

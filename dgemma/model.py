@@ -560,9 +560,10 @@ class DiffusionGemma(nn.Module):
                                      past=lambda i: [c.visible(i, c.length, seen[kinds[i]]) for c in rows])
         return self.final_hidden(hidden, soft)
 
-    def logits(self, final: Tensor) -> Tensor:
-        """Tied head and fp32 softcap on the final hidden states (`final_hidden`): (..., D) -> (..., V) fp32."""
-        logits = F.linear(final, self.embed_tokens.weight).float()  # Gemma: tied input/output embedding
+    def logits(self, final: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Tied head and softcap on the final hidden states (`final_hidden`): (..., D) -> (..., V) in `dtype` (fp32;
+        float64 for a float64 judge's scores)."""
+        logits = F.linear(final, self.embed_tokens.weight).to(dtype)  # Gemma: tied input/output embedding
         cap = self.config.final_logit_softcapping
         if cap is not None:
             if torch.is_grad_enabled() and logits.requires_grad:  # training keeps tanh's input for backward

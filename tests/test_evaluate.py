@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, token_entropy, useful
+from dgemma.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, unigram_entropy, useful
 from dgemma.evaluate import run_info
 from dgemma.generate import TRACE_FORMAT
 from dgemma.generation_config import GenerationConfig
@@ -317,7 +317,7 @@ def test_sample_metrics_on_hand_made_samples():
     assert useful([5, 6, 1, 7, 8], eos=(1,), max_new=10) == [5, 6, 1]
     assert useful([5, 6, 7, 8], eos=(1,), max_new=3) == [5, 6, 7]
     assert distinct_n([[1, 2, 1, 2]], 1) == 0.5 and distinct_n([[1, 2, 1, 2]], 2) == pytest.approx(2 / 3)
-    assert token_entropy([[4, 4, 4]]) == 0.0 and token_entropy([[1, 2]]) == pytest.approx(math.log(2))
+    assert unigram_entropy([[4, 4, 4]]) == 0.0 and unigram_entropy([[1, 2]]) == pytest.approx(math.log(2))
     arrays = {"canvas": np.array([0, 0, 0, 1]), "active": np.ones((4, 1), bool),
               "accepted": np.array([[[1, 0, 0]], [[1, 1, 0]], [[0, 1, 1]], [[1, 1, 1]]], bool)}
     # steps 0->1: kept 1, accepted 1, noise 1; 1->2: kept 1, renoised 1, accepted 1; 2->3 crosses canvases
