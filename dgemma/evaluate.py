@@ -45,7 +45,7 @@ from dgemma.nelbo import (
     Posterior,
     clean_context_posterior,
     estimate,
-    noisy_context_posterior,
+    posterior_of,
     prior_kl,
     window_nelbo,
 )
@@ -130,10 +130,7 @@ def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_step
                   seed: int = 0, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
     """Held-out x0 cross-entropy at t ~ U{1..T} per canvas (seed 003 section 7): the training objective without
     self-conditioning, drawing t and x_t exactly as `training_loss` does from the same generator."""
-    if objective not in ("clean-context", "noisy-context"):
-        raise ValueError(f"x0 cross-entropy needs a diffusion objective, got {objective!r}")
-    make = clean_context_posterior if objective == "clean-context" else noisy_context_posterior
-    posterior = make(model, num_steps)
+    posterior = posterior_of(objective)(model, num_steps)
     L, V = model.config.canvas_length, model.config.vocab_size
     g = torch.Generator(device=model.device).manual_seed(seed)
     stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)

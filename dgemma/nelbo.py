@@ -158,6 +158,25 @@ def clean_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
     return posterior
 
 
+def posterior_of(objective: str) -> Callable[[DiffusionGemma, int], Posterior]:
+    """The posterior of a diffusion run's training forward: `clean_context_posterior` or `noisy_context_posterior`."""
+    if objective not in ("clean-context", "noisy-context"):
+        raise ValueError(f"a NELBO or x0 cross-entropy needs a diffusion objective, got {objective!r}")
+    return clean_context_posterior if objective == "clean-context" else noisy_context_posterior
+
+
+def nelbo_per_window(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int, num_t_samples: int,
+                     generator: torch.Generator | None = None) -> Tensor:
+    """The NELBO (nats) of each window of x0 (B, S), (B,): `window_nelbo` with the posterior of a run trained with
+    `objective`, at T = `num_steps` with `num_t_samples` stratified t per canvas. An evaluation function: training's
+    learning curves run it inside the wrapped model's forward (distributed.LossModule, `measure=`)."""
+    cfg = model.config
+    terms = window_nelbo(posterior_of(objective)(model, num_steps), x0, canvas_length=cfg.canvas_length,
+                         vocab_size=cfg.vocab_size, num_steps=num_steps, num_t_samples=num_t_samples,
+                         generator=generator)
+    return terms.nelbo.sum(1)
+
+
 def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
     """p(x0 | x_t) from the noisy-context training forward: canvas b sees the corrupted canvases before it."""
     cfg = model.config

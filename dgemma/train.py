@@ -61,7 +61,7 @@ from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into,
 from dgemma.generation_config import GenerationConfig, is_seed
 from dgemma.loading import load_model
 from dgemma.model import DiffusionGemma, init_weights
-from dgemma.nelbo import clean_context_posterior, noisy_context_posterior, window_nelbo
+from dgemma.nelbo import nelbo_per_window
 from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.run_dir import NonFiniteError
 from dgemma.serving.templates import load_chat_template
@@ -351,10 +351,10 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
             _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
                          self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
                          generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i), **rows_kw)
-            spec = (nelbo, min(cfg.eval_t_samples, nelbo), cfg.objective)
             g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
-            per_window = None if not nelbo else net(x0[lo:hi].to(device), objective="nelbo", heldout_nelbo=spec,
-                                                    generator=g)[1].loss
+            per_window = None if not nelbo else net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
+                                                    objective=cfg.objective, num_steps=nelbo,
+                                                    num_t_samples=min(cfg.eval_t_samples, nelbo))[0]
         if out.tokens and not empty:
             loss = float(out.x0_loss)
             sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
@@ -381,19 +381,10 @@ def _se(total: float, squares: float, n: float) -> float:
     return math.sqrt(var / n)
 
 
-def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0,
-               heldout_nelbo: tuple[int, int, str] | None = None, **kw: Any) -> LossOutput:
+def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0, **kw: Any) -> LossOutput:
     """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows (diffusion.py:training_loss)
-    or packed chats (diffusion.py:sft_loss, which has no next-token term). For evaluation, objective "nelbo" with
-    `heldout_nelbo` = (T, t samples, the run's objective): the NELBO of each window in nats, (B,), as `loss`."""
-    if objective == "nelbo":
-        T, k, run_objective = heldout_nelbo  # type: ignore[misc]
-        cfg = model.config
-        make = clean_context_posterior if run_objective == "clean-context" else noisy_context_posterior
-        terms = window_nelbo(make(model, T), batch, canvas_length=cfg.canvas_length, vocab_size=cfg.vocab_size,
-                             num_steps=T, num_t_samples=k, generator=kw["generator"])
-        per_window = terms.nelbo.sum(1)
-        return LossOutput(per_window, per_window, None, batch.numel(), False)
+    or packed chats (diffusion.py:sft_loss, which has no next-token term). Held-out measures that are no training
+    loss (the NELBO) run through `LossModule`'s `measure`."""
     if objective == "sft":
         return sft_loss(model, batch, **kw)
     return training_loss(model, batch, objective=objective, ar_weight=ar_weight, **kw)

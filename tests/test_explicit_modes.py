@@ -77,3 +77,20 @@ def test_the_process_group_timeout_is_read_when_asked(monkeypatch):
         monkeypatch.setenv("DGEMMA_DIST_TIMEOUT_MIN", bad)
         with pytest.raises(ValueError, match=rf"DGEMMA_DIST_TIMEOUT_MIN must be a number of minutes > 0, got '{bad}'"):
             process_group_timeout()
+
+
+def test_the_nelbo_is_an_evaluation_function_not_a_training_objective(model):
+    from dgemma.distributed import LossModule
+    from dgemma.nelbo import clean_context_posterior, nelbo_per_window, window_nelbo
+    from dgemma.train import batch_loss
+
+    x0 = random_ids(500, 2, 32, seed=4)
+    with pytest.raises(ValueError, match=r"unknown objective 'nelbo'"):
+        batch_loss(model, x0, objective="nelbo", num_steps=4, generator=torch.Generator().manual_seed(0))
+    net = LossModule(model, batch_loss)
+    with torch.no_grad():
+        got, out = net(x0, measure=nelbo_per_window, objective="clean-context", num_steps=4, num_t_samples=2,
+                       generator=torch.Generator().manual_seed(1))
+        want = window_nelbo(clean_context_posterior(model, 4), x0, canvas_length=16, vocab_size=512, num_steps=4,
+                            num_t_samples=2, generator=torch.Generator().manual_seed(1)).nelbo.sum(1)
+    assert out is None and torch.equal(got, want)
