@@ -212,7 +212,7 @@ def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt
 @dataclass
 class LossOutput:
     loss: Tensor  # what backward runs on
-    x0_loss: Tensor  # diffusion x0 cross-entropy (nats/token), or the AR loss for `ar`
+    cross_entropy: Tensor  # the objective's cross-entropy (nats/token): of the x0 prediction, or next-token for `ar`
     ar_loss: Tensor | None  # next-token loss on the clean stream (clean-context with ar_weight > 0)
     tokens: int  # target tokens in the loss
     self_conditioned: bool
@@ -227,7 +227,7 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     Diffusion recipe switches: `t_sampling` "uniform" (each canvas's level drawn independently) or "stratified"
     (`sample_canvas_t`'s low-discrepancy set over the micro-batch); `loss_weighting` "x0" (plain cross-entropy of
     the x0 prediction: every level weighs its cross-entropy equally) or "elbo" (`elbo_cross_entropy`: each level
-    weighs what it weighs in the NELBO). `x0_loss` is the x0 cross-entropy either way.
+    weighs what it weighs in the NELBO). `cross_entropy` is the x0 cross-entropy either way.
 
     Every random draw (noise levels, corruption, the self-conditioning coin) comes from `generator`, so a step is
     reproducible from its seed. With `batch_rows` (first, total), x0 is rows [first, first + B) of a micro-batch of
@@ -270,15 +270,15 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     D = hidden.shape[-1]
     final = hidden[:, num_clean:].reshape(-1, D)
     if loss_weighting == "elbo":
-        loss, x0_loss = elbo_cross_entropy(model, final, x0.reshape(-1), xt.reshape(-1),
-                                           t.repeat_interleave(L, dim=1).reshape(-1), num_steps, chunk_rows)
+        loss, ce = elbo_cross_entropy(model, final, x0.reshape(-1), xt.reshape(-1),
+                                      t.repeat_interleave(L, dim=1).reshape(-1), num_steps, chunk_rows)
     else:
-        loss = x0_loss = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows)
+        loss = ce = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows)
     ar_loss = None
     if objective == "clean-context" and ar_weight > 0:  # the clean stream is a causal LM too
         ar_loss = x0_cross_entropy(model, hidden[:, : T - 1].reshape(-1, D), x0[:, 1:].reshape(-1), chunk_rows)
         loss = loss + ar_weight * ar_loss
-    return LossOutput(loss, x0_loss.detach(), None if ar_loss is None else ar_loss.detach(), x0.numel(), use_sc)
+    return LossOutput(loss, ce.detach(), None if ar_loss is None else ar_loss.detach(), x0.numel(), use_sc)
 
 
 def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, self_conditioning_prob: float = 0.5,

@@ -320,7 +320,7 @@ class TrainResult:
 
 
 @torch.no_grad()
-def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool,
+def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool,
              dist: Dist | None = None) -> dict[str, float]:
     """Held-out measures on the first `eval_batches` validation micro-batches, with fixed noise and no
     self-conditioning, as a dict for metrics.jsonl:
@@ -356,7 +356,7 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
                                                     objective=cfg.objective, num_steps=nelbo,
                                                     num_t_samples=min(cfg.eval_t_samples, nelbo))[0]
         if out.tokens and not empty:
-            loss = float(out.x0_loss)
+            loss = float(out.cross_entropy)
             sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
             sums[6] += loss * out.tokens
             sums[7] += out.tokens
@@ -570,7 +570,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
 
         def run_eval() -> float:
             model.eval()
-            values = evaluate(net, val_set, cfg, device, use_bf16, d)
+            values = heldout_metrics(net, val_set, cfg, device, use_bf16, d)
             model.train()
             record(step=step, tokens=state["tokens"], **values)
             nelbo = (f" | held-out NELBO {values['val_nelbo']:.3f} ± {values['val_nelbo_se']:.3f} (T="

@@ -231,7 +231,7 @@ def test_elbo_loss_is_the_nelbo_estimate_of_the_same_logits(model):
     logits = model.logits(hidden[:, S:]).reshape(-1, V)
     kl = reverse_kl(logits, x0.reshape(-1), xt.reshape(-1), t.repeat_interleave(L, 1).reshape(-1), 16)
     assert eager.loss.item() == pytest.approx(16 * kl.mean().item(), rel=1e-5)
-    assert eager.x0_loss.item() == pytest.approx(torch.nn.functional.cross_entropy(logits, x0.reshape(-1)).item(),
+    assert eager.cross_entropy.item() == pytest.approx(torch.nn.functional.cross_entropy(logits, x0.reshape(-1)).item(),
                                                  rel=1e-5)
     model.zero_grad()
     chunked.loss.backward()

@@ -275,7 +275,7 @@ def test_split_rows_draw_the_noise_of_the_whole_batch(data):
         parts = [training_loss(model, x0[lo:lo + 2], generator=torch.Generator().manual_seed(7),
                                batch_rows=(lo, 4), **kw) for lo in (0, 2)]
     assert all(p.self_conditioned == whole.self_conditioned for p in parts)
-    assert float(sum(p.x0_loss for p in parts) / 2) == pytest.approx(float(whole.x0_loss), rel=1e-6)
+    assert float(sum(p.cross_entropy for p in parts) / 2) == pytest.approx(float(whole.cross_entropy), rel=1e-6)
 
 
 def test_resume_on_another_world_size_keeps_the_windows_per_step(data, ddp_run, tmp_path):

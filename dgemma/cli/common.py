@@ -197,7 +197,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     return model, tok
 
 
-def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) -> int:
+def run_training(args: argparse.Namespace, config_from_args: Any, next_step: str) -> int:
     """What `dgemma train` and `dgemma finetune` do with their parsed flags: resolve the TrainConfig (every rank of a
     torchrun job parses the same flags and files, so rank 0 alone shows what is wrong with them), run the trainer as
     this rank of the job (or as the one process), and print where to go next."""
@@ -206,7 +206,7 @@ def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) 
 
     allow_new_data = getattr(args, "allow_new_data", False)
     try:
-        cfg = resolve_config(args)
+        cfg = config_from_args(args)
         if args.print_config:
             print(json.dumps(cfg.to_json(), indent=2))
             return 0
