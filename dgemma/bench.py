@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dgemma import attention, costs, diffusion
+from dgemma import attention, costs, diffusion, fsio
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
 from dgemma.generation_config import GenerationConfig, offset_seed
@@ -568,12 +568,13 @@ def docs_entry(r: dict[str, Any], command: str) -> str:
 
 def write_docs(r: dict[str, Any], command: str, path: str | os.PathLike[str] = "docs/benchmarks.md") -> Path:
     path = Path(path)
-    if not path.exists():
+    if path.exists():
+        before = fsio.read_text(path)
+    else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# Benchmarks\n\nAppended by `dgemma bench --write-docs`; the top of dgemma/bench.py says "
-                        "what each number means.\n\n")
-    with path.open("a") as f:
-        f.write(docs_entry(r, command) + "\n")
+        before = ("# Benchmarks\n\nAppended by `dgemma bench --write-docs`; the top of dgemma/bench.py says what each "
+                  "number means.\n\n")
+    fsio.write_text(path, before + docs_entry(r, command) + "\n")  # the whole file again: atomic, never half-appended
     return path
 
 

@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from dgemma import fsio
+
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -139,7 +141,8 @@ def offload_experts(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module
     device = model.embed_tokens.weight.device
     path = Path(path)
     if device.type == "cpu":
-        save_file({n: model.get_parameter(n).detach().contiguous() for n in names}, str(path))
+        tensors = {n: model.get_parameter(n).detach().contiguous() for n in names}
+        fsio.atomic_write(path, lambda tmp, _f: save_file(tensors, str(tmp)))
     for name in names:
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)

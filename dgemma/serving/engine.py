@@ -233,7 +233,7 @@ class Engine:
             self._lock.notify_all()
         return request
 
-    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
+    def complete(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
                  timeout: float | None = None) -> tuple[list[int], DoneEvent]:
         """Submit and wait: the output tokens (EOS excluded) and the DoneEvent."""
         tokens: list[int] = []
