@@ -78,12 +78,12 @@ def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_si
     `batch_rows` (first, total), x0 is rows [first, first + B) of a batch of `total`: the draws are made for the
     whole batch and these rows kept, so they do not depend on how the batch is split (distributed training)."""
     keep_prob = alpha_bar(t, num_steps).repeat_interleave(canvas_length, dim=1)  # (B, S)
-    keep = _draw(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
-    noise = _draw(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
+    keep = draw_rows(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
+    noise = draw_rows(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
     return torch.where(keep, x0, noise)
 
 
-def _draw(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[int, int] | None,
+def draw_rows(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[int, int] | None,
           generator: torch.Generator | None, device: torch.device) -> Tensor:
     """sample(shape) for rows [first, first + shape[0]) of a draw over `total` rows (batch_rows = (first, total))."""
     if batch_rows is None:
@@ -250,7 +250,7 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
         raise ValueError(f"t_sampling must be one of {T_SAMPLING} and loss_weighting one of {LOSS_WEIGHTING}, got "
                          f"{t_sampling!r} and {loss_weighting!r}")
     stratified = t_sampling == "stratified"
-    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, stratified=stratified, **k),
+    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, stratified=stratified, **k),
               (B, T // L), batch_rows, generator, device)
     xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
@@ -290,7 +290,7 @@ def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, se
     cfg = model.config
     L, V = cfg.canvas_length, cfg.vocab_size
     (B, N), C, device = batch.x0.shape, batch.clean.shape[1], batch.x0.device
-    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, N // L), batch_rows,
+    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, N // L), batch_rows,
               generator, device)  # batch_rows: this rank's rows of the global batch's draws (training_loss's rule)
     xt = q_sample(batch.x0, t, num_steps, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)

@@ -109,15 +109,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 class LossModule(nn.Module):
     """The model with the training loss as its forward, so DDP and FSDP2 see one forward per micro-batch (their
     hooks run on forward): `loss_fn(model, x0, **kw)` returns a LossOutput; forward returns (loss, that output).
-    `measure`: an evaluation function `measure(model, x0, **kw) -> Tensor` run in the loss's place (FSDP2 gathers
-    the parameters in forward); forward then returns (its value, None)."""
+    `measure`: an evaluation function `measure(model, x0, **kw)` run in the loss's place (FSDP2 gathers the
+    parameters in forward); forward then returns (what it returns, None)."""
 
     def __init__(self, model: DiffusionGemma, loss_fn: Callable[..., Any]):
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
 
-    def forward(self, x0: torch.Tensor, measure: Callable[..., torch.Tensor] | None = None,
-                **kw: Any) -> tuple[torch.Tensor, Any]:
+    def forward(self, x0: torch.Tensor, measure: Callable[..., Any] | None = None, **kw: Any) -> tuple[Any, Any]:
         if measure is not None:
             return measure(self.model, x0, **kw), None
         out = self.loss_fn(self.model, x0, **kw)

@@ -29,13 +29,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.console import Progress
 from dgemma.curves import learning_curves
 from dgemma.decoding import DecodeRun, ar_token_nll, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
-from dgemma.diffusion import q_sample, sample_canvas_t
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
 from dgemma.judging import Z95, judge_description, point_stats
@@ -48,6 +46,7 @@ from dgemma.nelbo import (
     posterior_of,
     prior_kl,
     window_nelbo,
+    x0_ce_per_canvas,
 )
 from dgemma.viz import renoised_fraction
 
@@ -130,8 +129,8 @@ def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_step
                   seed: int = 0, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
     """Held-out x0 cross-entropy at t ~ U{1..T} per canvas (seed 003 section 7): the training objective without
     self-conditioning, drawing t and x_t exactly as `training_loss` does from the same generator."""
-    posterior = posterior_of(objective)(model, num_steps)
-    L, V = model.config.canvas_length, model.config.vocab_size
+    posterior_of(objective)  # a diffusion objective, before anything runs
+    L = model.config.canvas_length
     g = torch.Generator(device=model.device).manual_seed(seed)
     stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
     nats, toks, nbytes = [], [], 0
@@ -141,10 +140,8 @@ def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_step
         for x0 in stream:
             x0 = x0.to(model.device)
             B, S = x0.shape
-            t = sample_canvas_t(B, S // L, num_steps, g, x0.device)
-            xt = q_sample(x0, t, num_steps, L, V, g)
-            ce = F.cross_entropy(posterior(x0, xt, t).reshape(B * S, -1), x0.reshape(-1), reduction="none")
-            per_canvas = ce.view(B, S // L, L).sum(-1).double().cpu()
+            ce, t = x0_ce_per_canvas(model, x0, objective=objective, num_steps=num_steps, generator=g)
+            per_canvas = ce.double().cpu()
             nats += per_canvas.sum(-1).tolist()
             toks += [S] * B
             nbytes += _text_bytes(tokenizer, x0)

@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.attention import clean_context_masks, noisy_context_masks
-from dgemma.diffusion import KL_CHUNK_ROWS, prior_kl, q_sample, reverse_kl
+from dgemma.diffusion import KL_CHUNK_ROWS, draw_rows, prior_kl, q_sample, reverse_kl, sample_canvas_t
 from dgemma.model import DiffusionGemma
 
 # posterior(x0 (B, S), x_t (B, S), t (B, C)) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean canvases before)
@@ -175,6 +176,26 @@ def nelbo_per_window(model: DiffusionGemma, x0: Tensor, *, objective: str, num_s
                          vocab_size=cfg.vocab_size, num_steps=num_steps, num_t_samples=num_t_samples,
                          generator=generator)
     return terms.nelbo.sum(1)
+
+
+def x0_ce_per_canvas(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int,
+                     generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    """The held-out x0 cross-entropy of windows x0 (B, S), the one definition behind training's learning curves
+    (`train.heldout_metrics`, run through `distributed.LossModule`'s `measure`) and `dgemma eval`
+    (`evaluate.heldout_x0_ce`): (nats per canvas (B, S / L), each canvas's t (B, S / L)). One t ~ U{1..T} per canvas
+    and x_t drawn as `diffusion.training_loss` draws them from `generator` (`batch_rows`: these rows of a larger
+    batch's draws), the training forward of `objective` without self-conditioning, one window at a time (at most
+    (S, V) logits)."""
+    L, V = model.config.canvas_length, model.config.vocab_size
+    B, S = x0.shape
+    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, S // L), batch_rows,
+                  generator, x0.device)
+    xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
+    posterior = posterior_of(objective)(model, num_steps)
+    ce = torch.cat([F.cross_entropy(posterior(x0[b:b + 1], xt[b:b + 1], t[b:b + 1])[0], x0[b], reduction="none")
+                    for b in range(B)])
+    return ce.view(B, S // L, L).sum(-1), t
 
 
 def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:

@@ -61,7 +61,7 @@ from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into,
 from dgemma.generation_config import GenerationConfig, is_seed
 from dgemma.loading import load_model
 from dgemma.model import DiffusionGemma, init_weights
-from dgemma.nelbo import nelbo_per_window
+from dgemma.nelbo import nelbo_per_window, x0_ce_per_canvas
 from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.run_dir import NonFiniteError
 from dgemma.serving.templates import load_chat_template
@@ -348,18 +348,24 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
         lo, hi = (rows - 1, rows) if empty else (lo, hi)  # in it) on a stand-in row that is not counted
         rows_kw = {"batch_rows": None if d.world_size == 1 else (lo, rows)}
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-            _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
-                         self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
-                         generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i), **rows_kw)
+            g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
+            if cfg.objective in ("clean-context", "noisy-context"):  # the held-out x0 CE of `dgemma eval` too
+                (ce, _), _ = net(x0[lo:hi].to(device), measure=x0_ce_per_canvas, objective=cfg.objective,
+                                 num_steps=cfg.num_steps, generator=g, **rows_kw)
+                tokens = x0[lo:hi].numel()
+                loss = float(ce.sum()) / tokens
+            else:  # AR windows and chats: the objective's own loss
+                _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
+                             self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows, generator=g, **rows_kw)
+                loss, tokens = float(out.cross_entropy), out.tokens
             g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
             per_window = None if not nelbo else net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
                                                     objective=cfg.objective, num_steps=nelbo,
                                                     num_t_samples=min(cfg.eval_t_samples, nelbo))[0]
-        if out.tokens and not empty:
-            loss = float(out.cross_entropy)
+        if tokens and not empty:
             sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
-            sums[6] += loss * out.tokens
-            sums[7] += out.tokens
+            sums[6] += loss * tokens
+            sums[7] += tokens
             if per_window is not None:
                 per_token = per_window.double() / x0.shape[1]
                 sums[3:6] = (sums[3] + float(per_token.sum()), sums[4] + float((per_token ** 2).sum()),
