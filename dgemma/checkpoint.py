@@ -303,7 +303,7 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes
         raise ValueError(f"a model quantized to {model.quantization} cannot be saved in the checkpoint layout (its "
                          "weights are no longer float tensors): save the unquantized model, quantize when loading")
     path = Path(path)
-    generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+    generation_config = generation_config or model.generation_config or GenerationConfig()
     state = checkpoint_state(model)
     bad = nonfinite_tensor(iter(state.items()))
     if bad:

@@ -397,10 +397,10 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
             with torch.device("meta"):
                 plain = DiffusionGemma(model.config)
             plain.load_state_dict(full, assign=True)
-            plain.generation_config = getattr(model, "generation_config", None)
+            plain.generation_config = model.generation_config
             save_pretrained(plain, tmp)
         else:  # the configs, so that `dgemma export` knows the model (and load_model names the way out)
-            gen = getattr(model, "generation_config", None) or GenerationConfig()
+            gen = model.generation_config or GenerationConfig()
             fsio.write_text(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
             fsio.write_text(tmp / "generation_config.json", json.dumps(gen.to_hf(), indent=2) + "\n")
         fsio.write_text(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")

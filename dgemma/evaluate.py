@@ -361,7 +361,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     prompts = pick_prompts(val, s.num_prompts, s.prompt_tokens)
     max_new = s.max_new_tokens or 2 * L
     eos = (val.eot_id,)
-    gcfg = (getattr(model, "generation_config", None) or GenerationConfig()).replace(
+    gcfg = (model.generation_config or GenerationConfig()).replace(
         max_new_tokens=max_new, eos_token_id=eos, pad_token_id=None, truncate=False)
     dtype = getattr(torch, s.quality_dtype)
     quality_model = copy.deepcopy(model).to(dtype) if s.quality_dtype != "float32" else model

@@ -20,7 +20,7 @@ def resolve_generation_config(model: DiffusionGemma, generation_config: Generati
                               overrides: dict[str, Any]) -> GenerationConfig:
     """The settings of a request. Precedence: `overrides` > `generation_config` > the model's generation_config.json
     > GenerationConfig's defaults."""
-    base = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+    base = generation_config or model.generation_config or GenerationConfig()
     return base.replace(**overrides) if overrides else base
 
 
