@@ -60,3 +60,20 @@ def test_quantize_and_offload_do_not_combine_by_one_rule(tmp_path, capsys):
 def test_a_fresh_model_declares_its_modes():
     model = dgemma.DiffusionGemma(TINY)
     assert (model.quantization, model.offloaded, model.generation_config) == (None, None, None)
+
+
+def test_offloaded_experts_are_written_atomically_never_through_a_symlink(tmp_path):
+    """The experts file goes through the one atomic writer (fsio.atomic_write): a symlink at the path is replaced,
+    the file it pointed to is untouched."""
+    from dgemma.offload import offload_experts
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    link = tmp_path / "experts.safetensors"
+    link.symlink_to(victim)
+    model = dgemma.build_model("tiny")
+    want = model(torch.tensor([[2, 3, 4]]), torch.tensor([[5] * TINY.canvas_length]))
+    offload_experts(model, link)
+    assert victim.read_text() == "not yours" and not link.is_symlink() and link.is_file()
+    assert model.offloaded == str(link)
+    assert torch.equal(model(torch.tensor([[2, 3, 4]]), torch.tensor([[5] * TINY.canvas_length])), want)
