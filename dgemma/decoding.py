@@ -23,14 +23,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.attention import causal_masks
 from dgemma.console import Progress
 from dgemma.generate import Trace, generate
 from dgemma.generation_config import GenerationConfig, offset_seed
 from dgemma.model import DiffusionGemma
+from dgemma.nelbo import ar_token_nll
 from dgemma.request_rules import eos_index
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
@@ -172,18 +171,6 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
             run.samples.append(out)
             bar.update(1)
     return run
-
-
-def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
-    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1), one causal encoder pass; fp32, or float64
-    for a float64 model."""
-    inputs = x[:, :-1]
-    T = inputs.shape[1]
-    hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
-                                   causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
-    logits = model.logits(hidden, torch.promote_types(hidden.dtype, torch.float32))  # (B, T, V); float64 judges
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
-    return nll.view(x.shape[0], T)
 
 
 # --- sample quality -------------------------------------------------------------------------------------------------

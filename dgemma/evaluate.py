@@ -33,7 +33,7 @@ from torch import Tensor
 
 from dgemma.console import Progress
 from dgemma.curves import learning_curves
-from dgemma.decoding import DecodeRun, ar_token_nll, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
+from dgemma.decoding import DecodeRun, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
 from dgemma.judging import Z95, judge_description, point_stats
@@ -41,6 +41,7 @@ from dgemma.model import DiffusionGemma
 from dgemma.nelbo import (
     EvalError,
     Posterior,
+    ar_token_nll,
     clean_context_posterior,
     estimate,
     posterior_of,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.attention import clean_context_masks, noisy_context_masks
+from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.diffusion import KL_CHUNK_ROWS, draw_rows, prior_kl, q_sample, reverse_kl, sample_canvas_t
 from dgemma.model import DiffusionGemma
 
@@ -196,6 +196,34 @@ def x0_ce_per_canvas(model: DiffusionGemma, x0: Tensor, *, objective: str, num_s
     ce = torch.cat([F.cross_entropy(posterior(x0[b:b + 1], xt[b:b + 1], t[b:b + 1])[0], x0[b], reduction="none")
                     for b in range(B)])
     return ce.view(B, S // L, L).sum(-1), t
+
+
+def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
+    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1), one causal encoder pass, the head one window
+    at a time (at most (S, V) logits); fp32, or float64 for a float64 model. The one next-token cross-entropy of
+    an AR run's learning curve (`train.heldout_metrics`), `dgemma eval` (`evaluate.heldout_ar_ce`) and the judge's
+    generative perplexity."""
+    inputs = x[:, :-1]
+    T = inputs.shape[1]
+    hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
+                                   causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # a float64 judge scores in float64
+    return torch.stack([F.cross_entropy(model.logits(hidden[b], dtype), x[b, 1:], reduction="none")
+                        for b in range(x.shape[0])])
+
+
+def window_cross_entropy(model: DiffusionGemma, x: Tensor, *, objective: str, num_steps: int,
+                         generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
+                         ) -> tuple[Tensor, int]:
+    """(nats summed, target tokens) of held-out windows x for a run trained with `objective`: the x0 cross-entropy
+    (`x0_ce_per_canvas`) of a diffusion objective, the next-token cross-entropy (`ar_token_nll`; x holds seq_len + 1
+    tokens) of "ar". What training's learning curves log as val_loss (`train.heldout_metrics`)."""
+    if objective == "ar":
+        nll = ar_token_nll(model, x)
+        return nll.sum(), nll.numel()
+    ce, _ = x0_ce_per_canvas(model, x, objective=objective, num_steps=num_steps, generator=generator,
+                             batch_rows=batch_rows)
+    return ce.sum(), x.numel()
 
 
 def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:

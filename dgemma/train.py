@@ -61,7 +61,7 @@ from dgemma.distributed import PARALLEL, Dist, checkpoint_world_size, load_into,
 from dgemma.generation_config import GenerationConfig, is_seed
 from dgemma.loading import load_model
 from dgemma.model import DiffusionGemma, init_weights
-from dgemma.nelbo import nelbo_per_window, x0_ce_per_canvas
+from dgemma.nelbo import nelbo_per_window, window_cross_entropy
 from dgemma.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.run_dir import NonFiniteError
 from dgemma.serving.templates import load_chat_template
@@ -349,15 +349,14 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
         rows_kw = {"batch_rows": None if d.world_size == 1 else (lo, rows)}
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
             g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
-            if cfg.objective in ("clean-context", "noisy-context"):  # the held-out x0 CE of `dgemma eval` too
-                (ce, _), _ = net(x0[lo:hi].to(device), measure=x0_ce_per_canvas, objective=cfg.objective,
-                                 num_steps=cfg.num_steps, generator=g, **rows_kw)
-                tokens = x0[lo:hi].numel()
-                loss = float(ce.sum()) / tokens
-            else:  # AR windows and chats: the objective's own loss
+            if cfg.objective == "sft":  # chats: the fine-tuning loss
                 _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
                              self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows, generator=g, **rows_kw)
                 loss, tokens = float(out.cross_entropy), out.tokens
+            else:  # token windows: the held-out cross-entropy `dgemma eval` computes too
+                nats, tokens = net(x0[lo:hi].to(device), measure=window_cross_entropy, objective=cfg.objective,
+                                   num_steps=cfg.num_steps, generator=g, **rows_kw)[0]
+                loss = float(nats) / tokens
             g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
             per_window = None if not nelbo else net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
                                                     objective=cfg.objective, num_steps=nelbo,
