@@ -5,7 +5,8 @@ from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset
 from dgemma.generate import GenerationResult, generate
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
-from dgemma.model import DiffusionGemma, MemoryPreflightError, init_weights, load_model
+from dgemma.loading import build_model, load_model
+from dgemma.model import DiffusionGemma, MemoryPreflightError, init_weights
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "MemoryPreflightError",
     "ModelConfig",
     "RopeConfig",
+    "build_model",
     "generate",
     "init_weights",
     "load_model",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -41,7 +40,6 @@ from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
 
 DECODER = "model.decoder."
-ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 IGNORED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.encoder.language_model.", "lm_head.")
 PICKLE_GLOBS = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -67,16 +65,6 @@ def to_checkpoint_key(name: str) -> str:
     if name.endswith(".encoder_layer_scalar"):
         return "model.encoder.language_model." + name.removesuffix(".encoder_layer_scalar") + ".layer_scalar"
     return DECODER + name
-
-
-def from_checkpoint_key(key: str) -> str | None:
-    """Checkpoint key -> dgemma state-dict name, or None for tensors dgemma does not use."""
-    m = ENCODER_SCALAR.match(key)
-    if m:
-        return f"layers.{m.group(1)}.encoder_layer_scalar"
-    if key.startswith(DECODER):
-        return key[len(DECODER):]
-    return None
 
 
 def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
@@ -311,11 +299,11 @@ def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes
     it was overwriting the shards of an earlier sharded save, no index at all, so nothing half-old half-new loads)."""
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
-    if getattr(model, "quantization", None):
+    if model.quantization:
         raise ValueError(f"a model quantized to {model.quantization} cannot be saved in the checkpoint layout (its "
                          "weights are no longer float tensors): save the unquantized model, quantize when loading")
     path = Path(path)
-    generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+    generation_config = generation_config or model.generation_config or GenerationConfig()
     state = checkpoint_state(model)
     bad = nonfinite_tensor(iter(state.items()))
     if bad:
@@ -373,7 +361,3 @@ def nonfinite_tensor(named: Iterator[tuple[str, Any]]) -> str | None:
                 return found
     return None
 
-
-def iter_checkpoint_keys(path: str | os.PathLike[str]) -> Iterator[str]:
-    """Every tensor key in a checkpoint directory (without reading tensors)."""
-    yield from _weight_files(Path(path))[0]

@@ -8,12 +8,14 @@ Rows that stopped keep their state through `torch.where`, not a branch on a host
 `done.all()` only once every `sync_every` steps.
 
 Same decisions as the readable loop given the same logits and noise (tests/test_fast_sampler.py); the random draws
-differ (inverse-CDF or exponential race instead of torch.multinomial). `generate(..., impl="fast")` uses it for the
-settings `supports` accepts and the readable loop on the fast kernels otherwise.
+differ (inverse-CDF or exponential race instead of torch.multinomial). `generate(..., loop="sync-free")` (the default
+with impl="fast") runs it; settings it does not implement (`unsupported`) are an error naming them, and
+`loop="readable"` runs those on the fast kernels.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -25,15 +27,25 @@ from dgemma.config import SLIDING
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma
+from dgemma.request_rules import sliding_prefix
 
-_COMPILED: dict[str, Callable[..., Tensor]] = {}  # compiled `_static_hidden` per mode, made on first use (not import)
+IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
 
 
-def supports(config: GenerationConfig) -> bool:
-    """Whether the fast loop implements `config`: the entropy-bound sampler with transformers' posterior and first
-    self-conditioning input (the Lite sampler and the other switches run the readable loop on fast kernels)."""
-    return config.sampler == "entropy-bound" and config.posterior_rule == "tempered" and \
-        config.initial_self_conditioning == "zeros"
+def unsupported(config: GenerationConfig) -> list[str]:
+    """The settings of `config` this loop does not implement, as "name=value" (empty: it implements `config`). It
+    implements the entropy-bound sampler with transformers' posterior and first self-conditioning input."""
+    return [f"{k}={getattr(config, k)!r}" for k, v in IMPLEMENTED.items() if getattr(config, k) != v]
+
+
+def check_supported(config: GenerationConfig) -> None:
+    """GenerationError naming the settings of `config` this loop does not implement, and the way out."""
+    bad = unsupported(config)
+    if bad:
+        raise GenerationError(f"the sync-free sampler loop (loop='sync-free', the default with impl='fast') does not "
+                              f"implement {', '.join(bad)} (it runs "
+                              f"{', '.join(f'{k}={v!r}' for k, v in IMPLEMENTED.items())}); pass loop='readable' to "
+                              "run these settings on the fast kernels")
 
 
 class DenoiseStep:
@@ -53,7 +65,7 @@ class DenoiseStep:
         self.model, self.cache, self.sliding_prefix = model, cache, sliding_prefix
         self.static = static or bool(compile)
         self._fn: Callable[..., Tensor] = _static_hidden
-        if compile and (getattr(model, "quantization", None) or getattr(model, "offloaded", None)):
+        if compile and (model.quantization or model.offloaded):
             raise ValueError("compile=True (--compile) does not take a quantized model or offloaded experts: the "
                              "compiled step's expert op reads plain tensors; run such a model without it")
         if compile:
@@ -85,10 +97,13 @@ def compiled_static_hidden(device: torch.device, cache: KVCache | None = None, b
         for t in (*cache.keys, *cache.values, cache.is_token):
             torch._dynamo.mark_static_address(t)
     kernels.register_expert_loop_op()
-    key = f"{backend}/{mode}"
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(_static_hidden, fullgraph=True, dynamic=False, backend=backend, mode=mode)
-    return _COMPILED[key]
+    return _compiled(backend, mode)
+
+
+@functools.cache
+def _compiled(backend: str, mode: str | None) -> Callable[..., Tensor]:
+    """torch.compile of `_static_hidden` for one backend and mode, made once (compiling is what costs)."""
+    return torch.compile(_static_hidden, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
 
 def _static_hidden(model: DiffusionGemma, keys: list[Tensor], values: list[Tensor], is_token: Tensor,
@@ -122,23 +137,19 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
                    head: Callable[[Tensor, Tensor | None], Tensor] | None = None,
                    draw: kernels.Draw | None = None, sync_every: int | None = None, chunk_rows: int | None = None,
                    compile: bool = False) -> StagedCanvas:
-    """Twin of `generate.denoise_canvas` for the settings `supports` accepts (module docstring). `step`: the
+    """Twin of `generate.denoise_canvas` for the settings `check_supported` accepts (module docstring). `step`: the
     denoise step (default `DenoiseStep`); `head`: rows -> fp32 logits (default the model's tied head); `draw`:
     "cdf" (default on CPU) or "race" (default on CUDA); `sync_every`: steps between host reads of `done.all()`
     (default: every step on CPU, where a read costs nothing; every 4 on CUDA; steps run after the whole batch stopped
     are discarded, so the per-row step counts are the readable loop's); `chunk_rows`: rows of (rows, V) logits per
     chunk."""
-    if not supports(config):
-        raise ValueError("the fast sampler implements the entropy-bound sampler with posterior='tempered' and "
-                         f"initial_self_conditioning='zeros', not {config.sampler!r}, {config.posterior_rule!r}, "
-                         f"{config.initial_self_conditioning!r}")
+    check_supported(config)
     B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
     device = model.device
     state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas, finished=finished,
                               canvas_index=canvas_index, on_step=on_step, trace=trace)
     if step is None:
-        sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
-        step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix, compile=compile)
+        step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix(model.config, config), compile=compile)
     weight = model.embed_tokens.weight
     if head is None:
         softcap = model.config.final_logit_softcapping

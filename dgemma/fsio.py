@@ -21,7 +21,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -248,17 +248,3 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make the renames in a directory durable (POSIX); a no-op where directories cannot be opened (Windows)."""
     with contextlib.suppress(OSError):
         fsync_file(path)
-
-
-@contextlib.contextmanager
-def mapped_no_space(path: str | os.PathLike[str], needed: int | None = None) -> Iterator[None]:
-    """Turn a full-disk failure of the block (from any library) into NoSpaceError naming `path`."""
-    try:
-        yield
-    except NoSpaceError:
-        raise
-    except Exception as e:
-        full = no_space(e, path, needed)
-        if full is not None:
-            raise full from None
-        raise

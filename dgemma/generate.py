@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,11 +32,12 @@ from torch import Tensor
 from dgemma import dirkind, fast_sampler, fsio, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.config import ConfigError
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, check_memory, check_token_ids
+from dgemma.request_rules import check_seed, eos_index, new_token_budget, resolve_generation_config, sliding_prefix
 
+LOOPS = ("readable", "sync-free")  # generate's sampler loops
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
 
 
@@ -121,23 +121,11 @@ class GenerationResult:
     def new_tokens(self) -> list[list[int]]:
         """Generated ids per row, up to and including the first EOS, padding removed."""
         out = []
+        pad, eos = self.pad_token_id, self.eos_token_id
         for row in self.sequences[:, self.prompt_length:].tolist():
-            kept = []
-            for t in row:
-                if self.pad_token_id is not None and t == self.pad_token_id and t not in self.eos_token_id:
-                    continue
-                kept.append(t)
-                if t in self.eos_token_id:
-                    break
-            out.append(kept)
+            kept = [t for t in row if pad is None or t != pad or t in eos]
+            out.append(kept[:eos_index(kept, eos) + 1])
         return out
-
-
-def resolve_config(model: DiffusionGemma, generation_config: GenerationConfig | None,
-                   overrides: dict[str, Any]) -> GenerationConfig:
-    """Precedence: `overrides` > `generation_config` > the model's generation_config.json > defaults."""
-    base = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
-    return base.replace(**overrides) if overrides else base
 
 
 def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConfig, *,
@@ -153,10 +141,10 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     sampler = CanvasSampler(model, config, cache.batch_size, generator=generator, canvas=canvas,
                             self_conditioning_logits=self_conditioning_logits, finished=finished,
                             canvas_index=canvas_index, on_step=on_step, trace=trace)
-    sliding_prefix = model.config.sliding_window if config.sliding_prefix == "jax" else None
+    prefix = sliding_prefix(model.config, config)
     while True:
         x, sc, level = sampler.inputs()
-        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=sliding_prefix, t=level,
+        logits = model.denoise(x, cache, self_conditioning_logits=sc, sliding_prefix=prefix, t=level,
                                impl=impl)
         del x, sc  # the step frees the previous logits before it allocates its own
         if sampler.step(logits):
@@ -265,7 +253,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
              on_step: Callable[[StepInfo], None] | None = None,
              on_canvas: Callable[[int, Tensor], None] | None = None, trace: bool = False,
              cache: KVCache | None = None, decoder_input_ids: Tensor | None = None,
-             impl: Impl | None = None, compile: bool = False, force: bool = False,
+             impl: Impl | None = None, loop: str | None = None, compile: bool = False, force: bool = False,
+             around_commit: Callable[[Callable[[], None]], None] | None = None,
              **overrides: Any) -> GenerationResult:
     """Generate whole canvases after `input_ids` (B, T).
 
@@ -275,30 +264,37 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     numbers on CPU). `attention_mask` (B, T) marks left padding. `cache`: continue from a cache (multi-turn);
     `input_ids` are then only the tokens not yet committed. `decoder_input_ids` replaces the first canvas's
     initial noise. `on_step(StepInfo)` runs after every denoising step, `on_canvas(index, tokens)` after each
-    canvas is finalised (EOS/padding applied).
-    `impl` (default: the model's, `model.impl`): "fast" runs the fast kernels and, where it implements the
-    settings, the sync-free sampler loop of dgemma/fast_sampler.py (the same decisions, other random draws);
-    `compile=True` (fast only) compiles its denoise step. The model is never modified: calls on different caches
-    may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
+    canvas is finalised (EOS/padding applied). `around_commit(run)` is called for each cache write (the prefill,
+    then each canvas before the next) with `run`, the write, which it must call once: `dgemma bench` times the
+    commits this way (default: the write alone).
+    `impl` (default: the model's, `model.impl`): the kernels, "reference" or "fast". `loop`: the sampler loop,
+    "readable" (`denoise_canvas`, on either kernels) or "sync-free" (dgemma/fast_sampler.py: the same decisions,
+    other random draws; fast kernels); default "sync-free" with impl="fast", else "readable". Settings the sync-free
+    loop does not implement (the Lite sampler, ...) are a GenerationError naming them, never a silent switch of
+    loop; `compile=True` (sync-free only) compiles its denoise step. The model is never modified: calls on different
+    caches may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
     cache and sampler buffers larger than the free memory unless `force`; NaN or inf logits raise GenerationError
     naming the canvas and step."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
-    if compile and impl != "fast":
-        raise ValueError("compile=True needs impl='fast' (the static denoise step lives in dgemma/fast_sampler.py)")
-    config = resolve_config(model, generation_config, overrides)
+    loop = ("sync-free" if impl == "fast" else "readable") if loop is None else loop
+    if loop not in LOOPS:
+        raise GenerationError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
+    if loop == "sync-free" and impl != "fast":
+        raise GenerationError("loop='sync-free' runs the fast kernels: pass impl='fast' (or loop='readable')")
+    if compile and loop != "sync-free":
+        raise ValueError("compile=True needs impl='fast' and the sync-free loop (the static denoise step lives in "
+                         "dgemma/fast_sampler.py)")
+    config = resolve_generation_config(model, generation_config, overrides)
+    if loop == "sync-free":
+        fast_sampler.check_supported(config)  # before anything is allocated
     _check_inputs(model, input_ids, cache, config)
     B, T = input_ids.shape
     L, device = model.config.canvas_length, model.device
     input_ids = input_ids.to(device)
     past = cache.length if cache is not None else 0
     cur_len = past + T
-    if config.max_length is not None and config.max_new_tokens == 256:  # transformers' rule, literal 256 included
-        max_new = config.max_length - cur_len
-        if max_new <= 0:
-            raise ConfigError(f"max_length={config.max_length} leaves no room after {cur_len} context tokens")
-    else:
-        max_new = config.max_new_tokens
+    max_new = new_token_budget(config, cur_len)
     num_canvases = math.ceil(max_new / L)
     end = cur_len + num_canvases * L
     if end > model.config.max_position_embeddings:
@@ -311,13 +307,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
                                   f"canvas_length={L}), got {got}")
         check_token_ids(decoder_input_ids, model.config.vocab_size, "decoder_input_ids")
     if generator is None and seed is not None:
-        try:
-            ok = not isinstance(seed, bool) and -(2**63) <= operator.index(seed) < 2**64
-        except TypeError:
-            ok = False
-        if not ok:
-            raise GenerationError(f"seed must be an int in [-2**63, 2**64) (what torch.Generator takes), got {seed!r}")
-        generator = torch.Generator(device=device).manual_seed(seed)
+        generator = torch.Generator(device=device).manual_seed(check_seed(seed))
     new_slots = end - L - (cache.max_length if cache is not None else 0)
     check_memory(model.config, model.dtype, device, batch_size=B, cache_length=max(new_slots, 0), prompt_length=T,
                  force=force)
@@ -326,7 +316,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     else:
         cache.ensure_capacity(end - L)
 
-    model.commit(input_ids, cache, attention_mask=attention_mask, impl=impl)  # prefill
+    commit = around_commit or (lambda run: run())
+    commit(lambda: model.commit(input_ids, cache, attention_mask=attention_mask, impl=impl))  # prefill
     eos = torch.tensor(config.eos_token_id, dtype=torch.long, device=device) if config.eos_token_id else None
     sequences = input_ids
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -334,10 +325,11 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     steps_per_canvas, stop_reasons, records = [], [], []
     for c in range(num_canvases):
         if c > 0:
-            model.commit(sequences[:, -L:], cache, impl=impl)  # the previous canvas, as finalised
+            previous = sequences[:, -L:]  # the previous canvas, as finalised
+            commit(lambda previous=previous: model.commit(previous, cache, impl=impl))
         kwargs: dict[str, Any] = dict(generator=generator, finished=finished, canvas_index=c, on_step=on_step,
                                       trace=trace, canvas=decoder_input_ids if c == 0 else None)
-        if impl == "fast" and fast_sampler.supports(config):  # the sync-free loop (dgemma/fast_sampler.py)
+        if loop == "sync-free":
             staged = fast_sampler.denoise_canvas(model, cache, config, compile=compile, **kwargs)
         else:
             staged = denoise_canvas(model, cache, config, impl=impl, **kwargs)

@@ -15,6 +15,7 @@ and synchronises on CUDA.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -104,16 +105,13 @@ def _padded_expert_loop(xs: Tensor, counts: Tensor, gate_up_proj: Tensor, down_p
     return y
 
 
-_EXPERT_LOOP_OP: list[Callable[..., Tensor]] = []
-
-
+@functools.cache
 def register_expert_loop_op() -> None:
-    """Register `_expert_loop` as the custom op `dgemma::expert_loop` (once; at the compile call site, not at
-    import), so torch.compile(fullgraph=True) sees the loop as one call with a known output shape (inference)."""
-    if not _EXPERT_LOOP_OP:
-        op = torch.library.custom_op("dgemma::expert_loop", mutates_args=())(_expert_loop)
-        op.register_fake(lambda xs, counts, gate_up_proj, down_proj: torch.empty_like(xs))
-        _EXPERT_LOOP_OP.append(op)
+    """Register `_expert_loop` as the custom op `dgemma::expert_loop` (`torch.ops.dgemma.expert_loop`), at the
+    compile call site rather than at import, so torch.compile(fullgraph=True) sees the loop as one call with a known
+    output shape (inference). Idempotent: a second call is a no-op (torch refuses a second registration)."""
+    op = torch.library.custom_op("dgemma::expert_loop", mutates_args=())(_expert_loop)
+    op.register_fake(lambda xs, counts, gate_up_proj, down_proj: torch.empty_like(xs))
 
 
 def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tensor, down_proj: Tensor, *,
@@ -140,7 +138,7 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
     elif backend == "padded":
         y = _padded_expert_loop(xs, counts, gate_up_proj, down_proj)
     elif torch.compiler.is_compiling():  # the loop's sizes are data: the tracer sees it as one opaque op
-        y = _EXPERT_LOOP_OP[0](xs, counts, gate_up_proj, down_proj)  # registered by compiled_static_hidden
+        y = torch.ops.dgemma.expert_loop(xs, counts, gate_up_proj, down_proj)  # registered by compiled_static_hidden
     else:
         y = _expert_loop(xs, counts, gate_up_proj, down_proj)
     weighted = y.float() * weights.reshape(-1)[order, None]  # (N*k, D) fp32

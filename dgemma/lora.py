@@ -36,7 +36,7 @@ from dgemma import fsio
 from dgemma.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, resolve_model_dir, write_safetensors
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
-from dgemma.model import DiffusionGemma, load_model
+from dgemma.model import DiffusionGemma
 
 CONFIG, WEIGHTS = ADAPTER_CONFIG, ADAPTER_WEIGHTS
 PREFIX = "base_model.model."  # what peft's PeftModel puts before the wrapped model's module paths
@@ -302,7 +302,7 @@ def load_merged(path: str | os.PathLike[str], *, base: str | os.PathLike[str] | 
     end-of-turn token) replaces the base's."""
     path = resolve_model_dir(path)  # a run: its newest checkpoint
     base_dir = base_of(path, read_config(path), base)
-    model = load_model(base_dir, dtype=dtype, device=device, impl=impl, force=force)  # type: ignore[arg-type]
+    model = DiffusionGemma.from_pretrained(base_dir, dtype=dtype, device=device, impl=impl, force=force)  # type: ignore[arg-type]
     generation_config = model.generation_config
     load_adapter(model, path)
     model = merge(model)

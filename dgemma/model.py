@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from dgemma import attention, checkpoint, costs, kernels
 from dgemma.attention import Impl, Mask, Past, check_impl
 from dgemma.config import ModelConfig, RopeConfig
+from dgemma.generation_config import GenerationConfig
 from dgemma.kv_cache import KVCache
 from dgemma.system import available_memory
 
@@ -323,6 +324,9 @@ class DiffusionGemma(nn.Module):
         self.self_conditioning = SELF_CONDITIONING[config.self_conditioning](config)
         # Lite (seed 003): each canvas is told its noise level; clean tokens get t = 0.
         self.time_proj = nn.Linear(TIME_FEATURES, config.hidden_size) if config.time_embedding else None
+        self.quantization: str | None = None  # "int8" / "int4" once quantized (dgemma/quantize.py): saving refuses it
+        self.offloaded: str | None = None  # where the routed experts live once offloaded (dgemma/offload.py)
+        self.generation_config: GenerationConfig | None = None  # the checkpoint's generation_config.json, if any
         # RoPE inverse frequencies per layer type, fp32, computed once (plain tensors, not buffers: `.to(bf16)` must
         # never round them, a pitfall transformers' own `.to` has).
         # On the CPU even when the model is built on the meta device (load_model), then moved where positions live.
@@ -356,8 +360,7 @@ class DiffusionGemma(nn.Module):
         from dgemma import offload
         from dgemma import quantize as q  # torchao, imported only when asked for
 
-        if quantize is not None and offload_experts:
-            raise ValueError("quantize and offload_experts do not combine: pick one")
+        offload.check_offload_combination(quantize, offload_experts)
         dev = torch.device(device or "cpu")
 
         def preflight(config: ModelConfig, dt: torch.dtype) -> None:
@@ -557,9 +560,10 @@ class DiffusionGemma(nn.Module):
                                      past=lambda i: [c.visible(i, c.length, seen[kinds[i]]) for c in rows])
         return self.final_hidden(hidden, soft)
 
-    def logits(self, final: Tensor) -> Tensor:
-        """Tied head and fp32 softcap on the final hidden states (`final_hidden`): (..., D) -> (..., V) fp32."""
-        logits = F.linear(final, self.embed_tokens.weight).float()  # Gemma: tied input/output embedding
+    def logits(self, final: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Tied head and softcap on the final hidden states (`final_hidden`): (..., D) -> (..., V) in `dtype` (fp32;
+        float64 for a float64 judge's scores)."""
+        logits = F.linear(final, self.embed_tokens.weight).to(dtype)  # Gemma: tied input/output embedding
         cap = self.config.final_logit_softcapping
         if cap is not None:
             if torch.is_grad_enabled() and logits.requires_grad:  # training keeps tanh's input for backward
@@ -589,18 +593,6 @@ class DiffusionGemma(nn.Module):
         self.commit(input_ids, cache, attention_mask=attention_mask, impl=impl)
         return self.denoise(decoder_input_ids, cache, self_conditioning_logits=self_conditioning_logits,
                             self_conditioning_mask=self_conditioning_mask, impl=impl)
-
-
-def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None, impl: Impl = "reference", force: bool = False,
-               quantize: str | None = None, offload_experts: bool = False) -> DiffusionGemma:
-    """`DiffusionGemma.from_pretrained`: a checkpoint directory in the Hugging Face layout, or a training run (its
-    newest complete checkpoint), with its generation_config attached. Problems raise `CheckpointError`; weights
-    that do not fit in free memory raise `MemoryPreflightError` (before anything is allocated) unless `force`.
-    `quantize="int8"|"int4"`: weight-only quantization with torchao (`pip install 'dgemma[quant]'`);
-    `offload_experts=True`: experts kept out of device memory, read per layer (dgemma/offload.py)."""
-    return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl, force=force, quantize=quantize,
-                                          offload_experts=offload_experts)
 
 
 class MemoryPreflightError(ValueError):

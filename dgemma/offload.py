@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from dgemma import fsio
+
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -116,6 +118,14 @@ def map_safetensors(path: str | os.PathLike[str], key: str) -> tuple[Tensor, np.
     return flat.view(dtype).view(info["shape"]), mapping
 
 
+def check_offload_combination(quantize: str | None, offload: bool) -> None:
+    """The one rule of what combines with offloading: quantized weights and offloaded experts do not (torchao's
+    tensors cannot be memory-mapped from the checkpoint's file). ValueError naming both otherwise."""
+    if quantize is not None and offload:
+        raise ValueError(f"quantize={quantize!r} (--quantize) and offload_experts (--offload-experts) do not "
+                         "combine: pick one")
+
+
 def expert_names(model: nn.Module) -> list[str]:
     return [f"{name}.{p}" for name, m in model.named_modules()
             if isinstance(getattr(m, "gate_up_proj", None), Tensor) for p in ("gate_up_proj", "down_proj")]
@@ -127,12 +137,12 @@ def offload_experts(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module
     names = expert_names(model)
     if not names:
         raise ValueError("--offload-experts: this model has no routed experts (a dense model)")
-    if getattr(model, "quantization", None):
-        raise ValueError("--offload-experts takes an unquantized model (drop --quantize)")
+    check_offload_combination(model.quantization, True)
     device = model.embed_tokens.weight.device
     path = Path(path)
     if device.type == "cpu":
-        save_file({n: model.get_parameter(n).detach().contiguous() for n in names}, str(path))
+        tensors = {n: model.get_parameter(n).detach().contiguous() for n in names}
+        fsio.atomic_write(path, lambda tmp, _f: save_file(tensors, str(tmp)))
     for name in names:
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -143,7 +153,7 @@ def offload_experts(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module
             host, mapping = w.detach().to("cpu").pin_memory(), None
         setattr(module, attr, OffloadedExperts(host, device, mapping))
         del w
-    model.offloaded = str(path) if device.type == "cpu" else "pinned host memory"  # type: ignore[assignment]
+    model.offloaded = str(path) if device.type == "cpu" else "pinned host memory"
     return model
 
 
@@ -170,7 +180,7 @@ def streaming_loader() -> tuple[Callable[[nn.Module], set[str]], Callable[..., N
             host = read().to(dtype)
             host = host.pin_memory() if device.type == "cuda" else host
         setattr(module, attr, OffloadedExperts(host, device, mapping))
-        model.offloaded = str(file) if mapping is not None else "host memory"  # type: ignore[assignment]
+        model.offloaded = str(file) if mapping is not None else "host memory"
 
     return names, place
 

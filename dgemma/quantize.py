@@ -36,7 +36,6 @@ from torch import Tensor, nn
 
 from dgemma.costs import INT4_GROUP, QUANTIZE_MODES
 
-TORCHAO_REQUIREMENT = "torchao>=0.18,<0.19"
 INSTALL_HINT = "pip install 'dgemma[quant]'"
 
 
@@ -166,7 +165,7 @@ def quantize_model(model: nn.Module, mode: str | None) -> nn.Module:
     check_supported(mode, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)
     for name in list(quantized_names(model)):
         replace(model, name, mode)
-    model.quantization = mode  # type: ignore[assignment]
+    model.quantization = mode
     return model
 
 
@@ -207,7 +206,3 @@ def storage_bytes(model: nn.Module) -> int:
         add(t)
     return total
 
-
-def is_plain(t: Any) -> bool:
-    """Whether `t` is an ordinary tensor (not a torchao tensor or an `ExpertMatrices`)."""
-    return type(t) in (Tensor, nn.Parameter)

@@ -123,7 +123,7 @@ def _score(name: str, args: argparse.Namespace) -> dict:
     from dgemma.checkpoint import resolve_model_dir
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.evaluate import heldout_nelbo, heldout_x0_ce
-    from dgemma.model import load_model
+    from dgemma.loading import load_model
 
     torch.set_num_threads(1)
     model = load_model(resolve_model_dir(args.out / name)).eval()

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dgemma.generate import generate
-from dgemma.model import load_model
+from dgemma.loading import load_model
 from dgemma.testing.hf import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
 
 S, F = "sliding_attention", "full_attention"

@@ -8,7 +8,8 @@ import torch
 
 import dgemma
 from dgemma.config import ConfigError
-from dgemma.data.tokenizer import TURN_END, chat_token_ids, left_pad, load_tokenizer
+from dgemma.data.templates import ChatTemplate
+from dgemma.data.tokenizer import TURN_END, left_pad, load_tokenizer
 from dgemma.generation_config import GenerationConfig
 from dgemma.serving.chat import ChatSession, ContextFullError
 
@@ -27,7 +28,7 @@ def test_first_turn_is_generate_on_the_chat_template(chat_model):
     model, tok = chat_model
     session = ChatSession(model, tok, seed=7, **FAST)
     answer = session.reply("Hello there")
-    ids = torch.tensor([chat_token_ids(tok, [{"role": "user", "content": "Hello there"}])])
+    ids = torch.tensor([ChatTemplate(None).encode(tok, [{"role": "user", "content": "Hello there"}])])
     direct = dgemma.generate(model, ids, seed=7, **FAST)
     assert torch.equal(answer.sequences, direct.sequences)
 
@@ -49,7 +50,7 @@ def test_later_turns_reuse_the_cache_and_reset_starts_afresh(chat_model):
     session.reset()
     assert session.cache.length == 0 and session.pending is None
     assert tok.decode(session.prompt_ids("Hi")) == tok.decode(
-        chat_token_ids(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]))
+        ChatTemplate(None).encode(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]))
 
 
 def test_a_turn_that_does_not_fit_leaves_the_session_unchanged(chat_model):

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 import dgemma.checkpoint as ckpt
 from dgemma.checkpoint import CheckpointError, checkpoint_state, save_pretrained
-from dgemma.model import load_model
+from dgemma.loading import load_model
 from dgemma.testing.hf import build_hf_model, hf_logits, load_hf_model, save_hf_model
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"

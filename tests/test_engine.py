@@ -34,7 +34,7 @@ def run_concurrently(engine, jobs):
 
     def go(i):
         prompt, config, seed = jobs[i]
-        out[i] = engine.generate(prompt, config, seed=seed, timeout=120)
+        out[i] = engine.complete(prompt, config, seed=seed, timeout=120)
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
     for t in threads:
@@ -78,7 +78,7 @@ def test_with_the_fast_kernels_a_requests_tokens_do_not_depend_on_the_batch():
     jobs = [(random_ids(V, 3 + 7 * i, seed=i).tolist(), base.replace(max_new_tokens=12 + 9 * i), 50 + i)
             for i in range(6)]
     with Engine(model, max_batch=1, max_context=128, impl="fast") as engine:
-        alone = [engine.generate(p, c, seed=s) for p, c, s in jobs]
+        alone = [engine.complete(p, c, seed=s) for p, c, s in jobs]
     with Engine(model, max_batch=6, max_context=128, impl="fast") as engine:
         crowd = run_concurrently(engine, jobs)
         assert engine.stats().denoise_rows > engine.stats().denoise_forwards
@@ -96,7 +96,7 @@ def test_eos_ends_a_request_with_finish_reason_stop():
     expected, reason = reference_tokens(model, prompt, config, 7)
     assert reason == "stop" and len(expected) == free.index(eos)
     with Engine(model, max_batch=2, max_context=128) as engine:
-        tokens, done = engine.generate(prompt, config, seed=7)
+        tokens, done = engine.complete(prompt, config, seed=7)
     assert tokens == expected and done.finish_reason == "stop"
     assert done.completion_tokens == len(expected) + 1  # the EOS counts as generated
 
@@ -143,7 +143,7 @@ def test_a_cancelled_request_leaves_and_the_others_are_untouched():
 
     with Engine(model, max_batch=2, max_context=128) as engine:
         request_box.append(engine.submit([5, 6, 7], config, seed=1, on_event=on_event, stream_steps=True))
-        other = engine.generate([9, 9, 9, 9], config, seed=2, timeout=120)
+        other = engine.complete([9, 9, 9, 9], config, seed=2, timeout=120)
         assert done.wait(60)
         stats = engine.stats()
     assert got[-1].finish_reason == "cancelled" and not any(isinstance(e, CanvasEvent) for e in got)
@@ -167,9 +167,9 @@ def test_non_finite_logits_fail_only_that_request():
 
     with Engine(model, max_batch=4, max_context=64) as engine:
         box.append(engine.submit([1, 2], config, seed=0, on_event=poison, stream_steps=True))
-        good = engine.generate([1, 2, 3], config, seed=1)
+        good = engine.complete([1, 2, 3], config, seed=1)
         assert done.wait(60)
-        after = engine.generate([4, 5], config, seed=2)  # the slot is reused: the prefill overwrites what it reads
+        after = engine.complete([4, 5], config, seed=2)  # the slot is reused: the prefill overwrites what it reads
     bad = events[-1]
     assert bad.finish_reason == "error" and "non-finite logits at canvas 0, step 2" in bad.error
     assert good == (reference_tokens(model, [1, 2, 3], config, 1)[0], good[1]) and good[1].finish_reason == "length"

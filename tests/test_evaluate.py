@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.eval.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, token_entropy, useful
+from dgemma.eval.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, unigram_entropy, useful
 from dgemma.eval.evaluate import run_info
 from dgemma.eval.viz import renoise_counts
 from dgemma.generate import TRACE_FORMAT
@@ -325,7 +325,7 @@ def test_sample_metrics_on_hand_made_samples():
     assert useful([5, 6, 1, 7, 8], eos=(1,), max_new=10) == [5, 6, 1]
     assert useful([5, 6, 7, 8], eos=(1,), max_new=3) == [5, 6, 7]
     assert distinct_n([[1, 2, 1, 2]], 1) == 0.5 and distinct_n([[1, 2, 1, 2]], 2) == pytest.approx(2 / 3)
-    assert token_entropy([[4, 4, 4]]) == 0.0 and token_entropy([[1, 2]]) == pytest.approx(math.log(2))
+    assert unigram_entropy([[4, 4, 4]]) == 0.0 and unigram_entropy([[1, 2]]) == pytest.approx(math.log(2))
     arrays = {"canvas": np.array([0, 0, 0, 1]), "active": np.ones((4, 1), bool),
               "accepted": np.array([[[1, 0, 0]], [[1, 1, 0]], [[0, 1, 1]], [[1, 1, 1]]], bool)}
     # steps 0->1: kept 1, accepted 1, noise 1; 1->2: kept 1, renoised 1, accepted 1; 2->3 crosses canvases
@@ -389,7 +389,7 @@ def pair(tmp_path_factory):
 def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.evaluate import heldout_ar_ce, heldout_x0_ce
-    from dgemma.model import load_model
+    from dgemma.loading import load_model
     from dgemma.train.diffusion import training_loss
 
     root, runs = pair
@@ -400,12 +400,12 @@ def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
     with torch.no_grad():
         ref = training_loss(diffusion, x0, num_steps=16, self_conditioning_prob=0.0,
                             generator=torch.Generator().manual_seed(5))
-    assert ours["estimate"].mean == pytest.approx(float(ref.x0_loss), rel=1e-5)
+    assert ours["estimate"].mean == pytest.approx(float(ref.cross_entropy), rel=1e-5)
     ar = load_model(run_info(runs["ar"]).model_dir).eval()
     ours = heldout_ar_ce(ar, val, seq_len=32, batch_size=4, max_windows=4, progress=False, tokenizer=val.tokenizer())
     with torch.no_grad():
         ref = training_loss(ar, next(val.heldout_batches(4, 32, shift=1)), objective="ar")
-    assert ours["estimate"].mean == pytest.approx(float(ref.x0_loss), rel=1e-5)
+    assert ours["estimate"].mean == pytest.approx(float(ref.cross_entropy), rel=1e-5)
     assert ours["estimate"].bits_per_byte > 0
 
 
@@ -593,7 +593,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     from dgemma.eval.decoding import generative_perplexity
     from dgemma.eval.evaluate import pick_prompts
     from dgemma.eval.judging import INDEPENDENT_JUDGE
-    from dgemma.model import load_model
+    from dgemma.loading import load_model
 
     pytest.importorskip("matplotlib")
     root, runs = pair

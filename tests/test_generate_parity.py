@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dgemma.generate import generate
-from dgemma.model import load_model
+from dgemma.loading import load_model
 from dgemma.testing.hf import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
 
 CASES = {

@@ -8,7 +8,7 @@ import torch
 from dgemma import DiffusionGemma, generate, init_weights, load_model, preset, save_pretrained
 from dgemma.attention import clean_context_masks
 from dgemma.costs import parameter_counts
-from dgemma.train.diffusion import soft_embedding, training_loss
+from dgemma.train.diffusion import chunked_soft_embedding, training_loss
 from tests.helpers import random_ids
 
 CFG = preset("lite-tiny")
@@ -56,7 +56,7 @@ def test_time_embedding_is_read_and_training_matches_sampling():
     tokens, positions, masks = torch.cat([x0, xt], 1), torch.cat([pos, pos])[None], clean_context_masks(T, L, 256)
     with torch.no_grad():
         pre = m.sequence_hidden(tokens, positions, masks, num_clean=T, t=level)[:, T:]
-        soft = soft_embedding(m, pre)
+        soft = chunked_soft_embedding(m, pre)
         final = m.sequence_hidden(tokens, positions, masks, num_clean=T, soft=soft, t=level)[:, T:]
     want = m.denoise(xt[:, L:], cache, self_conditioning_logits=m.logits(pre[:, L:]), t=0.75)
     torch.testing.assert_close(want, m.logits(final[:, L:]), atol=1e-4, rtol=0)

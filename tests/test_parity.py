@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from dgemma.model import load_model
+from dgemma.loading import load_model
 from dgemma.testing.hf import GEOMETRIES, build_hf_model, hf_logits, load_hf_model, save_hf_model
 
 PROMPT, CANVAS, BATCH = 11, 16, 2  # the prompt is longer than the tiny window (8)

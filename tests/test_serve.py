@@ -20,7 +20,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 import dgemma
-from dgemma.data.tokenizer import chat_token_ids, load_tokenizer
+from dgemma.data.templates import ChatTemplate
+from dgemma.data.tokenizer import load_tokenizer
 from dgemma.generation_config import GenerationConfig
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import Engine
@@ -97,7 +98,7 @@ def test_chat_whole_and_streamed_agree_with_usage_and_seeds(client, tok):
     (choice,) = r.choices
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "tiny" and r.created > 0
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
-    prompt = len(chat_token_ids(tok, USER))
+    prompt = len(ChatTemplate(None).encode(tok, USER))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (prompt, 20, prompt + 20)
     text = choice.message.content
     assert text and client.chat.completions.create(messages=USER, model="tiny", max_tokens=20, seed=3

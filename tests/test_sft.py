@@ -21,7 +21,7 @@ import dgemma
 from dgemma import cli
 from dgemma.data.sft import ChatData, ChatDataError, Example, build_examples, collate, pack, sft_masks
 from dgemma.data.templates import ChatTemplate
-from dgemma.data.tokenizer import TURN_END, build_test_tokenizer, chat_token_ids, encode_template
+from dgemma.data.tokenizer import TURN_END, build_test_tokenizer, encode_template
 from dgemma.train.diffusion import q_sample, sample_canvas_t, sft_loss
 from dgemma.train.loop import TrainConfig, train
 
@@ -69,7 +69,8 @@ def test_loss_masks_exactly_the_answer_tokens(tmp_path, tok):
     assert end == tok.token_to_id(TURN_END)
     assert len(examples) == 2  # one per assistant turn
     for ex, upto, answer in ((examples[0], 2, "I am fine, thank you."), (examples[1], 4, long_answer)):
-        assert ex.prompt == chat_token_ids(tok, chat[:upto])  # what `dgemma chat` commits: the generation prompt
+        # what `dgemma chat` commits: the generation prompt
+        assert ex.prompt == ChatTemplate(None).encode(tok, chat[:upto])
         assert ex.response == [*tok.encode(answer, add_special_tokens=False), end]
     second = examples[1]
     assert second.canvases(16) == 2 and len(second.response) > 16

@@ -15,15 +15,14 @@ import torch
 import dgemma
 from dgemma import cli
 from dgemma.cli.generate import Streamer
+from dgemma.data.templates import ChatTemplate
 from dgemma.data.tokenizer import (
     build_test_tokenizer,
-    chat_token_ids,
     check_vocab,
     encode_template,
     format_chat,
     load_tokenizer,
 )
-from dgemma.serving.chat import next_turn_text
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L = TINY.canvas_length
@@ -75,17 +74,18 @@ def test_chat_template_exact():
         format_chat([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
 
 
-def test_chat_token_ids_single_bos_and_control_ids(tok):
-    ids = chat_token_ids(tok, [{"role": "user", "content": "Hello"}])
+def test_builtin_template_single_bos_and_control_ids(tok):
+    ids = ChatTemplate(None).encode(tok, [{"role": "user", "content": "Hello"}])
     assert ids[:2] == [2, 3] and ids.count(2) == 1  # one <bos>, not two
     assert ids.count(3) == 2 and ids.count(4) == 1  # <|turn> twice, <turn|> once: one id each
     assert tok.decode(ids) == format_chat([{"role": "user", "content": "Hello"}])
     # The chat history built turn by turn is the template of the whole conversation.
-    first = chat_token_ids(tok, [{"role": "user", "content": "Hi"}])
+    first = ChatTemplate(None).encode(tok, [{"role": "user", "content": "Hi"}])
     answer = tok.encode("Hello!", add_special_tokens=False)
-    whole = chat_token_ids(tok, [{"role": "user", "content": "Hi"}, {"role": "model", "content": "Hello!"},
+    whole = ChatTemplate(None).encode(tok, [{"role": "user", "content": "Hi"}, {"role": "model", "content": "Hello!"},
                                  {"role": "user", "content": "Why?"}])
-    assert first + answer + encode_template(tok, next_turn_text("Why?")) == whole
+    follow = ChatTemplate(None).continuation([{"role": "user", "content": "Hi"}], "Why?")
+    assert first + answer + encode_template(tok, follow) == whole
 
 
 def test_check_vocab(tok):
@@ -111,7 +111,8 @@ def test_generate_json_chat_from_model_dir(tok, tok_path, tmp_path, capsys):
     rec = json.loads(line)
     assert set(rec) == {"prompt", "prompt_ids", "text", "token_ids", "tokens_per_forward", "steps_per_canvas",
                         "stop_reasons"}
-    assert rec["prompt"] == "Hello" and rec["prompt_ids"] == chat_token_ids(tok, [{"role": "user", "content": "Hello"}])
+    assert rec["prompt"] == "Hello"
+    assert rec["prompt_ids"] == ChatTemplate(None).encode(tok, [{"role": "user", "content": "Hello"}])
     assert rec["text"] == tok.decode(rec["token_ids"], skip_special_tokens=True)
     ids = rec["token_ids"]
     assert all(0 <= i < 512 for i in ids) and not any(i in (1, 4) for i in ids[:-1])  # nothing after an EOS

@@ -24,7 +24,7 @@ import dgemma.train.loop as T
 from dgemma import cli
 from dgemma.checkpoint import latest_checkpoint, list_checkpoints, resolve_model_dir
 from dgemma.config import ConfigError
-from dgemma.model import load_model
+from dgemma.loading import load_model
 from dgemma.train.loop import TrainConfig, learning_rate, train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,7 @@
 """`dgemma chat`: multi-turn chat, one user turn per line of stdin (a terminal or a pipe; EOF ends). The KV cache
 is kept between turns, so each turn encodes only what is new: the previous answer's last canvas (never committed
-by generate) and the new user turn. `/reset` clears the history, `/quit` exits."""
+by generate) and the new user turn, in the checkpoint's chat template (chat_template.jinja, sandboxed) when it has
+one, else dgemma's built-in Gemma template. `/reset` clears the history, `/quit` exits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import argparse
 import sys
 from typing import Any
 
-from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides, positive_int
+from dgemma.cli.common import (
+    Streamer,
+    UsageError,
+    add_model_args,
+    add_sampler_args,
+    chat_template,
+    load,
+    overrides,
+    positive_int,
+)
 from dgemma.serving.chat import ChatSession, ContextFullError
 
 
@@ -28,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("chat needs a tokenizer: pass --tokenizer PATH or put tokenizer.json in the model directory")
     gcfg = model.generation_config
     session = ChatSession(model, tok, system=args.system, max_context=args.max_context, seed=args.seed,
+                          template=chat_template(args),
                           force=args.force, **overrides(args, gcfg))  # force: generate's memory pre-flight
     interactive = sys.stdin.isatty()
     while True:

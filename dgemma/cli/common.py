@@ -6,27 +6,20 @@ canvas being refined)."""
 from __future__ import annotations
 
 import argparse
-import atexit
 import dataclasses
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-import dgemma
-from dgemma import lora
-from dgemma.checkpoint import resolve_model_dir
+from dgemma import loading
 from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
+from dgemma.data.templates import ChatTemplate, load_chat_template
 from dgemma.data.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
-from dgemma.model import check_memory
-from dgemma.offload import offload_experts
-from dgemma.quantize import check_supported, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -166,6 +159,14 @@ def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any
                           entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max)
 
 
+def chat_template(args: argparse.Namespace) -> ChatTemplate:
+    """The chat template of --tokenizer's directory, else --model's (`chat_template.jinja` or tokenizer_config.json's,
+    rendered in jinja2's sandbox), else dgemma's built-in Gemma template: the one template of chat, generate --chat
+    and serve."""
+    dirs = [None if p is None else p if p.is_dir() else p.parent for p in (args.tokenizer, args.model)]
+    return load_chat_template(*dirs)
+
+
 def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     """The model (from --model, or --preset --random-init) and its tokenizer (None if there is none)."""
     if (args.model is None) == (args.preset is None):
@@ -173,34 +174,16 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES.get(args.dtype)
+    weights = dict(dtype=dtype, device=args.device, force=getattr(args, "force", False),
+                   quantize=getattr(args, "quantize", None), offload_experts=getattr(args, "offload_experts", False))
     if args.preset is not None:
         if not args.random_init:
             raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
-        config = dgemma.preset(args.preset)
-        # Before anything is built: the weights and one canvas's sampler buffers must fit in free memory.
-        quantize = getattr(args, "quantize", None)
-        if quantize is not None:
-            check_supported(quantize, args.device, dtype or torch.float32)
-        check_memory(config, dtype or torch.float32, args.device, weights=True, batch_size=1,
-                     force=getattr(args, "force", False), quantize=quantize)
-        model = dgemma.init_weights(dgemma.DiffusionGemma(config))
-        model = quantize_model(model.to(dtype=dtype or torch.float32, device=args.device).eval(), quantize)
-        if getattr(args, "offload_experts", False):
-            _offload_to_temp_file(model, quantize)
-        model.generation_config = GenerationConfig.for_model(model.config)
+        model = loading.build_model(args.preset, **weights)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
-        force = getattr(args, "force", False)
-        quantize, offload = getattr(args, "quantize", None), getattr(args, "offload_experts", False)
-        if lora.is_adapter(resolve_model_dir(args.model)):  # a LoRA run or adapter: its base with it merged
-            model = lora.load_merged(resolve_model_dir(args.model), dtype=dtype, device=args.device, force=force)
-            model = quantize_model(model, quantize)  # merged in memory first, then quantized or offloaded
-            if offload:
-                _offload_to_temp_file(model, quantize)
-        else:
-            model = dgemma.load_model(args.model, dtype=dtype, device=args.device, force=force, quantize=quantize,
-                                      offload_experts=offload)
+        model = loading.load_model(args.model, **weights)
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):
@@ -214,17 +197,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     return model, tok
 
 
-def _offload_to_temp_file(model: Any, quantize: str | None) -> None:
-    """--offload-experts for a model built in memory: its experts written to a temporary file (removed at exit) and
-    memory-mapped from there (dgemma/offload.py)."""
-    if quantize is not None:
-        raise UsageError("--offload-experts and --quantize do not combine: pick one")
-    folder = tempfile.mkdtemp(prefix="dgemma-experts-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    offload_experts(model, Path(folder) / "experts.safetensors")
-
-
-def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) -> int:
+def run_training(args: argparse.Namespace, config_from_args: Any, next_step: str) -> int:
     """What `dgemma train` and `dgemma finetune` do with their parsed flags: resolve the TrainConfig (every rank of a
     torchrun job parses the same flags and files, so rank 0 alone shows what is wrong with them), run the trainer as
     this rank of the job (or as the one process), and print where to go next."""
@@ -233,7 +206,7 @@ def run_training(args: argparse.Namespace, resolve_config: Any, next_step: str) 
 
     allow_new_data = getattr(args, "allow_new_data", False)
     try:
-        cfg = resolve_config(args)
+        cfg = config_from_args(args)
         if args.print_config:
             print(json.dumps(cfg.to_json(), indent=2))
             return 0

@@ -42,7 +42,7 @@ def recipe(model: Path, lora_rank: int) -> TrainConfig:
                         max_steps=500, weight_decay=0.0, eval_every=50, save_every=100)
 
 
-def resolve_config(args: argparse.Namespace) -> TrainConfig:
+def finetune_config(args: argparse.Namespace) -> TrainConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
              if f.name not in FIXED and getattr(args, f.name) is not None}
     record = read_record(args.out) if args.resume else None
@@ -54,4 +54,4 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_training(args, resolve_config, f"chat with: dgemma chat --model {args.out}")
+    return run_training(args, finetune_config, f"chat with: dgemma chat --model {args.out}")

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from dgemma import fsio
-from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, load, overrides
-from dgemma.data.tokenizer import Tokenizer, chat_token_ids, left_pad
+from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, chat_template, load, overrides
+from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.generate import check_trace_path, generate
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
@@ -94,7 +94,8 @@ def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: in
         raise UsageError("text prompts need a tokenizer: pass --tokenizer PATH (or put tokenizer.json in the model "
                          "directory), or give --prompt-ids")
     # Without --chat the tokenizer's own post-processor decides on <bos> (Gemma's prepends it).
-    rows = [chat_token_ids(tok, [{"role": "user", "content": t}]) if args.chat else tok.encode(t) for t in texts]
+    template = chat_template(args) if args.chat else None
+    rows = [template.encode(tok, [{"role": "user", "content": t}]) if template else tok.encode(t) for t in texts]
     return rows, texts
 
 

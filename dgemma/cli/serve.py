@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dgemma.cli.common import UsageError, add_model_args, add_sampler_args, load, overrides
+from dgemma.cli.common import UsageError, add_model_args, add_sampler_args, chat_template, load, overrides
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
 
@@ -61,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
             print(INSTALL_HINT, file=sys.stderr)
             return 2
         raise
-    from dgemma.data.templates import load_chat_template
     from dgemma.serving.api import Limits
     from dgemma.serving.engine import Engine
     from dgemma.serving.guards import allowed_hosts, check_api_key
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         tok = _toy_tokenizer(args, model)
     gcfg = model.generation_config
     config = gcfg.replace(**overrides(args, gcfg))
-    template = load_chat_template(_dir(args.tokenizer), _dir(args.model))
+    template = chat_template(args)
     name = args.model_name or (Path(args.model).resolve().name if args.model is not None else args.preset)
     engine = Engine(model, max_batch=args.max_batch, max_context=args.max_context, max_queue=args.max_queue,
                     impl=args.impl, force=args.force).start()
@@ -112,12 +111,6 @@ def _names(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError(f"give comma-separated host names (or *), got {text!r}")
     return names
-
-
-def _dir(path: Path | None) -> Path | None:
-    if path is None:
-        return None
-    return path if path.is_dir() else path.parent
 
 
 def _toy_tokenizer(args: argparse.Namespace, model: Any) -> Any:

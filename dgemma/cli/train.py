@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_config(args: argparse.Namespace) -> TrainConfig:
+def train_config(args: argparse.Namespace) -> TrainConfig:
     """The preset's recipe (or, with --resume, the config the run recorded, when it has one), then the flags given."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
              if getattr(args, f.name) is not None}
@@ -60,4 +60,4 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_training(args, resolve_config, f"generate with: dgemma generate --model {args.out} --prompt ...")
+    return run_training(args, train_config, f"generate with: dgemma generate --model {args.out} --prompt ...")

@@ -100,6 +100,19 @@ class ChatTemplate:
         """Prompt token ids: the rendered text with its control tokens as single ids and no second <bos>."""
         return encode_template(tokenizer, self.render(messages, tools))
 
+    def continuation(self, history: list[dict[str, Any]], user: str) -> str | None:
+        """The text that follows a model answer to `history` when the user answers with `user`: what the template
+        renders after the answer for [*history, answer, user turn] (closing the answer's turn, the user turn, the
+        next generation prompt). A multi-turn chat appends it to the tokens it generated instead of re-encoding the
+        conversation. None when the template does not render the history it was given unchanged followed by the
+        answer (one that drops earlier thinking, say): the conversation must then be encoded whole."""
+        answer = f"DGEMMA{secrets.token_hex(8)}ANSWER"  # a word no template rewrites (trim, escaping)
+        before = self.render(history)
+        after = self.render([*history, {"role": "assistant", "content": answer}, {"role": "user", "content": user}])
+        if not after.startswith(before + answer):
+            return None
+        return after[len(before) + len(answer):]
+
 
 def _builtin_message(m: dict[str, Any]) -> dict[str, str]:
     return {"role": m.get("role", ""), "content": m.get("content") or ""}
@@ -114,9 +127,13 @@ def _builtin_format(messages: list[dict[str, Any]], add_generation_prompt: bool 
 
 def _compile(source: str, origin: str) -> Any:
     """The template compiled as transformers' `_compile_jinja_template` does (sandboxed)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ChatTemplateError(f"{origin}: rendering a checkpoint's chat template needs jinja2 (pip install "
+                                "'dgemma[serve]')") from None
 
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)

@@ -128,12 +128,6 @@ def encode_template(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def chat_token_ids(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
-                   ) -> list[int]:
-    """Token ids of `format_chat(messages)`: one <bos>, each control token one id where the tokenizer has it."""
-    return encode_template(tokenizer, format_chat(messages, add_generation_prompt))
-
-
 # --- a tiny offline tokenizer for toy models and tests ---------------------------------------------------------
 
 _SUBJECTS = ("The cat", "A dog", "My friend", "The teacher", "Our team", "The old man", "A small bird", "The river",
@@ -305,4 +299,4 @@ def build_gpt2_tokenizer(encoder_json: bytes, vocab_bpe: bytes, source: str = "<
 
 
 __all__ = ["MAX_TRAINING_WORD_CHARS", "Tokenizer", "bpe_training_texts", "build_gpt2_tokenizer", "build_test_tokenizer",
-           "chat_token_ids", "check_vocab", "encode_template", "format_chat", "load_tokenizer", "train_bpe_tokenizer"]
+           "check_vocab", "encode_template", "format_chat", "load_tokenizer", "train_bpe_tokenizer"]

@@ -35,11 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dgemma import attention, costs
+from dgemma import attention, costs, fsio
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
 from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.model import DiffusionGemma, check_memory, init_weights, load_model
+from dgemma.loading import load_model
+from dgemma.model import DiffusionGemma, check_memory, init_weights
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 from dgemma.train import diffusion
 
@@ -186,13 +187,11 @@ class _Stopwatch:
         _sync(self.device)
         self.laps.append(time.perf_counter() - self._t)
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self.start()
-            out = fn(*args, **kwargs)
-            self.stop()
-            return out
-        return timed
+    def time(self, run: Callable[[], Any]) -> None:
+        """Run `run` once, timed (generate's `around_commit`)."""
+        self.start()
+        run()
+        self.stop()
 
 
 def _sampler_settings(steps: int, canvas_length: int, canvases: int) -> dict[str, Any]:
@@ -203,10 +202,9 @@ def _sampler_settings(steps: int, canvas_length: int, canvases: int) -> dict[str
 
 
 def run_dgemma(model: DiffusionGemma, prompt: Tensor, impl: str, s: BenchSettings, seed: int) -> RunTimes:
-    """One generate call, instrumented: commits timed through a wrapper on the model instance."""
+    """One generate call, instrumented: commits timed through generate's `around_commit`."""
     rt = RunTimes()
     watch = _Stopwatch(s.device)
-    model.commit = watch.wrap(model.commit)  # type: ignore[method-assign]  # instance attribute, removed below
     started = 0.0
 
     def on_canvas(index: int, tokens: Tensor) -> None:
@@ -214,18 +212,15 @@ def run_dgemma(model: DiffusionGemma, prompt: Tensor, impl: str, s: BenchSetting
             _sync(s.device)
             rt.first_canvas = time.perf_counter() - started
 
-    try:
-        reset_peak_memory(s.device)
-        _sync(s.device)
-        started = time.perf_counter()
-        result = generate(model, prompt, seed=seed, impl=impl, compile=s.compile and impl == "fast",  # type: ignore[arg-type]
-                          on_canvas=on_canvas, eos_token_id=(), pad_token_id=None,
-                          **_sampler_settings(s.steps, model.config.canvas_length, s.canvases))
-        _sync(s.device)
-        rt.total = time.perf_counter() - started
-        rt.peak_memory = peak_memory(s.device)
-    finally:
-        del model.commit
+    reset_peak_memory(s.device)
+    _sync(s.device)
+    started = time.perf_counter()
+    result = generate(model, prompt, seed=seed, impl=impl, compile=s.compile and impl == "fast",  # type: ignore[arg-type]
+                      on_canvas=on_canvas, around_commit=watch.time, eos_token_id=(), pad_token_id=None,
+                      **_sampler_settings(s.steps, model.config.canvas_length, s.canvases))
+    _sync(s.device)
+    rt.total = time.perf_counter() - started
+    rt.peak_memory = peak_memory(s.device)
     rt.prefill, rt.commits = watch.laps[0], watch.laps[1:]
     rt.passes = sum(max(row) for row in result.steps_per_canvas)
     rt.tokens = int(result.sequences.shape[1] - prompt.shape[1]) * prompt.shape[0]
@@ -405,7 +400,7 @@ def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int, 
         for name in list(q.quantized_names(part)):
             q.replace(part, name, quantize)
     model.layers = layers
-    model.quantization = quantize  # type: ignore[assignment]
+    model.quantization = quantize
     return model.eval()
 
 
@@ -577,12 +572,13 @@ def docs_entry(r: dict[str, Any], command: str) -> str:
 
 def write_docs(r: dict[str, Any], command: str, path: str | os.PathLike[str] = "docs/benchmarks.md") -> Path:
     path = Path(path)
-    if not path.exists():
+    if path.exists():
+        before = fsio.read_text(path)
+    else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("# Benchmarks\n\nAppended by `dgemma bench --write-docs`; the top of dgemma/eval/bench.py says "
-                        "what each number means.\n\n")
-    with path.open("a") as f:
-        f.write(docs_entry(r, command) + "\n")
+        before = ("# Benchmarks\n\nAppended by `dgemma bench --write-docs`; the top of dgemma/eval/bench.py says what "
+                  "each number means.\n\n")
+    fsio.write_text(path, before + docs_entry(r, command) + "\n")  # the whole file again: atomic, never half-appended
     return path
 
 

@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.attention import causal_masks
 from dgemma.console import Progress
 from dgemma.generate import Trace, generate
 from dgemma.generation_config import GenerationConfig, offset_seed
 from dgemma.model import DiffusionGemma
+from dgemma.request_rules import eos_index
+from dgemma.train.nelbo import ar_token_nll
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
 
@@ -84,12 +84,8 @@ class DecodeRun:
 
 def useful(tokens: Sequence[int], eos: Sequence[int], max_new: int) -> list[int]:
     """New tokens up to and including the first EOS, at most `max_new`: what a reader gets."""
-    out: list[int] = []
-    for tok in list(tokens)[:max_new]:
-        out.append(int(tok))
-        if tok in eos:
-            break
-    return out
+    kept = [int(t) for t in list(tokens)[:max_new]]
+    return kept[:eos_index(kept, eos) + 1]
 
 
 def fixed_schedule(config: GenerationConfig) -> GenerationConfig:
@@ -177,23 +173,6 @@ def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: 
     return run
 
 
-def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
-    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1), one causal encoder pass; fp32, or float64
-    for a float64 model."""
-    inputs = x[:, :-1]
-    T = inputs.shape[1]
-    hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
-                                   causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
-    if hidden.dtype == torch.float64:  # a float64 judge scores in float64 (model.logits returns fp32)
-        logits = F.linear(hidden, model.embed_tokens.weight)
-        cap = model.config.final_logit_softcapping
-        logits = logits if cap is None else torch.tanh(logits / cap) * cap
-    else:
-        logits = model.logits(hidden)  # (B, T, V)
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
-    return nll.view(x.shape[0], T)
-
-
 # --- sample quality -------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -227,7 +206,7 @@ def distinct_n(samples: Sequence[Sequence[int]], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else math.nan
 
 
-def token_entropy(samples: Sequence[Sequence[int]]) -> float:
+def unigram_entropy(samples: Sequence[Sequence[int]]) -> float:
     """Mean over samples of the entropy (nats) of the sample's own unigram distribution: low for repetitive text."""
     values = []
     for s in samples:
@@ -240,7 +219,7 @@ def token_entropy(samples: Sequence[Sequence[int]]) -> float:
 
 def quality(samples: Sequence[Sequence[int]]) -> dict[str, float]:
     return {"distinct_1": distinct_n(samples, 1), "distinct_2": distinct_n(samples, 2),
-            "distinct_3": distinct_n(samples, 3), "token_entropy": token_entropy(samples),
+            "distinct_3": distinct_n(samples, 3), "token_entropy": unigram_entropy(samples),
             "mean_length": float(np.mean([len(s) for s in samples])) if samples else math.nan}
 
 

@@ -38,7 +38,8 @@ from dgemma.eval.curves import read_metrics
 from dgemma.eval.decoding import prompt_agreement, real_word_share, run_ar, words
 from dgemma.fsio import write_text
 from dgemma.generate import generate
-from dgemma.model import DiffusionGemma, load_model
+from dgemma.loading import load_model
+from dgemma.model import DiffusionGemma
 from dgemma.train.loop import TrainConfig, train
 from dgemma.train.run_dir import METRICS
 

@@ -29,26 +29,26 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dgemma.console import Progress
 from dgemma.eval.curves import learning_curves
-from dgemma.eval.decoding import DecodeRun, ar_token_nll, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
+from dgemma.eval.decoding import DecodeRun, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
 from dgemma.eval.judging import Z95, judge_description, point_stats
 from dgemma.eval.viz import renoised_fraction
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
-from dgemma.train.diffusion import q_sample, sample_canvas_t
 from dgemma.train.nelbo import (
     EvalError,
     Posterior,
+    ar_token_nll,
     clean_context_posterior,
     estimate,
-    noisy_context_posterior,
+    posterior_of,
     prior_kl,
     window_nelbo,
+    x0_ce_per_canvas,
 )
 
 REPORT_FORMAT = "dgemma-eval-1"
@@ -130,11 +130,8 @@ def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_step
                   seed: int = 0, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
     """Held-out x0 cross-entropy at t ~ U{1..T} per canvas (seed 003 section 7): the training objective without
     self-conditioning, drawing t and x_t exactly as `training_loss` does from the same generator."""
-    if objective not in ("clean-context", "noisy-context"):
-        raise ValueError(f"x0 cross-entropy needs a diffusion objective, got {objective!r}")
-    make = clean_context_posterior if objective == "clean-context" else noisy_context_posterior
-    posterior = make(model, num_steps)
-    L, V = model.config.canvas_length, model.config.vocab_size
+    posterior_of(objective)  # a diffusion objective, before anything runs
+    L = model.config.canvas_length
     g = torch.Generator(device=model.device).manual_seed(seed)
     stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
     nats, toks, nbytes = [], [], 0
@@ -144,10 +141,8 @@ def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_step
         for x0 in stream:
             x0 = x0.to(model.device)
             B, S = x0.shape
-            t = sample_canvas_t(B, S // L, num_steps, g, x0.device)
-            xt = q_sample(x0, t, num_steps, L, V, g)
-            ce = F.cross_entropy(posterior(x0, xt, t).reshape(B * S, -1), x0.reshape(-1), reduction="none")
-            per_canvas = ce.view(B, S // L, L).sum(-1).double().cpu()
+            ce, t = x0_ce_per_canvas(model, x0, objective=objective, num_steps=num_steps, generator=g)
+            per_canvas = ce.double().cpu()
             nats += per_canvas.sum(-1).tolist()
             toks += [S] * B
             nbytes += _text_bytes(tokenizer, x0)
@@ -305,7 +300,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     baseline."""
     from dgemma.data.shards import TokenDataset, check_token_range, verify
     from dgemma.data.tokenizer import check_vocab, load_tokenizer
-    from dgemma.model import load_model
+    from dgemma.loading import load_model
     from dgemma.train.loop import CONFIG_JSON
 
     s = settings or EvalSettings()
@@ -367,7 +362,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     prompts = pick_prompts(val, s.num_prompts, s.prompt_tokens)
     max_new = s.max_new_tokens or 2 * L
     eos = (val.eot_id,)
-    gcfg = (getattr(model, "generation_config", None) or GenerationConfig()).replace(
+    gcfg = (model.generation_config or GenerationConfig()).replace(
         max_new_tokens=max_new, eos_token_id=eos, pad_token_id=None, truncate=False)
     dtype = getattr(torch, s.quality_dtype)
     quality_model = copy.deepcopy(model).to(dtype) if s.quality_dtype != "float32" else model

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from dgemma.eval.curves import METRICS, read_metrics
-from dgemma.eval.decoding import DecodeRun, distinct_n, token_entropy
+from dgemma.eval.decoding import DecodeRun, distinct_n, unigram_entropy
 
 Z95 = 1.959963984540054  # the 97.5% point of the standard normal
 BOOTSTRAP_RESAMPLES = 1000
@@ -75,7 +75,7 @@ def half_stats(timed: DecodeRun, scored: DecodeRun, nlls: Sequence[tuple[float, 
     """The numbers of the prompts `idx`: speed from the timed run, quality from the scored (float64) samples."""
     out = {"prompts": list(idx)} | rate_interval([len(timed.samples[i]) for i in idx], [timed.seconds[i] for i in idx])
     samples = [scored.samples[i] for i in idx]
-    out |= {"token_entropy": token_entropy(samples), "distinct_2": distinct_n(samples, 2)}
+    out |= {"token_entropy": unigram_entropy(samples), "distinct_2": distinct_n(samples, 2)}
     if nlls is not None:
         out |= bootstrap_ppl([nlls[i] for i in idx], resamples=resamples, seed=seed)
     return out

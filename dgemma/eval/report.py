@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dgemma import fsio
 from dgemma.eval.curves import curves_markdown
 from dgemma.eval.viz import figure, pyplot, save_figure
 from dgemma.generate import Trace
@@ -56,8 +57,8 @@ def write_report(report: dict[str, Any], out: str | Path, *, command: str, trace
     written.append(plot_likelihood(report, out / "likelihood.png", command))
     if report.get("curves"):
         written.append(plot_curves(report, out / "curves.png", command))
-    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    (out / "report.md").write_text(render_markdown(report, sorted(traces or {})))
+    fsio.write_text(out / "report.json", json.dumps(report, indent=2, allow_nan=False) + "\n")
+    fsio.write_text(out / "report.md", render_markdown(report, sorted(traces or {})))
     return [*written, out / "report.json", out / "report.md"]
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from dgemma import fsio
 from dgemma.generate import TRACE_FORMAT, Trace
 from dgemma.train.nelbo import EvalError
 
@@ -179,7 +180,8 @@ def figure(plt: Any, title: str, command: str, inches: tuple[float, float] = FIG
 
 
 def save_figure(fig: Any, path: Path) -> Path:
-    fig.savefig(path, dpi=fig.dpi)  # no bbox_inches="tight": the pixel size stays the figure size
+    # no bbox_inches="tight": the pixel size stays the figure size; the format follows the name, not the temp file's
+    fsio.atomic_write(path, lambda _tmp, f: fig.savefig(f, dpi=fig.dpi, format=path.suffix.lstrip(".") or "png"))
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -524,7 +526,7 @@ def write_player(trace: TraceData, path: Path, command: str, tokenizer: Any = No
     data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     page = (PLAYER_TEMPLATE.replace("__TITLE__", html.escape(trace.path.name))
             .replace("__COMMAND__", html.escape(command)).replace("__DATA__", data))
-    path.write_text(page, encoding="utf-8")
+    fsio.write_text(path, page)
     return path
 
 

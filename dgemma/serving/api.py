@@ -18,7 +18,7 @@ from typing import Any
 from dgemma.config import ConfigError, is_int, is_real
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import SEED_MAX, GenerationConfig, is_seed, offset_seed
 
 # dgemma's sampler settings a request may set (docs/sampling.md); the others (special tokens, max_length, truncate)
 # belong to the model or to the server.
@@ -35,7 +35,6 @@ MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reason
 MAX_STOP = 4
 MAX_CHOICES = 64  # engine requests one HTTP request may make (prompts x n)
 MAX_TEMPERATURE = 2.0
-SEED_LIMIT = 2**63
 MAX_JSON_DEPTH = 64  # objects and lists nested in a request body (a tool's JSON schema needs a dozen)
 MAX_INT_DIGITS = 64  # digits of a JSON integer (a seed has at most 19; Python refuses to convert over 4,300)
 DEFAULT_MAX_DENOISING_STEPS = 1024
@@ -253,8 +252,8 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
     if choices > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={n} make {choices} choices; at most {MAX_CHOICES}", param="n")
     seed = body.get("seed")
-    if seed is not None and (not is_int(seed) or not 0 <= seed <= SEED_LIMIT - choices):
-        raise APIError(f"seed: must be an int from 0 to {SEED_LIMIT - choices}, got {seed!r}", param="seed")
+    if seed is not None and not is_seed(seed):
+        raise APIError(f"seed: must be an int from 0 to {SEED_MAX} (2**64 - 1), got {seed!r}", param="seed")
     stream = body.get("stream", False)
     if stream not in (None, True, False):
         raise APIError(f"stream: must be true or false, got {stream!r}", param="stream")
@@ -270,7 +269,7 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
                            f"{config.max_denoising_steps}); at most {limits.max_request_steps:,} on this server "
                            "(--max-request-steps)", param=max_tokens_field)
     submissions = [Submission(index=p * n + i, prompt=p, config=config,
-                              seed=None if seed is None else seed + p * n + i)
+                              seed=None if seed is None else offset_seed(seed, p * n + i))
                    for p in range(len(prompts)) for i in range(n)]
     return GenerationRequest(kind=kind, prompts=prompts, submissions=submissions, stream=bool(stream),
                              include_usage=include_usage, include_denoising=include_denoising,

@@ -146,11 +146,11 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await state.generate(request, "completion")
+        return await state.respond(request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await state.generate(request, "chat")
+        return await state.respond(request, "chat")
 
     return app
 
@@ -183,7 +183,7 @@ class _State:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dgemma"}
 
-    async def generate(self, request: Request, kind: str) -> Response:
+    async def respond(self, request: Request, kind: str) -> Response:
         """Answer a generation request. It counts against --max-concurrency only once its body has arrived and
         parses (a slow client holds no place); parsing, template rendering and tokenizing run on a worker thread,
         so a large prompt does not stall the event loop (and /health) while it is tokenized."""

@@ -38,9 +38,10 @@ import torch
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import StepInfo
 from dgemma.generate import CanvasSampler
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma, check_memory
+from dgemma.request_rules import check_seed, eos_index, new_token_budget, sliding_prefix
 
 log = logging.getLogger(__name__)
 
@@ -207,15 +208,11 @@ class Engine:
         prompt = self._check_prompt(prompt_ids)
         if not isinstance(config, GenerationConfig):
             raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
-        if seed is None:
-            seed = secrets.randbits(63)
-        elif isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
-            raise EngineError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
-        max_new = config.max_new_tokens
-        if config.max_length is not None and max_new == 256:  # generate's rule (transformers'), literal 256 included
-            max_new = config.max_length - len(prompt)
-            if max_new <= 0:
-                raise EngineError(f"max_length={config.max_length} leaves no room after {len(prompt)} prompt tokens")
+        try:
+            seed = secrets.randbits(63) if seed is None else check_seed(seed)
+            max_new = new_token_budget(config, len(prompt))
+        except GenerationError as e:
+            raise EngineError(str(e)) from None
         L = self.canvas_length
         canvases = math.ceil(max_new / L)
         committed = len(prompt) + (canvases - 1) * L  # the last canvas is never committed
@@ -236,7 +233,7 @@ class Engine:
             self._lock.notify_all()
         return request
 
-    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
+    def complete(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
                  timeout: float | None = None) -> tuple[list[int], DoneEvent]:
         """Submit and wait: the output tokens (EOS excluded) and the DoneEvent."""
         tokens: list[int] = []
@@ -341,9 +338,9 @@ class Engine:
             level = torch.tensor([t for _, _, t in inputs], dtype=torch.float32, device=device)
         del inputs
         caches = [self._view(r) for r in rows]
-        sliding_prefix = self.model.config.sliding_window if rows[0].config.sliding_prefix == "jax" else None
+        prefix = sliding_prefix(self.model.config, rows[0].config)
         logits = self.model.denoise(x, caches, self_conditioning_logits=sc, self_conditioning_mask=mask,
-                                    sliding_prefix=sliding_prefix, t=level, impl=self.impl)
+                                    sliding_prefix=prefix, t=level, impl=self.impl)
         del sc
         self._count("denoise_forwards")
         self._count("denoise_rows", len(rows))
@@ -374,8 +371,7 @@ class Engine:
         staged = r.sampler.staged()  # type: ignore[union-attr]
         r.sampler = None
         tokens = staged.tokens[0].tolist()
-        eos = set(r.config.eos_token_id)
-        cut = next((j for j, t in enumerate(tokens) if t in eos), len(tokens))
+        cut = eos_index(tokens, r.config.eos_token_id)
         room = r.max_new - r.emitted
         out = tokens[:min(cut, room)]
         r.emitted += len(out)

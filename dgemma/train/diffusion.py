@@ -78,12 +78,12 @@ def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_si
     `batch_rows` (first, total), x0 is rows [first, first + B) of a batch of `total`: the draws are made for the
     whole batch and these rows kept, so they do not depend on how the batch is split (distributed training)."""
     keep_prob = alpha_bar(t, num_steps).repeat_interleave(canvas_length, dim=1)  # (B, S)
-    keep = _draw(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
-    noise = _draw(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
+    keep = draw_rows(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
+    noise = draw_rows(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
     return torch.where(keep, x0, noise)
 
 
-def _draw(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[int, int] | None,
+def draw_rows(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[int, int] | None,
           generator: torch.Generator | None, device: torch.device) -> Tensor:
     """sample(shape) for rows [first, first + shape[0]) of a draw over `total` rows (batch_rows = (first, total))."""
     if batch_rows is None:
@@ -163,12 +163,26 @@ def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chun
 
 
 @torch.no_grad()
-def soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024) -> Tensor:
-    """Self-conditioning input from a pre-pass's final hidden states (B, L, D): softmax(head) @ E * sqrt(D), in row
-    chunks so only (chunk_rows, V) probabilities exist at a time (the full-vocabulary product is the hazard)."""
+def chunked_soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024) -> Tensor:
+    """Self-conditioning input from a pre-pass's final hidden states (B, L, D): `DiffusionGemma.soft_embedding` of
+    the head's logits, softmax(head) @ E * sqrt(D), in row chunks so only (chunk_rows, V) probabilities exist at a
+    time (the full-vocabulary product is the hazard)."""
     flat = final.reshape(-1, final.shape[-1])
     return torch.cat([model.soft_embedding(model.logits(flat[lo:lo + chunk_rows]))
                       for lo in range(0, flat.shape[0], chunk_rows)]).view(final.shape)
+
+
+def self_conditioned_hidden(model: DiffusionGemma, tokens: Tensor, positions: Tensor, masks: Any, *, num_clean: int,
+                            level: Tensor, self_conditioned: bool, chunk_rows: int | None) -> Tensor:
+    """The training pass over `tokens` (the clean copy's `num_clean` tokens, then the noisy ones). With
+    `self_conditioned`, a pre-pass without gradient first: its re-embedded posterior of the noisy tokens
+    (`chunked_soft_embedding`, detached) conditions the real pass, as the sampler feeds back its last posterior."""
+    soft = None
+    if self_conditioned:
+        with torch.no_grad():
+            pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, t=level)
+            soft = chunked_soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
+    return model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft, t=level)
 
 
 def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt: Tensor, t: Tensor,
@@ -198,7 +212,7 @@ def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt
 @dataclass
 class LossOutput:
     loss: Tensor  # what backward runs on
-    x0_loss: Tensor  # diffusion x0 cross-entropy (nats/token), or the AR loss for `ar`
+    cross_entropy: Tensor  # the objective's cross-entropy (nats/token): of the x0 prediction, or next-token for `ar`
     ar_loss: Tensor | None  # next-token loss on the clean stream (clean-context with ar_weight > 0)
     tokens: int  # target tokens in the loss
     self_conditioned: bool
@@ -213,7 +227,7 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     Diffusion recipe switches: `t_sampling` "uniform" (each canvas's level drawn independently) or "stratified"
     (`sample_canvas_t`'s low-discrepancy set over the micro-batch); `loss_weighting` "x0" (plain cross-entropy of
     the x0 prediction: every level weighs its cross-entropy equally) or "elbo" (`elbo_cross_entropy`: each level
-    weighs what it weighs in the NELBO). `x0_loss` is the x0 cross-entropy either way.
+    weighs what it weighs in the NELBO). `cross_entropy` is the x0 cross-entropy either way.
 
     Every random draw (noise levels, corruption, the self-conditioning coin) comes from `generator`, so a step is
     reproducible from its seed. With `batch_rows` (first, total), x0 is rows [first, first + B) of a micro-batch of
@@ -236,7 +250,7 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
         raise ValueError(f"t_sampling must be one of {T_SAMPLING} and loss_weighting one of {LOSS_WEIGHTING}, got "
                          f"{t_sampling!r} and {loss_weighting!r}")
     stratified = t_sampling == "stratified"
-    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, stratified=stratified, **k),
+    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, stratified=stratified, **k),
               (B, T // L), batch_rows, generator, device)
     xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
@@ -251,24 +265,20 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
         masks = noisy_context_masks(T, L, W, device)
     else:
         raise ValueError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    soft = None
-    if use_sc:  # pre-pass without gradient; its re-embedded posterior conditions the real pass (detached)
-        with torch.no_grad():
-            pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, t=level)
-            soft = soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
-    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft, t=level)
+    hidden = self_conditioned_hidden(model, tokens, positions, masks, num_clean=num_clean, level=level,
+                                     self_conditioned=use_sc, chunk_rows=chunk_rows)
     D = hidden.shape[-1]
     final = hidden[:, num_clean:].reshape(-1, D)
     if loss_weighting == "elbo":
-        loss, x0_loss = elbo_cross_entropy(model, final, x0.reshape(-1), xt.reshape(-1),
-                                           t.repeat_interleave(L, dim=1).reshape(-1), num_steps, chunk_rows)
+        loss, ce = elbo_cross_entropy(model, final, x0.reshape(-1), xt.reshape(-1),
+                                      t.repeat_interleave(L, dim=1).reshape(-1), num_steps, chunk_rows)
     else:
-        loss = x0_loss = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows)
+        loss = ce = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows)
     ar_loss = None
     if objective == "clean-context" and ar_weight > 0:  # the clean stream is a causal LM too
         ar_loss = x0_cross_entropy(model, hidden[:, : T - 1].reshape(-1, D), x0[:, 1:].reshape(-1), chunk_rows)
         loss = loss + ar_weight * ar_loss
-    return LossOutput(loss, x0_loss.detach(), None if ar_loss is None else ar_loss.detach(), x0.numel(), use_sc)
+    return LossOutput(loss, ce.detach(), None if ar_loss is None else ar_loss.detach(), x0.numel(), use_sc)
 
 
 def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, self_conditioning_prob: float = 0.5,
@@ -281,19 +291,15 @@ def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, se
     cfg = model.config
     L, V = cfg.canvas_length, cfg.vocab_size
     (B, N), C, device = batch.x0.shape, batch.clean.shape[1], batch.x0.device
-    t = _draw(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, N // L), batch_rows,
+    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, N // L), batch_rows,
               generator, device)  # batch_rows: this rank's rows of the global batch's draws (training_loss's rule)
     xt = q_sample(batch.x0, t, num_steps, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
     tokens, positions = torch.cat([batch.clean, xt], 1), batch.positions
     masks = sft_masks(batch, L, cfg.sliding_window)
     level = torch.cat([torch.zeros(B, C, device=device), (t.float() / num_steps).repeat_interleave(L, dim=1)], 1)
-    soft = None
-    if use_sc:
-        with torch.no_grad():
-            pre = model.sequence_hidden(tokens, positions, masks, num_clean=C, t=level)
-            soft = soft_embedding(model, pre[:, C:], chunk_rows or 1024)
-    hidden = model.sequence_hidden(tokens, positions, masks, num_clean=C, soft=soft, t=level)
+    hidden = self_conditioned_hidden(model, tokens, positions, masks, num_clean=C, level=level,
+                                     self_conditioned=use_sc, chunk_rows=chunk_rows)
     keep = batch.loss_mask
     loss = x0_cross_entropy(model, hidden[:, C:][keep], batch.x0[keep], chunk_rows)
     return LossOutput(loss, loss.detach(), None, int(keep.sum()), use_sc)

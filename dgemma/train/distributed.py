@@ -34,6 +34,7 @@ import contextlib
 import datetime
 import gc
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -49,13 +50,26 @@ from dgemma import fsio
 from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
-from dgemma.model import DiffusionGemma, load_model
+from dgemma.model import DiffusionGemma
 from dgemma.train import run_dir
 
 T = TypeVar("T")
 PARALLEL = ("ddp", "fsdp")
 SHARED = "dgemma_shared_by_all_ranks"  # set on an exception every rank raises alike: only rank 0 prints it
-TIMEOUT = datetime.timedelta(minutes=float(os.environ.get("DGEMMA_DIST_TIMEOUT_MIN", "30")))
+DEFAULT_TIMEOUT_MIN = 30.0  # minutes a collective may wait for the other ranks (DGEMMA_DIST_TIMEOUT_MIN overrides)
+
+
+def process_group_timeout() -> datetime.timedelta:
+    """How long a collective waits for the other ranks: DGEMMA_DIST_TIMEOUT_MIN minutes (default 30), read when the
+    process group starts (not at import, so a caller that sets it before training is heard)."""
+    raw = os.environ.get("DGEMMA_DIST_TIMEOUT_MIN", str(DEFAULT_TIMEOUT_MIN))
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = math.nan
+    if not 0 < minutes < math.inf:
+        raise ValueError(f"DGEMMA_DIST_TIMEOUT_MIN must be a number of minutes > 0, got {raw!r}")
+    return datetime.timedelta(minutes=minutes)
 
 
 # What gloo and NCCL say when a peer's process is gone.
@@ -95,13 +109,17 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 class LossModule(nn.Module):
     """The model with the training loss as its forward, so DDP and FSDP2 see one forward per micro-batch (their
-    hooks run on forward): `loss_fn(model, x0, **kw)` returns a LossOutput; forward returns (loss, that output)."""
+    hooks run on forward): `loss_fn(model, x0, **kw)` returns a LossOutput; forward returns (loss, that output).
+    `measure`: an evaluation function `measure(model, x0, **kw)` run in the loss's place (FSDP2 gathers the
+    parameters in forward); forward then returns (what it returns, None)."""
 
     def __init__(self, model: DiffusionGemma, loss_fn: Callable[..., Any]):
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
 
-    def forward(self, x0: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, Any]:
+    def forward(self, x0: torch.Tensor, measure: Callable[..., Any] | None = None, **kw: Any) -> tuple[Any, Any]:
+        if measure is not None:
+            return measure(self.model, x0, **kw), None
         out = self.loss_fn(self.model, x0, **kw)
         return out.loss, out
 
@@ -125,7 +143,7 @@ class Dist:
         if world > 1:
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=TIMEOUT,
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=process_group_timeout(),
                                     device_id=dev if dev.type == "cuda" else None)
         return cls(rank, world, local, dev)
 
@@ -219,7 +237,8 @@ class Dist:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
                 model.to_empty(device=self.device)
-                full = load_model(fill_from, dtype=torch.float32).state_dict() if self.is_main else {}
+                full = (DiffusionGemma.from_pretrained(fill_from, dtype=torch.float32).state_dict() if self.is_main
+                        else {})
                 set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                            broadcast_from_rank0=True))
         elif fill_from is not None:
@@ -379,10 +398,10 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
             with torch.device("meta"):
                 plain = DiffusionGemma(model.config)
             plain.load_state_dict(full, assign=True)
-            plain.generation_config = getattr(model, "generation_config", None)
+            plain.generation_config = model.generation_config
             save_pretrained(plain, tmp)
         else:  # the configs, so that `dgemma export` knows the model (and load_model names the way out)
-            gen = getattr(model, "generation_config", None) or GenerationConfig()
+            gen = model.generation_config or GenerationConfig()
             fsio.write_text(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
             fsio.write_text(tmp / "generation_config.json", json.dumps(gen.to_hf(), indent=2) + "\n")
         fsio.write_text(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")
@@ -427,7 +446,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         if read_weights is not None:  # part of the model (LoRA): every other tensor is already in place
             weights = {**model.state_dict(), **read_weights(ckpt)}
         else:
-            weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
+            weights = DiffusionGemma.from_pretrained(ckpt, dtype=torch.float32, device="cpu").state_dict()
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
             set_state_dict(model, optimizer, model_state_dict=weights,
                            optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),
@@ -470,7 +489,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     Peak memory: the whole model in fp32 (26B-A4B: ~101 GB)."""
     ckpt = Path(ckpt)
     if not is_sharded_checkpoint(ckpt):
-        model = load_model(ckpt, dtype=dtype)
+        model = DiffusionGemma.from_pretrained(ckpt, dtype=dtype)
     else:
         import torch.distributed.checkpoint as dcp
 

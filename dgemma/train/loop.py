@@ -61,11 +61,12 @@ from dgemma.data.shards import TokenDataset, check_token_range, sha256_file, ver
 from dgemma.data.templates import load_chat_template
 from dgemma.data.tokenizer import check_vocab, load_tokenizer
 from dgemma.generation_config import GenerationConfig, is_seed
-from dgemma.model import DiffusionGemma, init_weights, load_model
+from dgemma.loading import load_model
+from dgemma.model import DiffusionGemma, init_weights
 from dgemma.train import distributed, run_dir
 from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, LossOutput, sft_loss, training_loss
 from dgemma.train.distributed import PARALLEL, Dist, checkpoint_world_size, load_into, resolve_device, shared
-from dgemma.train.nelbo import clean_context_posterior, noisy_context_posterior, window_nelbo
+from dgemma.train.nelbo import nelbo_per_window, window_cross_entropy
 from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.train.run_dir import NonFiniteError
 
@@ -321,7 +322,7 @@ class TrainResult:
 
 
 @torch.no_grad()
-def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool,
+def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.device, use_bf16: bool,
              dist: Dist | None = None) -> dict[str, float]:
     """Held-out measures on the first `eval_batches` validation micro-batches, with fixed noise and no
     self-conditioning, as a dict for metrics.jsonl:
@@ -349,18 +350,23 @@ def evaluate(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: torch.dev
         lo, hi = (rows - 1, rows) if empty else (lo, hi)  # in it) on a stand-in row that is not counted
         rows_kw = {"batch_rows": None if d.world_size == 1 else (lo, rows)}
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-            _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
-                         self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows,
-                         generator=torch.Generator(device=device).manual_seed(EVAL_SEED + i), **rows_kw)
-            spec = (nelbo, min(cfg.eval_t_samples, nelbo), cfg.objective)
             g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
-            per_window = None if not nelbo else net(x0[lo:hi].to(device), objective="nelbo", heldout_nelbo=spec,
-                                                    generator=g)[1].loss
-        if out.tokens and not empty:
-            loss = float(out.x0_loss)
+            if cfg.objective == "sft":  # chats: the fine-tuning loss
+                _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
+                             self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows, generator=g, **rows_kw)
+                loss, tokens = float(out.cross_entropy), out.tokens
+            else:  # token windows: the held-out cross-entropy `dgemma eval` computes too
+                nats, tokens = net(x0[lo:hi].to(device), measure=window_cross_entropy, objective=cfg.objective,
+                                   num_steps=cfg.num_steps, generator=g, **rows_kw)[0]
+                loss = float(nats) / tokens
+            g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
+            per_window = None if not nelbo else net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
+                                                    objective=cfg.objective, num_steps=nelbo,
+                                                    num_t_samples=min(cfg.eval_t_samples, nelbo))[0]
+        if tokens and not empty:
             sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
-            sums[6] += loss * out.tokens
-            sums[7] += out.tokens
+            sums[6] += loss * tokens
+            sums[7] += tokens
             if per_window is not None:
                 per_token = per_window.double() / x0.shape[1]
                 sums[3:6] = (sums[3] + float(per_token.sum()), sums[4] + float((per_token ** 2).sum()),
@@ -382,20 +388,10 @@ def _se(total: float, squares: float, n: float) -> float:
     return math.sqrt(var / n)
 
 
-def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0,
-               heldout_nelbo: tuple[int, int, str] | None = None, **kw: Any) -> LossOutput:
+def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0, **kw: Any) -> LossOutput:
     """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows
-    (train/diffusion.py:training_loss) or packed chats (train/diffusion.py:sft_loss, which has no next-token term). For
-    evaluation, objective "nelbo" with `heldout_nelbo` = (T, t samples, the run's objective): the NELBO of each window
-    in nats, (B,), as `loss`."""
-    if objective == "nelbo":
-        T, k, run_objective = heldout_nelbo  # type: ignore[misc]
-        cfg = model.config
-        make = clean_context_posterior if run_objective == "clean-context" else noisy_context_posterior
-        terms = window_nelbo(make(model, T), batch, canvas_length=cfg.canvas_length, vocab_size=cfg.vocab_size,
-                             num_steps=T, num_t_samples=k, generator=kw["generator"])
-        per_window = terms.nelbo.sum(1)
-        return LossOutput(per_window, per_window, None, batch.numel(), False)
+    (train/diffusion.py:training_loss) or packed chats (train/diffusion.py:sft_loss, which has no next-token term).
+    Held-out measures that are no training loss (the NELBO) run through `LossModule`'s `measure`."""
     if objective == "sft":
         return sft_loss(model, batch, **kw)
     return training_loss(model, batch, objective=objective, ar_weight=ar_weight, **kw)
@@ -581,7 +577,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
 
         def run_eval() -> float:
             model.eval()
-            values = evaluate(net, val_set, cfg, device, use_bf16, d)
+            values = heldout_metrics(net, val_set, cfg, device, use_bf16, d)
             model.train()
             record(step=step, tokens=state["tokens"], **values)
             nelbo = (f" | held-out NELBO {values['val_nelbo']:.3f} ± {values['val_nelbo_se']:.3f} (T="

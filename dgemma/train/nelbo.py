@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.attention import clean_context_masks, noisy_context_masks
+from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.model import DiffusionGemma
-from dgemma.train.diffusion import KL_CHUNK_ROWS, prior_kl, q_sample, reverse_kl
+from dgemma.train.diffusion import KL_CHUNK_ROWS, draw_rows, prior_kl, q_sample, reverse_kl, sample_canvas_t
 
 # posterior(x0 (B, S), x_t (B, S), t (B, C)) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean canvases before)
 Posterior = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -156,6 +157,73 @@ def clean_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
         return model.logits(hidden[:, S:])
 
     return posterior
+
+
+def posterior_of(objective: str) -> Callable[[DiffusionGemma, int], Posterior]:
+    """The posterior of a diffusion run's training forward: `clean_context_posterior` or `noisy_context_posterior`."""
+    if objective not in ("clean-context", "noisy-context"):
+        raise ValueError(f"a NELBO or x0 cross-entropy needs a diffusion objective, got {objective!r}")
+    return clean_context_posterior if objective == "clean-context" else noisy_context_posterior
+
+
+def nelbo_per_window(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int, num_t_samples: int,
+                     generator: torch.Generator | None = None) -> Tensor:
+    """The NELBO (nats) of each window of x0 (B, S), (B,): `window_nelbo` with the posterior of a run trained with
+    `objective`, at T = `num_steps` with `num_t_samples` stratified t per canvas. An evaluation function: training's
+    learning curves run it inside the wrapped model's forward (distributed.LossModule, `measure=`)."""
+    cfg = model.config
+    terms = window_nelbo(posterior_of(objective)(model, num_steps), x0, canvas_length=cfg.canvas_length,
+                         vocab_size=cfg.vocab_size, num_steps=num_steps, num_t_samples=num_t_samples,
+                         generator=generator)
+    return terms.nelbo.sum(1)
+
+
+def x0_ce_per_canvas(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int,
+                     generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    """The held-out x0 cross-entropy of windows x0 (B, S), the one definition behind training's learning curves
+    (`train.heldout_metrics`, run through `distributed.LossModule`'s `measure`) and `dgemma eval`
+    (`evaluate.heldout_x0_ce`): (nats per canvas (B, S / L), each canvas's t (B, S / L)). One t ~ U{1..T} per canvas
+    and x_t drawn as `diffusion.training_loss` draws them from `generator` (`batch_rows`: these rows of a larger
+    batch's draws), the training forward of `objective` without self-conditioning, one window at a time (at most
+    (S, V) logits)."""
+    L, V = model.config.canvas_length, model.config.vocab_size
+    B, S = x0.shape
+    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, S // L), batch_rows,
+                  generator, x0.device)
+    xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
+    posterior = posterior_of(objective)(model, num_steps)
+    ce = torch.cat([F.cross_entropy(posterior(x0[b:b + 1], xt[b:b + 1], t[b:b + 1])[0], x0[b], reduction="none")
+                    for b in range(B)])
+    return ce.view(B, S // L, L).sum(-1), t
+
+
+def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
+    """-log p(x_{i+1} | x_{<=i}) for i = 0..S-2 of x (B, S): (B, S - 1), one causal encoder pass, the head one window
+    at a time (at most (S, V) logits); fp32, or float64 for a float64 model. The one next-token cross-entropy of
+    an AR run's learning curve (`train.heldout_metrics`), `dgemma eval` (`evaluate.heldout_ar_ce`) and the judge's
+    generative perplexity."""
+    inputs = x[:, :-1]
+    T = inputs.shape[1]
+    hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
+                                   causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # a float64 judge scores in float64
+    return torch.stack([F.cross_entropy(model.logits(hidden[b], dtype), x[b, 1:], reduction="none")
+                        for b in range(x.shape[0])])
+
+
+def window_cross_entropy(model: DiffusionGemma, x: Tensor, *, objective: str, num_steps: int,
+                         generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
+                         ) -> tuple[Tensor, int]:
+    """(nats summed, target tokens) of held-out windows x for a run trained with `objective`: the x0 cross-entropy
+    (`x0_ce_per_canvas`) of a diffusion objective, the next-token cross-entropy (`ar_token_nll`; x holds seq_len + 1
+    tokens) of "ar". What training's learning curves log as val_loss (`train.heldout_metrics`)."""
+    if objective == "ar":
+        nll = ar_token_nll(model, x)
+        return nll.sum(), nll.numel()
+    ce, _ = x0_ce_per_canvas(model, x, objective=objective, num_steps=num_steps, generator=generator,
+                             batch_rows=batch_rows)
+    return ce.sum(), x.numel()
 
 
 def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:

@@ -1,0 +1,70 @@
+"""The model loader of the library and of every subcommand: a checkpoint, a training run or a LoRA adapter (merged
+into its base), or a preset with random weights, optionally quantized (dgemma/quantize.py) or with its experts
+offloaded (dgemma/offload.py). `dgemma.load_model` and `dgemma.build_model` are these functions; the CLI calls them
+in one line (dgemma/cli/common.py:load), so what `--model`, `--preset --random-init`, `--quantize` and
+`--offload-experts` do is reachable from Python too."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dgemma import lora
+from dgemma.attention import Impl
+from dgemma.checkpoint import resolve_model_dir
+from dgemma.config import ModelConfig, preset
+from dgemma.generation_config import GenerationConfig
+from dgemma.model import DiffusionGemma, check_memory, init_weights
+from dgemma.offload import check_offload_combination, offload_experts
+from dgemma.quantize import check_supported, quantize_model
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None, impl: Impl = "reference", force: bool = False,
+               quantize: str | None = None, offload_experts: bool = False) -> DiffusionGemma:
+    """A model from `path`: a checkpoint directory in the Hugging Face layout, a training run (its newest complete
+    checkpoint), or a LoRA adapter or LoRA run (merged into its base, then quantized or offloaded), with its
+    generation_config attached. Problems raise `CheckpointError` (AdapterError for an adapter); weights that do not
+    fit in free memory raise `MemoryPreflightError` (before anything is allocated) unless `force`.
+    `quantize="int8"|"int4"`: weight-only quantization with torchao (`pip install 'dgemma[quant]'`);
+    `offload_experts=True`: experts kept out of device memory, read per layer. The two do not combine."""
+    check_offload_combination(quantize, offload_experts)
+    if not lora.is_adapter(resolve_model_dir(path)):
+        return DiffusionGemma.from_pretrained(path, dtype=dtype, device=device, impl=impl, force=force,
+                                              quantize=quantize, offload_experts=offload_experts)
+    model = lora.load_merged(resolve_model_dir(path), dtype=dtype, device=device, impl=impl, force=force)
+    return _offload_to_temp_file(quantize_model(model, quantize), offload_experts)
+
+
+def build_model(config: ModelConfig | str, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                impl: Impl = "reference", force: bool = False, quantize: str | None = None,
+                offload_experts: bool = False) -> DiffusionGemma:
+    """A model with random weights (`init_weights`) of `config` or of the preset it names, in eval mode, with the
+    default generation_config of its geometry. The memory pre-flight runs before anything is built (weights and
+    one canvas's sampler buffers); `quantize` / `offload_experts` as `load_model` (the experts go to a temporary
+    file, removed at exit)."""
+    check_offload_combination(quantize, offload_experts)
+    config = preset(config) if isinstance(config, str) else config
+    dtype = dtype or torch.float32
+    if quantize is not None:
+        check_supported(quantize, device, dtype)
+    check_memory(config, dtype, device, weights=True, batch_size=1, force=force, quantize=quantize)
+    model = init_weights(DiffusionGemma(config, impl=impl))
+    model = quantize_model(model.to(dtype=dtype, device=device).eval(), quantize)
+    model.generation_config = GenerationConfig.for_model(model.config)
+    return _offload_to_temp_file(model, offload_experts)
+
+
+def _offload_to_temp_file(model: DiffusionGemma, offload: bool) -> DiffusionGemma:
+    """`offload_experts` for a model built in memory: its experts written to a temporary file (removed at exit) and
+    memory-mapped from there."""
+    if offload:
+        folder = tempfile.mkdtemp(prefix="dgemma-experts-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        offload_experts(model, Path(folder) / "experts.safetensors")
+    return model
