@@ -25,7 +25,8 @@ def register(subparsers: Any) -> None:
                    help=f"a text to continue (repeatable; default: {', '.join(map(repr, DEMO.prompts))})")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens per continuation (default 64)")
-    p.add_argument("--seed", type=seed, default=0, help="sampling seed, the same for every prompt (default 0)")
+    p.add_argument("--seed", type=seed, default=0, metavar="SEED",
+                   help="sampling seed, the same for every prompt (default 0)")
     p.set_defaults(func=run)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import add_config_args, positive_float, positive_int, run_training
+from dgemma.cli.common import MODEL_HELP, add_config_args, positive_float, positive_int, run_training
 from dgemma.run_dir import read_record
 from dgemma.train import TrainConfig
 
@@ -20,8 +20,8 @@ FIXED = ("init_from", "objective", "preset", "vocab_size")  # set by --model and
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("finetune", help="fine-tune a checkpoint on chats (full or LoRA)", description=__doc__)
-    p.add_argument("--model", type=Path, required=True, metavar="PATH",
-                   help="the checkpoint to start from (Hugging Face layout with tokenizer.json, or a run)")
+    p.add_argument("--model", type=Path, required=True, metavar="DIR",
+                   help="the model to start from, with its tokenizer.json: " + MODEL_HELP)
     p.add_argument("--data", type=Path, required=True, metavar="CHATS.jsonl",
                    help='one {"messages": [{"role": ..., "content": ...}, ...]} per line')
     p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (new or empty, unless "
