@@ -24,7 +24,7 @@ from dgemma.tokenizer import build_test_tokenizer, toy_corpus
 
 TINY = dgemma.preset("tiny")  # vocab 512, hidden 64, k_proj 64 -> 32
 RANDOM = ["--preset", "tiny", "--random-init"]
-FAST = ["--steps", "2", "--max-new-tokens", "16"]
+FAST = ["--max-denoising-steps", "2", "--max-new-tokens", "16"]
 CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
 
 

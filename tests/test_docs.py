@@ -102,11 +102,12 @@ import sys  # noqa: E402
 MARKERS = ("[long]", "[GPU]", "[CI]")
 TINY_ARGS: dict[str, list[str]] = {
     # README: generate at 3 denoising steps (the model is random; the flags' parsing is what is shown)
-    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32": ["--steps", "3"],
-    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --sampler lite --steps 8 --trace run --json":
-        ["--steps", "3"],
-    'echo "Hello there" | dgemma chat --preset tiny --random-init --tokenizer tok --seed 0': ["--steps", "3",
-                                                                                             "--max-new-tokens", "16"],
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32":
+        ["--max-denoising-steps", "3"],
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --sampler lite --max-denoising-steps 8 "
+    "--trace run --json": ["--max-denoising-steps", "3"],
+    'echo "Hello there" | dgemma chat --preset tiny --random-init --tokenizer tok --seed 0':
+        ["--max-denoising-steps", "3", "--max-new-tokens", "16"],
     # docs/training.md: the recipe without --preset (cpu-small), stopped after one step
     "dgemma train --data data --out runs/small": ["--until-step", "1", "--eval-batches", "1"],
     "dgemma train --data data --out runs/small --resume": ["--until-step", "2", "--eval-batches", "1"],
@@ -133,7 +134,7 @@ TINY_ARGS: dict[str, list[str]] = {
         ["--max-steps", "2", "--eval-batches", "1"],
     "dgemma finetune --model base --data conversations.jsonl --out runs/lora --seq-len 64 --lora-rank 8 "
     "--lora-targets attention+experts": ["--max-steps", "2", "--eval-batches", "1"],
-    'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--steps", "3",
+    'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--max-denoising-steps", "3",
                                                                                     "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
     "bash runs/cpu_small_results.sh 4800": ["--smoke"],
@@ -154,9 +155,9 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/step_variants.py --preset bench-small --threads 1": ["--preset", "tiny", "--rounds", "1"],
     # README: quantized and offloaded generation at 3 denoising steps
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 --quantize int8":
-        ["--steps", "3"],
+        ["--max-denoising-steps", "3"],
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 "
-    "--offload-experts": ["--steps", "3"],
+    "--offload-experts": ["--max-denoising-steps", "3"],
     "python runs/bench_serve.py": ["--quick"],
 }
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).

@@ -153,7 +153,7 @@ def test_head_and_sample_matches_reference_and_ignores_chunking():
 
 
 def test_bench_cli_smoke(capsys):
-    assert main(["bench", "--preset", "tiny", "--steps", "2", "--repeats", "1", "--json"]) == 0
+    assert main(["bench", "--preset", "tiny", "--denoising-steps", "2", "--repeats", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     for impl in ("reference", "fast"):
         r = report["generation"]["results"][impl]

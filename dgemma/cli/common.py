@@ -233,7 +233,8 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
 def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:
     """generate()'s keyword overrides from the sampler flags given (GenerationConfig.overrides checks them)."""
     return gcfg.overrides(sampler=args.sampler, max_new_tokens=args.max_new_tokens,
-                          max_denoising_steps=args.max_denoising_steps, entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max)
+                          max_denoising_steps=args.max_denoising_steps, entropy_bound=args.entropy_bound,
+                          t_min=args.t_min, t_max=args.t_max)
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
