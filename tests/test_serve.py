@@ -363,7 +363,7 @@ def test_serve_command_errors_and_the_missing_extra(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:  # each request carries its own `seed`: serve has no --seed
         cli.main(["serve", "--preset", "tiny", "--random-init", "--seed", "1"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip() == "dgemma serve: error: unrecognized arguments: --seed 1"
+    assert capsys.readouterr().err.strip() == "dgemma: error: unrecognized arguments: --seed 1"
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--preset", "tiny", "--random-init", "--threads", "0"])
     assert exit_.value.code == 2
