@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgemma import fsio, run_dir
+from dgemma import fsio, quiet, run_dir
 from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
@@ -214,6 +214,7 @@ class Dist:
             for block in model.layers:
                 fully_shard(block, **kw)
             fully_shard(net, **kw)  # the root: embedding (tied head), final norm, self-conditioning
+            quiet.fsdp_view_outputs()  # a false alarm for dgemma's modules (dgemma/quiet.py)
             if fill_from is not None:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -230,7 +231,9 @@ class Dist:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            # Self-conditioning's parameters sit out the steps that skip it: find_unused_parameters.
+            # Self-conditioning's parameters sit out the steps that skip it: find_unused_parameters (whose warning
+            # on the steps that use them all is a false positive: dgemma/quiet.py).
+            quiet.ddp_unused_parameters()
             # Buffers (the layer scalars) are constants, the same on every rank: no broadcast in each forward, which
             # would also make every rank's forward a collective (evaluation runs forwards without gradients).
             with warnings.catch_warnings():
