@@ -93,7 +93,6 @@ def test_architecture_doc_covers_the_gemma_quirks() -> None:
 
 import contextlib  # noqa: E402
 import io  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
@@ -130,10 +129,11 @@ TINY_ARGS: dict[str, list[str]] = {
     "--out runs/sft-26b --parallel fsdp --activation-checkpointing --batch-size 1 --resume": ["--until-step", "2"],
     "python runs/bench_dist.py data": ["--steps", "3", "--seq-len", "32", "--only", "0,2"],
     # docs/training.md, Fine-tuning: a few steps, a short answer
-    "dgemma finetune --model base --data conversations.jsonl --out runs/sft --seq-len 64 --lr 5e-3 --max-steps 200":
+    "dgemma finetune --model base --data examples/conversations.jsonl --out runs/sft --lr 5e-3 --max-steps 200":
         ["--max-steps", "2", "--eval-batches", "1"],
-    "dgemma finetune --model base --data conversations.jsonl --out runs/lora --seq-len 64 --lora-rank 8 "
-    "--lora-targets attention+experts": ["--max-steps", "2", "--eval-batches", "1"],
+    "dgemma finetune --model base --data examples/conversations.jsonl --out runs/lora --lora-rank 8 "
+    "--lora-targets attention+experts --lr 1e-2 --max-steps 60 --eval-every 20":
+        ["--max-steps", "2", "--eval-every", "1", "--eval-batches", "1"],
     'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--max-denoising-steps", "3",
                                                                                     "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
@@ -163,11 +163,8 @@ TINY_ARGS: dict[str, list[str]] = {
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).
 DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,
              "chats.jsonl": '{"text": "Hello there."}\n{"text": "What is the capital of France?"}\n',
-             # docs/training.md, Fine-tuning: chats in the OpenAI messages format
-             "conversations.jsonl": "".join(
-                 json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
-                 for q, a in (("What is the capital of France?", "The capital of France is Paris."),
-                              ("Why is the sky blue?", "Because of scattered sunlight.")))}
+             # docs/training.md, Fine-tuning: the shipped example chats, as the docs run them from the root
+             "examples/conversations.jsonl": (ROOT / "examples" / "conversations.jsonl").read_text(encoding="utf-8")}
 
 
 def doc_blocks() -> list[tuple[str, list[tuple[str, str]]]]:
