@@ -63,10 +63,15 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
-                and "default" not in text):
+        if action.option_strings and has_default(action) and "default" not in text:
             text += " (default: %(default)s)"
         return text
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether an option has a default worth showing: a value, not None (= not given) nor a switch's False (0 is a
+    value: `is`, not `in`, since 0 == False)."""
+    return not any(action.default is v for v in (None, False, argparse.SUPPRESS))
 
 
 class Parser(argparse.ArgumentParser):
