@@ -196,3 +196,19 @@ def test_eval_runs_on_impl_and_threads(capsys, threads_restored, tiny_run, tiny_
                                 "--impl", impl, "--threads", "1"])
     assert bool(rec.sdpa_threads) == (impl == "fast") and set(rec.sdpa_threads) <= {1}
     assert (tmp_path / "report" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("name", ["train", "finetune"])
+def test_every_training_flag_shows_the_value_a_run_gets_without_it(name):
+    """TrainConfig's flags default to None (= not given), so --help names the recipe's value instead."""
+    import dataclasses
+
+    from dgemma.train import TrainConfig
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    parser = COMMANDS[name]
+    for flag, action in options(parser).items():
+        if action.dest in fields:
+            assert re.search(r"\bdefault\b", rendered(parser, action)), f"dgemma {name} {flag}"
+    assert re.search(r"default: 2e-5, or 2e-4 with --lora-rank", rendered(parser, options(parser)["--lr"])) \
+        or name == "train"

@@ -146,13 +146,18 @@ _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "str | None
 METAVARS = {"preset": "PRESET", "init_from": "DIR"}  # one metavar per concept, on every command
 
 
-def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                    shown: dict[str, Any] | None = None) -> None:
     """One --kebab-case flag per dataclass field (but `skip`), typed from its annotation, with the field's help and
-    choices. Every flag defaults to None (= not given), so the defaults live only in the dataclass and its presets."""
+    choices. Every flag defaults to None (= not given), so the defaults live only in the dataclass and its presets;
+    `--help` shows the value a run gets without the flag: `shown[name]` (a command's own recipe) or the field's."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
+        text = f.metadata.get("help") or ""
+        if "default" not in text:
+            text += f" (default: {(shown or {}).get(f.name, f.default)})"
+        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": text.replace("%", "%%")}
         if f.type in ("bool", "bool | None"):
             kw["action"] = argparse.BooleanOptionalAction
         else:

@@ -30,8 +30,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--minutes", type=positive_float, metavar="M", help="stop (and checkpoint) after M minutes")
     p.add_argument("--until-step", type=positive_int, metavar="N", help="stop (and checkpoint) at step N")
     p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
-    add_config_args(p, TrainConfig, skip=FIXED)
+    add_config_args(p, TrainConfig, skip=FIXED, shown=RECIPE_SHOWN)
     p.set_defaults(func=run)
+
+
+# What `recipe` sets, as --help shows it (the values that depend on the model or on --lora-rank, in words).
+RECIPE_SHOWN = {"seq_len": "8 canvases of the model", "lr": "2e-5, or 2e-4 with --lora-rank", "min_lr": "lr / 10",
+                "warmup_steps": 10, "max_steps": 500, "weight_decay": 0.0, "eval_every": 50, "save_every": 100}
 
 
 def recipe(model: Path, lora_rank: int) -> TrainConfig:
