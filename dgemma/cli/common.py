@@ -30,7 +30,8 @@ from dgemma.offload import offload_experts
 from dgemma.quantize import check_supported, quantize_model
 from dgemma.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
 
-# --dtype and --device take the same choices on every command, TrainConfig's included ("auto": dgemma decides).
+# --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
+# tests/test_cli_design.py holds every command to them).
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
