@@ -231,9 +231,7 @@ class Dist:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            # Self-conditioning's parameters sit out the steps that skip it: find_unused_parameters (whose warning
-            # on the steps that use them all is a false positive: dgemma/quiet.py).
-            quiet.ddp_unused_parameters()
+            # Self-conditioning's parameters sit out the steps that skip it: find_unused_parameters.
             # Buffers (the layer scalars) are constants, the same on every rank: no broadcast in each forward, which
             # would also make every rank's forward a collective (evaluation runs forwards without gradients).
             with warnings.catch_warnings():

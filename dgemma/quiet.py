@@ -5,9 +5,7 @@ place it is emitted (never a blanket "ignore"): what else those libraries say st
   .../_C_*.so" for each optional CUDA extension a CPU build of torch cannot load, and torch's pytree logs that the
   enums torchao registers no longer need registering. Neither concerns what dgemma uses (weight-only int8/int4, peft's
   LoRA layers): `optional_imports()` drops those two records while the import runs.
-- DDP with `find_unused_parameters=True` warns, on every rank, whenever a step happened to use every parameter: dgemma
-  needs the flag because self-conditioning's parameters sit out the steps that skip it (a random coin), so the warning
-  is a false positive by design (the text says so itself). `ddp_unused_parameters()` drops that warning.
+(DDP's find_unused_parameters notice is not here: torch's C++ reducer prints it past Python's warning filters.)
 - FSDP2 warns that a wrapped module "returned a view tensor" on which an in-place op "will silently drop the
   pre-backward hook": dgemma modifies no output of a wrapped module (a block, the loss module) in place, so the
   hazard it names cannot happen.
@@ -24,7 +22,6 @@ from collections.abc import Iterator
 
 TORCHAO_SO = re.compile(r"Failed to load \S*torchao\S*/_C\w*\.\S*so\b")
 PYTREE_ENUM = re.compile(r"is an Enum subclass and is now natively supported by torch\.compile")
-DDP_UNUSED = r"find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters"
 FSDP_VIEW = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 
@@ -50,12 +47,6 @@ def optional_imports() -> Iterator[None]:
     finally:
         for logger, f in filters:
             logger.removeFilter(f)
-
-
-def ddp_unused_parameters() -> None:
-    """For a process that trains under DDP with find_unused_parameters=True: its false-positive warning (raised in
-    backward passes, so for the rest of the process) is ignored, by its exact text."""
-    warnings.filterwarnings("ignore", message=DDP_UNUSED, category=UserWarning)
 
 
 def fsdp_view_outputs() -> None:
