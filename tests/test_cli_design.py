@@ -212,3 +212,15 @@ def test_every_training_flag_shows_the_value_a_run_gets_without_it(name):
             assert re.search(r"\bdefault\b", rendered(parser, action)), f"dgemma {name} {flag}"
     assert re.search(r"default: 2e-5, or 2e-4 with --lora-rank", rendered(parser, options(parser)["--lr"])) \
         or name == "train"
+
+
+def test_importing_peft_for_lora_is_quiet():
+    """peft imports transformers and torchao, whose CPU build logs "Failed to load ..._C*.so" per CUDA extension and
+    makes torch log an "Enum subclass" notice: dgemma.quiet drops exactly those (a fresh process: imports run once)."""
+    import subprocess
+
+    pytest.importorskip("peft")
+    done = subprocess.run([sys.executable, "-c", "from dgemma import lora; lora._peft(); print('ok')"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert not re.search(r"Failed to load|Enum subclass", done.stderr), done.stderr
