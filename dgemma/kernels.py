@@ -31,9 +31,9 @@ Draw = Literal["cdf", "race"]
 
 def _grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
     """Whether one grouped matmul can run every expert: `torch.nn.functional.grouped_mm` (torch >= 2.10, CPU and CUDA)
-    or `torch._grouped_mm`, bf16 on CUDA (compute capability >= 8.0), inference only (its CPU backward is
-    incomplete), plain weight tensors (not quantized: dgemma/quantize.py), and 16-byte aligned rows and pointers,
-    which the kernel requires."""
+    or `torch._grouped_mm`, bf16 on CUDA (compute capability >= 8.0), not float64 on CPU, inference only (its CPU
+    backward is incomplete), plain weight tensors (not quantized: dgemma/quantize.py), and 16-byte aligned rows and
+    pointers, which the kernel requires."""
     if any(type(w) not in (Tensor, torch.nn.Parameter) for w in weights):  # quantized or offloaded experts
         return False
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -48,6 +48,8 @@ def _grouped_mm_available(x: Tensor, *weights: Tensor) -> bool:
             return False  # before torch 2.9, torch._grouped_mm runs on Hopper only
     elif x.device.type != "cpu" or not hasattr(F, "grouped_mm"):
         return False
+    elif x.dtype not in (torch.float32, torch.bfloat16, torch.float16):  # the CPU kernel refuses float64 (eval's
+        return False                                                       # judge scores in float64)
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # inductor lowers grouped_mm for bf16 only
         return False
     size = x.element_size()

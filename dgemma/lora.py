@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dgemma import fsio
+from dgemma import fsio, quiet
 from dgemma.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, resolve_model_dir, write_safetensors
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
@@ -56,7 +56,8 @@ class AdapterError(CheckpointError):
 
 def _peft() -> Any:
     try:
-        import peft
+        with quiet.optional_imports():  # torchao's and torch's import-time noise (dgemma/quiet.py)
+            import peft
     except ImportError:
         raise AdapterError("LoRA needs peft: pip install 'dgemma[finetune]'") from None
     return peft

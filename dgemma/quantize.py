@@ -26,14 +26,13 @@ and "padded" backends) run the quantized weights as they are; only the grouped m
 from __future__ import annotations
 
 import importlib.metadata
-import logging
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dgemma import quiet
 from dgemma.costs import INT4_GROUP, QUANTIZE_MODES
 
 INSTALL_HINT = "pip install 'dgemma[quant]'"
@@ -56,25 +55,16 @@ def torchao_version() -> str | None:
 
 
 def _torchao() -> Any:
-    """torchao.quantization, imported on first use. torchao logs a warning for each optional CUDA extension a CPU
-    build of torch cannot load, and torch warns about an enum it registers: neither concerns weight-only
-    quantization, so both are silenced while it imports."""
+    """torchao.quantization, imported on first use, without the import-time noise of torchao and torch that does not
+    concern weight-only quantization (dgemma/quiet.py)."""
     if torchao_version() is None:
         raise QuantizationError(f"quantization needs torchao, the quant extra: {INSTALL_HINT}")
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
     try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet.optional_imports():
             import torchao.quantization as tq  # optional dependency, imported when used
     except Exception as e:  # an install that does not match torch
         raise QuantizationError(f"torchao {torchao_version()} does not import with torch {torch.__version__} ({e}); "
                                 f"install the pinned version: {INSTALL_HINT}") from None
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
     return tq
 
 

@@ -30,7 +30,7 @@ dgemma() { "$PY" -m dgemma "$@"; }
 EVERY=$(( STEPS >= 18 ? STEPS / 18 : 1 ))
 TRAIN=(--preset cpu-small --max-steps $((2 * STEPS)) --eval-every "$EVERY" --eval-batches 8 --save-every $((3 * EVERY))
        --keep-last 40)
-EVAL=(--prompts 16 --steps 8,16,32 --entropy-bounds 0.1,1 --ar-temperatures 0.7,0.85,1.0 --prompt-tokens 32
+EVAL=(--prompts 16 --max-denoising-steps-grid 8,16,32 --entropy-bounds 0.1,1 --ar-temperatures 0.7,0.85,1.0 --prompt-tokens 32
       --t-samples 8 --max-windows 128)
 PREPARE=()
 if [[ "$SMOKE" == --smoke ]]; then  # toy corpus, tiny model, two steps and a one-setting evaluation
@@ -44,7 +44,7 @@ for i in range(150): Path(f'toy/d{i:03d}.txt').write_text(' '.join(s[(7 * i + j)
   EVERY=1
   TRAIN=(--preset tiny --vocab-size 1024 --batch-size 2 --eval-batches 1 --max-steps $((2 * STEPS)) --eval-every 1
          --save-every "$STEPS" --keep-last 40)
-  EVAL=(--prompts 2 --steps 16 --entropy-bounds 0.1 --ar-temperatures 1.0 --max-windows 2 --t-samples 1 --quiet)
+  EVAL=(--prompts 2 --max-denoising-steps-grid 16 --entropy-bounds 0.1 --ar-temperatures 1.0 --max-windows 2 --t-samples 1 --quiet)
 fi
 
 [[ -f data/meta.json ]] || dgemma data prepare --out data "${PREPARE[@]}"

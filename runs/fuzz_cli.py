@@ -109,7 +109,8 @@ def build_world(root: Path) -> World:
                                                         {"role": "assistant", "content": "love the queen"}]}) + "\n"
                                for _ in range(40)))
     w.trace = root / "trace.npz"
-    done = dgemma("generate", "--model", str(w.ckpt), "--prompt", "the king", "--steps", "2", "--max-new-tokens",
+    done = dgemma("generate", "--model", str(w.ckpt), "--prompt", "the king", "--max-denoising-steps", "2",
+                  "--max-new-tokens",
                   "16", "--seed", "0", "--trace", str(w.trace), cwd=root)
     if done.returncode != 0:
         raise SystemExit(f"fixture trace failed:\n{done.stderr}")
@@ -155,7 +156,7 @@ def hostile_path(kind: str, case_dir: Path, w: World) -> str:
 
 def base_commands(w: World, out: Path) -> dict[str, list[str]]:
     """One working command per subcommand; `out` is the case's own output path."""
-    ck, small = str(w.ckpt), ["--steps", "2", "--max-new-tokens", "16", "--seed", "0"]
+    ck, small = str(w.ckpt), ["--max-denoising-steps", "2", "--max-new-tokens", "16", "--seed", "0"]
     return {
         "generate": ["generate", "--model", ck, "--prompt", "the king", *small],
         "chat": ["chat", "--model", ck, *small],
@@ -169,10 +170,11 @@ def base_commands(w: World, out: Path) -> dict[str, list[str]]:
                      "--seq-len", "32", "--batch-size", "2", "--eval-every", "1", "--save-every", "1"],
         "export": ["export", str(w.run), "--out", str(out)],
         "eval": ["eval", "--model", str(w.run), "--data", str(w.data), "--out", str(out), "--prompts", "2",
-                 "--prompt-tokens", "4", "--max-new-tokens", "16", "--steps", "2", "--seq-len", "32",
+                 "--prompt-tokens", "4", "--max-new-tokens", "16", "--max-denoising-steps-grid", "2", "--seq-len", "32",
                  "--max-windows", "4", "--t-samples", "1", "--bootstrap", "10", "--quiet"],
         "viz": ["viz", str(w.trace), "--out", str(out), "--model", ck],
-        "bench": ["bench", "--preset", "tiny", "--steps", "1", "--canvases", "1", "--repeats", "1", "--no-train"],
+        "bench": ["bench", "--preset", "tiny", "--denoising-steps", "1", "--canvases", "1", "--repeats", "1",
+                  "--no-train"],
         "demo": ["demo", "--out", str(out), "--minutes", "0.05"],
     }
 

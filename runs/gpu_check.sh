@@ -49,7 +49,7 @@ step gpu_tests timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -q -p no:cacheprov
   "$ROOT/tests/test_quantize.py" --junitxml "$OUT/gpu_tests.xml"
 
 # 2. the 26B-A4B geometry, random weights: one canvas of STEPS fixed steps, fast path, after a warm-up
-BENCH=(bench --preset "$BIG" --device "$DEVICE" --dtype "$DTYPE" --impl fast --steps "$STEPS" --canvases 1
+BENCH=(bench --preset "$BIG" --device "$DEVICE" --dtype "$DTYPE" --impl fast --denoising-steps "$STEPS" --canvases 1
        --repeats "$REPEATS" --no-train --json "${EXTRA[@]}")
 for q in none int8 int4; do
   flags=(); [[ $q == none ]] || flags=(--quantize "$q")
@@ -64,7 +64,7 @@ step bench_offload bash -c "$(printf '%q ' "$PY" -m dgemma "${BENCH[@]}" --offlo
 $(printf %q "$OUT/bench_offload.json")"
 
 # 3. training throughput and MFU (the generation part on tiny is only what `dgemma bench` always runs)
-step train bash -c "$(printf '%q ' "$PY" -m dgemma bench --preset tiny --device "$DEVICE" --impl fast --steps 2 \
+step train bash -c "$(printf '%q ' "$PY" -m dgemma bench --preset tiny --device "$DEVICE" --impl fast --denoising-steps 2 \
   --canvases 1 --repeats 1 --train-preset "$TRAIN" --train-steps "$TRAIN_STEPS" --json "${EXTRA[@]}") > \
 $(printf %q "$OUT/train.json")"
 

@@ -32,7 +32,7 @@ from dgemma.model import MemoryPreflightError, check_memory
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16
 V, L = TINY.vocab_size, TINY.canvas_length
 RANDOM = ["--preset", "tiny", "--random-init"]
-FAST = ["--steps", "2", "--max-new-tokens", "16"]
+FAST = ["--max-denoising-steps", "2", "--max-new-tokens", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +362,8 @@ CLI_CASES = [
     ("generate --prompt-ids x", lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2,x"], "comma-separated integers"),
     ("generate --max-new-tokens 0", lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2", "--max-new-tokens", "0"],
      "max_new_tokens"),
-    ("generate --steps -1", lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2", "--steps", "-1"],
+    ("generate --max-denoising-steps -1",
+     lambda t, c: ["generate", *RANDOM, "--prompt-ids", "2", "--max-denoising-steps", "-1"],
      "max_denoising_steps"),
     ("generate --prompt blank", lambda t, c: ["generate", *RANDOM, "--prompt", "  "], "empty prompt"),
     ("generate --model missing", lambda t, c: ["generate", "--model", str(t / "nope"), "--prompt-ids", "2"],

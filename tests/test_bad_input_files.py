@@ -25,7 +25,7 @@ from dgemma import cli
 from dgemma.checkpoint import CheckpointError, NonFiniteError
 
 TINY = dgemma.preset("tiny")
-FAST = ["--steps", "2", "--max-new-tokens", "16"]
+FAST = ["--max-denoising-steps", "2", "--max-new-tokens", "16"]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from dgemma.generation_config import SEED_MAX, GenerationConfig, is_seed
 
 TINY = dgemma.preset("tiny")  # vocab 512, hidden 64, k_proj 64 -> 32
 RANDOM = ["--preset", "tiny", "--random-init"]
-FAST = ["--steps", "2", "--max-new-tokens", "16"]
+FAST = ["--max-denoising-steps", "2", "--max-new-tokens", "16"]
 CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
 
 

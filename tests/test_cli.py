@@ -21,7 +21,7 @@ from dgemma.train.loop import TRAIN_PRESETS
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L, V = TINY.canvas_length, TINY.vocab_size
 RANDOM = ["--preset", "tiny", "--random-init"]
-FAST = ["--steps", "3", "--max-new-tokens", "32"]  # two canvases of at most 3 denoising passes each
+FAST = ["--max-denoising-steps", "3", "--max-new-tokens", "32"]  # two canvases of at most 3 denoising passes each
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -103,11 +103,12 @@ import sys  # noqa: E402
 MARKERS = ("[long]", "[GPU]", "[CI]")
 TINY_ARGS: dict[str, list[str]] = {
     # README: generate at 3 denoising steps (the model is random; the flags' parsing is what is shown)
-    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32": ["--steps", "3"],
-    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --sampler lite --steps 8 --trace run --json":
-        ["--steps", "3"],
-    'echo "Hello there" | dgemma chat --preset tiny --random-init --tokenizer tok --seed 0': ["--steps", "3",
-                                                                                             "--max-new-tokens", "16"],
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32":
+        ["--max-denoising-steps", "3"],
+    "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --sampler lite --max-denoising-steps 8 "
+    "--trace run --json": ["--max-denoising-steps", "3"],
+    'echo "Hello there" | dgemma chat --preset tiny --random-init --tokenizer tok --seed 0':
+        ["--max-denoising-steps", "3", "--max-new-tokens", "16"],
     # docs/training.md: the recipe without --preset (cpu-small), stopped after one step
     "dgemma train --data data --out runs/small": ["--until-step", "1", "--eval-batches", "1"],
     "dgemma train --data data --out runs/small --resume": ["--until-step", "2", "--eval-batches", "1"],
@@ -130,11 +131,12 @@ TINY_ARGS: dict[str, list[str]] = {
     "--out runs/sft-26b --parallel fsdp --activation-checkpointing --batch-size 1 --resume": ["--until-step", "2"],
     "python runs/bench_dist.py data": ["--steps", "3", "--seq-len", "32", "--only", "0,2"],
     # docs/training.md, Fine-tuning: a few steps, a short answer
-    "dgemma finetune --model base --data conversations.jsonl --out runs/sft --seq-len 64 --lr 5e-3 --max-steps 200":
+    "dgemma finetune --model base --data examples/conversations.jsonl --out runs/sft --lr 5e-3 --max-steps 200":
         ["--max-steps", "2", "--eval-batches", "1"],
-    "dgemma finetune --model base --data conversations.jsonl --out runs/lora --seq-len 64 --lora-rank 8 "
-    "--lora-targets attention+experts": ["--max-steps", "2", "--eval-batches", "1"],
-    'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--steps", "3",
+    "dgemma finetune --model base --data examples/conversations.jsonl --out runs/lora --lora-rank 8 "
+    "--lora-targets attention+experts --lr 1e-2 --max-steps 60 --eval-every 20":
+        ["--max-steps", "2", "--eval-every", "1", "--eval-batches", "1"],
+    'echo "What is the capital of France?" | dgemma chat --model runs/sft --seed 0': ["--max-denoising-steps", "3",
                                                                                     "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
     "bash runs/cpu_small_results.sh 4800": ["--smoke"],
@@ -155,19 +157,16 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/step_variants.py --preset bench-small --threads 1": ["--preset", "tiny", "--rounds", "1"],
     # README: quantized and offloaded generation at 3 denoising steps
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 --quantize int8":
-        ["--steps", "3"],
+        ["--max-denoising-steps", "3"],
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 "
-    "--offload-experts": ["--steps", "3"],
+    "--offload-experts": ["--max-denoising-steps", "3"],
     "python runs/bench_serve.py": ["--quick"],
 }
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).
 DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,
              "chats.jsonl": '{"text": "Hello there."}\n{"text": "What is the capital of France?"}\n',
-             # docs/training.md, Fine-tuning: chats in the OpenAI messages format
-             "conversations.jsonl": "".join(
-                 json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
-                 for q, a in (("What is the capital of France?", "The capital of France is Paris."),
-                              ("Why is the sky blue?", "Because of scattered sunlight.")))}
+             # docs/training.md, Fine-tuning: the shipped example chats, as the docs run them from the root
+             "examples/conversations.jsonl": (ROOT / "examples" / "conversations.jsonl").read_text(encoding="utf-8")}
 
 
 def _flag(argv: list[str], name: str) -> str | None:

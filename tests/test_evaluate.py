@@ -419,7 +419,8 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
     root, runs = pair
     out = tmp_path / "report"
     rc = main(["eval", "--model", str(runs["clean-context"]), "--baseline", str(runs["ar"]), "--data",
-               str(root / "data"), "--out", str(out), "--prompts", "2", "--steps", "2,4", "--entropy-bounds", "0.5",
+               str(root / "data"), "--out", str(out), "--prompts", "2", "--max-denoising-steps-grid", "2,4",
+               "--entropy-bounds", "0.5",
                "--max-windows", "4", "--quiet"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
@@ -472,8 +473,8 @@ def test_dgemma_eval_bad_inputs_are_clear_errors(pair, tmp_path, capsys):
     assert "validation split is empty" in capsys.readouterr().err
     assert main(["eval", "--model", str(tmp_path / "nope"), *base]) == 2
     assert "no such model or run directory" in capsys.readouterr().err
-    assert main(["eval", "--model", str(runs["clean-context"]), "--steps", "0", *base]) == 2
-    assert "--steps must be positive" in capsys.readouterr().err
+    assert main(["eval", "--model", str(runs["clean-context"]), "--max-denoising-steps-grid", "0", *base]) == 2
+    assert "--max-denoising-steps-grid must be positive" in capsys.readouterr().err
 
 
 # --- the judge, learning curves, intervals and the two prompt halves ------------------------------------------------
@@ -599,7 +600,8 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     root, runs = pair
     out = tmp_path / "report"
     assert main(["eval", "--model", str(runs["clean-context"]), "--baseline", str(runs["ar"]), "--judge",
-                 str(judge_run), "--data", str(root / "data"), "--out", str(out), "--prompts", "4", "--steps", "2",
+                 str(judge_run), "--data", str(root / "data"), "--out", str(out), "--prompts", "4",
+                 "--max-denoising-steps-grid", "2",
                  "--entropy-bounds", "0.5", "--ar-temperatures", "0.7,1", "--max-windows", "2", "--t-samples", "1",
                  "--bootstrap", "200", "--quiet"]) == 0
     report = json.loads((out / "report.json").read_text())
@@ -648,7 +650,7 @@ def test_eval_without_a_judge_names_the_baseline_and_checks_the_judge(pair, tmp_
     pytest.importorskip("matplotlib")
     root, runs = pair
     base = ["--model", str(runs["clean-context"]), "--data", str(root / "data"), "--quiet", "--max-windows", "2",
-            "--t-samples", "1", "--steps", "2", "--entropy-bounds", "0.5", "--prompts", "2"]
+            "--t-samples", "1", "--max-denoising-steps-grid", "2", "--entropy-bounds", "0.5", "--prompts", "2"]
     assert main(["eval", *base, "--baseline", str(runs["ar"]), "--out", str(tmp_path / "r")]) == 0
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["judge"]["judge"] == BASELINE_JUDGE and report["judge"]["path"] == str(runs["ar"])

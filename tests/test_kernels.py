@@ -162,7 +162,7 @@ def test_bench_cli_smoke(capsys):
     from dgemma.eval import bench
 
     steps, canvases, canvas = 2, 2, preset("tiny").canvas_length
-    assert main(["bench", "--preset", "tiny", "--steps", str(steps), "--repeats", "1", "--json"]) == 0
+    assert main(["bench", "--preset", "tiny", "--denoising-steps", str(steps), "--repeats", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     documented = re.findall(r"^    (\w+)  +\S", bench.__doc__, re.M)
     assert "tokens_per_forward" in documented and "peak_memory_bytes" in documented, documented

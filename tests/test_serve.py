@@ -313,7 +313,8 @@ def test_serve_command_on_a_run_and_on_a_checkpoint(tiny_run):
     assert (checkpoint / "config.json").is_file() and (checkpoint / "tokenizer.json").is_file()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     procs = [subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--model", str(path), "--port", "0",
-                               "--steps", "2", "--max-batch", "2", "--max-context", "256", "--api-key", KEY],
+                               "--max-denoising-steps", "2", "--max-batch", "2", "--max-context", "256",
+                               "--api-key", KEY],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for path in (tiny_run, checkpoint)]
     try:
@@ -362,10 +363,15 @@ def test_the_announced_url_accepts_connections_at_once():
 def test_serve_command_errors_and_the_missing_extra(monkeypatch, capsys):
     from dgemma import cli
 
-    assert cli.main(["serve", "--preset", "tiny", "--random-init", "--seed", "1"]) == 2
-    assert "each request carries its own `seed`" in capsys.readouterr().err
-    assert cli.main(["serve", "--preset", "tiny", "--random-init", "--threads", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "dgemma serve: error: --threads must be >= 1, got 0"
+    with pytest.raises(SystemExit) as exit_:  # each request carries its own `seed`: serve has no --seed
+        cli.main(["serve", "--preset", "tiny", "--random-init", "--seed", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == "dgemma: error: unrecognized arguments: --seed 1"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--preset", "tiny", "--random-init", "--threads", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == ("dgemma serve: error: argument --threads: must be a positive integer "
+                                               "(>= 1), got '0'")
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if the serve extra were not installed
     monkeypatch.delitem(sys.modules, "dgemma.serving.app", raising=False)
     assert cli.main(["serve", "--preset", "tiny", "--random-init"]) == 2

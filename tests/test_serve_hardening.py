@@ -154,7 +154,7 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closes(
 
 def test_denoising_steps_and_total_work_are_capped(server):
     assert_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 16, "max_denoising_steps": 10**9}),
-                 400, "max_denoising_steps", r"at most 8 on this server \(--max-denoising-steps\), got 1000000000")
+                 400, "max_denoising_steps", r"at most 8 on this server \(--limit-denoising-steps\), got 1000000000")
     # 2 choices x 5 canvases of 16 x 8 steps = 80 > 64
     assert_error(post(server, "/v1/chat/completions", {"messages": USER, "max_completion_tokens": 80, "n": 2,
                                                        "max_denoising_steps": 8}),
@@ -168,8 +168,9 @@ def test_denoising_steps_and_total_work_are_capped(server):
 def test_serve_refuses_a_default_over_its_cap_and_bad_limits(capsys, tok_path):
     threads = torch.get_num_threads()  # `serve` sets the process's torch threads once past its flag checks
     try:
-        assert cli.main(["serve", "--preset", "tiny", "--random-init", "--tokenizer", str(tok_path), "--steps", "20",
-                         "--max-denoising-steps", "10", "--max-context", "64", "--port", "0"]) == 2
+        assert cli.main(["serve", "--preset", "tiny", "--random-init", "--tokenizer",
+                         str(tok_path), "--max-denoising-steps", "20",
+                         "--limit-denoising-steps", "10", "--max-context", "64", "--port", "0"]) == 2
     finally:
         torch.set_num_threads(threads)
     err = capsys.readouterr().err.strip().splitlines()

@@ -105,7 +105,7 @@ def test_generate_json_chat_from_model_dir(tok, tok_path, tmp_path, capsys):
     model.save_pretrained(ckpt, generation_config=dgemma.GenerationConfig(eos_token_id=(1, 4), pad_token_id=0))
     (ckpt / "tokenizer.json").write_bytes(tok_path.read_bytes())  # found next to the weights
     assert cli.main(["generate", "--model", str(ckpt), "--prompt", "Hello", "--chat", "--json", "--seed", "0",
-                     "--steps", "2", "--max-new-tokens", "32", "--trace", str(tmp_path / "t.npz")]) == 0
+                     "--max-denoising-steps", "2", "--max-new-tokens", "32", "--trace", str(tmp_path / "t.npz")]) == 0
     out, _ = capsys.readouterr()
     (line,) = out.splitlines()  # --json: nothing but one object per prompt on stdout
     rec = json.loads(line)

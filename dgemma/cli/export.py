@@ -15,14 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dgemma import dirkind, fsio, lora
 from dgemma.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
+from dgemma.cli.common import DTYPES
 from dgemma.config import ConfigError
 from dgemma.train.distributed import export
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def register(subparsers: Any) -> None:
@@ -31,7 +28,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("run", type=Path, metavar="RUN", help="a training run directory (its newest complete checkpoint) "
                    "or one checkpoint directory (RUN/checkpoints/step-XXXXXXX)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="where to write it (new or empty)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights dtype (default float32)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="weights dtype of the exported checkpoint")
     p.add_argument("--base", type=Path, metavar="PATH", help="a LoRA adapter's base checkpoint (default: the one its "
                    "adapter_config.json names)")
     p.set_defaults(func=run)

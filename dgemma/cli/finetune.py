@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import add_config_args, positive_float, positive_int, run_training
+from dgemma.cli.common import MODEL_HELP, add_config_args, positive_float, positive_int, run_training
 from dgemma.train.loop import TrainConfig
 from dgemma.train.run_dir import read_record
 
@@ -20,8 +20,8 @@ FIXED = ("init_from", "objective", "preset", "vocab_size")  # set by --model and
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("finetune", help="fine-tune a checkpoint on chats (full or LoRA)", description=__doc__)
-    p.add_argument("--model", type=Path, required=True, metavar="PATH",
-                   help="the checkpoint to start from (Hugging Face layout with tokenizer.json, or a run)")
+    p.add_argument("--model", type=Path, required=True, metavar="DIR",
+                   help="the model to start from, with its tokenizer.json: " + MODEL_HELP)
     p.add_argument("--data", type=Path, required=True, metavar="CHATS.jsonl",
                    help='one {"messages": [{"role": ..., "content": ...}, ...]} per line')
     p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (new or empty, unless "
@@ -30,8 +30,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--minutes", type=positive_float, metavar="M", help="stop (and checkpoint) after M minutes")
     p.add_argument("--until-step", type=positive_int, metavar="N", help="stop (and checkpoint) at step N")
     p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
-    add_config_args(p, TrainConfig, skip=FIXED)
+    add_config_args(p, TrainConfig, skip=FIXED, shown=RECIPE_SHOWN)
     p.set_defaults(func=run)
+
+
+# What `recipe` sets, as --help shows it (the values that depend on the model or on --lora-rank, in words).
+RECIPE_SHOWN = {"seq_len": "8 canvases of the model", "lr": "2e-5, or 2e-4 with --lora-rank", "min_lr": "lr / 10",
+                "warmup_steps": 10, "max_steps": 500, "weight_decay": 0.0, "eval_every": 50, "save_every": 100}
 
 
 def recipe(model: Path, lora_rank: int) -> TrainConfig:

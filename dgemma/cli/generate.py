@@ -13,7 +13,16 @@ from typing import Any
 import torch
 
 from dgemma import fsio
-from dgemma.cli.common import Streamer, UsageError, add_model_args, add_sampler_args, chat_template, load, overrides
+from dgemma.cli.common import (
+    Streamer,
+    UsageError,
+    add_model_args,
+    add_runtime_args,
+    add_sampler_args,
+    chat_template,
+    load,
+    overrides,
+)
 from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.generate import check_trace_path, generate
 
@@ -24,6 +33,7 @@ MAX_BATCH_PROMPTS = 4096  # prompts in one --batch-file batch (every prompt is a
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("generate", help="generate text with a block-diffusion sampler", description=__doc__)
     add_model_args(p)
+    add_runtime_args(p)
     p.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer)")
     p.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma-separated: 2,651,1234")
     p.add_argument("--batch-file", type=Path, metavar="FILE",

@@ -12,7 +12,7 @@ import torch
 
 from dgemma import costs
 from dgemma.checkpoint import resolve_model_dir
-from dgemma.cli.common import nonnegative_int
+from dgemma.cli.common import add_quantize_arg, nonnegative_int
 from dgemma.config import ModelConfig, preset, read_json
 from dgemma.model import memory_needed
 
@@ -23,11 +23,10 @@ def register(subparsers: Any) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("path", nargs="?", type=Path, help="checkpoint directory, config.json, or training run directory "
                      "(its newest complete checkpoint); reads config.json only")
-    src.add_argument("--preset", help="a named preset from dgemma.config.PRESETS")
-    p.add_argument("--context", type=nonnegative_int, default=4096,
+    src.add_argument("--preset", metavar="PRESET", help="a named preset from dgemma.config.PRESETS")
+    p.add_argument("--context", type=nonnegative_int, default=4096, metavar="N",
                    help="committed tokens in the cache, for FLOPs (default 4096)")
-    p.add_argument("--quantize", choices=("int8", "int4"),
-                   help="also report the weights' memory with --quantize int8 / int4 (torchao's layouts)")
+    add_quantize_arg(p, "also report the weights' memory with --quantize int8 / int4 (torchao's layouts)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-from dgemma.cli.common import UsageError, add_model_args, add_sampler_args, chat_template, load, overrides
+from dgemma.cli.common import (
+    UsageError,
+    add_model_args,
+    add_runtime_args,
+    add_sampler_args,
+    chat_template,
+    device_of,
+    load,
+    overrides,
+)
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
 
@@ -22,9 +31,12 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                               description=__doc__)
     add_model_args(p)
-    add_sampler_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
+    add_runtime_args(p, impl="fast", threads_help="on CPU all cores but one, which the HTTP loop keeps")
+    add_sampler_args(p, seed_help=None)  # no server-wide seed: each request carries its own `seed`
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, metavar="PORT",
+                   help="port (default 8000; 0: any free port, printed)")
     p.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--allowed-hosts", metavar="NAMES", type=_names, default=(),
                    help="comma-separated Host names answered besides localhost (`*`: any); without --api-key on a "
@@ -40,16 +52,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body, else 413 (default 1 MiB)")
     p.add_argument("--max-n", type=int, default=8, metavar="N", help="the largest `n` a request may ask (default 8)")
-    p.add_argument("--max-denoising-steps", type=int, default=DEFAULT_MAX_DENOISING_STEPS, metavar="N",
-                   help=f"most denoising steps per canvas a request may ask (default {DEFAULT_MAX_DENOISING_STEPS})")
+    p.add_argument("--limit-denoising-steps", type=int, default=DEFAULT_MAX_DENOISING_STEPS, metavar="N",
+                   help="the largest max_denoising_steps (per canvas) a request may ask "
+                        f"(default {DEFAULT_MAX_DENOISING_STEPS})")
     p.add_argument("--max-request-steps", type=int, default=DEFAULT_MAX_REQUEST_STEPS, metavar="N",
                    help="the most denoising steps one request may run: choices x canvases x steps per canvas "
                         f"(default {DEFAULT_MAX_REQUEST_STEPS})")
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                    help=f"seconds a request body may take to arrive, else 408 (default {DEFAULT_BODY_TIMEOUT:g})")
-    p.add_argument("--impl", choices=("reference", "fast"), default="fast", help="kernels (default fast)")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch threads of the engine (default on CPU: all cores but one, which the HTTP loop keeps)")
     p.set_defaults(func=run)
 
 
@@ -66,18 +76,15 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.serving.guards import allowed_hosts, check_api_key
 
     for name in ("max_batch", "max_context", "max_queue", "max_concurrency", "max_request_bytes", "max_n",
-                 "max_denoising_steps", "max_request_steps"):
+                 "limit_denoising_steps", "max_request_steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.body_timeout < float("inf"):
         raise UsageError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
     check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
-    if args.seed is not None:
-        raise UsageError("--seed: each request carries its own `seed` (the same seed gives the same text)")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    args.device = device_of(args.device)
     if args.threads is not None or args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     model, tok = load(args)
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, max_batch=args.max_batch, max_context=args.max_context, max_queue=args.max_queue,
                     impl=args.impl, force=args.force).start()
     try:
-        limits = Limits(max_n=args.max_n, max_denoising_steps=args.max_denoising_steps,
+        limits = Limits(max_n=args.max_n, max_denoising_steps=args.limit_denoising_steps,
                         max_request_steps=args.max_request_steps)
         app = create_app(engine, tok, name, template=template, generation_config=config, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes, max_concurrency=args.max_concurrency,

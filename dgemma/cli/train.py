@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
                    help="stop (and checkpoint) at step N; the learning-rate "
                    "schedule still spans --max-steps")
     p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
-    add_config_args(p, TrainConfig)
+    add_config_args(p, TrainConfig, shown={"preset": DEFAULT_PRESET})  # TrainConfig's defaults: that recipe
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dgemma.cli.common import UsageError, nonnegative_int, shown_path
+from dgemma.cli.common import MODEL_HELP, UsageError, nonnegative_int, shown_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,8 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", type=Path, metavar="TRACE", help="the trace: FILE, FILE.json or FILE.npz")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the pictures")
     p.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json or its folder: show tokens as text")
-    p.add_argument("--model", type=Path, metavar="DIR", help="a model or run directory whose tokenizer.json to use")
-    p.add_argument("--row", type=nonnegative_int, default=0, help="batch row to draw (default 0)")
+    p.add_argument("--model", type=Path, metavar="DIR", help="whose tokenizer.json to use: " + MODEL_HELP)
+    p.add_argument("--row", type=nonnegative_int, default=0, metavar="N", help="batch row to draw (default 0)")
     p.add_argument("--canvas", type=nonnegative_int, action="append", metavar="C",
                    help="canvas to draw (repeatable; default all)")
     p.add_argument("--gif-canvas", type=nonnegative_int, metavar="C",

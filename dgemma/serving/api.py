@@ -64,7 +64,7 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 @dataclass(frozen=True)
 class Limits:
-    """The work one request may ask of the server (`dgemma serve --max-n --max-denoising-steps
+    """The work one request may ask of the server (`dgemma serve --max-n --limit-denoising-steps
     --max-request-steps`): `max_n` choices per prompt, `max_denoising_steps` per canvas, and `max_request_steps`
     denoising steps in all (choices x canvases x steps per canvas, the most the engine could run for it)."""
 
@@ -83,7 +83,7 @@ class Limits:
         default config at start)."""
         if config.max_denoising_steps > self.max_denoising_steps:
             raise APIError(f"max_denoising_steps: at most {self.max_denoising_steps} on this server "
-                           f"(--max-denoising-steps), got {config.max_denoising_steps}", param="max_denoising_steps")
+                           f"(--limit-denoising-steps), got {config.max_denoising_steps}", param="max_denoising_steps")
 
 
 @dataclass(frozen=True)

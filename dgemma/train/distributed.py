@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgemma import fsio
+from dgemma import fsio, quiet
 from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
@@ -233,6 +233,7 @@ class Dist:
             for block in model.layers:
                 fully_shard(block, **kw)
             fully_shard(net, **kw)  # the root: embedding (tied head), final norm, self-conditioning
+            quiet.fsdp_view_outputs()  # a false alarm for dgemma's modules (dgemma/quiet.py)
             if fill_from is not None:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
