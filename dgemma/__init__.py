@@ -5,8 +5,9 @@ from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset
 from dgemma.generate import GenerationResult, generate
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
-from dgemma.loading import build_model, load_model
-from dgemma.model import DiffusionGemma, MemoryPreflightError, init_weights
+from dgemma.loading import build_model, init_weights, load_model
+from dgemma.memory import MemoryPreflightError
+from dgemma.model import DiffusionGemma
 
 __version__ = "0.1.0"
 

@@ -224,6 +224,13 @@ class ModelConfig:
         rope, hd = self.layer_rope(i), self.layer_head_dim(i)
         return hd if rope.rope_type == "default" else 2 * int(rope.partial_rotary_factor * hd // 2)
 
+    def first_layer_of_each_type(self) -> dict[str, int]:
+        """The index of the first layer of each layer type ("sliding_attention" -> 0, "full_attention" -> 5, ...)."""
+        first: dict[str, int] = {}
+        for i, t in enumerate(self.layer_types):
+            first.setdefault(t, i)
+        return first
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

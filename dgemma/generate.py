@@ -33,9 +33,17 @@ from dgemma import dirkind, fast_sampler, fsio, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.generation_config import GenerationConfig, GenerationError
+from dgemma.inputs import check_token_ids
 from dgemma.kv_cache import KVCache
-from dgemma.model import DiffusionGemma, check_memory, check_token_ids
-from dgemma.request_rules import check_seed, eos_index, new_token_budget, resolve_generation_config, sliding_prefix
+from dgemma.memory import check_memory
+from dgemma.model import DiffusionGemma
+from dgemma.request_rules import (
+    check_seed,
+    eos_index,
+    new_token_budget,
+    resolve_generation_config,
+    sliding_prefix,
+)
 
 LOOPS = ("readable", "sync-free")  # generate's sampler loops
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning

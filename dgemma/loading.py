@@ -19,7 +19,8 @@ from dgemma.attention import Impl
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ModelConfig, preset
 from dgemma.generation_config import GenerationConfig
-from dgemma.model import DiffusionGemma, check_memory, init_weights
+from dgemma.memory import check_memory
+from dgemma.model import DiffusionGemma
 from dgemma.offload import check_offload_combination, offload_experts
 from dgemma.quantize import check_supported, quantize_model
 
@@ -67,4 +68,19 @@ def _offload_to_temp_file(model: DiffusionGemma, offload: bool) -> DiffusionGemm
         folder = tempfile.mkdtemp(prefix="dgemma-experts-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
         offload_experts(model, Path(folder) / "experts.safetensors")
+    return model
+
+
+def init_weights(model: DiffusionGemma, seed: int = 0, std: float = 0.02) -> DiffusionGemma:
+    """Random initialisation for from-scratch models and tests: normal(0, std) linears and embeddings, unit norms,
+    experts scaled by fan-in. Deterministic in `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("gate_up_proj", "down_proj")) and p.ndim == 3:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     return model

@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dgemma import attention, checkpoint, costs, kernels
+from dgemma import attention, checkpoint, kernels
 from dgemma.attention import Impl, Mask, Past, check_impl
 from dgemma.config import ModelConfig, RopeConfig
 from dgemma.generation_config import GenerationConfig
+from dgemma.inputs import check_token_ids, one_row_caches
 from dgemma.kv_cache import KVCache
-from dgemma.system import available_memory
+from dgemma.memory import check_memory
 
 TIME_FEATURES = 256  # width of the sinusoidal noise-level features (Lite)
 Role = Literal["encoder", "decoder"]  # commit (causal, encoder layer scalars) or denoise (bidirectional, decoder)
@@ -331,7 +332,7 @@ class DiffusionGemma(nn.Module):
         # never round them, a pitfall transformers' own `.to` has).
         # On the CPU even when the model is built on the meta device (load_model), then moved where positions live.
         self.inv_freq = {kind: rope_inv_freq(config.layer_rope(i), config.layer_head_dim(i), torch.device("cpu"))
-                         for kind, i in _first_layer_of_each_type(config).items()}
+                         for kind, i in config.first_layer_of_each_type().items()}
 
     @property
     def device(self) -> torch.device:
@@ -454,7 +455,7 @@ class DiffusionGemma(nn.Module):
         `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to. `impl`
         (default: the model's): "reference" or "fast" kernels. `cache` may also be a list of B one-row caches, as
         for `denoise`: each row appends at its own committed length, computing what it would alone."""
-        rows = _one_row_caches(cache, input_ids, "input_ids")
+        rows = one_row_caches(cache, input_ids, "input_ids")
         if rows is None:
             self._encode(input_ids, cache, start, attention_mask, self._impl(impl))  # type: ignore[arg-type]
             return
@@ -538,7 +539,7 @@ class DiffusionGemma(nn.Module):
                        impl: Impl | None = None) -> Tensor:
         """`denoise` up to the final hidden state (B, L, D) that the head reads, with the self-conditioning signal
         given as the soft embedding (B, L, D) (`soft_embedding`), or None."""
-        rows = _one_row_caches(cache, canvas, "canvas")
+        rows = one_row_caches(cache, canvas, "canvas")
         impl = self._impl(impl)
         if t is not None:
             t = torch.as_tensor(t, dtype=torch.float32, device=canvas.device).reshape(-1, 1)
@@ -593,93 +594,3 @@ class DiffusionGemma(nn.Module):
         self.commit(input_ids, cache, attention_mask=attention_mask, impl=impl)
         return self.denoise(decoder_input_ids, cache, self_conditioning_logits=self_conditioning_logits,
                             self_conditioning_mask=self_conditioning_mask, impl=impl)
-
-
-class MemoryPreflightError(ValueError):
-    """A load or a generation would need more memory than is free; the message gives the numbers."""
-
-
-RUNTIME_BYTES = 256 * 2**20  # allocator slack, the interpreter, small temporaries
-
-
-def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = False, batch_size: int = 0,
-                  cache_length: int = 0, prompt_length: int = 0, quantize: str | None = None,
-                  offload_experts: bool = False) -> dict[str, int]:
-    """Bytes by part (costs.py's accounting, nothing is built): the weights in `dtype` (or `quantize`d; without the
-    experts if they are offloaded), a KVCache of
-    `cache_length` slots for `batch_size` rows (every layer is preallocated at full length), the sampler's
-    (batch, canvas, vocab) buffers (fp32 logits and probabilities, the self-conditioning logits, the entropy's
-    temporary), and the prefill's attention scores for a `prompt_length`-token prompt."""
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    B, L, V = batch_size, config.canvas_length, config.vocab_size
-    w = costs.weight_bytes(config, nbytes, quantize)
-    parts = {"weights": w["total"] - (w["experts"] if offload_experts else 0) if weights else 0,
-             "kv_cache": B * cache_length * costs.kv_cache_bytes_per_token(config, nbytes),
-             "sampler": B * L * V * (3 * 4 + nbytes),
-             "activations": 2 * B * config.num_attention_heads * prompt_length * max(prompt_length, L) * 4,
-             "runtime": RUNTIME_BYTES}
-    return {k: v for k, v in parts.items() if v}
-
-
-def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
-                 weights: bool = False, batch_size: int = 0, cache_length: int = 0, prompt_length: int = 0,
-                 force: bool = False, quantize: str | None = None, offload_experts: bool = False) -> dict[str, int]:
-    """The memory pre-flight: refuse (MemoryPreflightError, with the numbers) when `memory_needed` exceeds what
-    `system.available_memory` says is free (RAM, or free device memory on CUDA), unless `force`. Returns the parts."""
-    parts = memory_needed(config, dtype, weights=weights, batch_size=batch_size, cache_length=cache_length,
-                          prompt_length=prompt_length, quantize=quantize, offload_experts=offload_experts)
-    device = torch.device(device)
-    free = available_memory(device) if device.type in ("cpu", "cuda") else None
-    need = sum(parts.values())
-    if not force and free is not None and need > free:
-        gb = lambda b: f"{b / 1e9:.2f} GB"
-        detail = ", ".join(f"{k} {gb(v)}" for k, v in parts.items())
-        raise MemoryPreflightError(f"needs about {gb(need)} ({detail}) but only {gb(free)} is free on {device.type}; "
-                                   "use a smaller model, dtype (or --quantize), batch or max_new_tokens, or --force / "
-                                   "force=True to try anyway")
-    return parts
-
-
-def check_token_ids(ids: Tensor, vocab_size: int, name: str = "input_ids") -> None:
-    """Refuse ids outside [0, vocab_size) with a message naming the range found (an embedding lookup would fail
-    with a bare index error, or silently on some devices)."""
-    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
-        raise ValueError(f"{name} must be an integer tensor of token ids, got {got}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values in "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
-
-
-def _one_row_caches(cache: KVCache | Sequence[KVCache], ids: Tensor, name: str) -> list[KVCache] | None:
-    """None for one cache (checked against the batch of `ids`); the list for one-row caches, one per row of `ids`."""
-    if isinstance(cache, KVCache):
-        cache.check_batch(ids, name)
-        return None
-    rows = list(cache)
-    if len(rows) != ids.shape[0] or any(not isinstance(c, KVCache) or c.batch_size != 1 for c in rows):
-        raise ValueError(f"cache must be a KVCache or a list of one-row KVCaches, one per {name} row "
-                         f"({ids.shape[0]}), got {len(rows)} entries")
-    return rows
-
-
-def _first_layer_of_each_type(config: ModelConfig) -> dict[str, int]:
-    first: dict[str, int] = {}
-    for i, t in enumerate(config.layer_types):
-        first.setdefault(t, i)
-    return first
-
-
-def init_weights(model: DiffusionGemma, seed: int = 0, std: float = 0.02) -> DiffusionGemma:
-    """Random initialisation for from-scratch models and tests: normal(0, std) linears and embeddings, unit norms,
-    experts scaled by fan-in. Deterministic in `seed`."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            elif name.endswith(("gate_up_proj", "down_proj")) and p.ndim == 3:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model

@@ -20,8 +20,9 @@ import time
 import torch
 
 import dgemma
+from dgemma.train.config import train_preset
 from dgemma.train.diffusion import training_loss
-from dgemma.train.loop import make_optimizer, train_preset
+from dgemma.train.loop import make_optimizer
 
 VARIANTS = [("ar", 0.0), ("noisy-context", 0.0), ("noisy-context", 0.5), ("clean-context", 0.0),
             ("clean-context", 0.5), ("clean-context", 1.0)]

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dgemma.train.loop import estimate_memory, train, train_preset
+from dgemma.train.config import train_preset
+from dgemma.train.loop import estimate_memory, train
 
 # (label, TrainConfig overrides of the cpu-small recipe)
 CONFIGS = [

@@ -101,7 +101,8 @@ def tiny_run(tiny_data, tmp_path_factory) -> Path:
     """A real training run directory: the `tiny` preset trained for 2 steps on `tiny_data` (checkpoints/step-0000002
     with config.json, weights, tokenizer.json)."""
 
-    from dgemma.train.loop import train, train_preset
+    from dgemma.train.config import train_preset
+    from dgemma.train.loop import train
 
     run = tmp_path_factory.mktemp("tiny-run") / "run"
     cfg = train_preset("tiny").replace(batch_size=2, max_steps=2, warmup_steps=1, eval_every=100,

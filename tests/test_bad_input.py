@@ -27,7 +27,7 @@ from dgemma import cli
 from dgemma.checkpoint import CheckpointError
 from dgemma.config import ConfigError, ModelConfig, RopeConfig
 from dgemma.generation_config import GenerationConfig, GenerationError
-from dgemma.model import MemoryPreflightError, check_memory
+from dgemma.memory import MemoryPreflightError, check_memory
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16
 V, L = TINY.vocab_size, TINY.canvas_length

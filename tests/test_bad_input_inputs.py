@@ -210,7 +210,8 @@ def test_the_server_refuses_t_max_1e308_naming_the_field():
 
 
 def test_one_seed_rule_and_64_bit_training_seeds():
-    from dgemma.train.loop import TrainConfig, micro_step_generator
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.loop import micro_step_generator
 
     assert is_seed(0) and is_seed(SEED_MAX) and not is_seed(-1) and not is_seed(SEED_MAX + 1) and not is_seed(True)
     with pytest.raises(ConfigError, match=r"TrainConfig\.seed: must be an int from 0 to 2\*\*64 - 1"):

@@ -16,7 +16,7 @@ from dgemma import cli
 from dgemma.checkpoint import latest_checkpoint
 from dgemma.data.tokenizer import load_tokenizer
 from dgemma.eval.viz import load_trace
-from dgemma.train.loop import TRAIN_PRESETS
+from dgemma.train.config import TRAIN_PRESETS
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L, V = TINY.canvas_length, TINY.vocab_size

@@ -203,7 +203,7 @@ def test_every_training_flag_shows_the_value_a_run_gets_without_it(name):
     """TrainConfig's flags default to None (= not given), so --help names the recipe's value instead."""
     import dataclasses
 
-    from dgemma.train.loop import TrainConfig
+    from dgemma.train.config import TrainConfig
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     parser = COMMANDS[name]

@@ -20,7 +20,7 @@ from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig
 from dgemma.eval.bench import BenchSettings
 from dgemma.eval.evaluate import EvalError, EvalSettings
 from dgemma.generation_config import GenerationConfig
-from dgemma.train.loop import TRAIN_PRESETS, TrainConfig
+from dgemma.train.config import TRAIN_PRESETS, TrainConfig
 
 PACKAGE = Path(dgemma.__file__).parent
 # The user-facing settings dataclasses: what a file, a command line or a caller fills in, field by field.

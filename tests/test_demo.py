@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-import dgemma.train.loop as T
+import dgemma.train.config as C
 from dgemma.checkpoint import latest_checkpoint
 from dgemma.data.shards import decode_documents
 from dgemma.eval.decoding import prompt_agreement, real_word_share, words
@@ -25,7 +25,7 @@ def test_demo_runs_end_to_end(tiny_data, tmp_path):
     recipe fetches its corpus and trains for minutes: the slow test below): data, the two trainings side by side (the
     AR baseline in a spawned child), live continuations from both, the figures, the files."""
     recipe = DemoRecipe(corpus=(str(tiny_data.parent / "text"),), tokenizer="bpe:512",
-                        diffusion=T.train_preset("tiny").replace(eval_batches=1, eval_every=5, max_steps=10_000),
+                        diffusion=C.train_preset("tiny").replace(eval_batches=1, eval_every=5, max_steps=10_000),
                         prompts=("The young king", "A quiet river"), ar_temperature=0.8)
     out = io.StringIO()
     result = run_demo(tmp_path / "demo", minutes=0.05, max_new_tokens=24, recipe=recipe, stream=out, live=False)

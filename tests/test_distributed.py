@@ -34,10 +34,11 @@ from safetensors.torch import load_file
 from dgemma import cli
 from dgemma.checkpoint import CheckpointError, list_checkpoints
 from dgemma.data.shards import TokenDataset
-from dgemma.loading import load_model
-from dgemma.model import DiffusionGemma, init_weights
+from dgemma.loading import init_weights, load_model
+from dgemma.model import DiffusionGemma
+from dgemma.train.config import train_preset
 from dgemma.train.diffusion import training_loss
-from dgemma.train.loop import train, train_preset
+from dgemma.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -289,8 +290,8 @@ def test_split_rows_draw_the_noise_of_the_whole_batch(data):
 @pytest.mark.integration
 def test_resume_on_another_world_size_keeps_the_windows_per_step(data, ddp_run, tmp_path):
     from dgemma.config import ConfigError
+    from dgemma.train.config import TrainConfig
     from dgemma.train.distributed import rescale_for_world
-    from dgemma.train.loop import TrainConfig
 
     cfg = TrainConfig.from_json(json.loads((ddp_run / "run.json").read_text())["train_config"])
     assert rescale_for_world(cfg, 2, 1).batch_size == 4

@@ -373,7 +373,8 @@ def pair(tmp_path_factory):
     import io
 
     from dgemma.data.prepare import prepare
-    from dgemma.train.loop import TrainConfig, train
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.loop import train
 
     root = tmp_path_factory.mktemp("pair")
     prepare(root / "data", [str(_corpus(root / "corpus.jsonl"))], tokenizer="bpe:512", val_fraction=0.1, quiet=True)
@@ -579,7 +580,8 @@ def judge_run(pair):
     """A third tiny run on the same data: an AR model neither side of the comparison is."""
     import io
 
-    from dgemma.train.loop import TrainConfig, train
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.loop import train
 
     root, _ = pair
     cfg = TrainConfig(preset="tiny", objective="ar", seq_len=32, batch_size=4, max_steps=6, warmup_steps=2,

@@ -20,7 +20,7 @@ from torch import nn
 
 import dgemma
 from dgemma import costs, offload, quantize
-from dgemma.model import check_memory
+from dgemma.memory import check_memory
 from tests.helpers import random_ids, random_model
 
 pytest.importorskip("torchao")  # dgemma.quantize imports without it, but quantizes nothing

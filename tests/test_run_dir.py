@@ -20,15 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import dgemma.train.config as C
 import dgemma.train.loop as T
 from dgemma import cli, lock
 from dgemma.checkpoint import latest_checkpoint, list_checkpoints
 from dgemma.data.shards import DataError
-from dgemma.model import DiffusionGemma, init_weights
+from dgemma.loading import init_weights
+from dgemma.model import DiffusionGemma
 from dgemma.train import run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = T.train_preset("tiny").replace(batch_size=2, max_steps=4, warmup_steps=2, eval_every=100, eval_batches=1,
+BASE = C.train_preset("tiny").replace(batch_size=2, max_steps=4, warmup_steps=2, eval_every=100, eval_batches=1,
                                       save_every=1, keep_last=10, log_every=100)
 FLAGS = ["--preset", "tiny", "--batch-size", "2", "--eval-batches", "1", "--warmup-steps", "2", "--eval-every", "100",
          "--save-every", "1", "--keep-last", "10", "--max-steps", "6"]

@@ -20,16 +20,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import dgemma.train.config as C
 import dgemma.train.loop as T
 from dgemma import cli
 from dgemma.checkpoint import latest_checkpoint, list_checkpoints, resolve_model_dir
 from dgemma.config import ConfigError
 from dgemma.loading import load_model
-from dgemma.train.loop import TrainConfig, learning_rate, train
+from dgemma.train.config import TrainConfig, learning_rate
+from dgemma.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 3  # steps before the interruption; the uninterrupted run does 2N
-BASE = T.train_preset("tiny").replace(batch_size=2, max_steps=2 * N, warmup_steps=2, eval_every=100, eval_batches=1,
+BASE = C.train_preset("tiny").replace(batch_size=2, max_steps=2 * N, warmup_steps=2, eval_every=100, eval_batches=1,
                                       save_every=100, keep_last=10, log_every=100)
 
 
@@ -83,7 +85,7 @@ KILLED_RUN = """
 import sys, time, json, torch
 torch.set_num_threads(1)
 import dgemma.train.loop as T
-cfg = T.TrainConfig.from_json(json.loads(sys.argv[1]))
+cfg = C.TrainConfig.from_json(json.loads(sys.argv[1]))
 real, calls = T.training_loss, [0]
 def slow(*args, **kw):
     out = real(*args, **kw)
@@ -165,7 +167,7 @@ def test_nan_guard_skips_the_step_and_logs_it(corpus, tmp_path, monkeypatch):
 @pytest.mark.integration
 def test_tiny_learns(corpus, tmp_path):
     run = tmp_path / "run"
-    cfg = T.train_preset("tiny").replace(max_steps=100, eval_every=100, eval_batches=2, save_every=1000)
+    cfg = C.train_preset("tiny").replace(max_steps=100, eval_every=100, eval_batches=2, save_every=1000)
     result = quiet_train(cfg, corpus, run)
     start = next(m["val_loss"] for m in metrics(run) if "val_loss" in m)
     assert start > 5.5  # about log(512) = 6.24: nothing learned yet
@@ -174,7 +176,7 @@ def test_tiny_learns(corpus, tmp_path):
 
 def test_ar_objective_trains(corpus, tmp_path):
     run = tmp_path / "run"
-    cfg = T.train_preset("tiny").replace(objective="ar", max_steps=40, eval_every=40, eval_batches=2,
+    cfg = C.train_preset("tiny").replace(objective="ar", max_steps=40, eval_every=40, eval_batches=2,
                                          save_every=1000)
     result = quiet_train(cfg, corpus, run)
     start = next(m["val_loss"] for m in metrics(run) if "val_loss" in m)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.cli.common import MODEL_HELP, add_config_args, positive_float, positive_int, run_training
-from dgemma.train.loop import TrainConfig
+from dgemma.train.config import TrainConfig
 from dgemma.train.run_dir import read_record
 
 FIXED = ("init_from", "objective", "preset", "vocab_size")  # set by --model and the command itself

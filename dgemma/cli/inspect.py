@@ -14,7 +14,7 @@ from dgemma import costs
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.cli.common import add_quantize_arg, nonnegative_int
 from dgemma.config import ModelConfig, preset, read_json
-from dgemma.model import memory_needed
+from dgemma.memory import memory_needed
 
 
 def register(subparsers: Any) -> None:

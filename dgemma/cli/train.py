@@ -1,6 +1,6 @@
 """`dgemma train`: train a model from scratch on prepared token shards (or --resume a run), checkpointing into RUN.
-Every TrainConfig field is a flag; --preset picks a recipe from dgemma.train.loop.TRAIN_PRESETS (default cpu-small) and
-the flags given override it (--print-config shows the result)."""
+Every TrainConfig field is a flag; --preset picks a recipe from dgemma.train.config.TRAIN_PRESETS (default cpu-small)
+and the flags given override it (--print-config shows the result)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 from dgemma.checkpoint import latest_checkpoint
 from dgemma.cli.common import add_config_args, positive_float, positive_int, run_training
+from dgemma.train.config import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train_preset
 from dgemma.train.distributed import rescale_for_world
-from dgemma.train.loop import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train_preset
 from dgemma.train.run_dir import read_record
 
 

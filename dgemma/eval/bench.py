@@ -39,8 +39,9 @@ from dgemma import attention, costs, fsio
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
 from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.loading import load_model
-from dgemma.model import DiffusionGemma, check_memory, init_weights
+from dgemma.loading import init_weights, load_model
+from dgemma.memory import check_memory
+from dgemma.model import DiffusionGemma
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 from dgemma.train import diffusion
 
@@ -454,7 +455,7 @@ def bench_training(s: BenchSettings, peak_flops: float) -> dict[str, Any]:
     cfg = PRESETS[name]
     batch, seq_len, sc_prob, chunk = 4, 4 * cfg.canvas_length, 0.5, 1024
     try:
-        from dgemma.train.loop import train_preset
+        from dgemma.train.config import train_preset
         tc = train_preset(name)
         batch, seq_len, sc_prob, chunk = tc.batch_size, tc.seq_len, tc.self_conditioning_prob, tc.chunk_rows
     except (ImportError, ConfigError):

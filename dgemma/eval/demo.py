@@ -40,7 +40,8 @@ from dgemma.fsio import write_text
 from dgemma.generate import generate
 from dgemma.loading import load_model
 from dgemma.model import DiffusionGemma
-from dgemma.train.loop import TrainConfig, train
+from dgemma.train.config import TrainConfig
+from dgemma.train.loop import train
 from dgemma.train.run_dir import METRICS
 
 

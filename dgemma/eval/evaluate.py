@@ -195,7 +195,7 @@ class RunInfo:
 def run_info(path: str | Path) -> RunInfo:
     """Resolve a run (RUN/checkpoints/step-*, the newest) or a model directory, with its train config and tokenizer."""
     from dgemma.checkpoint import resolve_model_dir
-    from dgemma.train.loop import CONFIG_JSON
+    from dgemma.train.config import CONFIG_JSON
 
     path = Path(path)
     if not path.exists():
@@ -305,7 +305,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     from dgemma.data.shards import TokenDataset, check_token_range, verify
     from dgemma.data.tokenizer import check_vocab, load_tokenizer
     from dgemma.loading import load_model
-    from dgemma.train.loop import CONFIG_JSON
+    from dgemma.train.config import CONFIG_JSON
 
     s = settings or EvalSettings()
     s.check()

@@ -40,7 +40,8 @@ from dgemma.canvas import StepInfo
 from dgemma.generate import CanvasSampler
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
-from dgemma.model import DiffusionGemma, check_memory
+from dgemma.memory import check_memory
+from dgemma.model import DiffusionGemma
 from dgemma.request_rules import check_seed, eos_index, new_token_budget, sliding_prefix
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The memory pre-flight of a training step: `estimate_memory(cfg)` adds up parameters, gradients, AdamW state,
 activations, the saved attention masks and the loss logits of one rank; `preflight` refuses, before anything is
-written, a configuration that will not fit. `cfg` is a dgemma.train.loop.TrainConfig (dgemma/train/loop.py re-exports
+written, a configuration that will not fit. `cfg` is a dgemma.train.config.TrainConfig (dgemma/train/loop.py re-exports
 both)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from dgemma import costs
 from dgemma.system import available_memory
 
-TrainConfig = Any  # dgemma.train.loop.TrainConfig (imported from there it would make a cycle)
+TrainConfig = Any  # dgemma.train.config.TrainConfig (imported from there it would make a cycle)
 
 
 def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False, shards: int = 1

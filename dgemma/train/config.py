@@ -1,0 +1,223 @@
+"""A training run's recipe: `TrainConfig` (one frozen, validated dataclass: every field a `dgemma train` flag, saved as
+train_config.json in each checkpoint), the presets of `TRAIN_PRESETS`, the learning-rate schedule, and which fields
+a resumed run may change. The loop that runs it is train/loop.py."""
+
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dgemma import lora
+from dgemma.attention import IMPLS
+from dgemma.checkpoint import resolve_model_dir
+from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
+from dgemma.generation_config import is_seed
+from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING
+from dgemma.train.distributed import PARALLEL
+from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
+
+CONFIG_JSON = "train_config.json"
+# TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
+DEFAULT_PRESET = "cpu-small"
+EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
+# Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
+RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eval_t_samples", "save_every",
+             "keep_last", "log_every", "compile", "device", "parallel", "activation_checkpointing")
+DIFFUSION_ONLY = ("t_sampling", "loss_weighting", "time_embedding")  # recipe switches of the diffusion objectives
+
+
+def _opt(help: str, default: Any, **meta: Any) -> Any:
+    """A TrainConfig field with its --help text (and choices) for the command line."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.
+    `dgemma train` builds one flag per field."""
+
+    preset: str = _opt("model preset (dgemma.config.PRESETS)", default=DEFAULT_PRESET)
+    vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
+    canvas_length: int | None = _opt("override the preset's canvas length L, the tokens denoised together "
+                                     "(default: the preset's)", default=None)
+    objective: str = _opt("training objective (sft: chats, with init_from)", default="clean-context",
+                          choices=(*OBJECTIVES, "sft"))
+    init_from: str | None = _opt("start from this checkpoint (HF layout, or a run) instead of random weights; its "
+                                 "geometry replaces the preset's", default=None)
+    lora_rank: int = _opt("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
+                          default=0)
+    lora_alpha: float = _opt("LoRA alpha: the update B A is scaled by alpha / rank", default=16.0)
+    lora_targets: str = _opt("what LoRA adapts", default="attention", choices=tuple(lora.TARGETS))
+    seq_len: int = _opt("tokens per training window (a whole number of canvases)", default=128)
+    batch_size: int = _opt("windows per micro-batch", default=4)
+    grad_accum: int = _opt("micro-batches per optimizer step", default=1)
+    lr: float = _opt("peak learning rate", default=3e-3)
+    min_lr: float = _opt("learning rate at the end of the cosine", default=3e-4)
+    warmup_steps: int = _opt("linear warm-up steps", default=20)
+    max_steps: int = _opt("optimizer steps in the whole run", default=3000)
+    weight_decay: float = _opt("AdamW decoupled weight decay (matrices only)", default=0.1)
+    beta1: float = _opt("AdamW beta1", default=0.9)
+    beta2: float = _opt("AdamW beta2", default=0.95)
+    clip: float = _opt("gradient-norm clip (0: off)", default=1.0)
+    eval_every: int = _opt("steps between held-out evaluations", default=50)
+    eval_batches: int = _opt("held-out micro-batches per evaluation", default=4)
+    eval_nelbo_steps: int | None = _opt("T of the held-out NELBO logged at each evaluation of a diffusion run, the "
+                                        "learning curve's measure (default: num_steps; 0: x0 cross-entropy only)",
+                                        default=None)
+    eval_t_samples: int = _opt("stratified t samples per canvas of that NELBO", default=4)
+    save_every: int = _opt("steps between checkpoints", default=100)
+    keep_last: int = _opt("checkpoints kept (older ones are deleted)", default=2)
+    log_every: int = _opt("steps between console lines when stdout is not a terminal", default=10)
+    seed: int = _opt("seed of the initial weights, the data order and every noise draw", default=0)
+    num_steps: int = _opt("diffusion steps T of the noise schedule", default=16)
+    t_sampling: str = _opt("noise levels of a micro-batch's canvases: independent draws, or a stratified "
+                           "(low-discrepancy) set", default="uniform", choices=T_SAMPLING)
+    loss_weighting: str = _opt("x0: plain cross-entropy of the x0 prediction at every level; elbo: each level "
+                               "weighted as in the NELBO (the bound `dgemma eval` reports)", default="x0",
+                               choices=LOSS_WEIGHTING)
+    time_embedding: bool | None = _opt("time conditioning: add an embedding of the canvas's noise level t/T to its "
+                                       "tokens (default: the preset's; a dg checkpoint with it does not load in "
+                                       "transformers)", default=None)
+    self_conditioning_prob: float = _opt("probability of the self-conditioning pre-pass", default=0.5)
+    ar_weight: float = _opt("weight of a next-token loss on the clean stream (clean-context)", default=0.0)
+    chunk_rows: int = _opt("rows of the (rows, V) logits alive at once in the loss", default=1024)
+    impl: str = _opt("attention implementation", default="fast", choices=IMPLS)
+    dtype: str = _opt("auto: bf16 autocast on CUDA, fp32 on CPU", default="auto",
+                      choices=("auto", "float32", "bfloat16"))
+    compile: bool = _opt("torch.compile each block (CUDA only; never on CPU)", default=True)
+    device: str = _opt("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
+    parallel: str = _opt("under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters, gradients and AdamW "
+                         "state sharded per block)", default="ddp", choices=PARALLEL)
+    activation_checkpointing: bool = _opt("recompute each block's activations in backward (less memory, about a "
+                                          "third more compute)", default=False)
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"TrainConfig.{name}: {msg}, got {getattr(self, name)!r}")
+
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices:
+                check(getattr(self, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
+        check(self.preset in PRESETS, "preset", f"must be one of {', '.join(sorted(PRESETS))}")
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "eval_every", "eval_batches", "eval_t_samples",
+                     "save_every", "keep_last", "log_every", "num_steps", "chunk_rows"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive int")
+        for name in ("vocab_size", "canvas_length"):
+            v = getattr(self, name)
+            check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), name,
+                  "must be a positive int or None")
+            check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
+        check(is_seed(self.seed), "seed", "must be an int from 0 to 2**64 - 1")
+        check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+        check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)
+                                                and not isinstance(self.eval_nelbo_steps, bool)
+                                                and self.eval_nelbo_steps >= 0), "eval_nelbo_steps",
+              "must be None or an int >= 0")
+        check(self.time_embedding in (None, True, False), "time_embedding", "must be true, false or None")
+        check(self.init_from is None or self.time_embedding is None, "time_embedding",
+              "must be None with init_from (the checkpoint decides)")
+        check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
+              "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
+        for f in dataclasses.fields(self):
+            if f.type == "float":
+                v = getattr(self, f.name)
+                check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f.name,
+                      "must be a finite number")
+        check(self.lr > 0, "lr", "must be > 0")
+        check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}]")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
+        check(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
+        check(self.clip >= 0, "clip", "must be >= 0")
+        check(0 <= self.self_conditioning_prob <= 1, "self_conditioning_prob", "must be in [0, 1]")
+        check(self.ar_weight >= 0, "ar_weight", "must be >= 0")
+        for name in DIFFUSION_ONLY:
+            check(self.objective in ("clean-context", "noisy-context") or getattr(self, name) == _DEFAULTS[name],
+                  name, f"is a diffusion recipe switch: objective {self.objective!r} takes only the default")
+        check(self.ar_weight == 0 or self.objective == "clean-context", "ar_weight",
+              "is the clean stream's next-token loss: only the clean-context objective has one")
+        mc = self.model_config
+        L = mc.canvas_length
+        check(self.objective == "ar" or self.seq_len % L == 0, "seq_len",
+              f"must be a multiple of the preset's canvas_length={L} for a diffusion objective")
+        check(self.seq_len <= mc.max_position_embeddings, "seq_len",
+              f"must be <= the preset's max_position_embeddings={mc.max_position_embeddings}")
+        lora.check_adapter(self.lora_rank, self.lora_alpha, self.lora_targets, mc)  # the rank against layer widths
+
+    @property
+    def nelbo_steps(self) -> int:
+        """T of the held-out NELBO of each evaluation (0: none)."""
+        return self.num_steps if self.eval_nelbo_steps is None else self.eval_nelbo_steps
+
+    @property
+    def model_config(self) -> ModelConfig:
+        if self.init_from is not None:  # the checkpoint's geometry
+            config = resolve_model_dir(self.init_from) / "config.json"
+            return ModelConfig.from_hf(read_json(config), source=str(config))
+        mc = PRESETS[self.preset]
+        overrides = {name: getattr(self, name) for name in ("vocab_size", "canvas_length", "time_embedding")
+                     if getattr(self, name) is not None}
+        return mc.replace(**overrides) if overrides else mc
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def with_objective(self, objective: str) -> TrainConfig:
+        """This recipe with another objective; the diffusion-only switches go back to their defaults for `ar` and
+        `sft` (the AR baseline of a diffusion recipe: the same backbone, data, batch and schedule)."""
+        if objective in ("ar", "sft"):
+            return self.replace(objective=objective, **{k: _DEFAULTS[k] for k in DIFFUSION_ONLY})
+        return self.replace(objective=objective)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], source: str = CONFIG_JSON) -> TrainConfig:
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"{source}: unknown TrainConfig field(s) {', '.join(unknown)}")
+        try:
+            return cls(**d)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+# Training recipes per model preset, so that `dgemma train --preset NAME` needs no other flag.
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    # Seconds per step on a CPU: the test recipe.
+    "tiny": TrainConfig(preset="tiny", seq_len=32, batch_size=4, lr=3e-3, min_lr=3e-4, warmup_steps=10,
+                        max_steps=200, eval_every=20, save_every=50, log_every=10, chunk_rows=256),
+    # Laptop-sized: 10M parameters, 512 tokens a step (4 canvases of 32 a window), a high learning rate, 1.5M tokens
+    # in all. The diffusion recipe is the best of the ablations in docs/training.md ("What the recipe options are
+    # worth"): time conditioning (-0.17 nats/token of held-out NELBO at the same tokens, over two training seeds; its
+    # checkpoints do not load in transformers, whose DiffusionGemma has no time input), with the plain x0 loss.
+    "cpu-small": TrainConfig(time_embedding=True),
+    # Seed 003's single-GPU recipe: 8 x 2048 tokens x 4 micro-batches = 65k tokens a step, ~4B tokens in all.
+    "dg-380m": TrainConfig(preset="dg-380m", seq_len=2048, batch_size=8, grad_accum=4, lr=3e-4, min_lr=3e-5,
+                           warmup_steps=2000, max_steps=60_000, eval_every=1000, eval_batches=20, save_every=1000,
+                           keep_last=3, log_every=50, chunk_rows=8192),
+}
+# Seed 003's Lite on the same recipe, so the two architectures compare like with like.
+TRAIN_PRESETS["lite-380m"] = TRAIN_PRESETS["dg-380m"].replace(preset="lite-380m")
+
+
+def train_preset(name: str) -> TrainConfig:
+    """The recipe for a model preset: TRAIN_PRESETS[name], or the defaults with that preset."""
+    return TRAIN_PRESETS[name] if name in TRAIN_PRESETS else TrainConfig(preset=name)
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to `lr` over `warmup_steps`, then a cosine down to `min_lr` at `max_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
