@@ -35,7 +35,8 @@ def checkpoint(tmp_path, tok_path, template: str):
 def test_dgemma_chat_renders_the_checkpoints_template(tmp_path, tok_path, capsys, monkeypatch):
     ckpt = checkpoint(tmp_path, tok_path, "{{ raise_exception('the checkpoint template rendered this turn') }}")
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
-    assert cli.main(["chat", "--model", str(ckpt), "--steps", "2", "--max-new-tokens", "16", "--seed", "0"]) == 2
+    assert cli.main(["chat", "--model", str(ckpt), "--max-denoising-steps", "2", "--max-new-tokens", "16",
+                     "--seed", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert re.fullmatch(r"dgemma chat: error: chat template \(.*chat_template\.jinja\): the checkpoint template "
@@ -45,7 +46,7 @@ def test_dgemma_chat_renders_the_checkpoints_template(tmp_path, tok_path, capsys
 def test_generate_chat_encodes_the_checkpoints_template(tmp_path, tok_path, capsys):
     ckpt = checkpoint(tmp_path, tok_path, OWN)
     assert cli.main(["generate", "--model", str(ckpt), "--prompt", "Hello", "--chat", "--json", "--seed", "0",
-                     "--steps", "2", "--max-new-tokens", "16"]) == 0
+                     "--max-denoising-steps", "2", "--max-new-tokens", "16"]) == 0
     rec = json.loads(capsys.readouterr().out)
     tok = load_tokenizer(tok_path)
     assert tok.decode(rec["prompt_ids"]) == "<bos>[user] Hello [end]\n[assistant] "

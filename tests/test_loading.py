@@ -37,7 +37,7 @@ def test_load_model_merges_a_lora_adapter_as_the_cli_does(tmp_path, capsys):
     assert not torch.equal(q_proj(merged), q_proj(dgemma.load_model(base)))
     # The CLI loads the same thing through the same call.
     assert cli.main(["generate", "--model", str(tmp_path / "adapter"), "--prompt-ids", "2,3", "--max-new-tokens",
-                     "4", "--steps", "2", "--seed", "0"]) == 0
+                     "4", "--max-denoising-steps", "2", "--seed", "0"]) == 0
 
 
 def test_build_model_is_the_random_preset_model():

@@ -204,7 +204,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(tiny_data, tmp_path, monkeypatch)
 
 
 def test_no_checkpoint_with_a_nonfinite_tensor_is_written(tmp_path):
-    model = init_weights(DiffusionGemma(T.PRESETS["tiny"]))
+    model = init_weights(DiffusionGemma(C.PRESETS["tiny"]))
     with torch.no_grad():
         next(iter(model.parameters()))[0].fill_(float("nan"))
     optimizer = torch.optim.AdamW(model.parameters())

@@ -84,6 +84,7 @@ def test_resume_equals_uninterrupted(corpus, uninterrupted, tmp_path):
 KILLED_RUN = """
 import sys, time, json, torch
 torch.set_num_threads(1)
+import dgemma.train.config as C
 import dgemma.train.loop as T
 cfg = C.TrainConfig.from_json(json.loads(sys.argv[1]))
 real, calls = T.training_loss, [0]
