@@ -69,7 +69,8 @@ def plain_name_problem(name: object) -> str | None:
     return None
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is (from its stat mode), for an error message."""
     for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
@@ -88,7 +89,7 @@ def check_regular(path: str | os.PathLike[str]) -> os.stat_result:
 
 
 def _not_regular(path: str | os.PathLike[str], mode: int) -> UnsafeFileError:
-    why = f"{_kind(mode)}, not a regular file"
+    why = f"{file_kind(mode)}, not a regular file"
     return UnsafeFileError(f"{path}: {why}; only regular files (or symlinks to them) are read", why)
 
 
@@ -226,7 +227,8 @@ def open_in_place(path: str | os.PathLike[str]) -> int:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise UnsafeFileError(f"{path}: {_kind(st.st_mode)}, not a regular file; remove it and run the command again")
+        raise UnsafeFileError(f"{path}: {file_kind(st.st_mode)}, not a regular file; remove it and run the command "
+                              "again")
     return fd
 
 

@@ -24,6 +24,9 @@ from dgemma.model import DiffusionGemma
 from dgemma.offload import check_offload_combination, offload_experts
 from dgemma.quantize import check_supported, quantize_model
 
+# The dtype names every command takes (--dtype), and what they load as.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
                device: torch.device | str | None = None, impl: Impl = "reference", force: bool = False,

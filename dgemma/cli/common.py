@@ -20,8 +20,8 @@ from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.data.templates import ChatTemplate, load_chat_template
 from dgemma.data.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
-from dgemma.eval.bench import DTYPES  # the one table of dtype names (--dtype of every command)
 from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
+from dgemma.loading import DTYPES  # the one table of dtype names (--dtype of every command)
 
 # --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
 # tests/test_cli_design.py holds every command to them).

@@ -132,15 +132,6 @@ def read_jsonl(data: bytes, where: str) -> list[str]:
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO never waits for a writer (POSIX)
 
 
-def _file_kind(mode: int) -> str:
-    """What a non-regular, non-directory file is, for an error message."""
-    for test, kind in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "not a regular file"
-
-
 def _stat_input(path: Path) -> os.stat_result:
     """os.stat of a PATH argument (following symlinks). Missing: FileNotFoundError; a symlink loop or a path that
     cannot be looked up: DataError naming it."""
@@ -205,7 +196,7 @@ def _walk(top: Path, log: Log) -> _Walk:
             elif not text_suffix:
                 found.other_suffix.append(path)
             elif not stat.S_ISREG(st.st_mode):
-                found.unreadable.append((path, _file_kind(st.st_mode)))
+                found.unreadable.append((path, fsio.file_kind(st.st_mode)))
             else:
                 try:  # can it be opened? so that every unreadable path is known before anything is read
                     os.close(os.open(path, os.O_RDONLY | _NONBLOCK))
@@ -247,7 +238,7 @@ def read_path(path: str | os.PathLike[str], log: Log | None = None, skip_unreada
     elif stat.S_ISREG(mode):
         files, unreadable = [path], []
     else:
-        raise DataError(f"{path}: {_file_kind(mode)}, not a file or directory dgemma data can read; give text, "
+        raise DataError(f"{path}: {fsio.file_kind(mode)}, not a file or directory dgemma data can read; give text, "
                         "Markdown or JSONL files or directories")
     root = path if is_dir else path.parent
     digest, docs, empty, read = hashlib.sha256(), [], 0, 0

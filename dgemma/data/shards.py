@@ -159,7 +159,6 @@ def write_temp(final: Path, data: bytes, written: list[Path]) -> Path:
     return tmp
 
 
-
 def clean_stray_files(directory: Path, keep: set[str]) -> None:
     """Remove temporaries of interrupted runs and shards no meta.json lists (from a run killed before its commit).
     Only dgemma's own file-name patterns are touched: DIR may hold other files."""

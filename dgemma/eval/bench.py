@@ -39,14 +39,13 @@ from dgemma import attention, costs, fsio
 from dgemma.config import PRESETS, ConfigError, ModelConfig
 from dgemma.generate import generate
 from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.loading import init_weights, load_model
+from dgemma.loading import DTYPES, init_weights, load_model
 from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
 from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
 from dgemma.train import diffusion
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NO_STOP = 1e-38  # confidence_threshold: mean entropy never falls below it, so every canvas runs all its steps
 GPU_ONLY = {"diffusiongemma-26b-a4b"}  # too large for host memory in any dtype we run on CPU
 
