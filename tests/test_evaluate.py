@@ -207,7 +207,8 @@ def test_window_nelbo_is_an_unbiased_estimate_of_the_block_autoregressive_bound(
     full = p.reshape((V**L,) * C)
     powers = V ** np.arange(L - 1, -1, -1)
 
-    def posterior(x0, xt, t):  # the stub: exact p(x0 | x_t canvas, clean prefix), same interface as the model's
+    def posterior(x0, xt, level):  # the stub: exact p(x0 | x_t canvas, clean prefix), same interface as the model's
+        t = (level * T).round().long()  # the level of step t is t / T
         out = torch.empty(*x0.shape, V, dtype=torch.float64)
         for c in range(C):
             pre = x0[:, : c * L].numpy() @ (V ** np.arange(c * L - 1, -1, -1)) if c else np.zeros(len(x0), int)
@@ -346,7 +347,7 @@ def test_clean_context_posterior_is_what_denoise_sees_after_committing_the_prefi
     t = torch.tensor([[1, 4, 8], [8, 2, 5]])
     xt = torch.randint(0, 500, x0.shape, generator=g)
     with torch.no_grad():
-        one_pass = clean_context_posterior(model, T)(x0, xt, t)
+        one_pass = clean_context_posterior(model)(x0, xt, t.float() / T)
     for c in range(3):
         cache = model.new_cache(2, 3 * L)
         model.commit(x0[:, : c * L], cache)

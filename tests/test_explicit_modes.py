@@ -91,6 +91,6 @@ def test_the_nelbo_is_an_evaluation_function_not_a_training_objective(model):
     with torch.no_grad():
         got, out = net(x0, measure=nelbo_per_window, objective="clean-context", num_steps=4, num_t_samples=2,
                        generator=torch.Generator().manual_seed(1))
-        want = window_nelbo(clean_context_posterior(model, 4), x0, canvas_length=16, vocab_size=512, num_steps=4,
+        want = window_nelbo(clean_context_posterior(model), x0, canvas_length=16, vocab_size=512, num_steps=4,
                             num_t_samples=2, generator=torch.Generator().manual_seed(1)).nelbo.sum(1)
     assert out is None and torch.equal(got, want)

@@ -41,6 +41,7 @@ from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 from dgemma.train.nelbo import (
+    LEVEL_BINS,
     EvalError,
     Posterior,
     ar_token_nll,
@@ -49,6 +50,7 @@ from dgemma.train.nelbo import (
     posterior_of,
     prior_kl,
     window_nelbo,
+    window_nelbo_continuous,
     x0_ce_per_canvas,
 )
 
@@ -96,22 +98,26 @@ def _text_bytes(tokenizer: Any, rows: Tensor) -> int:
 
 
 @torch.no_grad()
-def heldout_nelbo(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int, num_t_samples: int = 4,
+def heldout_nelbo(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int | None, num_t_samples: int = 4,
                   batch_size: int = 8, max_windows: int | None = None, seed: int = 0, tokenizer: Any = None,
                   posterior: Posterior | None = None, progress: bool = True) -> dict[str, Any]:
     """The NELBO upper bound on held-out NLL (nats/token) over the validation windows, block-autoregressively
-    conditioned on the clean prefix inside each window, with `num_t_samples` stratified t per canvas."""
-    posterior = posterior or clean_context_posterior(model, num_steps)
+    conditioned on the clean prefix inside each window: at T = `num_steps` with `num_t_samples` stratified t per
+    canvas, or (`num_steps` None) the continuous-time bound with `num_t_samples` stratified levels per canvas."""
+    posterior = posterior or clean_context_posterior(model)
     g = torch.Generator(device=model.device).manual_seed(seed)
     stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
     nats, toks, nbytes = [], [], 0
-    t_sums = torch.zeros(num_steps, dtype=torch.float64)
-    t_counts = torch.zeros(num_steps, dtype=torch.float64)
-    with _progress("NELBO", n, progress) as bar:
+    bins = LEVEL_BINS if num_steps is None else num_steps
+    t_sums = torch.zeros(bins, dtype=torch.float64)
+    t_counts = torch.zeros(bins, dtype=torch.float64)
+    common = dict(canvas_length=model.config.canvas_length, vocab_size=model.config.vocab_size,
+                  num_t_samples=num_t_samples, generator=g)
+    with _progress("NELBO" if num_steps is not None else "NELBO (continuous)", n, progress) as bar:
         for x0 in stream:
-            terms = window_nelbo(posterior, x0.to(model.device), canvas_length=model.config.canvas_length,
-                                 vocab_size=model.config.vocab_size, num_steps=num_steps,
-                                 num_t_samples=num_t_samples, generator=g)
+            x0 = x0.to(model.device)
+            terms = (window_nelbo_continuous(posterior, x0, **common) if num_steps is None
+                     else window_nelbo(posterior, x0, num_steps=num_steps, **common))
             nats += terms.nelbo.sum(-1).tolist()
             toks += [x0.shape[1]] * x0.shape[0]
             nbytes += _text_bytes(tokenizer, x0)
@@ -121,37 +127,44 @@ def heldout_nelbo(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_step
     est = estimate(nats, toks, nbytes or None)
     return {"estimate": est, "per_window": [n / t for n, t in zip(nats, toks, strict=True)],
             "num_steps": num_steps, "num_t_samples": num_t_samples, "seq_len": seq_len,
-            "prior_kl_per_token": prior_kl(num_steps, model.config.vocab_size),
+            "prior_kl_per_token": prior_kl(num_steps or 1, model.config.vocab_size),
             "kl_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
 
 
 @torch.no_grad()
-def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int,
+def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int, time: str = "discrete",
                   objective: str = "clean-context", batch_size: int = 8, max_windows: int | None = None,
                   seed: int = 0, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
-    """Held-out x0 cross-entropy at t ~ U{1..T} per canvas (seed 003 section 7): the training objective without
-    self-conditioning, drawing t and x_t exactly as `training_loss` does from the same generator."""
+    """Held-out x0 cross-entropy at one level per canvas (seed 003 section 7): t / T with t ~ U{1..T}, or s ~ U(0, 1]
+    for a continuous-time run (`time`), the training objective without self-conditioning, drawing levels and x_t
+    exactly as `training_loss` does from the same generator. By level: T bins (LEVEL_BINS in continuous time)."""
     posterior_of(objective)  # a diffusion objective, before anything runs
     L = model.config.canvas_length
     g = torch.Generator(device=model.device).manual_seed(seed)
     stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
     nats, toks, nbytes = [], [], 0
-    t_sums = torch.zeros(num_steps, dtype=torch.float64)
-    t_counts = torch.zeros(num_steps, dtype=torch.float64)
+    bins = LEVEL_BINS if time == "continuous" else num_steps
+    t_sums = torch.zeros(bins, dtype=torch.float64)
+    t_counts = torch.zeros(bins, dtype=torch.float64)
     with _progress("x0 CE", n, progress) as bar:
         for x0 in stream:
             x0 = x0.to(model.device)
             B, S = x0.shape
-            ce, t = x0_ce_per_canvas(model, x0, objective=objective, num_steps=num_steps, generator=g)
+            ce, level = x0_ce_per_canvas(model, x0, objective=objective, num_steps=num_steps, time=time, generator=g)
             per_canvas = ce.double().cpu()
             nats += per_canvas.sum(-1).tolist()
             toks += [S] * B
             nbytes += _text_bytes(tokenizer, x0)
-            t_sums.index_add_(0, t.reshape(-1).cpu() - 1, per_canvas.reshape(-1))
-            t_counts.index_add_(0, t.reshape(-1).cpu() - 1, torch.full((t.numel(),), float(L), dtype=torch.float64))
+            which = (level.double().cpu() * bins).round_() if time != "continuous" else \
+                (level.double().cpu() * bins).ceil_()
+            which = which.long().clamp_(1, bins).reshape(-1) - 1
+            t_sums.index_add_(0, which, per_canvas.reshape(-1))
+            t_counts.index_add_(0, which, torch.full((which.numel(),), float(L), dtype=torch.float64))
             bar.update(B)
+    drawn = "one level per canvas, uniform on (0, 1]" if time == "continuous" else \
+        "one t per canvas, uniform on {1..T}"
     return {"estimate": estimate(nats, toks, nbytes or None), "num_steps": num_steps, "objective": objective,
-            "t_sampling": "one t per canvas, uniform on {1..T}", "seq_len": seq_len,
+            "time": time, "t_sampling": drawn, "seq_len": seq_len,
             "ce_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
 
 

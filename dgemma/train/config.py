@@ -15,7 +15,7 @@ from dgemma.attention import IMPLS
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.generation_config import is_seed
-from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING
+from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, TIME
 from dgemma.train.distributed import PARALLEL
 from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 
@@ -26,7 +26,7 @@ EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every eva
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
 RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eval_t_samples", "save_every",
              "keep_last", "log_every", "compile", "device", "parallel", "activation_checkpointing")
-DIFFUSION_ONLY = ("t_sampling", "loss_weighting", "time_embedding")  # recipe switches of the diffusion objectives
+DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding")  # recipe switches of the diffusion objectives
 
 
 def _opt(help: str, default: Any, **meta: Any) -> Any:
@@ -64,15 +64,19 @@ class TrainConfig:
     clip: float = _opt("gradient-norm clip (0: off)", default=1.0)
     eval_every: int = _opt("steps between held-out evaluations", default=50)
     eval_batches: int = _opt("held-out micro-batches per evaluation", default=4)
-    eval_nelbo_steps: int | None = _opt("T of the held-out NELBO logged at each evaluation of a diffusion run, the "
-                                        "learning curve's measure (default: num_steps; 0: x0 cross-entropy only)",
-                                        default=None)
+    eval_nelbo_steps: int | None = _opt("T of the held-out NELBO logged at each evaluation of a diffusion run "
+                                        "(default: num_steps; 0: none); a continuous-time run logs the "
+                                        "continuous-time bound as well", default=None)
     eval_t_samples: int = _opt("stratified t samples per canvas of that NELBO", default=4)
     save_every: int = _opt("steps between checkpoints", default=100)
     keep_last: int = _opt("checkpoints kept (older ones are deleted)", default=2)
     log_every: int = _opt("steps between console lines when stdout is not a terminal", default=10)
     seed: int = _opt("seed of the initial weights, the data order and every noise draw", default=0)
-    num_steps: int = _opt("diffusion steps T of the noise schedule", default=16)
+    num_steps: int = _opt("diffusion steps T of the noise schedule (discrete time), and of the discrete bound "
+                          "logged beside the continuous one", default=16)
+    diffusion_time: str = _opt("noise levels: discrete (t/T, t in 1..T, seed 003) or continuous (anywhere in (0, 1], "
+                               "the T -> infinity chain, with a continuous-time bound)", default="discrete",
+                               choices=TIME)
     t_sampling: str = _opt("noise levels of a micro-batch's canvases: independent draws, or a stratified "
                            "(low-discrepancy) set", default="uniform", choices=T_SAMPLING)
     loss_weighting: str = _opt("x0: plain cross-entropy of the x0 prediction at every level; elbo: each level "
@@ -152,8 +156,16 @@ class TrainConfig:
 
     @property
     def nelbo_steps(self) -> int:
-        """T of the held-out NELBO of each evaluation (0: none)."""
-        return self.num_steps if self.eval_nelbo_steps is None else self.eval_nelbo_steps
+        """T of the held-out discrete-time NELBO of each evaluation (0: none): eval_nelbo_steps, by default the
+        training T for a discrete-time run and none for a continuous-time one (whose curve is the continuous bound)."""
+        if self.eval_nelbo_steps is not None:
+            return self.eval_nelbo_steps
+        return 0 if self.diffusion_time == "continuous" else self.num_steps
+
+    @property
+    def continuous_bound(self) -> bool:
+        """Whether each evaluation logs the continuous-time NELBO (val_nelbo_continuous): continuous-time runs."""
+        return self.objective in ("clean-context", "noisy-context") and self.diffusion_time == "continuous"
 
     @property
     def model_config(self) -> ModelConfig:

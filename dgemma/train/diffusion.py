@@ -1,13 +1,15 @@
 """The training side of uniform-state block diffusion (seed 003): forward process and losses (the masks of each
 objective: dgemma/attention.py).
 
-Forward process (D3PM, uniform state). A clean canvas x0 at noise level t in {1..T} is corrupted in one shot:
+Forward process (D3PM, uniform state). A clean canvas x0 at noise level s in [0, 1] is corrupted in one shot:
 
-    alpha_bar(t) = cos^2(pi/2 * t/T)                 1 at t=0 (clean) -> 0 at t=T (pure noise)
-    q(x_t | x0): keep x0 with probability alpha_bar(t), else a uniform random token (any of the V, x0 included)
+    alpha(s) = cos^2(pi/2 * s)                       1 at s=0 (clean) -> 0 at s=1 (pure noise)
+    q(x_s | x0): keep x0 with probability alpha(s), else a uniform random token (any of the V, x0 included)
 
-Every canvas of a training sequence draws its own t. The model predicts x0 (cross-entropy against the clean
-tokens at every canvas position).
+Every canvas of a training sequence draws its own level: on the grid s = t/T, t in {1..T} (`time="discrete"`,
+the T-step chain of seed 003: `alpha_bar(t, T) = alpha(t/T)`), or anywhere in (0, 1] (`time="continuous"`, the
+chain's T -> infinity limit, whose bound is `continuous_kl`'s). The model predicts x0 (cross-entropy against the
+clean tokens at every canvas position); a time-embedding model is told s.
 
 Objectives, all one forward pass through `DiffusionGemma.sequence_hidden` with a mask per layer type:
 
@@ -43,6 +45,7 @@ from dgemma.model import DiffusionGemma
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
 T_SAMPLING = ("uniform", "stratified")  # how a micro-batch's canvases draw their noise levels
+TIME = ("discrete", "continuous")  # levels on the grid {1..T} / T, or anywhere in (0, 1]
 LOSS_WEIGHTING = ("x0", "elbo")  # how the levels' losses are weighted
 
 
@@ -52,6 +55,31 @@ def alpha_bar(t: Tensor, num_steps: int, dtype: torch.dtype = torch.float32) -> 
     """Probability that a token is still clean at noise level t (cosine schedule), computed in float64 and returned
     in `dtype`: float32 for corruption, float64 for the NELBO (dgemma/train/nelbo.py), whose logs need it near t = 0."""
     return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).to(dtype)
+
+
+def alpha(level: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """alpha(s) = cos^2(pi/2 * s), the probability that a token is still clean at a level s in [0, 1], computed in
+    float64 and returned in `dtype`."""
+    return torch.cos(math.pi / 2 * level.double()).pow(2).to(dtype)
+
+
+def alpha_rate(level: Tensor) -> Tensor:
+    """-alpha'(s) / alpha(s) = pi * tan(pi/2 * s), float64: the rate at which the forward process replaces a token by
+    a uniform draw (any of the V) at level s."""
+    return math.pi * torch.tan(math.pi / 2 * level.double())
+
+
+def sample_levels(batch: int, num_canvases: int, generator: torch.Generator | None = None,
+                  device: torch.device | None = None, *, stratified: bool = False) -> Tensor:
+    """One continuous noise level per canvas, uniform on (0, 1]: (B, num_canvases) float64. `stratified`: the
+    n = B * num_canvases levels are the low-discrepancy set 1 - (i + U_i) / n, shuffled (`sample_canvas_t`'s rule
+    without the grid), so each is still uniform and the batch covers (0, 1] evenly."""
+    n = batch * num_canvases
+    u = torch.rand(n, generator=generator, device=device, dtype=torch.float64)
+    if stratified:
+        u = (torch.arange(n, device=device, dtype=torch.float64) + u) / n
+        u = u[torch.randperm(n, generator=generator, device=device)]
+    return (1.0 - u).view(batch, num_canvases)  # (0, 1]: never exactly clean, where the bound's rate vanishes
 
 
 def sample_canvas_t(batch: int, num_canvases: int, num_steps: int, generator: torch.Generator | None = None,
@@ -77,7 +105,14 @@ def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_si
     """Corrupt x0 (B, S) with per-canvas levels t (B, S / canvas_length) in one step of q(x_t | x0). With
     `batch_rows` (first, total), x0 is rows [first, first + B) of a batch of `total`: the draws are made for the
     whole batch and these rows kept, so they do not depend on how the batch is split (distributed training)."""
-    keep_prob = alpha_bar(t, num_steps).repeat_interleave(canvas_length, dim=1)  # (B, S)
+    return corrupt(x0, alpha_bar(t, num_steps), canvas_length, vocab_size, generator, batch_rows)
+
+
+def corrupt(x0: Tensor, keep: Tensor, canvas_length: int, vocab_size: int, generator: torch.Generator | None = None,
+            batch_rows: tuple[int, int] | None = None) -> Tensor:
+    """q(x_s | x0) with each canvas's keep probability `keep` (B, S / canvas_length), float32: `q_sample` on the
+    grid, `alpha(level)` in continuous time; the same draws either way."""
+    keep_prob = keep.float().repeat_interleave(canvas_length, dim=1)  # (B, S)
     keep = draw_rows(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
     noise = draw_rows(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
     return torch.where(keep, x0, noise)
@@ -140,6 +175,46 @@ def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: in
 
 
 
+def continuous_kl(logits: Tensor, x0: Tensor, xt: Tensor, level: Tensor, chunk_rows: int = KL_CHUNK_ROWS) -> Tensor:
+    """Per-token integrand of the continuous-time NELBO at level s (N,) in (0, 1], float64 nats per unit of s: its
+    mean over s ~ U(0, 1] (and x_s ~ q) is the limit T -> infinity of the sum over t of `reverse_kl`, the bound of
+    the continuous-time chain (docs/evaluation.md section 1.3). For the same x0-parameterised reverse model (the
+    mixture sum_x0' q(x_{s-ds} | x_s, x0') p(x0' | x_s)), the step's KL is, to first order in ds, ds times the
+    generalized KL between the true and the model's reverse jump rates out of i = x_s:
+
+        (beta / V) * sum_{j != i} [ r'_j - r_j + r_j log(r_j / r'_j) ],     beta = -alpha'/alpha, c = (1 - alpha) / V
+        r_j  = (alpha [j == x0] + c) / (alpha [i == x0] + c)                 the true rate, over beta / V
+        r'_j = alpha w_j + c sum_k w_k,   w_k = p(k | x_s) / q(x_s | x0 = k)  the model's
+
+    O(V) per token, one forward per sampled s. It is finite only for a model that becomes certain of a token that
+    looks clean as s -> 0 (1 - p(x_s | x_s) = o(s)): a model without a time input cannot, and its bound grows
+    without limit with T (docs/training.md). UDLM (arXiv 2412.10193) and Duo (arXiv 2506.10892) write the same
+    limit for the plug-in model q(x_{s-ds} | x_s, x0 = p); this is the mixture's, the model `reverse_kl` bounds."""
+    out = torch.empty(x0.shape[0], dtype=torch.float64, device=logits.device)
+    for lo in range(0, x0.shape[0], chunk_rows):
+        sl = slice(lo, lo + chunk_rows)
+        out[sl] = _continuous_kl(logits[sl], x0[sl], xt[sl], level[sl])
+    return out
+
+
+def _continuous_kl(logits: Tensor, x0: Tensor, xt: Tensor, level: Tensor) -> Tensor:
+    V = logits.shape[-1]
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
+    a = alpha(level, torch.float64)[:, None]
+    c = (1 - a) / V
+    at_i = F.one_hot(xt, V).bool()  # j == x_s
+    log_a, log_c, log_ac = a.log(), c.log(), (a + c).log()
+    log_w = logp - torch.where(at_i, log_ac, log_c)  # w_k = p(k | x_s) / q(x_s | k)
+    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
+    log_model = torch.logaddexp(log_a + log_w, log_c + log_S)  # log r'_j
+    clean = (xt == x0)[:, None]
+    log_true = torch.where(F.one_hot(x0, V).bool(), log_ac, log_c) - torch.where(clean, log_ac, log_c)  # log r_j
+    r = log_true.exp()
+    term = log_model.exp() - r + r * (log_true - log_model)
+    return alpha_rate(level) / V * term.masked_fill(at_i, 0.0).sum(-1)
+
+
+
 # --- losses -----------------------------------------------------------------------------------------------------
 
 def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chunk_rows: int | None = 1024
@@ -186,16 +261,18 @@ def self_conditioned_hidden(model: DiffusionGemma, tokens: Tensor, positions: Te
 
 
 def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt: Tensor, t: Tensor,
-                       num_steps: int, chunk_rows: int | None = 1024) -> tuple[Tensor, Tensor]:
-    """The NELBO-weighted loss: mean over tokens of T * KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) at each token's
-    canvas level t (N,), an unbiased estimate of the bound's reverse-step terms per token when t ~ U{1..T} (the prior
-    term is a constant), so the model is trained on exactly what `dgemma eval` reports. Also returns the x0
+                       num_steps: int | None, chunk_rows: int | None = 1024) -> tuple[Tensor, Tensor]:
+    """The NELBO-weighted loss: an unbiased estimate of the bound's reverse-step terms per token, so the model is
+    trained on exactly what `dgemma eval` reports (the prior term is a constant). Discrete time (`num_steps` T, t (N,)
+    each token's canvas level in 1..T, t ~ U{1..T}): the mean over tokens of T * `reverse_kl`; continuous time
+    (`num_steps` None, t (N,) the level in (0, 1], uniform): the mean of `continuous_kl`. Also returns the x0
     cross-entropy of the same logits (detached), for the log. Row chunks under activation checkpointing, as
-    `x0_cross_entropy`; the KL runs in float64 (its logs need it near t = 1)."""
+    `x0_cross_entropy`; the KL runs in float64 (its logs need it near clean levels)."""
 
     def chunk(h: Tensor, y: Tensor, x: Tensor, tt: Tensor) -> tuple[Tensor, Tensor]:
         logits = model.logits(h)
-        kl = reverse_kl(logits, y, x, tt, num_steps, chunk_rows=logits.shape[0])
+        kl = (continuous_kl(logits, y, x, tt, chunk_rows=logits.shape[0]) if num_steps is None
+              else num_steps * reverse_kl(logits, y, x, tt, num_steps, chunk_rows=logits.shape[0]))
         return kl.sum().float(), F.cross_entropy(logits.detach(), y, reduction="sum")
 
     rows = final.shape[0] if chunk_rows is None else chunk_rows
@@ -206,7 +283,7 @@ def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt
         args = (final[sl], targets[sl], xt[sl], t[sl])
         kl, ce = checkpoint(chunk, *args, use_reentrant=False) if chunk_rows is not None else chunk(*args)
         kl_total, ce_total = kl_total + kl, ce_total + ce
-    return num_steps * kl_total / final.shape[0], ce_total / final.shape[0]
+    return kl_total / final.shape[0], ce_total / final.shape[0]
 
 
 @dataclass
@@ -220,14 +297,15 @@ class LossOutput:
 
 def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "clean-context", num_steps: int = 16,
                   self_conditioning_prob: float = 0.5, ar_weight: float = 0.0, chunk_rows: int | None = 1024,
-                  t_sampling: str = "uniform", loss_weighting: str = "x0", generator: torch.Generator | None = None,
-                  batch_rows: tuple[int, int] | None = None) -> LossOutput:
+                  t_sampling: str = "uniform", loss_weighting: str = "x0", time: str = "discrete",
+                  generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None) -> LossOutput:
     """One training loss on clean token windows x0 (B, S); for `ar`, x0 holds S = seq_len + 1 tokens.
 
     Diffusion recipe switches: `t_sampling` "uniform" (each canvas's level drawn independently) or "stratified"
     (`sample_canvas_t`'s low-discrepancy set over the micro-batch); `loss_weighting` "x0" (plain cross-entropy of
     the x0 prediction: every level weighs its cross-entropy equally) or "elbo" (`elbo_cross_entropy`: each level
-    weighs what it weighs in the NELBO). `cross_entropy` is the x0 cross-entropy either way.
+    weighs what it weighs in the NELBO); `time` "discrete" (levels t / T, t in {1..T}) or "continuous" (levels
+    anywhere in (0, 1], `sample_levels`). `cross_entropy` is the x0 cross-entropy either way.
 
     Every random draw (noise levels, corruption, the self-conditioning coin) comes from `generator`, so a step is
     reproducible from its seed. With `batch_rows` (first, total), x0 is rows [first, first + B) of a micro-batch of
@@ -250,12 +328,20 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
         raise ValueError(f"t_sampling must be one of {T_SAMPLING} and loss_weighting one of {LOSS_WEIGHTING}, got "
                          f"{t_sampling!r} and {loss_weighting!r}")
     stratified = t_sampling == "stratified"
-    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, stratified=stratified, **k),
-              (B, T // L), batch_rows, generator, device)
-    xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
+    if time not in TIME:
+        raise ValueError(f"time must be one of {TIME}, got {time!r}")
+    if time == "continuous":
+        t = draw_rows(lambda shape, **k: sample_levels(shape[0], shape[1], stratified=stratified, **k), (B, T // L),
+                      batch_rows, generator, device)  # (B, C) float64 levels in (0, 1]
+        xt = corrupt(x0, alpha(t), L, V, generator, batch_rows)
+        level = t.float().repeat_interleave(L, dim=1)
+    else:
+        t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, stratified=stratified, **k),
+                      (B, T // L), batch_rows, generator, device)
+        xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
+        level = (t.float() / num_steps).repeat_interleave(L, dim=1)  # (B, T): each token's canvas noise level
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
     pos = torch.arange(T, device=device)
-    level = (t.float() / num_steps).repeat_interleave(L, dim=1)  # (B, T): each token's canvas noise level
     if objective == "clean-context":
         tokens, positions, num_clean = torch.cat([x0, xt], 1), torch.cat([pos, pos])[None], T
         masks = clean_context_masks(T, L, W, device)
@@ -271,7 +357,8 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
     final = hidden[:, num_clean:].reshape(-1, D)
     if loss_weighting == "elbo":
         loss, ce = elbo_cross_entropy(model, final, x0.reshape(-1), xt.reshape(-1),
-                                      t.repeat_interleave(L, dim=1).reshape(-1), num_steps, chunk_rows)
+                                      t.repeat_interleave(L, dim=1).reshape(-1),
+                                      None if time == "continuous" else num_steps, chunk_rows)
     else:
         loss = ce = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows)
     ar_loss = None

@@ -127,18 +127,22 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
 
         val_loss, val_loss_se     the objective's loss (the x0 cross-entropy of a diffusion run: seed 003's held-out
                                   measure; the next-token cross-entropy of an AR run), its SE across micro-batches
-        val_nelbo, val_nelbo_se   diffusion runs with eval_nelbo_steps > 0: the NELBO (dgemma/train/nelbo.py) at
-                                  T = eval_nelbo_steps (default: the training T) with eval_t_samples stratified t
-                                  per canvas, an upper bound on the held-out NLL that compares with the AR run's
-                                  val_loss; SE across windows
+        val_nelbo, val_nelbo_se   diffusion runs with nelbo_steps > 0: the NELBO (dgemma/train/nelbo.py) at
+                                  T = nelbo_steps (default: the training T of a discrete-time run) with
+                                  eval_t_samples stratified t per canvas, an upper bound on the held-out NLL that
+                                  compares with the AR run's val_loss; SE across windows
+        val_nelbo_continuous(_se) continuous-time runs: the continuous-time bound, eval_t_samples stratified levels
 
     `net` is `Dist.wrap`'s module (its forward is the loss). With several ranks a micro-batch is the global one, its
     rows split across the ranks, and the sums reduced, so every rank gets the same numbers."""
     d = dist or Dist(device=device)
     shift = 1 if cfg.objective == "ar" else 0
-    nelbo = cfg.nelbo_steps if cfg.objective in ("clean-context", "noisy-context") else 0
-    # sums over micro-batches of (loss, loss^2, count) and over windows of (nelbo/token, its square, count, tokens)
-    sums = [0.0] * 8
+    diffusion = cfg.objective in ("clean-context", "noisy-context")
+    bounds = {"val_nelbo": cfg.nelbo_steps if diffusion else 0, "val_nelbo_continuous": cfg.continuous_bound}
+    bounds = {k: (None if v is True else v) for k, v in bounds.items() if v}  # name -> T (None: continuous time)
+    # sums over micro-batches of (loss, loss^2, count, loss x tokens, tokens); per bound, over windows of
+    # (nelbo/token, its square, count)
+    sums = [0.0] * (5 + 3 * len(bounds))
     for i, x0 in enumerate(val.heldout_batches(cfg.batch_size * d.world_size, cfg.seq_len, shift=shift)):
         if i == cfg.eval_batches:
             break
@@ -147,6 +151,7 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
         empty = lo == hi  # a last batch with fewer rows than ranks: every rank still runs the forward (FSDP gathers
         lo, hi = (rows - 1, rows) if empty else (lo, hi)  # in it) on a stand-in row that is not counted
         rows_kw = {"batch_rows": None if d.world_size == 1 else (lo, rows)}
+        per_window = []
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
             g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
             if cfg.objective == "sft":  # chats: the fine-tuning loss
@@ -154,27 +159,31 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
                              self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows, generator=g, **rows_kw)
                 loss, tokens = float(out.cross_entropy), out.tokens
             else:  # token windows: the held-out cross-entropy `dgemma eval` computes too
+                time = {"time": cfg.diffusion_time} if diffusion else {}
                 nats, tokens = net(x0[lo:hi].to(device), measure=window_cross_entropy, objective=cfg.objective,
-                                   num_steps=cfg.num_steps, generator=g, **rows_kw)[0]
+                                   num_steps=cfg.num_steps, generator=g, **time, **rows_kw)[0]
                 loss = float(nats) / tokens
-            g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
-            per_window = None if not nelbo else net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
-                                                    objective=cfg.objective, num_steps=nelbo,
-                                                    num_t_samples=min(cfg.eval_t_samples, nelbo))[0]
+            for T in bounds.values():
+                g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
+                per_window.append(net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
+                                      objective=cfg.objective, num_steps=T,
+                                      num_t_samples=cfg.eval_t_samples if T is None else min(cfg.eval_t_samples, T))[0])
         if tokens and not empty:
             sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
-            sums[6] += loss * tokens
-            sums[7] += tokens
-            if per_window is not None:
-                per_token = per_window.double() / x0.shape[1]
-                sums[3:6] = (sums[3] + float(per_token.sum()), sums[4] + float((per_token ** 2).sum()),
-                             sums[5] + per_token.numel())
+            sums[3] += loss * tokens
+            sums[4] += tokens
+            for b, values in enumerate(per_window):
+                per_token = values.double() / x0.shape[1]
+                k = 5 + 3 * b
+                sums[k:k + 3] = (sums[k] + float(per_token.sum()), sums[k + 1] + float((per_token ** 2).sum()),
+                                 sums[k + 2] + per_token.numel())
     sums = d.sum(sums)
-    if sums[7] == 0:
+    if sums[4] == 0:
         raise ValueError("the validation split has no complete window of seq_len tokens")
-    result = {"val_loss": sums[6] / sums[7], "val_loss_se": _se(*sums[0:3])}
-    if nelbo:
-        result.update(val_nelbo=sums[3] / sums[5], val_nelbo_se=_se(*sums[3:6]))
+    result = {"val_loss": sums[3] / sums[4], "val_loss_se": _se(*sums[0:3])}
+    for b, name in enumerate(bounds):
+        k = 5 + 3 * b
+        result.update({name: sums[k] / sums[k + 2], f"{name}_se": _se(*sums[k:k + 3])})
     return result
 
 
@@ -366,7 +375,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     streak = 0  # non-finite steps in a row
     previous_handler = _on_sigint(lambda: interrupted.append(1))
     recipe = {} if cfg.objective in ("ar", "sft") else {"t_sampling": cfg.t_sampling,
-                                                        "loss_weighting": cfg.loss_weighting}
+                                                        "loss_weighting": cfg.loss_weighting,
+                                                        "time": cfg.diffusion_time}
     with metrics.open("a") if d.is_main else contextlib.nullcontext() as log:
         def record(**rec: Any) -> None:
             if log is not None:  # rank 0 writes the one metrics file
@@ -380,6 +390,9 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
             record(step=step, tokens=state["tokens"], **values)
             nelbo = (f" | held-out NELBO {values['val_nelbo']:.3f} ± {values['val_nelbo_se']:.3f} (T="
                      f"{cfg.nelbo_steps})") if "val_nelbo" in values else ""
+            if "val_nelbo_continuous" in values:
+                nelbo += (f" | held-out NELBO {values['val_nelbo_continuous']:.3f} ± "
+                          f"{values['val_nelbo_continuous_se']:.3f} (continuous time)")
             console.print(f"step {step} | held-out loss {values['val_loss']:.4f}{nelbo}")
             return values["val_loss"]
 

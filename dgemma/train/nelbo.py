@@ -1,12 +1,14 @@
 """The NELBO of uniform-state block diffusion and the statistics of held-out estimates (docs/evaluation.md, section 1).
 
     NELBO   an upper bound on the held-out NLL of the uniform-state D3PM with the cosine schedule
-            (`dgemma.train.diffusion.alpha_bar`, the schedule training uses) and T steps, canvas by canvas given the
-            clean prefix (block-autoregressive):
+            (`dgemma.train.diffusion.alpha`, the schedule training uses), canvas by canvas given the clean prefix
+            (block-autoregressive):
                 NLL(x) <= sum_b NELBO(canvas_b | canvases < b)
-            = prior KL + sum over t of the reverse-step KLs (`reverse_kl`), estimated by Monte Carlo over stratified t
-            (`stratified_t`, `window_nelbo`) with the model's p(x0 | x_t) from one of the training forwards
-            (`clean_context_posterior`, `noisy_context_posterior`).
+            T steps: prior KL + sum over t of the reverse-step KLs (`reverse_kl`), estimated by Monte Carlo over
+            stratified t (`stratified_t`, `window_nelbo`); continuous time (T -> infinity): prior KL + the integral
+            over s in (0, 1] of `continuous_kl`, by stratified Monte Carlo over s (`window_nelbo_continuous`). The
+            model's p(x0 | x_t) comes from one of the training forwards (`clean_context_posterior`,
+            `noisy_context_posterior`).
 
 `Estimate` is a per-token mean over held-out windows with its standard error; `dgemma.eval.evaluate` runs the loops.
 """
@@ -25,9 +27,21 @@ from torch import Tensor
 
 from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.model import DiffusionGemma
-from dgemma.train.diffusion import KL_CHUNK_ROWS, draw_rows, prior_kl, q_sample, reverse_kl, sample_canvas_t
+from dgemma.train.diffusion import (
+    KL_CHUNK_ROWS,
+    alpha,
+    continuous_kl,
+    corrupt,
+    draw_rows,
+    prior_kl,
+    q_sample,
+    reverse_kl,
+    sample_canvas_t,
+    sample_levels,
+)
 
-# posterior(x0 (B, S), x_t (B, S), t (B, C)) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean canvases before)
+# posterior(x0 (B, S), x_t (B, S), level (B, C) in [0, 1]) -> logits (B, S, V) of p(x0 | x_t of the canvas, clean
+# canvases before); the discrete chain's step t is the level t / T.
 Posterior = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -127,7 +141,7 @@ def window_nelbo(posterior: Posterior, x0: Tensor, *, canvas_length: int, vocab_
     for k in range(num_t_samples):
         t = ts[k].to(x0.device)
         xt = q_sample(x0, t, num_steps, L, vocab_size, generator)
-        logits = posterior(x0, xt, t)  # (B, S, V)
+        logits = posterior(x0, xt, t.float() / num_steps)  # (B, S, V)
         t_tok = t.repeat_interleave(L, dim=1)
         kl = reverse_kl(logits.reshape(B * S, -1), x0.reshape(-1), xt.reshape(-1), t_tok.reshape(-1), num_steps)
         per_canvas = kl.view(B, C, L).sum(-1).cpu()  # (B, C)
@@ -137,20 +151,55 @@ def window_nelbo(posterior: Posterior, x0: Tensor, *, canvas_length: int, vocab_
     return NelboTerms(nelbo, t_sums, t_counts)
 
 
-def _level(t: Tensor, num_steps: int, L: int) -> Tensor:
-    return (t.float() / num_steps).repeat_interleave(L, dim=1)  # (B, S): each token's canvas noise level in [0, 1]
+LEVEL_BINS = 16  # `window_nelbo_continuous` reports the integrand by level in this many equal bins of (0, 1]
 
 
-def clean_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
+def window_nelbo_continuous(posterior: Posterior, x0: Tensor, *, canvas_length: int, vocab_size: int,
+                            num_t_samples: int, generator: torch.Generator | None = None) -> NelboTerms:
+    """The continuous-time NELBO of each canvas of the windows x0 (B, S) given its clean prefix: the prior KL (zero at
+    s = 1 to float64 precision) plus the integral over s in (0, 1] of `continuous_kl`, by Monte Carlo with
+    `num_t_samples` K stratified levels per canvas (pass k draws s uniformly in (1 - (k + 1) / K, 1 - k / K], weight
+    1 / K; K = 1 is a single uniform draw). `t_sums` / `t_counts` bin the integrand by level (LEVEL_BINS bins)."""
+    B, S = x0.shape
+    L = canvas_length
+    if S % L:
+        raise ValueError(f"windows of {S} tokens are not a whole number of canvases of {L}")
+    if num_t_samples < 1:
+        raise ValueError(f"level samples per canvas must be >= 1, got {num_t_samples}")
+    C, K = S // L, num_t_samples
+    nelbo = torch.full((B, C), prior_kl(1, vocab_size) * L, dtype=torch.float64)
+    t_sums = torch.zeros(LEVEL_BINS, dtype=torch.float64)
+    t_counts = torch.zeros(LEVEL_BINS, dtype=torch.float64)
+    for k in range(K):
+        u = torch.rand((B, C), generator=generator, dtype=torch.float64, device=x0.device)
+        level = 1.0 - (k + u) / K  # (B, C) in (1 - (k + 1) / K, 1 - k / K]
+        xt = corrupt(x0, alpha(level), L, vocab_size, generator)
+        logits = posterior(x0, xt, level.float())
+        lv = level.repeat_interleave(L, dim=1)
+        kl = continuous_kl(logits.reshape(B * S, -1), x0.reshape(-1), xt.reshape(-1), lv.reshape(-1))
+        per_canvas = kl.view(B, C, L).sum(-1).cpu()
+        nelbo += per_canvas / K
+        bins = (level.cpu() * LEVEL_BINS).ceil().long().clamp_(1, LEVEL_BINS).reshape(-1) - 1
+        t_sums.index_add_(0, bins, per_canvas.reshape(-1))
+        t_counts.index_add_(0, bins, torch.full((B * C,), float(L), dtype=torch.float64))
+    return NelboTerms(nelbo, t_sums, t_counts)
+
+
+def _level(level: Tensor, L: int) -> Tensor:
+    return level.float().repeat_interleave(L, dim=1)  # (B, S): each token's canvas noise level in [0, 1]
+
+
+def clean_context_posterior(model: DiffusionGemma) -> Posterior:
     """p(x0 | x_t, clean prefix) from the clean-context training forward: [x0 ; x_t] in one pass, each noisy canvas
     attending to the clean canvases before it and to itself, exactly what denoise sees after the prefix is
-    committed. No self-conditioning input (the first denoising step's situation). Time-embedding models get t/T."""
+    committed. No self-conditioning input (the first denoising step's situation). Time-embedding models are told
+    each canvas's level."""
     cfg = model.config
 
     def posterior(x0: Tensor, xt: Tensor, t: Tensor) -> Tensor:
         S = x0.shape[1]
         pos = torch.arange(S, device=x0.device)
-        level = _level(t, num_steps, cfg.canvas_length)
+        level = _level(t, cfg.canvas_length)
         hidden = model.sequence_hidden(torch.cat([x0, xt], 1), torch.cat([pos, pos])[None],
                                        clean_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
                                        num_clean=S, t=torch.cat([torch.zeros_like(level), level], 1))
@@ -159,43 +208,55 @@ def clean_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
     return posterior
 
 
-def posterior_of(objective: str) -> Callable[[DiffusionGemma, int], Posterior]:
+def posterior_of(objective: str) -> Callable[[DiffusionGemma], Posterior]:
     """The posterior of a diffusion run's training forward: `clean_context_posterior` or `noisy_context_posterior`."""
     if objective not in ("clean-context", "noisy-context"):
         raise ValueError(f"a NELBO or x0 cross-entropy needs a diffusion objective, got {objective!r}")
     return clean_context_posterior if objective == "clean-context" else noisy_context_posterior
 
 
-def nelbo_per_window(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int, num_t_samples: int,
-                     generator: torch.Generator | None = None) -> Tensor:
+def nelbo_per_window(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int | None,
+                     num_t_samples: int, generator: torch.Generator | None = None) -> Tensor:
     """The NELBO (nats) of each window of x0 (B, S), (B,): `window_nelbo` with the posterior of a run trained with
-    `objective`, at T = `num_steps` with `num_t_samples` stratified t per canvas. An evaluation function: training's
-    learning curves run it inside the wrapped model's forward (distributed.LossModule, `measure=`)."""
+    `objective`, at T = `num_steps` with `num_t_samples` stratified t per canvas; `num_steps` None: the continuous-time
+    bound (`window_nelbo_continuous`, `num_t_samples` stratified levels). An evaluation function: training's learning
+    curves run it inside the wrapped model's forward (distributed.LossModule, `measure=`)."""
     cfg = model.config
-    terms = window_nelbo(posterior_of(objective)(model, num_steps), x0, canvas_length=cfg.canvas_length,
-                         vocab_size=cfg.vocab_size, num_steps=num_steps, num_t_samples=num_t_samples,
-                         generator=generator)
+    posterior = posterior_of(objective)(model)
+    if num_steps is None:
+        terms = window_nelbo_continuous(posterior, x0, canvas_length=cfg.canvas_length, vocab_size=cfg.vocab_size,
+                                        num_t_samples=num_t_samples, generator=generator)
+    else:
+        terms = window_nelbo(posterior, x0, canvas_length=cfg.canvas_length, vocab_size=cfg.vocab_size,
+                             num_steps=num_steps, num_t_samples=num_t_samples, generator=generator)
     return terms.nelbo.sum(1)
 
 
-def x0_ce_per_canvas(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int,
+def x0_ce_per_canvas(model: DiffusionGemma, x0: Tensor, *, objective: str, num_steps: int, time: str = "discrete",
                      generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
                      ) -> tuple[Tensor, Tensor]:
     """The held-out x0 cross-entropy of windows x0 (B, S), the one definition behind training's learning curves
     (`train.heldout_metrics`, run through `distributed.LossModule`'s `measure`) and `dgemma eval`
-    (`evaluate.heldout_x0_ce`): (nats per canvas (B, S / L), each canvas's t (B, S / L)). One t ~ U{1..T} per canvas
-    and x_t drawn as `diffusion.training_loss` draws them from `generator` (`batch_rows`: these rows of a larger
-    batch's draws), the training forward of `objective` without self-conditioning, one window at a time (at most
-    (S, V) logits)."""
+    (`evaluate.heldout_x0_ce`): (nats per canvas (B, S / L), each canvas's level (B, S / L) in (0, 1]). Levels and
+    x_t drawn as `diffusion.training_loss` draws them from `generator` (`batch_rows`: these rows of a larger batch's
+    draws): t / T with t ~ U{1..T} (`time` "discrete"), or s ~ U(0, 1] ("continuous"); the training forward of
+    `objective` without self-conditioning, one window at a time (at most (S, V) logits)."""
     L, V = model.config.canvas_length, model.config.vocab_size
     B, S = x0.shape
-    t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, S // L), batch_rows,
-                  generator, x0.device)
-    xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
-    posterior = posterior_of(objective)(model, num_steps)
-    ce = torch.cat([F.cross_entropy(posterior(x0[b:b + 1], xt[b:b + 1], t[b:b + 1])[0], x0[b], reduction="none")
+    if time == "continuous":
+        level = draw_rows(lambda shape, **k: sample_levels(shape[0], shape[1], **k), (B, S // L), batch_rows,
+                          generator, x0.device)
+        xt = corrupt(x0, alpha(level), L, V, generator, batch_rows)
+        level = level.float()
+    else:
+        t = draw_rows(lambda shape, **k: sample_canvas_t(shape[0], shape[1], num_steps, **k), (B, S // L),
+                      batch_rows, generator, x0.device)
+        xt = q_sample(x0, t, num_steps, L, V, generator, batch_rows)
+        level = t.float() / num_steps
+    posterior = posterior_of(objective)(model)
+    ce = torch.cat([F.cross_entropy(posterior(x0[b:b + 1], xt[b:b + 1], level[b:b + 1])[0], x0[b], reduction="none")
                     for b in range(B)])
-    return ce.view(B, S // L, L).sum(-1), t
+    return ce.view(B, S // L, L).sum(-1), level
 
 
 def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
@@ -212,7 +273,7 @@ def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
                         for b in range(x.shape[0])])
 
 
-def window_cross_entropy(model: DiffusionGemma, x: Tensor, *, objective: str, num_steps: int,
+def window_cross_entropy(model: DiffusionGemma, x: Tensor, *, objective: str, num_steps: int, time: str = "discrete",
                          generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None
                          ) -> tuple[Tensor, int]:
     """(nats summed, target tokens) of held-out windows x for a run trained with `objective`: the x0 cross-entropy
@@ -221,12 +282,12 @@ def window_cross_entropy(model: DiffusionGemma, x: Tensor, *, objective: str, nu
     if objective == "ar":
         nll = ar_token_nll(model, x)
         return nll.sum(), nll.numel()
-    ce, _ = x0_ce_per_canvas(model, x, objective=objective, num_steps=num_steps, generator=generator,
+    ce, _ = x0_ce_per_canvas(model, x, objective=objective, num_steps=num_steps, time=time, generator=generator,
                              batch_rows=batch_rows)
     return ce.sum(), x.numel()
 
 
-def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
+def noisy_context_posterior(model: DiffusionGemma) -> Posterior:
     """p(x0 | x_t) from the noisy-context training forward: canvas b sees the corrupted canvases before it."""
     cfg = model.config
 
@@ -234,11 +295,12 @@ def noisy_context_posterior(model: DiffusionGemma, num_steps: int) -> Posterior:
         S = x0.shape[1]
         hidden = model.sequence_hidden(xt, torch.arange(S, device=x0.device)[None],
                                        noisy_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
-                                       num_clean=0, t=_level(t, num_steps, cfg.canvas_length))
+                                       num_clean=0, t=_level(t, cfg.canvas_length))
         return model.logits(hidden)
 
     return posterior
 
 
-__all__ = ["KL_CHUNK_ROWS", "Estimate", "EvalError", "NelboTerms", "Posterior", "clean_context_posterior", "estimate",
-           "noisy_context_posterior", "prior_kl", "reverse_kl", "stratified_t", "window_nelbo"]
+__all__ = ["KL_CHUNK_ROWS", "LEVEL_BINS", "Estimate", "EvalError", "NelboTerms", "Posterior", "clean_context_posterior",
+           "continuous_kl", "estimate", "noisy_context_posterior", "prior_kl", "reverse_kl", "stratified_t",
+           "window_nelbo", "window_nelbo_continuous"]
