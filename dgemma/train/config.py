@@ -26,7 +26,8 @@ EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every eva
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
 RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eval_t_samples", "save_every",
              "keep_last", "log_every", "compile", "device", "parallel", "activation_checkpointing")
-DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding")  # recipe switches of the diffusion objectives
+# recipe switches of the diffusion objectives
+DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding")
 
 
 def _opt(help: str, default: Any, **meta: Any) -> Any:
