@@ -1,0 +1,218 @@
+"""Issue 23's measurements of the diffusion recipe (docs/training.md, "Continuous time"): the same model trained for the
+same steps (the same windows in the same order) with one switch of how noise levels are drawn changed at a time, each
+scored on the same held-out windows with the same noise draws (common random numbers, so differences are paired):
+
+    the continuous-time NELBO (the chain's T -> infinity limit), the discrete-time NELBO at T = 16, 64 and 256 (does
+    the bound tighten as T grows?), the x0 cross-entropy, and the AR baseline's cross-entropy on the same windows,
+    with the unigram model's for scale; paired differences to the first variant with their SE, and the recipes
+    trained from a second seed (NAME@seed1) against the same seed's first variant.
+
+Two settings: `demo` (what `dgemma demo` trains: `cpu-tiny` on Shakespeare with a BPE of 8,192 ids) and `cpu-small`
+(the README's model on the default corpus). Training runs go `--jobs` at a time, one CPU thread each; a run that has
+its last checkpoint is not retrained and a scored one not rescored (OUT/NAME/score.json), so the script resumes.
+
+    python runs/time_ablations.py --setting demo --steps 550      # about 25 minutes on 2 cores
+    python runs/time_ablations.py --smoke                         # the same pipeline, tiny model, toy corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from dgemma.fsio import write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+CONT = ["--diffusion-time", "continuous"]
+# name -> (what it changes, `dgemma train` flags on top of the setting's base).
+VARIANTS: list[tuple[str, str, list[str]]] = [
+    ("discrete", "time conditioning, t ~ U{1..16} per canvas (cpu-small's recipe before issue 23)", []),
+    ("continuous", "levels s ~ U(0, 1] per canvas (continuous time)", CONT),
+    ("continuous+strat", "continuous, a stratified set of levels over each micro-batch", [*CONT, "--t-sampling",
+                                                                                         "stratified"]),
+    ("continuous+elbo", "continuous, the loss weighted as the continuous-time bound", [*CONT, "--loss-weighting",
+                                                                                       "elbo"]),
+    ("continuous+sc0", "continuous, no self-conditioning pre-pass", [*CONT, "--self-conditioning-prob", "0"]),
+    ("ar", "the AR baseline (same backbone, data, batch and schedule)", ["--objective", "ar"]),
+    ("discrete@seed1", "`discrete` from training seed 1", ["--seed", "1"]),
+    ("continuous@seed1", "`continuous` from training seed 1", [*CONT, "--seed", "1"]),
+]
+SETTINGS = {
+    "demo": {"corpus": ["--corpus", "default:shakespeare", "--tokenizer", "bpe:8192"],
+             "train": ["--preset", "cpu-tiny", "--time-embedding", "--warmup-steps", "20"]},
+    "cpu-small": {"corpus": [], "train": ["--preset", "cpu-small"]},
+    "smoke": {"corpus": None, "train": ["--preset", "tiny", "--time-embedding", "--vocab-size", "1024",
+                                        "--batch-size", "2", "--eval-batches", "1"]},
+}
+EVAL_T = (16, 64, 256)
+
+
+def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
+    run = args.out / name
+    if (run / "checkpoints" / "latest").exists():
+        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]).get("step")
+        if last == args.steps:
+            return f"{name}: already trained"
+    base = SETTINGS[args.setting]["train"]
+    if "ar" in flags:  # the AR objective has no time input
+        base = [f for f in base if f != "--time-embedding"]
+    cmd = [sys.executable, "-m", "dgemma", "train", *base, "--max-steps", str(args.steps), "--data",
+           str(args.out / "data"), "--out", str(run), "--resume", "--eval-every", str(args.steps),
+           "--save-every", str(args.steps), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with open(args.out / f"{name}.log", "w") as log:
+        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return f"{name}: trained"
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return {"setting": args.setting, "steps": args.steps, "windows": args.windows, "t_samples": args.t_samples,
+            "seq_len": args.seq_len, "eval_t": list(EVAL_T)}
+
+
+def cached_score(name: str, args: argparse.Namespace) -> dict | None:
+    cached = args.out / name / "score.json"
+    if cached.exists():
+        saved = json.loads(cached.read_text())
+        if saved.get("settings") == _settings(args):
+            return saved["result"]
+    return None
+
+
+def score(name: str, args: argparse.Namespace) -> dict:
+    result = cached_score(name, args)
+    if result is None:
+        result = _score(name, args)
+        write_text(args.out / name / "score.json", json.dumps({"settings": _settings(args), "result": result}))
+    return result
+
+
+def _score(name: str, args: argparse.Namespace) -> dict:
+    import torch
+
+    from dgemma.checkpoint import resolve_model_dir
+    from dgemma.data.shards import TokenDataset
+    from dgemma.eval.evaluate import heldout_ar_ce, heldout_nelbo, heldout_x0_ce
+    from dgemma.loading import load_model
+
+    torch.set_num_threads(1)
+    model = load_model(resolve_model_dir(args.out / name)).eval()
+    val = TokenDataset(args.out / "data", split="val")
+    common = dict(seq_len=args.seq_len, max_windows=args.windows, progress=False)
+    if name == "ar":
+        r = heldout_ar_ce(model, val, **common)
+        return {"name": name, "ar_ce": r["estimate"].to_dict()}
+    out: dict = {"name": name}
+    for T in (*EVAL_T, None):
+        key = "continuous" if T is None else f"T{T}"
+        r = heldout_nelbo(model, val, num_steps=T, num_t_samples=args.t_samples, seed=0, **common)
+        out[f"nelbo_{key}"] = r["estimate"].to_dict()
+        out[f"per_window_{key}"] = r["per_window"]
+    time = "continuous" if "continuous" in FLAGS[name] else "discrete"
+    ce = heldout_x0_ce(model, val, num_steps=16, time=time, seed=0, **common)
+    out["x0_ce"] = ce["estimate"].to_dict()
+    return out
+
+
+FLAGS = {name: flags for name, _, flags in VARIANTS}
+
+
+def headline(r: dict) -> str:
+    """A variant's honest bound: the continuous-time one for a continuous-time run, T = 16 for a discrete one."""
+    return "continuous" if r["name"].startswith("continuous") else "T16"
+
+
+def table(results: list[dict], unigram: float | None) -> str:
+    by = {r["name"]: r for r in results}
+    base = by.get("discrete")
+    ar = by.get("ar", {}).get("ar_ce", {}).get("mean")
+    what = {n: w for n, w, _ in VARIANTS}
+    lines = ["| variant | what changes | NELBO continuous | T=16 | T=64 | T=256 | headline vs `discrete` (paired) | "
+             "headline / AR CE | share of AR's gain over unigram | x0 CE |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r["name"] == "ar":
+            continue
+        cells = [f"{r[f'nelbo_{k}']['mean']:.3f} ± {r[f'nelbo_{k}']['se']:.3f}"
+                 for k in ("continuous", *[f"T{T}" for T in EVAL_T])]
+        h = headline(r)
+        other = by.get("discrete@seed1") if r["name"].endswith("@seed1") else base
+        diff = "–"
+        if other is not None and other is not r:
+            d = np.asarray(r[f"per_window_{h}"]) - np.asarray(other[f"per_window_{headline(other)}"])
+            diff = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(len(d)):.3f}" if len(d) > 1 else f"{d.mean():+.3f}"
+        value = r[f"nelbo_{h}"]["mean"]
+        ratio = f"{value / ar:.3f}" if ar else "–"
+        share = f"{(unigram - value) / (unigram - ar):.0%}" if ar and unigram else "–"
+        lines.append(f"| {r['name']} | {what[r['name']]} | {' | '.join(cells)} | {diff} | {ratio} | {share} | "
+                     f"{r['x0_ce']['mean']:.3f} |")
+    if ar:
+        lines.append(f"| ar | {what['ar']} | AR CE {ar:.3f} ± {by['ar']['ar_ce']['se']:.3f} | | | | | 1 | 100% | |")
+    if unigram:
+        lines.append(f"\nUnigram cross-entropy (training split's token frequencies on the held-out split): "
+                     f"{unigram:.3f} nats/token. Headline: the continuous-time bound of a continuous-time run, the "
+                     "T = 16 bound of a discrete-time one; `@seed1` rows are paired with `discrete@seed1`.")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setting", choices=("demo", "cpu-small"), default="demo")
+    p.add_argument("--steps", type=int, default=550, help="training steps of every variant (default 550)")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at once, one thread each (default 2)")
+    p.add_argument("--only", default=None, help="comma-separated variant names (default: all)")
+    p.add_argument("--windows", type=int, default=128, help="held-out windows scored (default 128)")
+    p.add_argument("--t-samples", type=int, default=4, help="stratified levels per canvas (default 4)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--out", type=Path, default=None, help="default runs/out/time-ablations-SETTING")
+    p.add_argument("--smoke", action="store_true", help="tiny model, toy corpus, 2 steps")
+    args = p.parse_args()
+    if args.smoke:
+        args.setting, args.steps, args.windows, args.t_samples, args.seq_len = "smoke", 2, 2, 1, 32
+    args.out = args.out or ROOT / "runs" / "out" / f"time-ablations-{args.setting}"
+    variants = VARIANTS
+    if args.only:
+        keep = set(args.only.split(","))
+        unknown = sorted(keep - {name for name, _, _ in VARIANTS})
+        if unknown:
+            p.error(f"--only {','.join(unknown)}: no such variant; choose from {', '.join(n for n, _, _ in VARIANTS)}")
+        variants = [v for v in VARIANTS if v[0] in keep]
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = args.out / "data"
+    if not (data / "meta.json").exists():
+        corpus = SETTINGS[args.setting]["corpus"]
+        if corpus is None:  # the smoke test's toy corpus
+            from dgemma.data.tokenizer import toy_corpus
+            s = toy_corpus(120)
+            (args.out / "toy").mkdir(exist_ok=True)
+            for i in range(150):
+                (args.out / "toy" / f"d{i:03d}.txt").write_text(" ".join(s[(7 * i + j) % len(s)] for j in range(12)))
+            corpus = ["--corpus", str(args.out / "toy"), "--tokenizer", "bpe:1024"]
+        subprocess.run([sys.executable, "-m", "dgemma", "data", "prepare", "--out", str(data), "-q", *corpus],
+                       check=True)
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for line in pool.map(train, [v[0] for v in variants], [v[2] for v in variants], [args] * len(variants)):
+            print(line, flush=True)
+        list(pool.map(score, [v[0] for v in variants], [args] * len(variants)))
+    from dgemma.data.shards import unigram_cross_entropy
+
+    results = [r for name, _, _ in VARIANTS if (r := cached_score(name, args)) is not None]
+    md = table(results, unigram_cross_entropy(data))
+    write_text(args.out / "time_ablations.md", md + "\n")
+    write_text(args.out / "time_ablations.json", json.dumps(
+        {**_settings(args), "results": [{k: v for k, v in r.items() if not k.startswith("per_window")}
+                                        for r in results]}, indent=1))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Continuous time: the continuous-time NELBO (`diffusion.continuous_kl`, `nelbo.window_nelbo_continuous`) against
+exact enumeration on the solvable toy of tests/test_evaluate.py (V = 3 tokens, canvases of 2), and training on
+continuous levels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import dgemma
+from dgemma.train.diffusion import alpha, alpha_rate, continuous_kl, reverse_kl, sample_levels, training_loss
+from dgemma.train.nelbo import clean_context_posterior, window_nelbo_continuous
+from tests.helpers import random_ids
+from tests.test_evaluate import (
+    STATES,
+    V,
+    code,
+    data_distribution,
+    exact_model_nll,
+    exact_nelbo,
+    marginal_posteriors,
+    q_joint,
+)
+
+L = 2
+
+
+def exact_integrand(p_model_x0: np.ndarray, s: float) -> np.ndarray:
+    """E over x_s ~ q(x_s | x0) of the per-canvas `continuous_kl` at level s, for every canvas x0 (V^L,), with the
+    model's posterior the exact one of `p_model_x0` (level s is step s of a one-step grid: alpha_bar(s, 1))."""
+    x0 = torch.tensor(np.stack([a for a in STATES for _ in STATES]))
+    xt = torch.tensor(np.stack([b for _ in STATES for b in STATES]))
+    marg = marginal_posteriors(p_model_x0, s, 1)
+    logits = torch.tensor(np.log(marg[[code(b) for _ in STATES for b in STATES]]))
+    kl = continuous_kl(logits.reshape(-1, V), x0.reshape(-1), xt.reshape(-1),
+                       torch.full((x0.numel(),), s, dtype=torch.float64)).view(V**L, V**L, L).sum(-1).numpy()
+    return (q_joint(s, 1) * kl).sum(1)
+
+
+def exact_continuous_nelbo(p_model_x0: np.ndarray, points: int = 400) -> np.ndarray:
+    """The continuous-time NELBO of every canvas: Gauss-Legendre quadrature over s in (0, 1) (the prior term is 0)."""
+    nodes, weights = np.polynomial.legendre.leggauss(points)
+    s, w = (nodes + 1) / 2, weights / 2
+    return sum(wk * exact_integrand(p_model_x0, float(sk)) for sk, wk in zip(s, w, strict=True))
+
+
+def test_continuous_kl_is_the_limit_of_T_reverse_kls():
+    """T * reverse_kl at step t = s T tends to continuous_kl at s (the error is O(1/T)), for arbitrary posteriors."""
+    g = torch.Generator().manual_seed(0)
+    N, W = 64, 5
+    logits = torch.randn(N, W, generator=g, dtype=torch.float64)
+    x0, xt = torch.randint(0, W, (N,), generator=g), torch.randint(0, W, (N,), generator=g)
+    for s in (0.05, 0.3, 0.7, 0.95):
+        got = continuous_kl(logits, x0, xt, torch.full((N,), s, dtype=torch.float64))
+        errors = []
+        for T in (2_000, 20_000):
+            t = torch.full((N,), round(s * T))
+            errors.append(float((T * reverse_kl(logits, x0, xt, t, T) - got).abs().max()))
+        assert errors[1] < errors[0] / 5 and errors[1] < 1e-3 * max(1.0, float(got.abs().max())), (s, errors)
+    assert torch.all(got >= 0)  # a generalized KL between rates
+
+
+def test_continuous_bound_is_the_limit_of_the_discrete_bounds_and_bounds_the_nll():
+    """With the exact posterior of a known distribution at every level (a model trained in continuous time, ideal):
+    the discrete bound decreases as T grows and tends to the continuous one, which is never below the data entropy
+    (the true NLL) nor below the model's exact NLL at a fine grid; a worse model's continuous bound is larger."""
+    p = data_distribution()
+    entropy = float(-(p * np.log(p)).sum())
+    continuous = exact_continuous_nelbo(p)
+    expected = float(p @ continuous)
+    discrete = {T: float(p @ exact_nelbo(p, T)) for T in (4, 16, 64)}
+    assert discrete[4] > discrete[16] > discrete[64] > expected >= entropy
+    assert discrete[64] - expected < 0.3 * (discrete[16] - expected)  # the O(1/T) excess: 4x T, 4x smaller
+    assert expected - entropy < 0.01 * entropy  # the ideal denoiser's bound is nearly tight
+    assert np.all(continuous >= exact_model_nll(p, 64) - 0.02)  # per canvas, up to the T = 64 chain's O(1/T)
+    worse = float(p @ exact_continuous_nelbo(data_distribution(seed=7)))
+    assert worse > expected + 1.0
+
+
+def test_window_nelbo_continuous_is_an_unbiased_estimate():
+    """The stratified Monte Carlo estimator over levels and x_s, with the exact posterior as the model, averages to
+    the quadrature value (one canvas per window)."""
+    p = data_distribution()
+    exact = float(p @ exact_continuous_nelbo(p))
+    rng = np.random.default_rng(0)
+    x0 = torch.tensor(np.stack([STATES[i] for i in rng.choice(len(STATES), size=6000, p=p)]))
+
+    def posterior(x0, xt, level):  # the exact p(x0 | x_s) of each window's one canvas
+        marg = np.stack([marginal_posteriors(p, float(s), 1)[code(x)] for x, s in zip(xt.numpy(), level[:, 0].double())])
+        return torch.from_numpy(np.log(marg))
+
+    terms = window_nelbo_continuous(posterior, x0, canvas_length=L, vocab_size=V, num_t_samples=4,
+                                    generator=torch.Generator().manual_seed(1))
+    per_canvas = terms.nelbo[:, 0].numpy()
+    se = per_canvas.std(ddof=1) / math.sqrt(len(per_canvas))
+    assert abs(per_canvas.mean() - exact) < 4 * se, (per_canvas.mean(), exact, se)
+    assert terms.t_counts.sum() == 4 * L * len(x0)
+
+
+def test_levels_are_uniform_on_the_open_clean_end_and_the_rate_is_the_schedules():
+    g = torch.Generator().manual_seed(0)
+    for stratified in (False, True):
+        s = torch.cat([sample_levels(4, 8, g, stratified=stratified).flatten() for _ in range(2000)])
+        assert s.dtype == torch.float64 and bool((s > 0).all() and (s <= 1).all())
+        assert abs(float(s.mean()) - 0.5) < 0.01 and abs(float((s < 0.25).double().mean()) - 0.25) < 0.01
+    one = sample_levels(4, 8, g, stratified=True).flatten().sort().values  # 32 levels: one in each 1/32 stratum
+    assert torch.equal((one * 32).ceil().long(), torch.arange(1, 33))
+    s = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    h = 1e-6
+    derivative = (alpha(s + h, torch.float64) - alpha(s - h, torch.float64)) / (2 * h)
+    torch.testing.assert_close(alpha_rate(s), -derivative / alpha(s, torch.float64), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("weighting", ["x0", "elbo"])
+def test_continuous_training_loss_runs_and_tells_the_model_its_level(weighting):
+    """A continuous-time step: finite loss and gradients; the time embedding reads the canvas's level (so a
+    time-embedding model's loss depends on it), and the draws are reproducible from the generator."""
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny").replace(time_embedding=True)), seed=0)
+    x0 = random_ids(model.config.vocab_size, 2, 2 * model.config.canvas_length, seed=3)
+    out = [training_loss(model, x0, time="continuous", loss_weighting=weighting, self_conditioning_prob=0.0,
+                         generator=torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.isfinite(out[0].loss) and float(out[0].loss.detach()) == float(out[1].loss.detach())
+    out[0].loss.backward()
+    assert model.time_proj.weight.grad is not None and float(model.time_proj.weight.grad.abs().sum()) > 0
+    with pytest.raises(ValueError, match="time must be one of"):
+        training_loss(model, x0, time="continuos")
+
+
+def test_the_clean_context_posterior_takes_continuous_levels():
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("lite-tiny")), seed=2).eval()
+    L2 = model.config.canvas_length
+    x0 = random_ids(500, 1, 2 * L2, seed=0)
+    with torch.no_grad():
+        a = clean_context_posterior(model)(x0, x0, torch.tensor([[0.3, 0.7]]))
+        b = clean_context_posterior(model)(x0, x0, torch.tensor([[0.3, 0.71]]))
+    assert torch.equal(a[:, :L2], b[:, :L2]) and not torch.equal(a[:, L2:], b[:, L2:])
