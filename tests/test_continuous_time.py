@@ -89,7 +89,8 @@ def test_window_nelbo_continuous_is_an_unbiased_estimate():
     x0 = torch.tensor(np.stack([STATES[i] for i in rng.choice(len(STATES), size=6000, p=p)]))
 
     def posterior(x0, xt, level):  # the exact p(x0 | x_s) of each window's one canvas
-        marg = np.stack([marginal_posteriors(p, float(s), 1)[code(x)] for x, s in zip(xt.numpy(), level[:, 0].double())])
+        levels = level[:, 0].double().tolist()
+        marg = np.stack([marginal_posteriors(p, s, 1)[code(x)] for x, s in zip(xt.numpy(), levels, strict=True)])
         return torch.from_numpy(np.log(marg))
 
     terms = window_nelbo_continuous(posterior, x0, canvas_length=L, vocab_size=V, num_t_samples=4,
