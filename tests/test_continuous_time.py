@@ -4,6 +4,7 @@ continuous levels."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -14,6 +15,7 @@ import dgemma
 from dgemma.train.diffusion import alpha, alpha_rate, continuous_kl, reverse_kl, sample_levels, training_loss
 from dgemma.train.nelbo import clean_context_posterior, window_nelbo_continuous
 from tests.helpers import random_ids
+from tests import test_evaluate
 from tests.test_evaluate import (
     STATES,
     V,
@@ -24,6 +26,8 @@ from tests.test_evaluate import (
     marginal_posteriors,
     q_joint,
 )
+
+pair = test_evaluate.pair  # the fixture: prepared toy data and a tiny diffusion / AR pair
 
 L = 2
 
@@ -138,3 +142,61 @@ def test_the_clean_context_posterior_takes_continuous_levels():
         a = clean_context_posterior(model)(x0, x0, torch.tensor([[0.3, 0.7]]))
         b = clean_context_posterior(model)(x0, x0, torch.tensor([[0.3, 0.71]]))
     assert torch.equal(a[:, :L2], b[:, :L2]) and not torch.equal(a[:, L2:], b[:, L2:])
+
+
+# --- a continuous-time run end to end: its learning curve, `dgemma eval`'s headline bound ---------------------------
+
+@pytest.fixture(scope="module")
+def continuous_run(pair):
+    """A time-conditioned tiny run trained for a few steps in continuous time on `pair`'s data."""
+    import io
+
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.loop import train
+
+    root, _ = pair
+    cfg = TrainConfig(preset="tiny", time_embedding=True, diffusion_time="continuous", seq_len=32, batch_size=4,
+                      max_steps=8, warmup_steps=2, eval_every=8, eval_batches=1, save_every=8, chunk_rows=256,
+                      device="cpu")
+    train(cfg, root / "data", root / "continuous", stream=io.StringIO())
+    return root / "continuous"
+
+
+def test_a_continuous_time_run_logs_the_continuous_bound_and_eval_makes_it_the_headline(pair, continuous_run,
+                                                                                         tmp_path):
+    from dgemma.cli import main
+    from dgemma.eval.curves import learning_curves
+
+    root, runs = pair
+    evals = [json.loads(line) for line in (continuous_run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 8]
+    for r in evals:  # the continuous bound, and no discrete one unless asked (eval_nelbo_steps)
+        assert "val_nelbo" not in r and math.isfinite(r["val_nelbo_continuous"]) and r["val_nelbo_continuous"] > 0
+    curves = learning_curves(continuous_run, runs["ar"], root / "data")
+    assert curves["diffusion"]["metric"] == "val_nelbo_continuous"
+    r = curves["ratio"][-1]
+    assert r["share_of_ar_gain"] == pytest.approx((curves["unigram_ce"] - r["nelbo"]) /
+                                                  (curves["unigram_ce"] - r["ar_ce"]))
+    out = tmp_path / "report"
+    assert main(["eval", "--model", str(continuous_run), "--baseline", str(runs["ar"]), "--data", str(root / "data"),
+                 "--out", str(out), "--prompts", "2", "--max-denoising-steps-grid", "2", "--entropy-bounds", "0.5",
+                 "--max-windows", "4", "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    lk, v = report["likelihood"], report["verdict"]
+    assert report["headline_bound"] == v["bound"] == "nelbo_continuous"
+    assert lk["nelbo_continuous"]["num_steps"] is None and lk["x0_ce"]["time"] == "continuous"
+    assert v["nelbo_over_ar"] == pytest.approx(lk["nelbo_continuous"]["estimate"]["mean"] /
+                                               lk["ar_ce"]["estimate"]["mean"])
+    assert "NELBO, continuous time" in (out / "report.md").read_text()
+
+
+def test_tokens_to_reach_interpolates_in_log_tokens():
+    from dgemma.eval.curves import token_multiplier, tokens_to_reach
+
+    ar = [{"tokens": 0, "value": 9.0}, {"tokens": 1000, "value": 6.0}, {"tokens": 4000, "value": 5.0}]
+    assert tokens_to_reach(ar, 7.0) == 1000.0  # below the first positive count: the first point that reaches it
+    assert tokens_to_reach(ar, 5.5) == pytest.approx(2000.0)  # halfway in log tokens between 1000 and 4000
+    assert tokens_to_reach(ar, 4.0) is None
+    m = token_multiplier([{"tokens": 8000, "value": 5.5}], ar)
+    assert m["multiplier"] == pytest.approx(4.0) and m["ar_tokens_for_same_loss"] == pytest.approx(2000.0)

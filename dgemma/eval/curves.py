@@ -3,11 +3,14 @@ in RUN/metrics.jsonl, for the diffusion run and its AR baseline, against tokens 
 
     read_metrics(path)              the records of a metrics.jsonl (a torn last line is skipped)
     eval_points(run, metric)        one run's evaluations of `metric`: step, tokens, value, SE, CPU seconds
-    matched_ratio(diffusion, ar)    diffusion NELBO / AR CE at every token count both runs evaluated
+    matched_ratio(diffusion, ar)    diffusion NELBO / AR CE at every token count both runs evaluated (and the share
+                                    of the AR model's gain over the unigram model that diffusion captures)
+    token_multiplier(diffusion, ar) how many times the AR run's tokens the diffusion run needed to reach its loss
     learning_curves(...)            the report's `curves` section (None when neither run has a metrics.jsonl)
     curves_markdown(curves)         report.md's table
 
-A diffusion run's curve is its `val_nelbo` (the held-out NELBO at the run's training T: an upper bound on its NLL;
+A diffusion run's curve is its headline bound (`val_nelbo_continuous`, the continuous-time NELBO, for a run that logged
+it, i.e. a continuous-time run; else `val_nelbo`, the NELBO at the run's training T; both upper bounds on its NLL;
 records without it are skipped), an AR run's its `val_loss` (next-token cross-entropy). The reference line is the
 held-out cross-entropy of the training split's unigram distribution (`dgemma.data.shards.unigram_cross_entropy`).
 """
@@ -66,9 +69,11 @@ def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
     return [points[k] for k in sorted(points)]
 
 
-def matched_ratio(diffusion: list[dict[str, Any]], ar: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def matched_ratio(diffusion: list[dict[str, Any]], ar: list[dict[str, Any]], unigram: float | None = None
+                  ) -> list[dict[str, Any]]:
     """At every token count both runs evaluated: diffusion NELBO / AR CE, with the delta-method SE of the ratio
-    (the two SEs independent)."""
+    (the two SEs independent), and (with the unigram cross-entropy U) the share of the AR run's gain over the
+    unigram model that the diffusion run captures, (U - NELBO) / (U - AR CE)."""
     by_tokens = {p["tokens"]: p for p in ar}
     out = []
     for d in diffusion:
@@ -79,9 +84,36 @@ def matched_ratio(diffusion: list[dict[str, Any]], ar: list[dict[str, Any]]) -> 
         se = None
         if d["se"] is not None and a["se"] is not None and d["value"]:
             se = abs(ratio) * math.sqrt((d["se"] / d["value"]) ** 2 + (a["se"] / a["value"]) ** 2)
+        share = None if unigram is None or unigram == a["value"] else (unigram - d["value"]) / (unigram - a["value"])
         out.append({"tokens": d["tokens"], "step_diffusion": d["step"], "step_ar": a["step"], "nelbo": d["value"],
-                    "ar_ce": a["value"], "ratio": ratio, "ratio_se": se})
+                    "ar_ce": a["value"], "ratio": ratio, "ratio_se": se, "share_of_ar_gain": share})
     return out
+
+
+def tokens_to_reach(curve: list[dict[str, Any]], value: float) -> float | None:
+    """The tokens at which a curve first reaches `value`, linearly interpolated in log tokens between the two
+    evaluations around it (the first point's tokens if it starts below; None if it never gets there)."""
+    previous = None
+    for p in curve:
+        if p["value"] <= value:
+            if previous is None or previous["tokens"] <= 0:
+                return float(p["tokens"])
+            f = (previous["value"] - value) / (previous["value"] - p["value"])
+            lo, hi = math.log(previous["tokens"]), math.log(p["tokens"])
+            return math.exp(lo + f * (hi - lo))
+        previous = p
+    return None
+
+
+def token_multiplier(diffusion: list[dict[str, Any]], ar: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """At the diffusion run's last evaluation (tokens n, bound v): the tokens the AR run needed to reach v and the
+    multiplier n / those tokens (how many times the AR's tokens diffusion needs for the same held-out loss)."""
+    if not diffusion or not ar:
+        return None
+    last = diffusion[-1]
+    needed = tokens_to_reach(ar, last["value"])
+    return {"tokens": last["tokens"], "nelbo": last["value"], "ar_tokens_for_same_loss": needed,
+            "multiplier": None if not needed else last["tokens"] / needed}
 
 
 def learning_curves(model_path: str | Path, baseline_path: str | Path | None, data_dir: str | Path
@@ -90,7 +122,9 @@ def learning_curves(model_path: str | Path, baseline_path: str | Path | None, da
     the unigram cross-entropy of `data_dir`, and the matched-token ratio; None when neither run has a curve."""
     from dgemma.data.shards import DataError, unigram_cross_entropy
 
-    runs = {"diffusion": (model_path, "val_nelbo"), "ar": (baseline_path, "val_loss")}
+    continuous = eval_points(model_path, "val_nelbo_continuous")
+    runs = {"diffusion": (model_path, "val_nelbo_continuous" if continuous else "val_nelbo"),
+            "ar": (baseline_path, "val_loss")}
     curves: dict[str, Any] = {}
     for side, (path, metric) in runs.items():
         points = eval_points(path, metric) if path is not None else None
@@ -102,8 +136,9 @@ def learning_curves(model_path: str | Path, baseline_path: str | Path | None, da
     except (DataError, FileNotFoundError, ValueError):  # no train split to count: no reference line
         unigram = None
     both = curves["diffusion"] is not None and curves["ar"] is not None
-    return curves | {"unigram_ce": unigram,
-                     "ratio": matched_ratio(curves["diffusion"]["points"], curves["ar"]["points"]) if both else []}
+    d, a = (curves["diffusion"]["points"], curves["ar"]["points"]) if both else ([], [])
+    return curves | {"unigram_ce": unigram, "ratio": matched_ratio(d, a, unigram) if both else [],
+                     "token_multiplier": token_multiplier(d, a) if both else None}
 
 
 def _f(x: Any, fmt: str) -> str:
@@ -115,18 +150,29 @@ def curves_markdown(curves: dict[str, Any]) -> list[str]:
     sides = {side: {p["tokens"]: p for p in (curves[side] or {}).get("points") or []} for side in ("diffusion", "ar")}
     ratios = {r["tokens"]: r for r in curves["ratio"]}
     lines = ["## Learning curves (from the runs' metrics.jsonl)", "",
-             "Held-out evaluations logged by `dgemma train`: the diffusion run's NELBO at its training T (an upper "
-             "bound on its NLL) and the AR run's next-token cross-entropy, nats/token, ± SE, on the first "
-             "`eval_batches` validation batches (not the windows of the likelihood section). Unigram cross-entropy "
-             f"of the training split on the validation split: {_f(curves['unigram_ce'], '.4f')}.", "",
-             "| tokens | step | diffusion NELBO | ± SE | AR CE | ± SE | NELBO / AR CE |",
-             "|---|---|---|---|---|---|---|"]
+             "Held-out evaluations logged by `dgemma train`: the diffusion run's bound (`" +
+             ((curves.get("diffusion") or {}).get("metric") or "val_nelbo") + "`: the continuous-time NELBO of a "
+             "continuous-time run, else the NELBO at its training T; an upper bound on its NLL) and the AR run's "
+             "next-token cross-entropy, nats/token, ± SE, on the first `eval_batches` x `batch_size` validation "
+             "windows (the likelihood section's windows when those are as many). Unigram cross-entropy "
+             f"of the training split on the validation split: {_f(curves['unigram_ce'], '.4f')}; share: of the AR "
+             "run's gain over the unigram model, (unigram - NELBO) / (unigram - AR CE).", "",
+             "| tokens | step | diffusion NELBO | ± SE | AR CE | ± SE | NELBO / AR CE | share |",
+             "|---|---|---|---|---|---|---|---|"]
     for tokens in sorted(set(sides["diffusion"]) | set(sides["ar"])):
         d, a, r = sides["diffusion"].get(tokens, {}), sides["ar"].get(tokens, {}), ratios.get(tokens, {})
         ratio = f"{_f(r.get('ratio'), '.3f')} ± {_f(r.get('ratio_se'), '.3f')}" if r else "–"
+        share = _f(r.get("share_of_ar_gain"), ".0%") if r else "–"
         lines.append(f"| {tokens:,} | {d.get('step', a.get('step'))} | {_f(d.get('value'), '.4f')} | "
-                     f"{_f(d.get('se'), '.4f')} | {_f(a.get('value'), '.4f')} | {_f(a.get('se'), '.4f')} | {ratio} |")
+                     f"{_f(d.get('se'), '.4f')} | {_f(a.get('value'), '.4f')} | {_f(a.get('se'), '.4f')} | {ratio} | "
+                     f"{share} |")
+    m = curves.get("token_multiplier")
+    if m and m.get("multiplier"):
+        lines += ["", f"Token multiplier: the diffusion run's last bound, {m['nelbo']:.4f} after {m['tokens']:,} "
+                  f"tokens, is the AR run's loss after {m['ar_tokens_for_same_loss']:,.0f} tokens (interpolated in "
+                  f"log tokens): diffusion needed **{m['multiplier']:.1f}x** the tokens."]
     return [*lines, "", "![curves](curves.png)", ""]
 
 
-__all__ = ["curves_markdown", "eval_points", "learning_curves", "matched_ratio", "read_metrics"]
+__all__ = ["curves_markdown", "eval_points", "learning_curves", "matched_ratio", "read_metrics", "token_multiplier",
+           "tokens_to_reach"]

@@ -97,9 +97,20 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines += [f"Not available: {v['reason']}.", ""]
     else:
         ok = "yes" if v["nelbo_within_tolerance"] else "no"
+        bound = v.get("bound", "nelbo")
+        which = ("the continuous-time NELBO (the run trained in continuous time)" if bound == "nelbo_continuous"
+                 else f"the NELBO at T={lk['nelbo']['num_steps']} (the run's training T)")
+        gain = "" if v.get("share_of_ar_gain") is None else (
+            f" The diffusion model captures **{v['share_of_ar_gain']:.0%}** of the AR model's gain over the unigram "
+            f"model ({_f(v['unigram_ce'])} nats/token).")
+        m = v.get("token_multiplier") or {}
+        if m.get("multiplier"):
+            gain += (f" Its learning curve reaches its last bound after {m['tokens']:,} tokens, where the AR run "
+                     f"needed {m['ar_tokens_for_same_loss']:,.0f}: **{m['multiplier']:.1f}x** the tokens.")
         lines += [f"- Held-out NLL within +{v['tolerance']:.0%} of AR? **{ok}**: NELBO / AR CE = "
-                  f"{_f(v['nelbo_over_ar'])} (with 2 SE: {_f(v['nelbo_upper_ratio'])}). The NELBO is an upper bound "
-                  "on the diffusion model's NLL, so a pass is conservative. Seed 003's own measure, x0 CE / AR CE = "
+                  f"{_f(v['nelbo_over_ar'])} (with 2 SE: {_f(v['nelbo_upper_ratio'])}), with {which}. The NELBO is "
+                  "an upper bound on the diffusion model's NLL, so a pass is conservative." + gain +
+                  " Seed 003's own measure, x0 CE / AR CE = "
                   f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
                   f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** (95% interval "
                   f"{_ci(v['speedup_ci95'], '.2f')}) wall-clock useful tokens/s over the AR baseline at temperature "
@@ -117,10 +128,11 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
     lines += ["## Likelihood (held-out, nats/token)", "",
               "| metric | nats/token | ± SE | bits/byte | windows | tokens | windows for SE " +
               f"{_f(lk['nelbo']['estimate']['target_se'], 'g')} |", "|---|---|---|---|---|---|---|"]
-    names = (("NELBO (upper bound on NLL)", "nelbo"), ("x0 cross-entropy at sampled t", "x0_ce"),
-             ("AR cross-entropy (baseline)", "ar_ce"))
+    names = ((f"NELBO at T={lk['nelbo']['num_steps']} (upper bound on NLL)", "nelbo"),
+             ("NELBO, continuous time (upper bound on NLL)", "nelbo_continuous"),
+             ("x0 cross-entropy at sampled t", "x0_ce"), ("AR cross-entropy (baseline)", "ar_ce"))
     for name, key in names:
-        if lk[key] is None:
+        if lk.get(key) is None:
             continue
         e = lk[key]["estimate"]
         lines.append(f"| {name} | {_f(e['mean'], '.4f')} | {_f(e['se'], '.4f')} | {_f(e['bits_per_byte'], '.4f')} | "
@@ -130,6 +142,10 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
               "window; prior term "
               f"{_f(lk['nelbo']['prior_kl_per_token'], '.2e')} nats/token. x0 CE: "
               f"{lk['x0_ce']['t_sampling']}, objective {lk['x0_ce']['objective']}, no self-conditioning. "
+              + ("Continuous time: the T -> infinity limit of the same chain, "
+                 f"{lk['nelbo_continuous']['num_t_samples']} stratified levels per canvas. "
+                 if lk.get("nelbo_continuous") else "No continuous-time bound: the model has no time input, and "
+                 "without one the bound is infinite (docs/evaluation.md section 1.3). ") +
               "SE over windows (data and Monte Carlo noise together).", "",
               "![likelihood](likelihood.png)", "", f"*likelihood.png: `{report['command']}`*", ""]
     lines += ["## Speed / quality frontier", "",
@@ -305,10 +321,13 @@ def plot_likelihood(report: dict[str, Any], path: Path, command: str) -> Path:
     lk = report["likelihood"]
     fig = figure(plt, "Held-out likelihood (nats/token; error bars: 2 standard errors over windows)", command)
     ax = fig.add_subplot(1, 2, 1)
-    rows = [("NELBO (upper bound)", lk["nelbo"]), ("x0 CE at sampled t", lk["x0_ce"]), ("AR CE", lk["ar_ce"])]
-    rows = [(name, r["estimate"]) for name, r in rows if r is not None]
+    rows = [(f"NELBO T={lk['nelbo']['num_steps']}", lk["nelbo"], "tab:purple"),
+            ("NELBO continuous", lk.get("nelbo_continuous"), "tab:blue"),
+            ("x0 CE at sampled t", lk["x0_ce"], "tab:orange"), ("AR CE", lk["ar_ce"], "k")]
+    colors = [c for _, r, c in rows if r is not None]
+    rows = [(name, r["estimate"]) for name, r, _ in rows if r is not None]
     ax.bar(range(len(rows)), [e["mean"] for _, e in rows], yerr=[2 * e["se"] for _, e in rows], capsize=6,
-           color=["tab:purple", "tab:orange", "k"][: len(rows)])
+           color=colors)
     ax.set_xticks(range(len(rows)), [n for n, _ in rows])
     for i, (_, e) in enumerate(rows):
         bpb = f"\n{e['bits_per_byte']:.3f} bpb" if e.get("bits_per_byte") else ""
@@ -316,15 +335,15 @@ def plot_likelihood(report: dict[str, Any], path: Path, command: str) -> Path:
                     xytext=(0, 6), textcoords="offset points")
     ax.set_ylabel("nats per token")
     ax = fig.add_subplot(1, 2, 2)
-    for key, values, style, name in (("x0_ce", "ce_by_t", "o-", "x0 CE at t"),
-                                     ("nelbo", "kl_by_t", "s-", "NELBO term at t (t = 1: reconstruction)")):
+    for key, values, style, name in (("x0_ce", "ce_by_t", "o-", "x0 CE at level s"),
+                                     ("nelbo", "kl_by_t", "s-", "NELBO term at t/T (t = 1: reconstruction)")):
         y = np.array([math.nan if v is None else v for v in lk[key][values]], dtype=np.float64)
-        t = np.arange(1, len(y) + 1)
-        seen = np.isfinite(y)  # t values no canvas drew are left out
-        ax.plot(t[seen], y[seen], style, label=name)
+        level = np.arange(1, len(y) + 1) / len(y)  # bin k of n (a step t of T) ends at level k / n
+        seen = np.isfinite(y)  # levels no canvas drew are left out
+        ax.plot(level[seen], y[seen], style, label=name)
     if lk["ar_ce"] is not None:
         ax.axhline(lk["ar_ce"]["estimate"]["mean"], color="k", linestyle="--", label="AR CE")
-    ax.set_xlabel("noise level t (T = pure noise)")
+    ax.set_xlabel("noise level s = t/T (1 = pure noise)")
     ax.set_ylabel("nats per token")
     ax.set_yscale("symlog", linthresh=1e-2)
     ax.legend(fontsize=8)
