@@ -14,8 +14,8 @@ import torch
 import dgemma
 from dgemma.train.diffusion import alpha, alpha_rate, continuous_kl, reverse_kl, sample_levels, training_loss
 from dgemma.train.nelbo import clean_context_posterior, window_nelbo_continuous
-from tests.helpers import random_ids
 from tests import test_evaluate
+from tests.helpers import random_ids
 from tests.test_evaluate import (
     STATES,
     V,
