@@ -139,6 +139,8 @@ class ModelConfig:
     attention_k_eq_v: bool = True  # full-attention layers use the raw k_proj output as V (no v_proj)
     self_conditioning: str = "mlp"  # "mlp": gated MLP on the canvas input; "linear": zero-init proj on the output
     time_embedding: bool = False  # add a per-canvas sinusoidal embedding of the noise level t/T to each token
+    # p(x0 | x_s): the network's prediction times q(x_s | x0) of each token's own observation (dgemma/noise.py:observe)
+    observed_likelihood: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -190,7 +192,7 @@ class ModelConfig:
         sc = self.final_logit_softcapping
         require(sc is None or (is_real(sc) and sc > 0), "final_logit_softcapping",
                f"must be > 0 or None (and finite), got {sc!r}")
-        for name in ("attention_k_eq_v", "time_embedding"):
+        for name in ("attention_k_eq_v", "time_embedding", "observed_likelihood"):
             require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         require(self.hidden_activation in ("gelu_pytorch_tanh", "gelu_tanh"), "hidden_activation",
                f"only 'gelu_pytorch_tanh' (alias 'gelu_tanh') is supported, got {self.hidden_activation!r}")
@@ -333,6 +335,8 @@ class ModelConfig:
             text["self_conditioning"] = self.self_conditioning
             text["time_embedding"] = self.time_embedding
             text["attention_k_eq_v"] = self.attention_k_eq_v
+        if self.observed_likelihood:  # dgemma-only: transformers' sampler would read the network's logits raw
+            text["observed_likelihood"] = True
         return {
             "architectures": ["DiffusionGemmaForBlockDiffusion"],
             "model_type": "diffusion_gemma",

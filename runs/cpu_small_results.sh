@@ -5,8 +5,10 @@
 #
 #   * diffusion and AR share one schedule spanning 2 x STEPS steps (512 tokens each): the diffusion run stops at STEPS
 #     (4,800 steps: about 67 CPU-minutes on one core of this machine), the AR run goes on to 2 x STEPS (about 69
-#     CPU-minutes: an AR step costs about half a diffusion step). Both evaluate the held-out NELBO / cross-entropy
-#     every STEPS / 18 steps with its SE; every training record carries the process's CPU seconds (`cpu_s`).
+#     CPU-minutes: an AR step costs about half a diffusion step). Both evaluate the held-out bound / cross-entropy
+#     every STEPS / 12 steps with its SE, on the first 128 held-out windows: the windows of the final evaluation
+#     (--eval-batches 32 of 4 windows, --max-windows 128), so the learning curves end where the report's likelihoods
+#     are measured. Every training record carries the process's CPU seconds (`cpu_s`).
 #   * the compared AR baseline is the AR run's checkpoint at step STEPS: the same tokens at the same point of the same
 #     schedule as the diffusion model; the judge that scores both sides' samples is the same AR run at 2 x STEPS,
 #     trained on twice the tokens and not one of the compared models.
@@ -27,8 +29,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT" && cd "$OUT"
 dgemma() { "$PY" -m dgemma "$@"; }
 
-EVERY=$(( STEPS >= 18 ? STEPS / 18 : 1 ))
-TRAIN=(--preset cpu-small --max-steps $((2 * STEPS)) --eval-every "$EVERY" --eval-batches 8 --save-every $((3 * EVERY))
+EVERY=$(( STEPS >= 12 ? STEPS / 12 : 1 ))
+TRAIN=(--preset cpu-small --max-steps $((2 * STEPS)) --eval-every "$EVERY" --eval-batches 32 --save-every $((3 * EVERY))
        --keep-last 40)
 EVAL=(--prompts 16 --max-denoising-steps-grid 8,16,32 --entropy-bounds 0.1,1 --ar-temperatures 0.7,0.85,1.0 --prompt-tokens 32
       --t-samples 8 --max-windows 128)

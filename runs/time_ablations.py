@@ -41,9 +41,15 @@ VARIANTS: list[tuple[str, str, list[str]]] = [
     ("continuous+elbo", "continuous, the loss weighted as the continuous-time bound", [*CONT, "--loss-weighting",
                                                                                        "elbo"]),
     ("continuous+sc0", "continuous, no self-conditioning pre-pass", [*CONT, "--self-conditioning-prob", "0"]),
+    ("continuous+observed", "continuous, the posterior takes each token's own observation by Bayes",
+     [*CONT, "--observed-likelihood"]),
+    ("discrete+observed", "discrete, the posterior takes each token's own observation by Bayes",
+     ["--observed-likelihood"]),
     ("ar", "the AR baseline (same backbone, data, batch and schedule)", ["--objective", "ar"]),
     ("discrete@seed1", "`discrete` from training seed 1", ["--seed", "1"]),
     ("continuous@seed1", "`continuous` from training seed 1", [*CONT, "--seed", "1"]),
+    ("continuous+observed@seed1", "`continuous+observed` from training seed 1",
+     [*CONT, "--observed-likelihood", "--seed", "1"]),
 ]
 SETTINGS = {
     "demo": {"corpus": ["--corpus", "default:shakespeare", "--tokenizer", "bpe:8192"],
@@ -63,7 +69,7 @@ def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
             return f"{name}: already trained"
     base = SETTINGS[args.setting]["train"]
     if "ar" in flags:  # the AR objective has no time input
-        base = [f for f in base if f != "--time-embedding"]
+        base = [f for f in base if f not in ("--time-embedding", "--observed-likelihood")]
     cmd = [sys.executable, "-m", "dgemma", "train", *base, "--max-steps", str(args.steps), "--data",
            str(args.out / "data"), "--out", str(run), "--resume", "--eval-every", str(args.steps),
            "--save-every", str(args.steps), *flags]

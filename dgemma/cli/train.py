@@ -55,7 +55,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         if "objective" in given:  # an AR baseline of a diffusion recipe drops the diffusion-only switches
             base = base.with_objective(given["objective"])
         if "init_from" in given:  # the checkpoint's geometry replaces the preset's, overrides included
-            base = base.replace(vocab_size=None, canvas_length=None, time_embedding=None)
+            base = base.replace(vocab_size=None, canvas_length=None, time_embedding=None, observed_likelihood=None)
     return base.replace(**given)
 
 

@@ -27,7 +27,7 @@ EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every eva
 RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eval_t_samples", "save_every",
              "keep_last", "log_every", "compile", "device", "parallel", "activation_checkpointing")
 # recipe switches of the diffusion objectives
-DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding")
+DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding", "observed_likelihood")
 
 
 def _opt(help: str, default: Any, **meta: Any) -> Any:
@@ -86,6 +86,11 @@ class TrainConfig:
     time_embedding: bool | None = _opt("time conditioning: add an embedding of the canvas's noise level t/T to its "
                                        "tokens (default: the preset's; a dg checkpoint with it does not load in "
                                        "transformers)", default=None)
+    observed_likelihood: bool | None = _opt("the posterior p(x0 | x_s) multiplies the network's prediction by the "
+                                            "likelihood q(x_s | x0) of each token's own observation (exact Bayes; "
+                                            "dgemma/noise.py), so a clean-looking token is near-certain at low noise "
+                                            "(default: the preset's; such a checkpoint does not load in "
+                                            "transformers)", default=None)
     self_conditioning_prob: float = _opt("probability of the self-conditioning pre-pass", default=0.5)
     ar_weight: float = _opt("weight of a next-token loss on the clean stream (clean-context)", default=0.0)
     chunk_rows: int = _opt("rows of the (rows, V) logits alive at once in the loss", default=1024)
@@ -124,9 +129,10 @@ class TrainConfig:
                                                 and not isinstance(self.eval_nelbo_steps, bool)
                                                 and self.eval_nelbo_steps >= 0), "eval_nelbo_steps",
               "must be None or an int >= 0")
-        check(self.time_embedding in (None, True, False), "time_embedding", "must be true, false or None")
-        check(self.init_from is None or self.time_embedding is None, "time_embedding",
-              "must be None with init_from (the checkpoint decides)")
+        for name in ("time_embedding", "observed_likelihood"):
+            check(getattr(self, name) in (None, True, False), name, "must be true, false or None")
+            check(self.init_from is None or getattr(self, name) is None, name,
+                  "must be None with init_from (the checkpoint decides)")
         check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
               "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
         for f in dataclasses.fields(self):
@@ -174,7 +180,8 @@ class TrainConfig:
             config = resolve_model_dir(self.init_from) / "config.json"
             return ModelConfig.from_hf(read_json(config), source=str(config))
         mc = PRESETS[self.preset]
-        overrides = {name: getattr(self, name) for name in ("vocab_size", "canvas_length", "time_embedding")
+        overrides = {name: getattr(self, name)
+                     for name in ("vocab_size", "canvas_length", "time_embedding", "observed_likelihood")
                      if getattr(self, name) is not None}
         return mc.replace(**overrides) if overrides else mc
 

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.data.sft import ChatBatch, sft_masks
 from dgemma.model import DiffusionGemma
+from dgemma.noise import alpha, alpha_rate, observe
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
@@ -55,18 +56,6 @@ def alpha_bar(t: Tensor, num_steps: int, dtype: torch.dtype = torch.float32) -> 
     """Probability that a token is still clean at noise level t (cosine schedule), computed in float64 and returned
     in `dtype`: float32 for corruption, float64 for the NELBO (dgemma/train/nelbo.py), whose logs need it near t = 0."""
     return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).to(dtype)
-
-
-def alpha(level: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """alpha(s) = cos^2(pi/2 * s), the probability that a token is still clean at a level s in [0, 1], computed in
-    float64 and returned in `dtype`."""
-    return torch.cos(math.pi / 2 * level.double()).pow(2).to(dtype)
-
-
-def alpha_rate(level: Tensor) -> Tensor:
-    """-alpha'(s) / alpha(s) = pi * tan(pi/2 * s), float64: the rate at which the forward process replaces a token by
-    a uniform draw (any of the V) at level s."""
-    return math.pi * torch.tan(math.pi / 2 * level.double())
 
 
 def sample_levels(batch: int, num_canvases: int, generator: torch.Generator | None = None,
@@ -217,33 +206,50 @@ def _continuous_kl(logits: Tensor, x0: Tensor, xt: Tensor, level: Tensor) -> Ten
 
 # --- losses -----------------------------------------------------------------------------------------------------
 
-def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chunk_rows: int | None = 1024
-                     ) -> Tensor:
-    """Mean cross-entropy of the model's head on final hidden states (N, D) against `targets` (N,).
+def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chunk_rows: int | None = 1024,
+                     observed: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Mean cross-entropy of the model's head on final hidden states (N, D) against `targets` (N,): of the x0
+    posterior given `observed` (x_s (N,), level (N,): `posterior_logits`), of the raw head without (next-token).
 
     With `chunk_rows`, rows go through the head a chunk at a time under activation checkpointing, so at most
     (chunk_rows, V) fp32 logits are alive, forward or backward, instead of (N, V); the per-row math is the
     eager loss's (chunk_rows=None), so loss and gradients agree to rounding."""
+    def chunk_loss(h: Tensor, y: Tensor, *obs: Tensor) -> Tensor:
+        return F.cross_entropy(posterior_logits(model, h, *obs) if obs else model.logits(h), y, reduction="sum")
+
+    obs = () if observed is None else observed
     if chunk_rows is None or final.shape[0] <= chunk_rows:
-        return F.cross_entropy(model.logits(final), targets)
-
-    def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
-        return F.cross_entropy(model.logits(h), y, reduction="sum")
-
+        return chunk_loss(final, targets, *obs) / final.shape[0]
     total = final.new_zeros((), dtype=torch.float32)
     for lo in range(0, final.shape[0], chunk_rows):
-        total = total + checkpoint(chunk_loss, final[lo:lo + chunk_rows], targets[lo:lo + chunk_rows],
-                                   use_reentrant=False)
+        sl = slice(lo, lo + chunk_rows)
+        total = total + checkpoint(chunk_loss, final[sl], targets[sl], *[o[sl] for o in obs], use_reentrant=False)
     return total / final.shape[0]
 
 
+def posterior_logits(model: DiffusionGemma, hidden: Tensor, tokens: Tensor | None = None,
+                     level: Tensor | None = None) -> Tensor:
+    """The logits of p(x0 | x_s) on final hidden states (..., D): the head's, and for a model with
+    `observed_likelihood` plus each position's observation `tokens` at its `level` (dgemma/noise.py:observe; both
+    required then). The one place training and the bounds turn hidden states into the posterior."""
+    logits = model.logits(hidden)
+    if not model.config.observed_likelihood:
+        return logits
+    if tokens is None or level is None:
+        raise ValueError("a model with observed_likelihood needs each position's x_s and level for its posterior")
+    return observe(logits, tokens, level)
+
+
 @torch.no_grad()
-def chunked_soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024) -> Tensor:
+def chunked_soft_embedding(model: DiffusionGemma, final: Tensor, chunk_rows: int = 1024,
+                           observed: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Self-conditioning input from a pre-pass's final hidden states (B, L, D): `DiffusionGemma.soft_embedding` of
-    the head's logits, softmax(head) @ E * sqrt(D), in row chunks so only (chunk_rows, V) probabilities exist at a
-    time (the full-vocabulary product is the hazard)."""
+    the posterior's logits (`posterior_logits`; `observed`: x_s and levels (B, L)), softmax @ E * sqrt(D), in row
+    chunks so only (chunk_rows, V) probabilities exist at a time (the full-vocabulary product is the hazard)."""
     flat = final.reshape(-1, final.shape[-1])
-    return torch.cat([model.soft_embedding(model.logits(flat[lo:lo + chunk_rows]))
+    obs = () if observed is None else tuple(o.reshape(-1) for o in observed)
+    return torch.cat([model.soft_embedding(posterior_logits(model, flat[lo:lo + chunk_rows],
+                                                            *[o[lo:lo + chunk_rows] for o in obs]))
                       for lo in range(0, flat.shape[0], chunk_rows)]).view(final.shape)
 
 
@@ -256,7 +262,8 @@ def self_conditioned_hidden(model: DiffusionGemma, tokens: Tensor, positions: Te
     if self_conditioned:
         with torch.no_grad():
             pre = model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, t=level)
-            soft = chunked_soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024)
+            soft = chunked_soft_embedding(model, pre[:, num_clean:], chunk_rows or 1024,
+                                          (tokens[:, num_clean:], level[:, num_clean:]))
     return model.sequence_hidden(tokens, positions, masks, num_clean=num_clean, soft=soft, t=level)
 
 
@@ -270,7 +277,7 @@ def elbo_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, xt
     `x0_cross_entropy`; the KL runs in float64 (its logs need it near clean levels)."""
 
     def chunk(h: Tensor, y: Tensor, x: Tensor, tt: Tensor) -> tuple[Tensor, Tensor]:
-        logits = model.logits(h)
+        logits = posterior_logits(model, h, x, tt if num_steps is None else tt / num_steps)
         kl = (continuous_kl(logits, y, x, tt, chunk_rows=logits.shape[0]) if num_steps is None
               else num_steps * reverse_kl(logits, y, x, tt, num_steps, chunk_rows=logits.shape[0]))
         return kl.sum().float(), F.cross_entropy(logits.detach(), y, reduction="sum")
@@ -360,7 +367,8 @@ def training_loss(model: DiffusionGemma, x0: Tensor, *, objective: Objective = "
                                       t.repeat_interleave(L, dim=1).reshape(-1),
                                       None if time == "continuous" else num_steps, chunk_rows)
     else:
-        loss = ce = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows)
+        loss = ce = x0_cross_entropy(model, final, x0.reshape(-1), chunk_rows,
+                                     (xt.reshape(-1), level[:, num_clean:].reshape(-1)))
     ar_loss = None
     if objective == "clean-context" and ar_weight > 0:  # the clean stream is a causal LM too
         ar_loss = x0_cross_entropy(model, hidden[:, : T - 1].reshape(-1, D), x0[:, 1:].reshape(-1), chunk_rows)
@@ -388,5 +396,5 @@ def sft_loss(model: DiffusionGemma, batch: ChatBatch, *, num_steps: int = 16, se
     hidden = self_conditioned_hidden(model, tokens, positions, masks, num_clean=C, level=level,
                                      self_conditioned=use_sc, chunk_rows=chunk_rows)
     keep = batch.loss_mask
-    loss = x0_cross_entropy(model, hidden[:, C:][keep], batch.x0[keep], chunk_rows)
+    loss = x0_cross_entropy(model, hidden[:, C:][keep], batch.x0[keep], chunk_rows, (xt[keep], level[:, C:][keep]))
     return LossOutput(loss, loss.detach(), None, int(keep.sum()), use_sc)

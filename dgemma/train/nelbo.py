@@ -33,6 +33,7 @@ from dgemma.train.diffusion import (
     continuous_kl,
     corrupt,
     draw_rows,
+    posterior_logits,
     prior_kl,
     q_sample,
     reverse_kl,
@@ -203,7 +204,7 @@ def clean_context_posterior(model: DiffusionGemma) -> Posterior:
         hidden = model.sequence_hidden(torch.cat([x0, xt], 1), torch.cat([pos, pos])[None],
                                        clean_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
                                        num_clean=S, t=torch.cat([torch.zeros_like(level), level], 1))
-        return model.logits(hidden[:, S:])
+        return posterior_logits(model, hidden[:, S:], xt, level)
 
     return posterior
 
@@ -293,10 +294,11 @@ def noisy_context_posterior(model: DiffusionGemma) -> Posterior:
 
     def posterior(x0: Tensor, xt: Tensor, t: Tensor) -> Tensor:
         S = x0.shape[1]
+        level = _level(t, cfg.canvas_length)
         hidden = model.sequence_hidden(xt, torch.arange(S, device=x0.device)[None],
                                        noisy_context_masks(S, cfg.canvas_length, cfg.sliding_window, x0.device),
-                                       num_clean=0, t=_level(t, cfg.canvas_length))
-        return model.logits(hidden)
+                                       num_clean=0, t=level)
+        return posterior_logits(model, hidden, xt, level)
 
     return posterior
 
