@@ -596,7 +596,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.decoding import generative_perplexity
     from dgemma.eval.evaluate import pick_prompts
-    from dgemma.eval.judging import INDEPENDENT_JUDGE
+    from dgemma.eval.judging import INDEPENDENT_JUDGE, prompt_dependence, retokenize
     from dgemma.loading import load_model
 
     pytest.importorskip("matplotlib")
@@ -619,10 +619,15 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     judge_model = load_model(judge_run, dtype=torch.float32).to(torch.float64).eval()
     baseline = load_model(runs["ar"], dtype=torch.float32).eval()
     for point in [*report["frontier"], *report["ar_frontier"]]:
-        direct = generative_perplexity(judge_model, prompts, point["samples"])["gen_ppl"]
+        # the judge scores the samples' text tokenized again, as a reader's text would be
+        judged = retokenize(val.tokenizer(), point["samples"], (val.eot_id,))
+        direct = generative_perplexity(judge_model, prompts, judged)["gen_ppl"]
         assert point["quality"]["gen_ppl"] == pytest.approx(direct, rel=1e-9)
         assert point["quality"]["gen_ppl"] != pytest.approx(
-            generative_perplexity(baseline, prompts, point["samples"])["gen_ppl"], rel=1e-3)
+            generative_perplexity(baseline, prompts, judged)["gen_ppl"], rel=1e-3)
+        dependence = prompt_dependence(judge_model, prompts, judged)
+        assert point["quality"]["prompt_dependence"] == pytest.approx(dependence["prompt_dependence"], rel=1e-9)
+        np.testing.assert_allclose(point["prompt_dependence_nll"], dependence["nll"], rtol=1e-9)  # NaN: empty
         lo, hi = point["quality"]["gen_ppl_ci95"]
         assert lo <= point["quality"]["gen_ppl"] <= hi
         select, rep = point["stats"]["select"]["prompts"], point["stats"]["report"]["prompts"]
@@ -638,7 +643,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     assert len(curves["diffusion"]["points"]) == len(curves["ar"]["points"]) == len(curves["ratio"]) == 2
     md = (out / "report.md").read_text()
     for text in ("## Learning curves", "### Adaptive stopping", "AR T=0.7", "AR T=1", "an independent AR model",
-                 "selection prompts"):
+                 "selection prompts", "prompt dependence |", "Timing: interleaved: prompt by prompt"):
         assert text in md, text
     from PIL import Image
 
