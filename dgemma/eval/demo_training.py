@@ -119,8 +119,10 @@ def _status(watched: list[_Watched]) -> str:
         state = "done" if w.outcome or not w.process.is_alive() else "starting" if eta is None else \
             f"ETA {_duration(eta)}"
         parts.append(f"{w.job.label} step {w.step}/{w.job.cfg.max_steps} ({state})")
-    etas = [e for w in watched if w.process.is_alive() and (e := _eta(w)) is not None]
-    return " | ".join(parts) + (f" | all done in ~{_duration(max(etas))}" if etas else "")
+    etas = [_eta(w) for w in watched if w.process.is_alive() and not w.outcome]
+    known = [e for e in etas if e is not None]
+    return " | ".join(parts) + (f" | all done in ~{_duration(max(known))}" if known and len(known) == len(etas)
+                                else "")
 
 
 def _duration(seconds: float) -> str:
