@@ -8,9 +8,12 @@ import io
 import json
 import math
 import os
+import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -109,6 +112,39 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     # a rerun continues both runs for another budget (--steps: its own, the AR's by the recipe's ratio)
     again = run_demo(tmp_path / "a", steps=6, max_new_tokens=4, recipe=recipe, stream=io.StringIO(), live=False)
     assert again.figures["diffusion"]["steps"] == 18 and again.figures["ar"]["steps"] == 30
+
+
+@pytest.mark.integration
+def test_ctrl_c_stops_both_runs_at_a_checkpoint_and_the_demo_goes_on(tiny_data, tmp_path):
+    """A Ctrl-C reaches the demo's process (the children are process groups of their own): it passes it on once, each
+    run finishes its step and saves, and the demo continues with the continuations and figures of what was trained."""
+    out = tmp_path / "demo"
+    script = ("import pathlib, sys\nfrom tests.test_demo import _toy_recipe\nfrom dgemma.eval.demo import run_demo\n"
+              "run_demo(pathlib.Path(sys.argv[2]), max_new_tokens=4, live=False,\n"
+              "         recipe=_toy_recipe(pathlib.Path(sys.argv[1]), 5000, 8000))\n")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    p = subprocess.Popen([sys.executable, "-c", script, str(tiny_data), str(out)], cwd=root, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)})
+    try:
+        deadline = time.monotonic() + 120
+        while not all((out / run / "metrics.jsonl").is_file() and '"loss"' in (out / run / "metrics.jsonl").read_text()
+                      for run in ("diffusion", "ar")):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, stderr
+    assert "interrupt: every run finishes its step and saves" in stdout, stdout
+    assert "stopped early: the same command continues both runs to steps 5000 and 8000" in stdout, stdout
+    f = json.loads((out / "demo.json").read_text())
+    for run, budget in (("diffusion", 5000), ("ar", 8000)):
+        assert 0 < f[run]["steps"] < budget
+        assert latest_checkpoint(out / run).name == f"step-{f[run]['steps']:07d}"  # saved where it stopped
+        assert "stopped at step" in (out / f"{run}-train.log").read_text()
+    assert schedule_end(out / "diffusion", 12) == 5000  # the rerun finishes the interrupted schedule
 
 
 def test_the_budget_is_steps_and_minutes_are_the_reference_machines():
