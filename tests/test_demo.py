@@ -109,7 +109,7 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     assert (tmp_path / "a" / "trace" / "player.html").is_file()
     assert "# dgemma demo" in (tmp_path / "a" / "demo.md").read_text()
     assert f"train on:          dgemma demo --out {tmp_path / 'a'}" in text
-    # a rerun continues both runs for another budget (--steps: its own, the AR's by the recipe's ratio)
+    # a rerun continues both runs for another budget (--train-steps: its own, the AR's by the recipe's ratio)
     again = run_demo(tmp_path / "a", steps=6, max_new_tokens=4, recipe=recipe, stream=io.StringIO(), live=False)
     assert again.figures["diffusion"]["steps"] == 18 and again.figures["ar"]["steps"] == 30
 
@@ -152,9 +152,9 @@ def test_the_budget_is_steps_and_minutes_are_the_reference_machines():
     assert DEMO.budget(steps=275) == (275, 480)  # the AR baseline's share by the recipe's ratio
     assert DEMO.budget(minutes=1.5) == (275, 480)  # half of the reference machine's three minutes
     assert DEMO.budget(steps=1) == (1, 2)
-    with pytest.raises(ValueError, match=r"--steps 5 and --minutes 1 both set the budget: give one"):
+    with pytest.raises(ValueError, match=r"--train-steps 5 and --minutes 1 both set the budget: give one"):
         DEMO.budget(steps=5, minutes=1.0)
-    with pytest.raises(ValueError, match=r"--steps must be a positive integer \(>= 1\), got 0"):
+    with pytest.raises(ValueError, match=r"--train-steps must be a positive integer \(>= 1\), got 0"):
         DEMO.budget(steps=0)
     with pytest.raises(ValueError, match=r"--minutes must be a finite number > 0, got nan"):
         DEMO.budget(minutes=math.nan)
@@ -178,9 +178,9 @@ def test_demo_refuses_a_bad_budget_in_one_line(tmp_path, capsys):
                        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "dgemma demo: error: argument --minutes: must be a finite number > 0" in p.stderr, p.stderr
-    both = r"argument --minutes: not allowed with argument --steps"
-    for args, message in ((["--steps", "0"], r"argument --steps: must be a positive integer \(>= 1\), got '0'"),
-                          (["--steps", "5", "--minutes", "1"], both)):
+    zero = r"argument --train-steps: must be a positive integer \(>= 1\), got '0'"
+    both = r"argument --minutes: not allowed with argument --train-steps"
+    for args, message in ((["--train-steps", "0"], zero), (["--train-steps", "5", "--minutes", "1"], both)):
         with pytest.raises(SystemExit) as e:
             main(["demo", *args, "--out", str(tmp_path / "d")])
         err = capsys.readouterr().err

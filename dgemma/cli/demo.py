@@ -18,7 +18,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("demo", help="prepare data, train a diffusion model and its AR baseline for a fixed "
                               "step budget, generate with both", description=__doc__)
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=positive_int, metavar="N",
+    budget.add_argument("--train-steps", dest="steps", type=positive_int, metavar="N",
                         help=f"diffusion training steps (default {DEMO.diffusion_steps}); the AR baseline trains "
                         f"N x {DEMO.ar_steps}/{DEMO.diffusion_steps} steps, what its cheaper steps give in the same "
                         "time")

