@@ -34,7 +34,7 @@ from typing import Any, TextIO
 import torch
 
 from dgemma import dirkind
-from dgemma.checkpoint import latest_checkpoint, resolve_model_dir
+from dgemma.checkpoint import CheckpointError, latest_checkpoint, resolve_model_dir
 from dgemma.config import PRESETS
 from dgemma.console import Streamer
 from dgemma.data import prepare
@@ -186,6 +186,10 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     interrupted = train_side_by_side(jobs, data, threads=threads, stream=out_stream)
     train_seconds = time.monotonic() - started
     if interrupted:
+        unsaved = [job.label for job in jobs if latest_checkpoint(job.run) is None]
+        if unsaved:
+            raise CheckpointError(f"interrupted before {' and '.join(unsaved)} saved a checkpoint: nothing to show "
+                                  f"yet; the same command starts again (dgemma demo --out {out})")
         say(f"   stopped early: the same command continues both runs to steps {diffusion_cfg.max_steps} and "
             f"{ar_cfg.max_steps}")
 

@@ -30,6 +30,7 @@ from dgemma.train.config import TrainConfig
 from dgemma.train.loop import train
 from dgemma.train.run_dir import METRICS
 
+INTERRUPTED = "interrupted"  # what a child sends when a Ctrl-C stopped it at once (no checkpoint of that step)
 POLL_S = 0.25  # how often the runs' metrics are read
 LOG_EVERY_S = 10.0  # off a terminal, one status line this often
 
@@ -59,9 +60,10 @@ class _Watched:
 
 def _child(cfg_json: dict[str, Any], data: str, run: str, threads: int, log: str, conn: Any) -> None:
     """A spawned child: its own process group (Ctrl-C reaches the parent, which passes it on), `threads` torch
-    threads, `train` with its console in `log`; sends None when done, else the exception (as text when it does
-    not pickle)."""
-    os.setpgrp()
+    threads, `train` with its console in `log`; sends None when done, INTERRUPTED when a Ctrl-C stopped it at once,
+    else the exception (as text when it does not pickle)."""
+    if hasattr(os, "setpgrp"):  # POSIX; elsewhere a Ctrl-C reaches every process, and the first one stops them
+        os.setpgrp()
     torch.set_num_threads(threads)
     try:
         with open(log, "a", encoding="utf-8") as stream:
@@ -70,6 +72,9 @@ def _child(cfg_json: dict[str, Any], data: str, run: str, threads: int, log: str
             except Exception:
                 traceback.print_exc(file=stream)
                 raise
+    except KeyboardInterrupt:  # before train took over Ctrl-C, or a second one: stopped at once, not a failure
+        conn.send(INTERRUPTED)
+        sys.exit(1)
     except Exception as e:
         try:
             conn.send(e)
@@ -162,7 +167,7 @@ def train_side_by_side(jobs: list[TrainingJob], data: Path, *, threads: int, str
                     _read(w, say)
                     if not w.outcome and w.conn.poll():
                         w.outcome.append(w.conn.recv())
-                        if w.outcome[0] is not None:  # a failure stops the others, which save first
+                        if isinstance(w.outcome[0], BaseException):  # a failure stops the others, which save
                             _interrupt(watched)
                 tick += 1
                 console.status(tick, _status(watched))
@@ -180,13 +185,13 @@ def train_side_by_side(jobs: list[TrainingJob], data: Path, *, threads: int, str
             w.outcome.append(w.conn.recv())
     say(_status(watched))
     for w in watched:
-        if w.outcome and w.outcome[0] is not None:
+        if w.outcome and isinstance(w.outcome[0], BaseException):
             raise w.outcome[0]
     for w in watched:
         if not w.outcome:
             raise RuntimeError(f"the {w.job.label} training stopped without finishing (exit {w.process.exitcode}); "
                                f"see {w.job.log}")
-    return interrupted > 0
+    return interrupted > 0 or any(w.outcome == [INTERRUPTED] for w in watched)
 
 
 __all__ = ["TrainingJob", "train_side_by_side"]
