@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import shutil
 
 import numpy as np
@@ -12,8 +13,23 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.eval.decoding import distinct_n, fixed_schedule, run_ar, run_sampler, unigram_entropy, useful
+from dgemma.data.shards import TokenDataset
+from dgemma.eval.decoding import (
+    DecodeJob,
+    DecodeRun,
+    ar_job,
+    distinct_n,
+    fixed_schedule,
+    machine_load,
+    run_ar,
+    run_interleaved,
+    run_sampler,
+    sampler_job,
+    unigram_entropy,
+    useful,
+)
 from dgemma.eval.evaluate import run_info
+from dgemma.eval.judging import prompt_dependence, retokenize
 from dgemma.eval.viz import renoise_counts
 from dgemma.generate import TRACE_FORMAT
 from dgemma.generation_config import GenerationConfig
@@ -334,6 +350,69 @@ def test_sample_metrics_on_hand_made_samples():
     json.dumps(renoise_counts(arrays))
 
 
+def test_timed_decoders_take_turns_prompt_by_prompt(tiny):
+    """`run_interleaved`: every job warms up before anything is timed, then prompt by prompt every job decodes in
+    rotation (prompt i starts with job i mod k), so a change of load falls on all of them alike; taking turns
+    changes no sample."""
+    events = []
+
+    def recording(name):
+        return DecodeJob(DecodeRun(name, [], []), lambda p: events.append((name, "warm-up")),
+                         lambda i, p: events.append((name, i)))
+
+    run_interleaved([recording("a"), recording("b"), recording("c")], [torch.tensor([5])] * 4, progress=False)
+    assert events == [("a", "warm-up"), ("b", "warm-up"), ("c", "warm-up"), ("a", 0), ("b", 0), ("c", 0),
+                      ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2), ("a", 3), ("b", 3), ("c", 3)]
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7, 4)]
+    cfg = GenerationConfig(max_new_tokens=tiny.config.canvas_length, max_denoising_steps=3)
+    together = run_interleaved([sampler_job(tiny, cfg, seed=2), ar_job(tiny, max_new_tokens=5, eos=(), seed=2)],
+                               prompts, progress=False)
+    alone = [run_sampler(tiny, prompts, cfg, seed=2, progress=False),
+             run_ar(tiny, prompts, max_new_tokens=5, eos=(), seed=2, progress=False)]
+    assert [r.samples for r in together] == [r.samples for r in alone]
+    assert all(len(r.seconds) == 3 for r in together)
+    load = machine_load()
+    assert load["cpu_count"] == os.cpu_count() and load["torch_threads"] == torch.get_num_threads()
+    assert load["loadavg_1_5_15"] is None or (len(load["loadavg_1_5_15"]) == 3 and min(load["loadavg_1_5_15"]) >= 0)
+
+
+def test_the_judge_scores_samples_as_their_text_tokenizes(tiny_data):
+    """A diffusion model may spell a word in pieces the tokenizer never produces; the judge scores the text encoded
+    again (with the sample's EOS kept, and nothing after it)."""
+    tok = TokenDataset(tiny_data, "val").tokenizer()
+    text = " the old king"
+    canonical = tok.encode(text, add_special_tokens=False)
+    pieces = [i for c in text for i in tok.encode(c, add_special_tokens=False)]  # one character at a time
+    assert pieces != canonical and tok.decode(pieces) == text
+    assert retokenize(tok, [pieces, [*pieces, 1, 7, 8], []], eos=(1,)) == [canonical, [*canonical, 1], []]
+
+
+def _nll_by_hand(model, prompt, continuation):
+    x = torch.cat([prompt, torch.tensor(continuation)])[None]
+    with torch.no_grad():
+        logits = model.next_token_logits(x, model.new_cache(1, x.shape[1])).double()[0]
+    logp = torch.log_softmax(logits[prompt.numel() - 1:-1], dim=-1)
+    return float(-logp.gather(1, torch.tensor(continuation)[:, None]).mean())
+
+
+def test_prompt_dependence_is_the_nll_gap_to_other_prompts(tiny):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 500, (n,), generator=g) for n in (4, 6, 5)]
+    samples = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (7, 5, 6)]
+    d = prompt_dependence(tiny, prompts, samples)
+    m = [[_nll_by_hand(tiny, p, c) for p in prompts] for c in samples]
+    np.testing.assert_allclose(d["nll"], m, rtol=1e-5)
+    gaps = [np.mean([m[i][j] - m[i][i] for j in range(3) if j != i]) for i in range(3)]
+    assert d["prompt_dependence"] == pytest.approx(np.mean(gaps), rel=1e-5)
+    assert d["prompt_dependence_se"] == pytest.approx(np.std(gaps, ddof=1) / math.sqrt(3), rel=1e-4)
+    # the same prompt everywhere: the prompt cannot matter
+    assert prompt_dependence(tiny, [prompts[0]] * 3, samples)["prompt_dependence"] == 0.0
+    # an empty continuation has nothing to score: left out (its row NaN); fewer than two prompts: undefined
+    partial = prompt_dependence(tiny, prompts, [samples[0], [], samples[2]])
+    assert partial["continuations"] == 2 and all(math.isnan(x) for x in partial["nll"][1])
+    assert math.isnan(prompt_dependence(tiny, prompts[:1], samples[:1])["prompt_dependence"])
+
+
 # --- the model's posterior, held-out likelihoods and `dgemma eval` on a tiny trained pair ---------------------------
 
 @pytest.mark.parametrize("name", ["tiny", "lite-tiny"])
@@ -431,6 +510,9 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
         e = lk[key]["estimate"]
         assert e["mean"] > 0 and e["se"] >= 0 and e["bits_per_byte"] > 0 and e["windows"] == 4
     assert len(report["frontier"]) == 2 and report["ar_decode"]["useful_tokens"] > 0
+    timing = report["timing"]  # all timed decoders in rotation, the load they shared recorded
+    assert timing["order"].startswith("interleaved: prompt by prompt")
+    assert timing["before"]["cpu_count"] == timing["after"]["cpu_count"] == os.cpu_count()
     for point in report["frontier"]:
         n = point["max_denoising_steps"]
         assert point["fixed"]["tokens_per_forward"] == pytest.approx(16 / (n + 1))
@@ -441,6 +523,7 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
     md = (out / "report.md").read_text()
     for heading in ("## Verdict (seed 003)", "## Likelihood", "## Speed / quality frontier", "## Traces"):
         assert heading in md
+    assert f"Machine: {os.cpu_count()} cores" in md and "load average (1 / 5 / 15 min)" in md
     assert report["command"].startswith("dgemma eval --model") and report["command"] in md
     for png in ("frontier.png", "likelihood.png"):
         with Image.open(out / png) as im:
@@ -596,7 +679,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.decoding import generative_perplexity
     from dgemma.eval.evaluate import pick_prompts
-    from dgemma.eval.judging import INDEPENDENT_JUDGE
+    from dgemma.eval.judging import INDEPENDENT_JUDGE, prompt_dependence, retokenize
     from dgemma.loading import load_model
 
     pytest.importorskip("matplotlib")
@@ -619,10 +702,15 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     judge_model = load_model(judge_run, dtype=torch.float32).to(torch.float64).eval()
     baseline = load_model(runs["ar"], dtype=torch.float32).eval()
     for point in [*report["frontier"], *report["ar_frontier"]]:
-        direct = generative_perplexity(judge_model, prompts, point["samples"])["gen_ppl"]
+        # the judge scores the samples' text tokenized again, as a reader's text would be
+        judged = retokenize(val.tokenizer(), point["samples"], (val.eot_id,))
+        direct = generative_perplexity(judge_model, prompts, judged)["gen_ppl"]
         assert point["quality"]["gen_ppl"] == pytest.approx(direct, rel=1e-9)
         assert point["quality"]["gen_ppl"] != pytest.approx(
-            generative_perplexity(baseline, prompts, point["samples"])["gen_ppl"], rel=1e-3)
+            generative_perplexity(baseline, prompts, judged)["gen_ppl"], rel=1e-3)
+        dependence = prompt_dependence(judge_model, prompts, judged)
+        assert point["quality"]["prompt_dependence"] == pytest.approx(dependence["prompt_dependence"], rel=1e-9)
+        np.testing.assert_allclose(point["prompt_dependence_nll"], dependence["nll"], rtol=1e-9)  # NaN: empty
         lo, hi = point["quality"]["gen_ppl_ci95"]
         assert lo <= point["quality"]["gen_ppl"] <= hi
         select, rep = point["stats"]["select"]["prompts"], point["stats"]["report"]["prompts"]
@@ -638,7 +726,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     assert len(curves["diffusion"]["points"]) == len(curves["ar"]["points"]) == len(curves["ratio"]) == 2
     md = (out / "report.md").read_text()
     for text in ("## Learning curves", "### Adaptive stopping", "AR T=0.7", "AR T=1", "an independent AR model",
-                 "selection prompts"):
+                 "selection prompts", "prompt dependence |", "Timing: interleaved: prompt by prompt"):
         assert text in md, text
     from PIL import Image
 

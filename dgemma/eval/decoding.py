@@ -1,23 +1,24 @@
 """Decoding runs and sample quality, for evaluation (docs/evaluation.md).
 
-Cost and speed: `run_sampler` and `run_ar` decode the same prompts one at a time (batch 1) with wall-clock timing and
+Cost and speed: `sampler_job` and `ar_job` decode the same prompts one at a time (batch 1) with wall-clock timing and
 count the backbone passes and tokens after the prefill from what the decoders did (the steps `generate` reports per
-canvas, the commits; nothing is patched into the model).
+canvas, the commits; nothing is patched into the model). `run_interleaved` times several of them in rotation, prompt
+by prompt, so that they share whatever load the machine has; `run_sampler` and `run_ar` run one alone;
+`machine_load` records that load.
 
 Sample quality: per-sample NLL sums of samples under an AR scorer (the judge of `dgemma eval`, dgemma/eval/judging.py)
-and the generative perplexity they give, distinct-n and per-sample token entropy; and the two figures `dgemma demo`
-prints, which need no judge: the share of generated words that occur in the training corpus (`real_word_share`),
-and how much the continuations of different prompts from the same seed agree (`prompt_agreement`: 1 when the prompt
-is ignored).
+and the generative perplexity they give, distinct-n and per-sample token entropy; and the figure `dgemma demo`
+prints that needs no judge: the share of generated words that occur in the training corpus (`real_word_share`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,80 +98,132 @@ def fixed_schedule(config: GenerationConfig) -> GenerationConfig:
     return config.replace(stability_threshold=config.max_denoising_steps + 1)
 
 
-@torch.no_grad()
-def run_sampler(model: DiffusionGemma, prompts: Sequence[Tensor], config: GenerationConfig, *, seed: int = 0,
-                trace: bool = False, name: str = "diffusion", progress: bool = True) -> DecodeRun:
+@dataclass
+class DecodeJob:
+    """One decoder over the prompts, a prompt at a time: `warm_up` once (untimed), then `decode(i, prompt)` appends
+    prompt i's timed sample and counts to `run`. `run_interleaved` takes turns between jobs."""
+
+    run: DecodeRun
+    warm_up: Callable[[Tensor], None]
+    decode: Callable[[int, Tensor], None]
+
+
+def sampler_job(model: DiffusionGemma, config: GenerationConfig, *, seed: int = 0, trace: bool = False,
+                name: str = "diffusion") -> DecodeJob:
     """Block-diffusion decoding of each prompt (1-D ids) alone, timed. Per canvas the sampler spends its denoise
     passes and one commit; the last canvas is committed too (as it must be to continue), so a fixed schedule of T
-    steps costs exactly T + 1 passes per canvas. The prompt's prefill is timed but not counted. One untimed
-    warm-up generation comes first."""
+    steps costs exactly T + 1 passes per canvas. The prompt's prefill is timed but not counted. The warm-up is one
+    untimed canvas: first calls pay for allocations and lazy initialisation."""
     L = model.config.canvas_length
     max_new = config.max_new_tokens
     num_canvases = math.ceil(max_new / L)
     run = DecodeRun(name, [], [], settings={"max_denoising_steps": config.max_denoising_steps,
                                             "entropy_bound": config.entropy_bound, "sampler": config.sampler,
                                             "max_new_tokens": max_new})
-    if prompts:  # warm-up, untimed: first calls pay for allocations and lazy initialisation
-        generate(model, prompts[0].to(model.device)[None], generation_config=config.replace(max_new_tokens=L),
-                 seed=seed)
-    with Progress(f"decode {name}", len(prompts), "prompts", enabled=progress) as bar:
-        for i, prompt in enumerate(prompts):
-            ids = prompt.to(model.device)[None]
-            cache = model.new_cache(1, ids.shape[1] + num_canvases * L)  # preallocated: no growth while timed
-            started = time.perf_counter()
-            result = generate(model, ids, generation_config=config, seed=offset_seed(seed, i), cache=cache, trace=trace)
-            model.commit(result.sequences[:, -L:], result.cache)  # leaves the output committed, ready to continue
-            run.seconds.append(time.perf_counter() - started)
-            # Batch 1: each step of a canvas is one denoise pass over its L positions, and each canvas is committed
-            # once (generate commits all but the last, the line above the last), L tokens each.
-            steps = [s[0] for s in result.steps_per_canvas]
-            run.denoise_passes += sum(steps)
-            run.commit_passes += len(steps)
-            run.passes += sum(steps) + len(steps)
-            run.token_forwards += (sum(steps) + len(steps)) * L
-            run.generated += result.sequences.shape[1] - ids.shape[1]
-            run.steps_per_canvas += steps
-            run.samples.append(useful(result.sequences[0, ids.shape[1]:].tolist(), config.eos_token_id, max_new))
-            if trace and result.trace is not None:
-                run.traces.append(result.trace)
-            bar.update(1)
-    return run
+
+    def warm_up(prompt: Tensor) -> None:
+        generate(model, prompt.to(model.device)[None], generation_config=config.replace(max_new_tokens=L), seed=seed)
+
+    def decode(i: int, prompt: Tensor) -> None:
+        ids = prompt.to(model.device)[None]
+        cache = model.new_cache(1, ids.shape[1] + num_canvases * L)  # preallocated: no growth while timed
+        started = time.perf_counter()
+        result = generate(model, ids, generation_config=config, seed=offset_seed(seed, i), cache=cache, trace=trace)
+        model.commit(result.sequences[:, -L:], result.cache)  # leaves the output committed, ready to continue
+        run.seconds.append(time.perf_counter() - started)
+        # Batch 1: each step of a canvas is one denoise pass over its L positions, and each canvas is committed
+        # once (generate commits all but the last, the line above the last), L tokens each.
+        steps = [s[0] for s in result.steps_per_canvas]
+        run.denoise_passes += sum(steps)
+        run.commit_passes += len(steps)
+        run.passes += sum(steps) + len(steps)
+        run.token_forwards += (sum(steps) + len(steps)) * L
+        run.generated += result.sequences.shape[1] - ids.shape[1]
+        run.steps_per_canvas += steps
+        run.samples.append(useful(result.sequences[0, ids.shape[1]:].tolist(), config.eos_token_id, max_new))
+        if trace and result.trace is not None:
+            run.traces.append(result.trace)
+
+    return DecodeJob(run, warm_up, decode)
+
+
+def ar_job(model: DiffusionGemma, *, max_new_tokens: int, eos: Sequence[int], seed: int = 0,
+           temperature: float = 1.0, name: str = "ar") -> DecodeJob:
+    """Autoregressive decoding of each prompt alone with the KV cache, timed: commit the prompt, then per token read
+    the next-token logits `commit` returns, sample (temperature 1: ancestral sampling) and commit the token, so that
+    each new token costs one backbone pass over one token. The prompt's prefill is timed but not counted. The
+    warm-up, untimed as the sampler's, commits the prompt and two more tokens."""
+    run = DecodeRun(name, [], [], settings={"max_new_tokens": max_new_tokens, "temperature": temperature})
+
+    def warm_up(prompt: Tensor) -> None:
+        cache = model.new_cache(1, prompt.numel() + 2)
+        model.next_token_logits(prompt.to(model.device)[None], cache)
+        model.next_token_logits(prompt[:2].to(model.device)[None], cache)
+
+    def decode(i: int, prompt: Tensor) -> None:
+        g = torch.Generator(device=model.device).manual_seed(offset_seed(seed, i))
+        ids = prompt.to(model.device)[None]
+        started = time.perf_counter()
+        cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
+        logits = model.next_token_logits(ids, cache)  # (1, P, V)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            probs = torch.softmax(logits[:, -1].double() / temperature, dim=-1)
+            tok = torch.multinomial(probs, 1, generator=g)  # (1, 1)
+            out.append(int(tok))
+            logits = model.next_token_logits(tok, cache)  # leaves the output committed, as the sampler's
+            if out[-1] in eos:
+                break
+        run.seconds.append(time.perf_counter() - started)
+        run.passes += len(out)  # one commit of one token per new token, after the prompt's prefill
+        run.token_forwards += len(out)
+        run.commit_passes += len(out)
+        run.generated += len(out)
+        run.samples.append(out)
+
+    return DecodeJob(run, warm_up, decode)
 
 
 @torch.no_grad()
+def run_interleaved(jobs: Sequence[DecodeJob], prompts: Sequence[Tensor], *, progress: bool = True,
+                    desc: str = "decode") -> list[DecodeRun]:
+    """Every job on every prompt, in one process, taking turns: prompt by prompt, each job decodes it in rotation
+    (prompt i starts with job i mod k), so that a change of load (another process, a thermal limit) falls on every
+    setting alike instead of on whichever ran during it, and no job always runs first or last. Each job's warm-up
+    runs once, before any timing. Returns the jobs' runs, in order."""
+    if prompts:
+        for job in jobs:
+            job.warm_up(prompts[0])
+    with Progress(desc, len(prompts) * len(jobs), "decodes", enabled=progress) as bar:
+        for i, prompt in enumerate(prompts):
+            for k in range(len(jobs)):
+                jobs[(i + k) % len(jobs)].decode(i, prompt)
+                bar.update(1)
+    return [job.run for job in jobs]
+
+
+def run_sampler(model: DiffusionGemma, prompts: Sequence[Tensor], config: GenerationConfig, *, seed: int = 0,
+                trace: bool = False, name: str = "diffusion", progress: bool = True) -> DecodeRun:
+    """`sampler_job` alone over `prompts`."""
+    job = sampler_job(model, config, seed=seed, trace=trace, name=name)
+    return run_interleaved([job], prompts, progress=progress, desc=f"decode {name}")[0]
+
+
 def run_ar(model: DiffusionGemma, prompts: Sequence[Tensor], *, max_new_tokens: int, eos: Sequence[int],
            seed: int = 0, temperature: float = 1.0, name: str = "ar", progress: bool = True) -> DecodeRun:
-    """Autoregressive decoding of each prompt alone with the KV cache, timed: commit the prompt, then per token read
-    the next-token logits `commit` returns, sample (temperature 1: ancestral sampling) and commit the token, so that
-    each new token costs one backbone pass over one token. The prompt's prefill is timed but not counted."""
-    run = DecodeRun(name, [], [], settings={"max_new_tokens": max_new_tokens, "temperature": temperature})
-    if prompts:  # warm-up, untimed, as in run_sampler
-        cache = model.new_cache(1, prompts[0].numel() + 2)
-        model.next_token_logits(prompts[0].to(model.device)[None], cache)
-        model.next_token_logits(prompts[0][:2].to(model.device)[None], cache)
-    with Progress(f"decode {name}", len(prompts), "prompts", enabled=progress) as bar:
-        for i, prompt in enumerate(prompts):
-            g = torch.Generator(device=model.device).manual_seed(offset_seed(seed, i))
-            ids = prompt.to(model.device)[None]
-            started = time.perf_counter()
-            cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
-            logits = model.next_token_logits(ids, cache)  # (1, P, V)
-            out: list[int] = []
-            for _ in range(max_new_tokens):
-                probs = torch.softmax(logits[:, -1].double() / temperature, dim=-1)
-                tok = torch.multinomial(probs, 1, generator=g)  # (1, 1)
-                out.append(int(tok))
-                logits = model.next_token_logits(tok, cache)  # leaves the output committed, as run_sampler
-                if out[-1] in eos:
-                    break
-            run.seconds.append(time.perf_counter() - started)
-            run.passes += len(out)  # one commit of one token per new token, after the prompt's prefill
-            run.token_forwards += len(out)
-            run.commit_passes += len(out)
-            run.generated += len(out)
-            run.samples.append(out)
-            bar.update(1)
-    return run
+    """`ar_job` alone over `prompts`."""
+    job = ar_job(model, max_new_tokens=max_new_tokens, eos=eos, seed=seed, temperature=temperature, name=name)
+    return run_interleaved([job], prompts, progress=progress, desc=f"decode {name}")[0]
+
+
+def machine_load() -> dict[str, Any]:
+    """What else the machine was doing, for a report's timings: the load average over 1, 5 and 15 minutes
+    (os.getloadavg; None where the system has none), the machine's cores and the threads torch uses."""
+    try:
+        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        load = None
+    return {"loadavg_1_5_15": load, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
 
 
 # --- sample quality -------------------------------------------------------------------------------------------------
@@ -238,13 +291,3 @@ def real_word_share(texts: Sequence[str], vocabulary: set[str]) -> float:
     fluent text, low for word salad made of sub-word pieces. NaN without a word."""
     found = [w for text in texts for w in words(text)]
     return sum(w in vocabulary for w in found) / len(found) if found else math.nan
-
-
-def prompt_agreement(samples: Sequence[Sequence[int]]) -> float:
-    """Mean, over pairs of samples (continuations of different prompts, same seed), of the share of positions that
-    hold the same token, over the shorter of the two. 1: the continuation ignores its prompt (the same seed draws
-    the same canvas); near the chance of two tokens colliding when it depends on it."""
-    pairs = [(a, b) for i, a in enumerate(samples) for b in samples[i + 1:] if min(len(a), len(b)) > 0]
-    if not pairs:
-        return math.nan
-    return float(np.mean([np.mean([x == y for x, y in zip(a, b, strict=False)]) for a, b in pairs]))

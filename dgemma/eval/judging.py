@@ -5,6 +5,12 @@
     rate_interval(tokens, seconds)    tokens/s over prompts and its SE / 95% interval (ratio estimator)
     point_stats(timed, scored, ...)   one frontier point's numbers on all prompts and on each half
     judge_description(...)            the report's `judge`: path, objective, steps and tokens trained
+    retokenize(tokenizer, samples)    what the judge scores: each sample's text, tokenized again (canonically)
+    prompt_dependence(scorer, ...)    how much a continuation fits its own prompt better than another one
+
+Every judge (`dgemma eval`'s, `dgemma demo`'s AR baseline) scores re-tokenized samples: a diffusion model fills its
+positions in parallel and may spell a word in pieces the tokenizer never produces (" th" "e" for " the"); an AR
+judge finds such a spelling unlikely, which inflates the NLL for how the text was spelt rather than what it says.
 
 The judge is `dgemma eval --judge RUN` (an AR run, in float64) when given: a model that is neither of the two
 compared, so that neither side scores its own samples. Without it the AR baseline scores both sides, and the report
@@ -20,14 +26,52 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch import Tensor
 
 from dgemma.eval.curves import METRICS, read_metrics
-from dgemma.eval.decoding import DecodeRun, distinct_n, unigram_entropy
+from dgemma.eval.decoding import DecodeRun, distinct_n, sample_nlls, unigram_entropy
+from dgemma.request_rules import eos_index
 
 Z95 = 1.959963984540054  # the 97.5% point of the standard normal
 BOOTSTRAP_RESAMPLES = 1000
 BASELINE_JUDGE = "the AR baseline (one of the compared models)"
 INDEPENDENT_JUDGE = "an independent AR model (--judge)"
+
+
+def retokenize(tokenizer: Any, samples: Sequence[Sequence[int]], eos: Sequence[int]) -> list[list[int]]:
+    """Each sample as a reader gets it, tokenized canonically: the text of its tokens before the first EOS (special
+    tokens dropped) encoded again, then the EOS if the sample ended with one (its end is part of what is judged).
+    Usually as long as the sample or shorter; a byte piece that breaks a UTF-8 character reads as U+FFFD, which is
+    what is scored (and may take a few more ids)."""
+    out = []
+    for sample in samples:
+        ids = [int(t) for t in sample]
+        cut = eos_index(ids, eos)
+        text = tokenizer.decode(ids[:cut], skip_special_tokens=True)
+        out.append(tokenizer.encode(text, add_special_tokens=False) + ids[cut:cut + 1])
+    return out
+
+
+def prompt_dependence(scorer: Any, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """How much each continuation depends on its own prompt, comparably across model types: for continuation c_i of
+    prompt p_i (as the judge scores it: `retokenize` first), the scorer's NLL per token of c_i given another prompt
+    p_j minus given p_i, averaged over every j != i and then over the continuations (nats/token; equal to the mean
+    over all pairs when every continuation has tokens). 0: the prompt does not matter to the continuation; higher:
+    it fits its own prompt. No sampling enters, so AR and diffusion continuations are measured alike. `nll` is the
+    matrix of NLLs per token (row: continuation i, column: prompt j; NaN for an empty continuation); the SE is over
+    continuations. Needs two prompts with a non-empty continuation (else NaN)."""
+    n = len(prompts)
+    nll = np.full((n, n), math.nan)
+    for i, sample in enumerate(samples):
+        if sample:
+            scored = sample_nlls(scorer, prompts, [sample] * n)
+            nll[i] = [total / count for total, count in scored]
+    # Per continuation: its mean gap over the other prompts.
+    gaps = [float(np.mean([nll[i, j] - nll[i, i] for j in range(n) if j != i]))
+            for i in range(n) if n >= 2 and math.isfinite(nll[i, i])]
+    return {"prompt_dependence": float(np.mean(gaps)) if gaps else math.nan,
+            "prompt_dependence_se": float(np.std(gaps, ddof=1) / math.sqrt(len(gaps))) if len(gaps) >= 2 else math.nan,
+            "continuations": len(gaps), "nll": nll.tolist()}
 
 
 def split_prompts(n: int) -> tuple[list[int], list[int]]:
@@ -115,4 +159,4 @@ def judge_description(independent: bool, path: Path, model_dir: Path, train_conf
 
 
 __all__ = ["BASELINE_JUDGE", "INDEPENDENT_JUDGE", "bootstrap_ppl", "half_stats", "judge_description", "point_stats",
-           "rate_interval", "run_progress", "split_prompts"]
+           "prompt_dependence", "rate_interval", "retokenize", "run_progress", "split_prompts"]

@@ -70,6 +70,23 @@ def _ci(values: Any, fmt: str) -> str:
     return "–" if not values else f"[{_f(values[0], fmt)}, {_f(values[1], fmt)}]"
 
 
+def _timing_lines(timing: dict[str, Any] | None) -> list[str]:
+    """How tokens/s were timed and under what load (the load average over 1, 5, 15 minutes, before and after)."""
+    if not timing:
+        return []
+    load = lambda m: "n/a" if m["loadavg_1_5_15"] is None else " / ".join(f"{x:.2f}" for x in m["loadavg_1_5_15"])
+    b, a = timing["before"], timing["after"]
+    return [f"Timing: {timing['order']}. Machine: {b['cpu_count']} cores, torch on {b['torch_threads']} thread(s); "
+            f"load average (1 / 5 / 15 min) {load(b)} before the timed runs, {load(a)} after (a load above the "
+            "cores means other work shared them: tokens/s are then low for every setting alike).", ""]
+
+
+def _dependence(q: dict[str, Any]) -> str:
+    if q.get("prompt_dependence") is None:
+        return "–"
+    return f"{_f(q['prompt_dependence'], '.3f')} ± {_f(q.get('prompt_dependence_se'), '.3f')}"
+
+
 def _judge_line(judge: dict[str, Any] | None) -> str:
     if judge is None:
         return "- judge: none (no generative perplexity without --baseline or --judge)"
@@ -153,10 +170,13 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
               "useful tokens (up to the first EOS, at most max_new_tokens), prefill included in the time. "
               "Tokens/forward: generated positions per backbone pass after the prefill (a fixed schedule of N steps: "
               "N denoise passes + 1 commit per canvas, L/(N+1)). Quality: samples drawn with the diffusion model in "
-              f"{st['quality_dtype']}.", "",
+              f"{st['quality_dtype']}; the judge scores them re-tokenized (decoded, then encoded again). Prompt "
+              "dependence: the judge's NLL per token of each continuation given another prompt minus given its own, "
+              "averaged (nats/token; 0 = the prompt does not matter).", "",
+              *_timing_lines(report.get("timing")),
               "| N / AR temperature | entropy_bound | tok/s ± SE | speedup | tok/forward adaptive | fixed (rule) | "
-              "steps/canvas | gen PPL [95%] | distinct-2 | entropy | re-noised |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "steps/canvas | gen PPL [95%] | distinct-2 | entropy | re-noised | prompt dependence |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ar = report["ar_decode"]
     for f in report["frontier"]:
         a, q, al = f["adaptive"], f["quality"], f["stats"]["all"]
@@ -167,7 +187,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                      f"{_f(f['fixed']['tokens_per_forward'], '.2f')} ({_f(f['fixed_rule_tokens_per_forward'], '.2f')})"
                      f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_f(q.get('gen_ppl'), '.1f')} "
                      f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
-                     f"{_f(q['renoised']['fraction'], '.3%')} |")
+                     f"{_f(q['renoised']['fraction'], '.3%')} | {_dependence(q)} |")
     for p in report["ar_frontier"]:
         q, al = p["quality"], p["stats"]["all"]
         speed = p["tokens_per_second"] / ar["tokens_per_second"] if ar["tokens_per_second"] else None
@@ -175,7 +195,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
                      f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_f(q.get('gen_ppl'), '.1f')} "
                      f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
-                     "| – |")
+                     f"| – | {_dependence(q)} |")
     if ar:
         lines += ["", f"Speedup: over the AR baseline at temperature {ar['temperature']:g} (the verdict's). "
                   "Gen PPL: 95% bootstrap interval over the samples; tok/s: ± SE across prompts, all prompts."]

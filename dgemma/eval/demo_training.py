@@ -1,0 +1,197 @@
+"""`dgemma demo`'s training step: several runs trained at the same time, each in its own spawned process on its share
+of the cores, watched from here with one status line for all of them (steps done of the budget, ETA each).
+
+Each child trains with `dgemma.train.loop.train` (resume=True: a rerun continues it), its console in a log file; the
+parent reads the runs' metrics.jsonl as they grow, so what it shows is what the runs recorded. Each child is a
+process group of its own, so a Ctrl-C at the terminal reaches the parent alone, which passes it on once to every
+child: each finishes its step, saves and stops (a second Ctrl-C stops them at once). A child that fails sends its
+exception back; the others are then stopped the same way and the error is raised here (a ValueError such as a busy
+run directory stays one line at the CLI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from dgemma.console import Console
+from dgemma.train.config import TrainConfig
+from dgemma.train.loop import train
+from dgemma.train.run_dir import METRICS
+
+INTERRUPTED = "interrupted"  # what a child sends when a Ctrl-C stopped it at once (no checkpoint of that step)
+POLL_S = 0.25  # how often the runs' metrics are read
+LOG_EVERY_S = 10.0  # off a terminal, one status line this often
+
+
+@dataclass
+class TrainingJob:
+    """One run to train: its label on the status line, its config (max_steps: where it stops) and directory, the
+    log file its console goes to, and the step it starts from (its earlier records are not this invocation's)."""
+
+    label: str
+    cfg: TrainConfig
+    run: Path
+    log: Path
+    start: int = 0
+
+
+@dataclass
+class _Watched:
+    job: TrainingJob
+    process: Any
+    conn: Any
+    offset: int = 0  # bytes of metrics.jsonl read so far
+    step: int = 0  # the last step recorded (job.start until this invocation records one)
+    first: tuple[int, float] | None = None  # (step, time) of the first step seen in this invocation
+    outcome: list[Any] = field(default_factory=list)  # what the child sent: None (done) or its exception
+
+
+def _child(cfg_json: dict[str, Any], data: str, run: str, threads: int, log: str, conn: Any) -> None:
+    """A spawned child: its own process group (Ctrl-C reaches the parent, which passes it on), `threads` torch
+    threads, `train` with its console in `log`; sends None when done, INTERRUPTED when a Ctrl-C stopped it at once,
+    else the exception (as text when it does not pickle)."""
+    if hasattr(os, "setpgrp"):  # POSIX; elsewhere a Ctrl-C reaches every process, and the first one stops them
+        os.setpgrp()
+    torch.set_num_threads(threads)
+    try:
+        with open(log, "a", encoding="utf-8") as stream:
+            try:
+                train(TrainConfig.from_json(cfg_json), data, run, resume=True, stream=stream)
+            except Exception:
+                traceback.print_exc(file=stream)
+                raise
+    except KeyboardInterrupt:  # before train took over Ctrl-C, or a second one: stopped at once, not a failure
+        conn.send(INTERRUPTED)
+        sys.exit(1)
+    except Exception as e:
+        try:
+            conn.send(e)
+        except Exception:  # an exception that does not pickle: its text
+            conn.send(RuntimeError(f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    conn.send(None)
+
+
+def _read(w: _Watched, say: Any) -> None:
+    """The records `w`'s run appended since the last read: the step reached, and each held-out evaluation, said."""
+    path = w.job.run / METRICS
+    if not path.is_file():
+        return
+    with path.open("rb") as f:
+        if os.fstat(f.fileno()).st_size < w.offset:  # cut back to its checkpoint when the run resumed
+            w.offset = 0
+        f.seek(w.offset)
+        chunk = f.read()
+    complete = chunk[:chunk.rfind(b"\n") + 1]  # a line being written is read next time
+    w.offset += len(complete)
+    for line in complete.decode("utf-8", "replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] <= w.job.start:
+            continue
+        if "loss" in rec and "tokens" in rec:
+            w.step = rec["step"]
+            w.first = w.first or (rec["step"] - 1, time.monotonic())
+        elif "val_loss" in rec:
+            value, name = (rec["val_nelbo"], "NELBO") if "val_nelbo" in rec else (rec["val_loss"], "CE")
+            say(f"   {w.job.label} step {rec['step']}: held-out {name} {value:.3f} nats/token")
+
+
+def _eta(w: _Watched) -> float | None:
+    if w.first is None or w.step <= w.first[0]:
+        return None
+    return (time.monotonic() - w.first[1]) / (w.step - w.first[0]) * max(w.job.cfg.max_steps - w.step, 0)
+
+
+def _status(watched: list[_Watched]) -> str:
+    parts = []
+    for w in watched:
+        eta = _eta(w)
+        state = "done" if w.outcome or not w.process.is_alive() else "starting" if eta is None else \
+            f"ETA {_duration(eta)}"
+        parts.append(f"{w.job.label} step {w.step}/{w.job.cfg.max_steps} ({state})")
+    etas = [_eta(w) for w in watched if w.process.is_alive() and not w.outcome]
+    known = [e for e in etas if e is not None]
+    return " | ".join(parts) + (f" | all done in ~{_duration(max(known))}" if known and len(known) == len(etas)
+                                else "")
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _interrupt(watched: list[_Watched]) -> None:
+    """Pass a Ctrl-C on to every child still running (each finishes its step and saves; a second stops it)."""
+    for w in watched:
+        if w.process.is_alive() and w.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # it ended in between
+                os.kill(w.process.pid, signal.SIGINT)
+
+
+def train_side_by_side(jobs: list[TrainingJob], data: Path, *, threads: int, stream: TextIO) -> bool:
+    """Train every job at the same time, each in a spawned child on `threads` torch threads, with one status line
+    on `stream`; returns whether a Ctrl-C stopped them early. Raises the first child's error (after stopping the
+    others), or RuntimeError for a child that died without one."""
+    console = Console(stream, max(1, round(LOG_EVERY_S / POLL_S)))
+    say = console.print
+    ctx = multiprocessing.get_context("spawn")
+    watched = []
+    for job in jobs:
+        receive, send = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_child, args=(job.cfg.to_json(), str(data), str(job.run), threads, str(job.log),
+                                                   send), daemon=True)
+        process.start()
+        send.close()
+        watched.append(_Watched(job, process, receive, step=job.start))
+    interrupted, tick = 0, 0
+    try:
+        while any(w.process.is_alive() for w in watched):
+            try:
+                time.sleep(POLL_S)
+                for w in watched:
+                    _read(w, say)
+                    if not w.outcome and w.conn.poll():
+                        w.outcome.append(w.conn.recv())
+                        if isinstance(w.outcome[0], BaseException):  # a failure stops the others, which save
+                            _interrupt(watched)
+                tick += 1
+                console.status(tick, _status(watched))
+            except KeyboardInterrupt:
+                interrupted += 1
+                if interrupted == 1:
+                    say("interrupt: every run finishes its step and saves (Ctrl-C again to stop at once)")
+                _interrupt(watched)
+    finally:
+        for w in watched:
+            w.process.join()
+    for w in watched:
+        _read(w, say)
+        if not w.outcome and w.conn.poll():
+            w.outcome.append(w.conn.recv())
+    say(_status(watched))
+    for w in watched:
+        if w.outcome and isinstance(w.outcome[0], BaseException):
+            raise w.outcome[0]
+    for w in watched:
+        if not w.outcome:
+            raise RuntimeError(f"the {w.job.label} training stopped without finishing (exit {w.process.exitcode}); "
+                               f"see {w.job.log}")
+    return interrupted > 0 or any(w.outcome == [INTERRUPTED] for w in watched)
+
+
+__all__ = ["TrainingJob", "train_side_by_side"]
