@@ -217,10 +217,11 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "tiny": TrainConfig(preset="tiny", seq_len=32, batch_size=4, lr=3e-3, min_lr=3e-4, warmup_steps=10,
                         max_steps=200, eval_every=20, save_every=50, log_every=10, chunk_rows=256),
     # Laptop-sized: 10M parameters, 512 tokens a step (4 canvases of 32 a window), a high learning rate, 1.5M tokens
-    # in all. The diffusion recipe is the best of the ablations in docs/training.md ("What the recipe options are
-    # worth"): time conditioning (-0.17 nats/token of held-out NELBO at the same tokens, over two training seeds; its
-    # checkpoints do not load in transformers, whose DiffusionGemma has no time input), with the plain x0 loss.
-    "cpu-small": TrainConfig(time_embedding=True),
+    # in all. The diffusion recipe is the best measured (docs/training.md, "Continuous time" and "What the recipe
+    # options are worth"): time conditioning, levels anywhere in (0, 1] (continuous time), and a posterior that takes
+    # each token's own observation by Bayes (observed_likelihood), with the plain x0 loss. Its checkpoints do not
+    # load in transformers, whose DiffusionGemma has neither a time input nor the observation term.
+    "cpu-small": TrainConfig(time_embedding=True, diffusion_time="continuous", observed_likelihood=True),
     # Seed 003's single-GPU recipe: 8 x 2048 tokens x 4 micro-batches = 65k tokens a step, ~4B tokens in all.
     "dg-380m": TrainConfig(preset="dg-380m", seq_len=2048, batch_size=8, grad_accum=4, lr=3e-4, min_lr=3e-5,
                            warmup_steps=2000, max_steps=60_000, eval_every=1000, eval_batches=20, save_every=1000,
