@@ -78,7 +78,7 @@ class GenerationConfig:
     initial_self_conditioning: str = "zeros"
     # dgemma's own choices, measured in docs/sampling.md (transformers' models have no time embedding and no Lite).
     # The noise level a time-embedding model is told (sampling.time_level): "canvas" (the level consistent with the
-    # share of the input canvas carried over clean) or "schedule" (the seed's n / N).
+    # share of the input canvas carried over clean), "schedule" (the seed's n / N) or "noise" (always 1).
     time_level: str = "canvas"
     # Lite's commit rule (sampling.lite_commit): "scheduled" (the most confident of the seed's candidates, up to
     # ceil(L * k / N) committed after step k) or "seed" (every candidate at once: seed 003).
@@ -205,7 +205,7 @@ class GenerationConfig:
 
 
 SAMPLERS = ("entropy-bound", "lite")
-TIME_LEVELS = ("canvas", "schedule")
+TIME_LEVELS = ("canvas", "schedule", "noise")
 LITE_COMMITS = ("scheduled", "seed")
 _HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
                        "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")

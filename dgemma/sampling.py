@@ -171,10 +171,14 @@ def time_level(config: GenerationConfig, clean_share: Tensor, steps_remaining: i
     `config.time_level`: "canvas" (default) `canvas_level` of `clean_share` (B,), the share of positions the
     previous step accepted or committed (every other position is fresh noise; 0 at a canvas's first step);
     "schedule" the seed's n / N (n = steps remaining), which tells late canvases they are nearly clean when they are
-    mostly noise, so the model copies the noise into its prediction (docs/sampling.md measures both)."""
+    mostly noise, so the model copies the noise into its prediction; "noise" always 1 (every canvas treated as pure
+    noise: the model copies almost none of it, but it also discounts what the canvas holds). docs/sampling.md
+    measures the three."""
     if config.time_level == "schedule":
         return torch.full(clean_share.shape, steps_remaining / num_steps, dtype=torch.float32,
                           device=clean_share.device)
+    if config.time_level == "noise":
+        return torch.ones(clean_share.shape, dtype=torch.float32, device=clean_share.device)
     return canvas_level(clean_share)
 
 

@@ -47,6 +47,7 @@ def test_time_level_is_per_row_from_the_canvas_or_the_schedule():
     torch.testing.assert_close(canvas, torch.tensor([1.0, 2 / 3, 0.0]))  # arccos(0.5) = pi / 3
     schedule = S.time_level(GenerationConfig(time_level="schedule"), share, 3, 4)
     assert schedule.tolist() == [0.75] * 3
+    assert S.time_level(GenerationConfig(time_level="noise"), share, 3, 4).tolist() == [1.0] * 3
 
 
 @pytest.mark.parametrize("time_level", ["canvas", "schedule"])
@@ -119,7 +120,7 @@ def test_the_seed_switches_reproduce_seed_003s_sampler_exactly():
 
 @pytest.mark.parametrize(("field", "flag"), [("time_level", "--time-level"), ("lite_commit", "--lite-commit")])
 def test_a_bad_value_is_one_error_naming_the_setting(field, flag, capsys):
-    with pytest.raises(ConfigError, match=rf"{field}: must be one of '\w+', '\w+', got 'often'"):
+    with pytest.raises(ConfigError, match=rf"{field}: must be one of '\w+', '\w+'(, '\w+')?, got 'often'"):
         GenerationConfig(**{field: "often"})
     request = lambda value: parse_completion_request({"prompt": [1, 2], field: value}, tokenizer=None,
                                                      base_config=GenerationConfig(), model_name="tiny")

@@ -224,8 +224,8 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
     `seed` (left out with seed_help=None)."""
     p.add_argument("--sampler", choices=("entropy-bound", "lite"), help="the sampler (default: the checkpoint's)")
     p.add_argument("--time-level", choices=TIME_LEVELS,
-                   help="noise level told to a time-embedding model: canvas (what the canvas holds, default) or "
-                        "schedule (seed 003's n/N)")
+                   help="noise level told to a time-embedding model: canvas (what the canvas holds, default), "
+                        "schedule (seed 003's n/N) or noise (always 1)")
     p.add_argument("--lite-commit", choices=LITE_COMMITS,
                    help="Lite's commit rule: scheduled (gradual, default) or seed (seed 003's all-at-once)")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate (default: the checkpoint's)")
