@@ -151,6 +151,7 @@ def table(m: dict) -> str:
     for r in m["references"]:
         lines.append(f"| {r['name']} | {dash} | {r['gen_ppl']:.0f} | {r['token_entropy']:.2f} |")
     lite = [r for r in m["results"] if r["sampler"] == "lite"]
+    shown = sorted({*shown, min(1, N - 1)})  # step 2 too: where the seed's rule commits
     lines += ["", f"Lite: share of positions committed after step ({', '.join(str(k + 1) for k in shown)}) of {N}:",
               ""]
     lines += [f"- {r['name']}: " + ", ".join(pct(r["committed_per_step"][k]) for k in shown) for r in lite]
