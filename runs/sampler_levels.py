@@ -15,7 +15,7 @@ The two models are trained with the real CLI (a run that already has its checkpo
     diffusion  dgemma train --preset cpu-tiny --time-embedding --diffusion-time continuous --max-steps 600
     judge      dgemma train --preset cpu-tiny --objective ar --max-steps 1000
 
-    python runs/sampler_levels.py            # about 12 minutes on 2 cores (training 10), then the table
+    python runs/sampler_levels.py            # about 15 minutes on 2 cores (training 10), then the table
     python runs/sampler_levels.py --smoke    # the same pipeline: tiny models, toy corpus, 2 steps (seconds)
 
 Writes OUT/sampler_levels.json and OUT/sampler_levels.md and prints the table.
