@@ -4,7 +4,7 @@ callbacks and traces, and the staged result. The loops differ only in how a step
 
     state = CanvasState.start((B, L), V, device, config, ...)
     for n in N..1:
-        was_done, active = state.begin_step()
+        was_done, active = state.begin_step()         state.level: the noise level a time-embedding model is told
         ... denoise, draw, accept / commit, renoise; freeze the rows in `was_done` ...
         state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temperature)
         if state.all_done(): break
@@ -39,6 +39,7 @@ class StepInfo:
     mean_entropy: Tensor
     done: Tensor  # rows whose canvas has stopped (after this step)
     active: Tensor  # rows that spent this step (not stopped before it, not finished)
+    level: Tensor  # (B,) the noise level of the step's input canvas (`time_level`): what a time-embedding model is told
     seconds: float
 
 
@@ -70,6 +71,8 @@ class CanvasState:
         self.passes = torch.zeros(B, dtype=torch.long, device=device)
         self.stopped_at = torch.zeros(B, dtype=torch.long, device=device)  # the step a row stopped at, 0 = never
         self.mean_entropy = torch.zeros(B, device=device)
+        self.clean = torch.zeros(B, device=device)  # share of `x` carried over clean (accepted/committed): 0 = noise
+        self.level = torch.ones(B, device=device)  # the current step's noise level (`begin_step` sets it)
         self.step, self.canvas_index, self.on_step, self.trace = 0, canvas_index, on_step, trace
         self.records: list[StepInfo] = []
         self._stop = sampling.StopState()
@@ -88,8 +91,11 @@ class CanvasState:
         return cls(x, finished, config, canvas_index=canvas_index, on_step=on_step, trace=trace)
 
     def begin_step(self) -> tuple[Tensor, Tensor]:
-        """Count the step: returns `was_done` (rows stopped before it) and `active` (rows it is spent on)."""
+        """Count the step and set its noise level `level` (B,) (`sampling.time_level`: the loops pass it to a
+        time-embedding model); returns `was_done` (rows stopped before it) and `active` (rows it is spent on)."""
         self.step += 1
+        N = self.config.max_denoising_steps
+        self.level = sampling.time_level(self.config, self.clean, N - self.step + 1, N)
         self._started = time.perf_counter()
         was_done = self.done
         active = ~(was_done | self.finished)
@@ -104,9 +110,10 @@ class CanvasState:
         stopped = sampling.stop_rows(self.config, self._stop, new_argmax, self.x, self.mean_entropy)
         self.stopped_at = torch.where(stopped & ~was_done, self.step, self.stopped_at)
         self.done = was_done | stopped
+        self.clean = torch.where(was_done, self.clean, accepted.float().mean(-1))  # what `new_x` carries over
         if self.trace or self.on_step is not None:
             info = StepInfo(self.canvas_index, self.step, self.config.max_denoising_steps, float(temperature), self.x,
-                            new_argmax, accepted, entropy, self.mean_entropy, self.done, active,
+                            new_argmax, accepted, entropy, self.mean_entropy, self.done, active, self.level,
                             time.perf_counter() - self._started)
             if self.trace:
                 self.records.append(info)

@@ -166,7 +166,7 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     first_bad = torch.full((), N + 1, dtype=torch.long, device=device)  # the first step that was not: read on error
     for i, n in enumerate(range(N, 0, -1)):  # n = steps remaining
         was_done, active = state.begin_step()
-        final = step(state.x, soft, n / N if model.config.time_embedding else None)
+        final = step(state.x, soft, state.level if model.config.time_embedding else None)
         temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
         out = kernels.head_and_sample(final, head, temp, generator=generator, draw=draw,
                                       embed=weight if n > 1 else None, embed_scale=scale, chunk_rows=chunk_rows,

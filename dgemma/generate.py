@@ -12,7 +12,8 @@
 With the default settings and the same seed this reproduces transformers' `DiffusionGemmaForBlockDiffusion.generate`
 token for token on CPU (same random draws in the same order: one randint for the initial canvas, then per step a
 multinomial and a randint). The switches in `GenerationConfig` (`commit`, `stop_rule`, `sliding_prefix`,
-`truncate`, `sampler`) select the documented behaviours of other implementations.
+`truncate`, `sampler`) select the documented behaviours of other implementations; `time_level` and `lite_commit`
+choose between dgemma's measured rules and seed 003's.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Trace:
             "mean_entropy": stack("mean_entropy", np.float32),
             "done": stack("done", np.bool_),
             "active": stack("active", np.bool_),
+            "level": stack("level", np.float32),
         }
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
@@ -186,11 +188,12 @@ class CanvasSampler:
         self.prev_argmax = torch.full((B, L), -1, dtype=torch.long, device=device)
         self.prev_confidence = torch.full((B, L), math.inf, device=device)
 
-    def inputs(self) -> tuple[Tensor, Tensor | None, float | None]:
-        """Begin a step: the pass's canvas (B, L), self-conditioning logits (B, L, V) or None, and noise level (Lite
-        models are told t/T; None otherwise). Call once per step, then `step` with the pass's logits."""
+    def inputs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Begin a step: the pass's canvas (B, L), self-conditioning logits (B, L, V) or None, and the noise level
+        (B,) for a time-embedding model (`sampling.time_level`; None without a time embedding). Call once per step,
+        then `step` with the pass's logits."""
         self._begun = self.state.begin_step()
-        return self.state.x, self.sc, self.remaining / self.num_steps if self.time_embedding else None
+        return self.state.x, self.sc, self.state.level if self.time_embedding else None
 
     def step(self, logits: Tensor) -> bool:
         """The sampler on the pass's fp32 logits (B, L, V), consumed in place. Returns whether the canvas is
@@ -217,8 +220,8 @@ class CanvasSampler:
         entropy = sampling.token_entropy(z)
         committed = self.committed
         if lite:
-            new_commits = sampling.lite_commit(new_argmax, confidence, self.prev_argmax, self.prev_confidence,
-                                               committed)
+            new_commits = sampling.lite_commit(config, N - n + 1, new_argmax, confidence, self.prev_argmax,
+                                               self.prev_confidence, committed)
             new_x = torch.where(new_commits, new_draw, sampling.renoise(state.x, committed, V, generator))
             accepted = committed | new_commits
             self.prev_argmax, self.prev_confidence = new_argmax, confidence
@@ -369,9 +372,10 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
             "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.to_hf() | {
                 k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
                                                 "adaptive", "stability_steps", "posterior_rule",
-                                                "initial_self_conditioning")} | {"seed": seed},
+                                                "initial_self_conditioning", "time_level", "lite_commit")}
+                                                | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
-                      "(S, B, L); mean_entropy, done, active (S, B)",
+                      "(S, B, L); mean_entropy, done, active, level (S, B)",
         })
     return result
 

@@ -76,6 +76,13 @@ class GenerationConfig:
     # The first step's self-conditioning input: "zeros" (transformers: the MLP sees 0 and adds nothing) or "uniform"
     # (seed 000: the softmax of all-equal logits, i.e. the mean token embedding).
     initial_self_conditioning: str = "zeros"
+    # dgemma's own choices, measured in docs/sampling.md (transformers' models have no time embedding and no Lite).
+    # The noise level a time-embedding model is told (sampling.time_level): "canvas" (the level consistent with the
+    # share of the input canvas carried over clean), "schedule" (the seed's n / N) or "noise" (always 1).
+    time_level: str = "canvas"
+    # Lite's commit rule (sampling.lite_commit): "scheduled" (the most confident of the seed's candidates, up to
+    # ceil(L * k / N) committed after step k) or "seed" (every candidate at once: seed 003).
+    lite_commit: str = "scheduled"
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
@@ -105,7 +112,8 @@ class GenerationConfig:
             require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")), ("stop_rule", ("hf", "jax")),
                     ("sliding_prefix", ("hf", "jax")), ("posterior", (None, "tempered", "raw")),
-                    ("initial_self_conditioning", ("zeros", "uniform")))
+                    ("initial_self_conditioning", ("zeros", "uniform")), ("time_level", TIME_LEVELS),
+                    ("lite_commit", LITE_COMMITS))
         for name, choices in switches:
             v = getattr(self, name)
             require(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
@@ -197,5 +205,7 @@ class GenerationConfig:
 
 
 SAMPLERS = ("entropy-bound", "lite")
+TIME_LEVELS = ("canvas", "schedule", "noise")
+LITE_COMMITS = ("scheduled", "seed")
 _HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
                        "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")

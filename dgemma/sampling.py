@@ -10,10 +10,15 @@ The entropy-bound sampler (DiffusionGemma, transformers' `EntropyBoundSampler`),
     canvas = where(accepted, x_hat, uniform)          every other position is redrawn uniformly (memoryless)
     stop   when argmax(z) is unchanged for `stability_threshold` steps and mean(H) < confidence_threshold
 
-The Lite sampler (seed 003, section 4) shares the step but commits positions monotonically: a position freezes the
-first time its posterior mode is unchanged or its confidence did not drop, and is never redrawn after that. Its
-entropy, confidence and self-conditioning read the raw posterior softmax(logits), not softmax(z) (seed 003, 4.2);
-the `posterior` switch chooses this for either sampler.
+The Lite sampler (seed 003, section 4) shares the step but commits positions monotonically: a position may freeze
+once its posterior mode is unchanged or its confidence did not drop (the seed's test), and is never redrawn after
+that. `lite_commit="scheduled"` (the default) commits the most confident of those positions, at most enough to reach
+ceil(L * k / N) committed after step k of N; `lite_commit="seed"` commits all of them at once, as seed 003 does.
+Its entropy, confidence and self-conditioning read the raw posterior softmax(logits), not softmax(z) (seed 003,
+4.2); the `posterior` switch chooses this for either sampler.
+
+A time-embedding model is told a noise level per row (`time_level`): by default the level consistent with what its
+input canvas holds (`canvas_level` of the share carried over clean), or the seed's schedule n / N.
 
 Bit-exactness with transformers rests on doing the same float operations in the same order (temperature as a
 0-d fp32 tensor, Categorical's entropy formula) and drawing random numbers in the same order: per step one
@@ -23,6 +28,7 @@ multinomial over the (B*L, V) probabilities, then one (B, L) randint.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -115,12 +121,65 @@ def is_stable(history: Tensor | None, argmax: Tensor, threshold: int) -> tuple[T
     return stable, history
 
 
-def lite_commit(argmax: Tensor, confidence: Tensor, prev_argmax: Tensor, prev_confidence: Tensor,
-                committed: Tensor) -> Tensor:
-    """Seed 003's unchanged-or-stronger rule: positions that commit at this step, (B, L) bool. A position commits
-    when its posterior mode is unchanged from the previous step or its confidence did not drop, and only if it
-    is not committed yet, so the committed set only grows."""
+def lite_candidates(argmax: Tensor, confidence: Tensor, prev_argmax: Tensor, prev_confidence: Tensor,
+                    committed: Tensor) -> Tensor:
+    """Seed 003's unchanged-or-stronger test, (B, L) bool: positions not committed yet whose posterior mode is
+    unchanged from the previous step or whose confidence did not drop."""
     return ((argmax == prev_argmax) | (confidence >= prev_confidence)) & ~committed
+
+
+def commit_quota(committed: Tensor, step: int, num_steps: int) -> Tensor:
+    """How many more positions each row may commit at `step` (1-based) of `num_steps`, (B,) long: enough to reach
+    ceil(L * step / num_steps) committed positions, so that the committed set grows about linearly and may be
+    complete at the last step."""
+    L = committed.shape[-1]
+    target = -(-L * step // num_steps)
+    return (target - committed.sum(-1)).clamp_(min=0)
+
+
+def most_confident(candidates: Tensor, confidence: Tensor, quota: Tensor) -> Tensor:
+    """The `quota` (B,) most confident of `candidates` (B, L) per row, (B, L) bool (ties: the lower position first;
+    fewer where a row has fewer candidates)."""
+    score = torch.where(candidates, confidence, -math.inf)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    rank = torch.argsort(order, dim=-1)  # each position's place in that order
+    return candidates & (rank < quota[:, None])
+
+
+def lite_commit(config: GenerationConfig, step: int, argmax: Tensor, confidence: Tensor, prev_argmax: Tensor,
+                prev_confidence: Tensor, committed: Tensor) -> Tensor:
+    """The positions that commit at `step` (1-based) of a Lite canvas, (B, L) bool; only positions not committed yet,
+    so the committed set only grows. `config.lite_commit`: "scheduled" (default) the `most_confident` of seed
+    003's `lite_candidates` within `commit_quota`; "seed" every candidate (seed 003: in practice 87-95% of the
+    positions commit at step 2, so an N-step schedule collapses to two; docs/sampling.md)."""
+    candidates = lite_candidates(argmax, confidence, prev_argmax, prev_confidence, committed)
+    if config.lite_commit == "seed":
+        return candidates
+    return most_confident(candidates, confidence, commit_quota(committed, step, config.max_denoising_steps))
+
+
+def canvas_level(clean_share: Tensor) -> Tensor:
+    """The noise level s in [0, 1] consistent with a canvas of which the share `clean_share` (...) of positions is
+    clean and the rest fresh uniform noise, (...) fp32. The forward process keeps a token with probability
+    alpha(s) = cos^2(pi/2 * s) (dgemma/train/diffusion.py:alpha) and otherwise draws it uniformly, so such a canvas
+    is a draw at alpha(s) = a: s = (2 / pi) * arccos(sqrt(a)). a = 0 (pure noise) gives 1, a = 1 gives 0."""
+    return torch.arccos(clean_share.double().clamp(0, 1).sqrt()).mul_(2 / math.pi).float()
+
+
+def time_level(config: GenerationConfig, clean_share: Tensor, steps_remaining: int, num_steps: int) -> Tensor:
+    """The noise level of a step's input canvas, per row (B,) fp32: what a time-embedding model is told.
+    `config.time_level`: "canvas" (default) `canvas_level` of `clean_share` (B,), the share of positions the
+    previous step accepted or committed (every other position is fresh noise; 0 at a canvas's first step);
+    "schedule" the seed's n / N (n = steps remaining), which tells late canvases they are nearly clean when they are
+    mostly noise, so the model copies the noise into its prediction; "noise" always 1 (every canvas treated as pure
+    noise: the model copies almost none of it, but it also discounts what the canvas holds). docs/sampling.md
+    measures the three."""
+    if config.time_level == "schedule":
+        return torch.full(clean_share.shape, steps_remaining / num_steps, dtype=torch.float32,
+                          device=clean_share.device)
+    if config.time_level == "noise":
+        return torch.ones(clean_share.shape, dtype=torch.float32, device=clean_share.device)
+    return canvas_level(clean_share)
 
 
 @dataclass

@@ -146,6 +146,42 @@ def test_fast_sampler_takes_the_reference_decisions(stop_rule, sync_every):
     assert want.steps.tolist() == [4, 7, 10]  # the script makes row b confident and stable from step 3 + 3b
 
 
+class _TimedScripted(_Scripted):
+    """A scripted time-embedding model: records the level each pass is told."""
+
+    def __init__(self, script: torch.Tensor):
+        super().__init__(script)
+        self.config.time_embedding = True
+        self.levels: list[torch.Tensor] = []
+
+    def denoise(self, canvas: torch.Tensor, cache: object, t: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        self.levels.append(t)
+        return self.next()
+
+
+@pytest.mark.parametrize("time_level", ["canvas", "schedule"])
+def test_fast_sampler_tells_a_time_embedding_model_the_reference_levels(time_level):
+    """Both loops tell the model the same per-row level at every step (sampling.time_level: one rule, one home)."""
+    N, B, L, V = 12, 3, 6, 16
+    script = _script(N, B, L, V)
+    config = GenerationConfig(max_denoising_steps=N, time_level=time_level)
+    cache = SimpleNamespace(batch_size=B)
+    ref_model, fast_model = _TimedScripted(script), _TimedScripted(script)
+    denoise_canvas(ref_model, cache, config, generator=torch.Generator().manual_seed(0))
+
+    def step(x, soft, t):
+        fast_model.levels.append(t)
+        return fast_model.next()
+
+    fast_sampler.denoise_canvas(fast_model, cache, config, generator=torch.Generator().manual_seed(1), step=step,
+                                head=lambda rows, out: rows.clone() if out is None else out.copy_(rows))
+    ref, fast = ref_model.levels, fast_model.levels
+    assert len(ref) == len(fast) > 2
+    for k, (a, b) in enumerate(zip(ref, fast, strict=True)):
+        assert a.shape == (B,) and torch.equal(a, b), k
+    assert torch.equal(ref[0], torch.ones(B)) and not torch.equal(ref[1], ref[2])  # moves with the canvas/schedule
+
+
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 5])

@@ -246,7 +246,7 @@ def test_lite_ends_uncommitted_positions_on_their_last_draw():
     # mode every step with a confidence that drops every step (they never commit), position 2 change mode with a
     # rising confidence (it commits at step 2, "stronger"), and positions 3-5 keep one mode (they commit at step
     # 2, "unchanged"). Tempered logits are one-hot with margins of 12-17 nats: every draw is the mode, and the
-    # confidences are distinct in fp32.
+    # confidences are distinct in fp32. The seed's commit rule (lite_commit="seed"): everything that may commit does.
     N = 6
     modes = lambda n: torch.tensor([(0 + n) % 16, (1 + n) % 16, (2 + n) % 16, 7, 8, 9]).repeat(2, 1)
     margins = lambda n: torch.tensor([18.0 - n, 18.0 - n, 11.0 + n, 15.0, 15.0, 15.0])
@@ -255,7 +255,8 @@ def test_lite_ends_uncommitted_positions_on_their_last_draw():
         t = S.temperature(N - n + 1, N, 0.4, 0.8)
         return margins(n)[:, None] * t * torch.nn.functional.one_hot(modes(n), 16).float()
 
-    _, staged = _stub_run(fn, sampler="lite", adaptive=False, commit="sample", posterior="tempered")
+    _, staged = _stub_run(fn, sampler="lite", adaptive=False, commit="sample", posterior="tempered",
+                          lite_commit="seed")
     assert staged.steps.tolist() == [N, N]
     committed = staged.trace[-1].accepted
     assert committed.tolist() == [[False, False, True, True, True, True]] * 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -242,30 +244,52 @@ def test_lite_commit_rule_on_a_hand_built_step():
     confidence = torch.tensor([[0.5, 0.9, 0.1, 0.2, 0.4]])
     prev_confidence = torch.tensor([[0.9, 0.8, 0.2, 0.3, 0.4]])
     committed = torch.tensor([[False, False, True, False, False]])
-    new = S.lite_commit(argmax, confidence, prev_argmax, prev_confidence, committed)
+    new = S.lite_candidates(argmax, confidence, prev_argmax, prev_confidence, committed)
     # 0: mode unchanged (weaker is fine); 1: stronger; 2: already frozen, never re-committed;
     # 3: changed and weaker -> no; 4: changed, confidence equal ("did not drop") -> yes.
     assert new.tolist() == [[True, True, False, False, True]]
+    seed = S.lite_commit(GenerationConfig(lite_commit="seed", max_denoising_steps=5), 2, argmax, confidence,
+                         prev_argmax, prev_confidence, committed)
+    assert torch.equal(seed, new)  # the seed's rule commits every candidate
+    # scheduled, step 2 of 5: ceil(5 * 2 / 5) = 2 committed, one is already, so one more: the most confident (1)
+    scheduled = S.lite_commit(GenerationConfig(max_denoising_steps=5), 2, argmax, confidence, prev_argmax,
+                              prev_confidence, committed)
+    assert scheduled.tolist() == [[False, True, False, False, False]]
 
 
-def test_lite_commit_rule_is_monotone_over_random_steps():
+@pytest.mark.parametrize("rule", ["seed", "scheduled"])
+def test_lite_commit_rule_is_monotone_over_random_steps(rule):
+    """Both rules commit only the seed's candidates and never shrink the committed set; the seed's commits all of
+    them, the scheduled one the most confident up to ceil(L * k / N) committed after step k of N."""
     g = torch.Generator().manual_seed(7)
-    B, L, V = 3, 64, 5  # a small vocabulary so that modes repeat often
+    B, L, V, N = 3, 64, 5, 12  # a small vocabulary so that modes repeat often
+    config = GenerationConfig(max_denoising_steps=N, sampler="lite", lite_commit=rule)
     committed = torch.zeros(B, L, dtype=torch.bool)
     prev_argmax = torch.full((B, L), -1)
     prev_confidence = torch.full((B, L), float("inf"))  # what denoise_canvas starts from: nothing commits at step 1
     sizes = []
-    for step in range(12):
+    for step in range(1, N + 1):
         argmax = torch.randint(0, V, (B, L), generator=g)
         confidence = torch.rand(B, L, generator=g)
-        new = S.lite_commit(argmax, confidence, prev_argmax, prev_confidence, committed)
+        new = S.lite_commit(config, step, argmax, confidence, prev_argmax, prev_confidence, committed)
         assert not bool((new & committed).any())  # a frozen position never commits twice
-        rule = (argmax == prev_argmax) | (confidence >= prev_confidence)
-        assert torch.equal(new, rule & ~committed)  # every position satisfying the rule commits now
-        if step == 0:
+        candidates = (argmax == prev_argmax) | (confidence >= prev_confidence)
+        candidates &= ~committed
+        if rule == "seed":
+            assert torch.equal(new, candidates)  # every position satisfying the rule commits now
+        else:
+            assert not bool((new & ~candidates).any())
+            room = math.ceil(L * step / N) - committed.sum(-1)
+            assert torch.equal(new.sum(-1), torch.minimum(room, candidates.sum(-1)))  # fills its quota if it can
+            weakest = torch.where(new, confidence, math.inf).amin(-1)
+            strongest_left = torch.where(candidates & ~new, confidence, -math.inf).amax(-1)
+            assert bool((weakest >= strongest_left).all())  # the most confident candidates go first
+        if step == 1:
             assert not bool(new.any())
         grown = committed | new
         assert bool((grown >= committed).all())  # the committed set never shrinks
         committed, prev_argmax, prev_confidence = grown, argmax, confidence
         sizes.append(int(committed.sum()))
     assert sizes == sorted(sizes) and 0 < sizes[-1] <= B * L
+    if rule == "scheduled":
+        assert sizes[1] <= B * math.ceil(L * 2 / N)  # step 2 commits at most its share, not nearly everything

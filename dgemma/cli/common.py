@@ -20,7 +20,7 @@ from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.data.templates import ChatTemplate, load_chat_template
 from dgemma.data.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
-from dgemma.generation_config import FLOAT32_MAX, SEED_MAX, GenerationConfig, is_seed
+from dgemma.generation_config import FLOAT32_MAX, LITE_COMMITS, SEED_MAX, TIME_LEVELS, GenerationConfig, is_seed
 from dgemma.loading import DTYPES  # the one table of dtype names (--dtype of every command)
 
 # --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
@@ -223,6 +223,11 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
     so GenerationConfig checks them (`overrides`: one rule for the command line and the server); --seed is argparse's
     `seed` (left out with seed_help=None)."""
     p.add_argument("--sampler", choices=("entropy-bound", "lite"), help="the sampler (default: the checkpoint's)")
+    p.add_argument("--time-level", choices=TIME_LEVELS,
+                   help="noise level told to a time-embedding model: canvas (what the canvas holds, default), "
+                        "schedule (seed 003's n/N) or noise (always 1)")
+    p.add_argument("--lite-commit", choices=LITE_COMMITS,
+                   help="Lite's commit rule: scheduled (gradual, default) or seed (seed 003's all-at-once)")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate (default: the checkpoint's)")
     p.add_argument("--max-denoising-steps", type=int, metavar="N",
                    help="the most denoising steps per canvas; the sampler may stop earlier (default: the checkpoint's)")
@@ -236,7 +241,8 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
 
 def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:
     """generate()'s keyword overrides from the sampler flags given (GenerationConfig.overrides checks them)."""
-    return gcfg.overrides(sampler=args.sampler, max_new_tokens=args.max_new_tokens,
+    return gcfg.overrides(sampler=args.sampler, time_level=args.time_level, lite_commit=args.lite_commit,
+                          max_new_tokens=args.max_new_tokens,
                           max_denoising_steps=args.max_denoising_steps, entropy_bound=args.entropy_bound,
                           t_min=args.t_min, t_max=args.t_max)
 

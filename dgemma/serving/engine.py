@@ -336,7 +336,7 @@ class Engine:
             sc = torch.cat([s if s is not None else blank for _, s, _ in inputs])
             mask = torch.tensor([s is not None for _, s, _ in inputs], device=device)
         if self.model.config.time_embedding:
-            level = torch.tensor([t for _, _, t in inputs], dtype=torch.float32, device=device)
+            level = torch.cat([t for _, _, t in inputs])  # each row's own level (B,)
         del inputs
         caches = [self._view(r) for r in rows]
         prefix = sliding_prefix(self.model.config, rows[0].config)
