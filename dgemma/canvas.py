@@ -72,6 +72,7 @@ class CanvasState:
         self.stopped_at = torch.zeros(B, dtype=torch.long, device=device)  # the step a row stopped at, 0 = never
         self.mean_entropy = torch.zeros(B, device=device)
         self.clean = torch.zeros(B, device=device)  # share of `x` carried over clean (accepted/committed): 0 = noise
+        self.carried = torch.zeros(B, x.shape[1], dtype=torch.bool, device=device)  # which positions of `x` those are
         self.level = torch.ones(B, device=device)  # the current step's noise level (`begin_step` sets it)
         self.step, self.canvas_index, self.on_step, self.trace = 0, canvas_index, on_step, trace
         self.records: list[StepInfo] = []
@@ -111,6 +112,7 @@ class CanvasState:
         self.stopped_at = torch.where(stopped & ~was_done, self.step, self.stopped_at)
         self.done = was_done | stopped
         self.clean = torch.where(was_done, self.clean, accepted.float().mean(-1))  # what `new_x` carries over
+        self.carried = torch.where(was_done[:, None], self.carried, accepted)
         if self.trace or self.on_step is not None:
             info = StepInfo(self.canvas_index, self.step, self.config.max_denoising_steps, float(temperature), self.x,
                             new_argmax, accepted, entropy, self.mean_entropy, self.done, active, self.level,

@@ -27,6 +27,7 @@ from dgemma.config import SLIDING
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.model import DiffusionGemma
+from dgemma.noise import observation_boost, observation_levels
 from dgemma.request_rules import sliding_prefix
 
 IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
@@ -168,9 +169,13 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
         was_done, active = state.begin_step()
         final = step(state.x, soft, state.level if model.config.time_embedding else None)
         temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
+        observed = None
+        if model.config.observed_likelihood:  # the readable loop's `observe`, inside the chunked head
+            levels = observation_levels(sampling.canvas_level(state.clean), state.carried)
+            observed = (state.x, observation_boost(levels, V))
         out = kernels.head_and_sample(final, head, temp, generator=generator, draw=draw,
                                       embed=weight if n > 1 else None, embed_scale=scale, chunk_rows=chunk_rows,
-                                      workspace=workspace)
+                                      workspace=workspace, observed=observed)
         ok = torch.isfinite(out.entropy).all()  # a device tensor: no host read here
         first_bad = torch.where(finite & ~ok, i + 1, first_bad)
         finite = finite & ok

@@ -38,6 +38,7 @@ from dgemma.inputs import check_token_ids
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
+from dgemma.noise import observation_levels, observe
 from dgemma.request_rules import (
     check_seed,
     eos_index,
@@ -174,6 +175,7 @@ class CanvasSampler:
         device = model.device
         self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
         self.time_embedding = model.config.time_embedding
+        self.observed = model.config.observed_likelihood
         self.state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas,
                                        finished=finished, canvas_index=canvas_index, on_step=on_step, trace=trace)
         self.lite, self.raw = config.sampler == "lite", config.posterior_rule == "raw"
@@ -203,6 +205,9 @@ class CanvasSampler:
         lite, raw, sc = self.lite, self.raw, self.sc
         was_done, active = self._begun
         check_finite_logits(logits, state.canvas_index, N - n + 1)
+        if self.observed:  # the posterior takes each position's observation in (dgemma/noise.py)
+            observe(logits, state.x, observation_levels(sampling.canvas_level(state.clean), state.carried),
+                    inplace=True)
         # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
         sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
         self.sc = sc = None

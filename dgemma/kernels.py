@@ -236,14 +236,15 @@ class Workspace:
 def head_and_sample(final: Tensor, head: Callable[[Tensor, Tensor | None], Tensor], temperature: Tensor, *,
                     generator: torch.Generator | None = None, draw: Draw = "cdf", embed: Tensor | None = None,
                     embed_scale: float = 1.0, chunk_rows: int | None = None,
-                    workspace: Workspace | None = None) -> StepDraws:
+                    workspace: Workspace | None = None, observed: tuple[Tensor, Tensor] | None = None) -> StepDraws:
     """Head, temperature, sampling statistics and the next self-conditioning input, a row chunk at a time.
 
     final (B, L, D) -> per chunk: fp32 logits = head(rows, out) (written into `out`, a workspace buffer, when that
     is not None), z = logits / temperature (in place), probabilities, argmax,
     entropy, one draw, and soft = softmax(z in the embedding dtype) @ embed * embed_scale (the twin of
     `DiffusionGemma.soft_embedding` on the tempered logits that the reference feeds back). Neither (B, L, V) logits
-    nor probabilities exist whole unless they fit in one chunk of `chunk_rows`."""
+    nor probabilities exist whole unless they fit in one chunk of `chunk_rows`. `observed` (tokens (B, L), boost
+    (B, L)): added at each row's token before tempering (dgemma/noise.py:observe, a model's `observed_likelihood`)."""
     B, L, D = final.shape
     R, device = B * L, final.device
     chunk = min(R, chunk_rows or R)
@@ -259,6 +260,8 @@ def head_and_sample(final: Tensor, head: Callable[[Tensor, Tensor | None], Tenso
         hi = min(R, lo + chunk)
         use_ws = workspace is not None and workspace.logits.shape[0] >= hi - lo
         z = head(rows[lo:hi], workspace.logits[:hi - lo] if use_ws else None)  # type: ignore[union-attr]
+        if observed is not None:
+            z.scatter_add_(1, observed[0].reshape(R, 1)[lo:hi], observed[1].reshape(R, 1)[lo:hi].to(z.dtype))
         z.div_(temperature)  # the reference's logits.div_(temp)
         p_sc = None
         if soft is not None and embed.dtype != torch.float32:  # the reference feeds back z in the embedding dtype

@@ -43,8 +43,20 @@ def observation_boost(level: Tensor, vocab_size: int) -> Tensor:
     return torch.log1p(a * vocab_size / (1 - a)).clamp(max=MAX_BOOST).float()
 
 
-def observe(logits: Tensor, tokens: Tensor, level: Tensor) -> Tensor:
+def observe(logits: Tensor, tokens: Tensor, level: Tensor, *, inplace: bool = False) -> Tensor:
     """The posterior's logits (..., V) from the network's: + `observation_boost` at each position's observed token
-    `tokens` (...), at its level `level` (..., broadcastable to `tokens`), out of place, in the logits' dtype."""
+    `tokens` (...), at its level `level` (..., broadcastable to `tokens`), in the logits' dtype; out of place unless
+    `inplace` (the samplers, which consume their logits)."""
     boost = observation_boost(torch.as_tensor(level, device=logits.device).expand(tokens.shape), logits.shape[-1])
-    return logits.scatter_add(-1, tokens[..., None], boost[..., None].to(logits.dtype))
+    add = logits.scatter_add_ if inplace else logits.scatter_add
+    return add(-1, tokens[..., None], boost[..., None].to(logits.dtype))
+
+
+def observation_levels(canvas_level: Tensor, carried: Tensor) -> Tensor:
+    """The level of each position's observation in a sampler's canvas (B, L): the canvas level (B,) of the share
+    carried over (`sampling.canvas_level`, whatever `time_level` tells the network) where the previous step carried a
+    token over (accepted, committed), 1 where the sampler has just drawn fresh uniform noise,
+    which says nothing about x0 (its boost is 0). The training canvas is a forward-process draw, where no position is
+    known to be noise; the sampler knows which are, and its posterior takes that in, so it does not copy noise that a
+    canvas-wide level would make it favour (docs/sampling.md)."""
+    return torch.where(carried, canvas_level.to(torch.float32)[:, None], 1.0)

@@ -1,0 +1,122 @@
+"""The observed likelihood (dgemma/noise.py, ModelConfig.observed_likelihood): the posterior is the network's
+prediction times q(x_s | x0) of each token's own observation; the same term in training, the bounds and both
+sampling loops."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dgemma
+from dgemma import kernels, sampling
+from dgemma.config import ConfigError, ModelConfig
+from dgemma.generate import denoise_canvas, generate
+from dgemma.generation_config import GenerationConfig
+from dgemma.noise import MAX_BOOST, alpha, observation_boost, observation_levels, observe
+from dgemma.train.diffusion import posterior_logits
+from dgemma.train.nelbo import clean_context_posterior
+from tests.helpers import random_ids
+
+
+def test_the_boost_is_bayes_for_the_tokens_own_observation():
+    """With a flat network prediction the posterior of the observed value is q(x0 = x_s | x_s) under a uniform
+    prior, alpha + (1 - alpha) / V; a fully noised token (s = 1) tells nothing; s = 0 is finite and certain."""
+    V = 7
+    tokens = torch.tensor([[3, 0, 6]])
+    for s in (0.2, 0.5, 0.9):
+        p = torch.softmax(observe(torch.zeros(1, 3, V), tokens, torch.tensor(s)), -1)
+        a = float(alpha(torch.tensor(s), torch.float64))
+        torch.testing.assert_close(p.gather(-1, tokens[..., None]).squeeze(-1), torch.full((1, 3), a + (1 - a) / V))
+    assert float(observation_boost(torch.tensor(1.0), V)) < 1e-30
+    assert float(observation_boost(torch.tensor(0.0), V)) == MAX_BOOST
+    p0 = torch.softmax(observe(torch.zeros(1, 3, V), tokens, torch.tensor(0.0)), -1)
+    assert torch.equal(p0.argmax(-1), tokens) and bool(torch.isfinite(p0).all())
+    logits = torch.randn(1, 3, V)
+    assert torch.equal(observe(logits, tokens, torch.tensor(1.0)), logits)  # pure noise: the network's own
+
+
+def test_a_sampler_canvas_observes_carried_tokens_only():
+    level = torch.tensor([0.3, 1.0])
+    carried = torch.tensor([[True, False], [False, False]])
+    assert torch.equal(observation_levels(level, carried), torch.tensor([[0.3, 1.0], [1.0, 1.0]]))
+
+
+def test_the_flag_round_trips_and_validates(tmp_path):
+    cfg = dgemma.preset("tiny").replace(observed_likelihood=True, time_embedding=True)
+    assert ModelConfig.from_hf(cfg.to_hf()).observed_likelihood
+    assert "observed_likelihood" not in dgemma.preset("tiny").to_hf()["text_config"]  # transformers' keys only
+    with pytest.raises(ConfigError, match="observed_likelihood"):
+        dgemma.preset("tiny").replace(observed_likelihood="yes")
+
+
+def test_training_and_the_bound_read_the_same_posterior():
+    """The NELBO's posterior is the head plus the observation; the training-side posterior_logits is the same
+    function, and it refuses to run without the observation it needs."""
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny").replace(
+        observed_likelihood=True, time_embedding=True)), seed=1).eval()
+    L = model.config.canvas_length
+    x0, xt = random_ids(500, 1, 2 * L, seed=0), random_ids(500, 1, 2 * L, seed=1)
+    level = torch.tensor([[0.2, 0.6]])
+    with torch.no_grad():
+        got = clean_context_posterior(model)(x0, xt, level)
+        plain = dgemma.DiffusionGemma(model.config.replace(observed_likelihood=False)).eval()
+        plain.load_state_dict(model.state_dict())
+        raw = clean_context_posterior(plain)(x0, xt, level)
+    torch.testing.assert_close(got, observe(raw, xt, level.repeat_interleave(L, 1)))
+    with pytest.raises(ValueError, match="observed_likelihood"):
+        posterior_logits(model, torch.zeros(2, model.config.hidden_size))
+
+
+class _Flat:
+    """A scripted model whose network logits are all zero: every decision comes from the observation term."""
+
+    def __init__(self, L: int, V: int):
+        self.config = SimpleNamespace(canvas_length=L, vocab_size=V, sliding_window=4, time_embedding=False,
+                                      observed_likelihood=True, hidden_size=3)
+        self.embed_tokens = torch.nn.Embedding(V, 3)
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.canvases: list[torch.Tensor] = []
+
+    def denoise(self, canvas: torch.Tensor, cache: object, **_: object) -> torch.Tensor:
+        self.canvases.append(canvas.clone())
+        return torch.zeros(*canvas.shape, self.config.vocab_size)
+
+
+def test_the_readable_sampler_observes_what_it_carried_and_not_its_fresh_noise():
+    """Step 1 reads pure noise: a flat posterior (entropy log V), nothing copied. With every position accepted
+    (a huge entropy bound), step 2's canvas is all carried: the posterior is certain of each carried token."""
+    L, V = 4, 9
+    model = _Flat(L, V)
+    records = []
+    denoise_canvas(model, SimpleNamespace(batch_size=2), GenerationConfig(max_denoising_steps=3, entropy_bound=1e9),
+                   generator=torch.Generator().manual_seed(0), on_step=records.append)
+    torch.testing.assert_close(records[0].entropy, torch.full((2, L), math.log(V)))
+    assert records[1].entropy.max() < 1e-3 and torch.equal(records[1].argmax, model.canvases[1])
+
+
+def test_the_fast_kernel_adds_the_observation_before_tempering():
+    g = torch.Generator().manual_seed(0)
+    B, L, V, D = 2, 3, 11, 5
+    final, weight = torch.randn(B, L, D, generator=g), torch.randn(V, D, generator=g)
+    tokens = torch.randint(0, V, (B, L), generator=g)
+    boost = observation_boost(torch.tensor([[0.1, 0.5, 1.0], [0.3, 0.0, 0.7]]), V)
+    head = lambda rows, out: kernels.logits_into(rows, weight, 30.0, out)
+    temp = torch.tensor(0.8)
+    for chunk_rows in (None, 4):
+        got = kernels.head_and_sample(final, head, temp, generator=torch.Generator().manual_seed(1),
+                                      chunk_rows=chunk_rows, observed=(tokens, boost))
+        z = head(final.reshape(-1, D), None).view(B, L, V).scatter_add(-1, tokens[..., None], boost[..., None]) / temp
+        assert torch.equal(got.argmax, z.argmax(-1))
+        torch.testing.assert_close(got.entropy, sampling.token_entropy(z), atol=1e-5, rtol=1e-5)
+
+
+def test_generation_with_an_observed_likelihood_model_runs_in_both_loops():
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny").replace(
+        observed_likelihood=True, time_embedding=True)), seed=3).eval()
+    prompt = random_ids(500, 2, 7, seed=4)
+    for impl in ("reference", "fast"):
+        out = generate(model, prompt, seed=0, impl=impl, max_new_tokens=32, max_denoising_steps=4)
+        assert out.sequences.shape == (2, 7 + 32)
