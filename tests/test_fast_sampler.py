@@ -93,7 +93,7 @@ class _Scripted:
         self.script, self.calls = script, 0
         L, V = script.shape[2:]
         self.config = SimpleNamespace(canvas_length=L, vocab_size=V, sliding_window=4, time_embedding=False,
-                                      hidden_size=3)
+                                      observed_likelihood=False, hidden_size=3)
         self.embed_tokens = torch.nn.Embedding(V, 3)
         self.device, self.dtype = torch.device("cpu"), torch.float32
 
