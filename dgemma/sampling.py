@@ -18,7 +18,7 @@ Its entropy, confidence and self-conditioning read the raw posterior softmax(log
 4.2); the `posterior` switch chooses this for either sampler.
 
 A time-embedding model is told a noise level per row (`time_level`): by default the level consistent with what its
-input canvas holds (`canvas_level` of the share carried over clean), or the seed's schedule n / N.
+input canvas holds (`canvas_level` of the share carried over clean), or the seed's schedule n / N, or 1.
 
 Bit-exactness with transformers rests on doing the same float operations in the same order (temperature as a
 0-d fp32 tensor, Categorical's entropy formula) and drawing random numbers in the same order: per step one
@@ -150,8 +150,8 @@ def lite_commit(config: GenerationConfig, step: int, argmax: Tensor, confidence:
                 prev_confidence: Tensor, committed: Tensor) -> Tensor:
     """The positions that commit at `step` (1-based) of a Lite canvas, (B, L) bool; only positions not committed yet,
     so the committed set only grows. `config.lite_commit`: "scheduled" (default) the `most_confident` of seed
-    003's `lite_candidates` within `commit_quota`; "seed" every candidate (seed 003: in practice 87-95% of the
-    positions commit at step 2, so an N-step schedule collapses to two; docs/sampling.md)."""
+    003's `lite_candidates` within `commit_quota`; "seed" every candidate (seed 003: nearly every position commits
+    at step 2, so an N-step schedule collapses to two; docs/sampling.md measures both)."""
     candidates = lite_candidates(argmax, confidence, prev_argmax, prev_confidence, committed)
     if config.lite_commit == "seed":
         return candidates
