@@ -10,12 +10,15 @@ with the same seed, each setting scored on:
     entropy  the samples' unigram token entropy (nats; low = repetitive)
     commits  Lite: the share of positions committed after each step
 
-The two models are trained with the real CLI (a run that already has its checkpoint is not retrained):
+The models are trained on Shakespeare (BPE 8,192) with the real CLI (a run that already has its checkpoint is not
+retrained); every setting runs on both diffusion models:
 
-    diffusion  dgemma train --preset cpu-tiny --time-embedding --diffusion-time continuous --max-steps 600
-    judge      dgemma train --preset cpu-tiny --objective ar --max-steps 1000
+    diffusion           dgemma train --preset cpu-tiny --time-embedding --diffusion-time continuous --max-steps 600
+    diffusion-observed  the same with --observed-likelihood (cpu-small's recipe): the posterior takes each token's
+                        own observation, and the sampler gives that term only to the positions it carried over
+    judge               dgemma train --preset cpu-tiny --objective ar --max-steps 1000
 
-    python runs/sampler_levels.py            # about 15 minutes on 2 cores (training 10), then the table
+    python runs/sampler_levels.py            # about 25 minutes on 2 cores (training 15), then the table
     python runs/sampler_levels.py --smoke    # the same pipeline: tiny models, toy corpus, 2 steps (seconds)
 
 Writes OUT/sampler_levels.json and OUT/sampler_levels.md and prints the table.
@@ -34,6 +37,7 @@ from pathlib import Path
 from dgemma.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("diffusion", "diffusion-observed")
 
 # name -> generate() settings. The first of each pair is the seed's rule, the second dgemma's default.
 SETTINGS: list[tuple[str, dict]] = [
@@ -68,8 +72,8 @@ def train(args: argparse.Namespace) -> None:
         subprocess.run([*dgemma, "data", "prepare", "--out", str(data), "-q", *extra], check=True, env=env)
     base = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1",
             "--max-steps", "2"] if args.smoke else ["--preset", "cpu-tiny"]
-    runs = {"diffusion": ["--time-embedding", "--diffusion-time", "continuous",
-                          *([] if args.smoke else ["--max-steps", "600"])],
+    diffusion = ["--time-embedding", "--diffusion-time", "continuous", *([] if args.smoke else ["--max-steps", "600"])]
+    runs = {"diffusion": diffusion, "diffusion-observed": [*diffusion, "--observed-likelihood"],
             "judge": ["--objective", "ar", *([] if args.smoke else ["--max-steps", "1000"])]}
     for name, flags in runs.items():
         if not (args.out / name / "checkpoints" / "latest").exists():
@@ -85,13 +89,12 @@ def measure(args: argparse.Namespace) -> dict:
     from dgemma.checkpoint import resolve_model_dir
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.decoding import generative_perplexity, quality, run_ar
-    from dgemma.generate import generate
     from dgemma.loading import load_model
 
     torch.set_num_threads(args.threads)
-    model = load_model(resolve_model_dir(args.out / "diffusion")).eval()
+    models = {name: load_model(resolve_model_dir(args.out / name)).eval() for name in MODELS}
     judge = load_model(resolve_model_dir(args.out / "judge")).eval()
-    L, V = model.config.canvas_length, model.config.vocab_size
+    L, V = models["diffusion"].config.canvas_length, models["diffusion"].config.vocab_size
     val = TokenDataset(args.out / "data", split="val")
     stride = max(args.prompt_length, len(val) // args.prompts)  # prompts spread over the held-out split
     prompts = torch.stack([torch.from_numpy(val.read(i * stride, args.prompt_length))
@@ -105,56 +108,67 @@ def measure(args: argparse.Namespace) -> dict:
                           ("the AR judge's own samples (temperature 1)", ar.samples)):
         ppl = generative_perplexity(judge, list(prompts), samples)["gen_ppl"]
         out["references"].append({"name": name, "gen_ppl": ppl, "token_entropy": quality(samples)["token_entropy"]})
-    for name, settings in SETTINGS:
-        r = generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens, truncate=True,
-                     max_denoising_steps=args.steps, trace=True, eos_token_id=(), **settings)
-        copied, fresh_n = [0.0] * args.steps, [0.0] * args.steps
-        committed, rows = [0.0] * args.steps, [0.0] * args.steps
-        prev = None
-        for info in r.trace.steps:  # canvas after canvas; a canvas's first step is all fresh noise
-            k = info.step - 1
-            fresh = torch.ones_like(info.accepted) if info.step == 1 else ~prev
-            fresh &= info.active[:, None]
-            copied[k] += float(((info.argmax == info.input_canvas) & fresh).sum())
-            fresh_n[k] += float(fresh.sum())
-            committed[k] += float(info.accepted[info.active].float().mean(-1).sum())
-            rows[k] += float(info.active.sum())
-            prev = info.accepted
-        samples = [s[:args.max_new_tokens] for s in r.new_tokens()]
-        ppl = generative_perplexity(judge, list(prompts), samples)
-        per_step = [c / n if n else math.nan for c, n in zip(copied, fresh_n, strict=True)]
-        out["results"].append({
-            "name": name, **settings,
-            "copied": sum(copied) / max(sum(fresh_n), 1), "copied_per_step": per_step,
-            "steps_per_canvas": sum(map(sum, r.steps_per_canvas)) / sum(map(len, r.steps_per_canvas)),
-            "tokens_per_forward": float(r.tokens_per_forward.mean()), "gen_ppl": ppl["gen_ppl"],
-            "token_entropy": quality(samples)["token_entropy"],
-            "committed_per_step": [c / n if n else math.nan for c, n in zip(committed, rows, strict=True)],
-            "sample": samples[0][:24],
-        })
-        print(f"{name}: copied {out['results'][-1]['copied']:.1%}", flush=True)
+    for model_name, model in models.items():
+        for name, settings in SETTINGS:
+            out["results"].append({"model": model_name, **_measure(model, judge, prompts, name, settings, args)})
+            print(f"{model_name}, {name}: copied {out['results'][-1]['copied']:.1%}", flush=True)
     return out
+
+
+def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Namespace) -> dict:
+    import torch
+
+    from dgemma.eval.decoding import generative_perplexity, quality
+    from dgemma.generate import generate
+
+    r = generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens, truncate=True,
+                 max_denoising_steps=args.steps, trace=True, eos_token_id=(), **settings)
+    copied, fresh_n = [0.0] * args.steps, [0.0] * args.steps
+    committed, rows = [0.0] * args.steps, [0.0] * args.steps
+    prev = None
+    for info in r.trace.steps:  # canvas after canvas; a canvas's first step is all fresh noise
+        k = info.step - 1
+        fresh = torch.ones_like(info.accepted) if info.step == 1 else ~prev
+        fresh &= info.active[:, None]
+        copied[k] += float(((info.argmax == info.input_canvas) & fresh).sum())
+        fresh_n[k] += float(fresh.sum())
+        committed[k] += float(info.accepted[info.active].float().mean(-1).sum())
+        rows[k] += float(info.active.sum())
+        prev = info.accepted
+    samples = [s[:args.max_new_tokens] for s in r.new_tokens()]
+    ppl = generative_perplexity(judge, list(prompts), samples)
+    per_step = [c / n if n else math.nan for c, n in zip(copied, fresh_n, strict=True)]
+    return {
+        "name": name, **settings,
+        "copied": sum(copied) / max(sum(fresh_n), 1), "copied_per_step": per_step,
+        "steps_per_canvas": sum(map(sum, r.steps_per_canvas)) / sum(map(len, r.steps_per_canvas)),
+        "tokens_per_forward": float(r.tokens_per_forward.mean()), "gen_ppl": ppl["gen_ppl"],
+        "token_entropy": quality(samples)["token_entropy"],
+        "committed_per_step": [c / n if n else math.nan for c, n in zip(committed, rows, strict=True)],
+        "sample": samples[0][:24],
+    }
 
 
 def table(m: dict) -> str:
     N = m["steps"]
     shown = sorted({0, N // 4, N // 2, 3 * N // 4, N - 1})
     head = " | ".join(f"step {k + 1}" for k in shown)
-    lines = [f"| setting | copied, all steps | copied at {head} | steps/canvas | tokens/forward | gen-PPL | entropy |",
-             "|---|---:|" + "---:|" * len(shown) + "---:|---:|---:|---:|"]
+    lines = [f"| model | setting | copied, all steps | copied at {head} | steps/canvas | tokens/forward | gen-PPL | "
+             "entropy |", "|---|---|---:|" + "---:|" * len(shown) + "---:|---:|---:|---:|"]
     pct = lambda x: "–" if x != x else f"{x:.1%}"
     for r in m["results"]:
         steps = " | ".join(pct(r["copied_per_step"][k]) for k in shown)
-        lines.append(f"| {r['name']} | {pct(r['copied'])} | {steps} | {r['steps_per_canvas']:.2f} | "
+        lines.append(f"| {r['model']} | {r['name']} | {pct(r['copied'])} | {steps} | {r['steps_per_canvas']:.2f} | "
                      f"{r['tokens_per_forward']:.2f} | {r['gen_ppl']:.0f} | {r['token_entropy']:.2f} |")
     dash = " | ".join("–" for _ in range(len(shown) + 3))
     for r in m["references"]:
-        lines.append(f"| {r['name']} | {dash} | {r['gen_ppl']:.0f} | {r['token_entropy']:.2f} |")
+        lines.append(f"| – | {r['name']} | {dash} | {r['gen_ppl']:.0f} | {r['token_entropy']:.2f} |")
     lite = [r for r in m["results"] if r["sampler"] == "lite"]
     shown = sorted({*shown, min(1, N - 1)})  # step 2 too: where the seed's rule commits
     lines += ["", f"Lite: share of positions committed after step ({', '.join(str(k + 1) for k in shown)}) of {N}:",
               ""]
-    lines += [f"- {r['name']}: " + ", ".join(pct(r["committed_per_step"][k]) for k in shown) for r in lite]
+    lines += [f"- {r['model']}, {r['name']}: " + ", ".join(pct(r["committed_per_step"][k]) for k in shown)
+              for r in lite]
     return "\n".join(lines)
 
 
