@@ -173,12 +173,14 @@ class CanvasSampler:
                  canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None, trace: bool = False):
         B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
         device = model.device
+        config = config.resolved_for(model.config)  # sampler None: the model's own
         self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
         self.time_embedding = model.config.time_embedding
         self.observed = model.config.observed_likelihood
         self.state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas,
                                        finished=finished, canvas_index=canvas_index, on_step=on_step, trace=trace)
         self.lite, self.raw = config.sampler == "lite", config.posterior_rule == "raw"
+        self.ancestral = config.sampler == "ancestral"
         self.num_steps = self.remaining = config.max_denoising_steps
         sc = self_conditioning_logits
         if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
@@ -205,16 +207,19 @@ class CanvasSampler:
         lite, raw, sc = self.lite, self.raw, self.sc
         was_done, active = self._begun
         check_finite_logits(logits, state.canvas_index, N - n + 1)
-        if self.observed:  # the posterior takes each position's observation in (dgemma/noise.py)
-            observe(logits, state.x, observation_levels(sampling.canvas_level(state.clean), state.carried),
-                    inplace=True)
+        if self.observed:  # the posterior takes each position's observation in (dgemma/noise.py): the ancestral
+            # chain's canvas is a forward-process draw at n / N; the others' carried positions are at the canvas level
+            # and their fresh noise tells nothing
+            levels = torch.tensor(n / N) if self.ancestral else \
+                observation_levels(sampling.canvas_level(state.clean), state.carried)
+            observe(logits, state.x, levels, inplace=True)
         # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
         sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
         self.sc = sc = None
         temp = sampling.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-        new_draw = sampling.draw_tokens(probs, generator)
+        new_draw = None if self.ancestral else sampling.draw_tokens(probs, generator)
         confidence = probs.amax(-1) if lite and not raw else None
         del probs
         # What entropy, confidence and self-conditioning read: z, or the raw logits again (z * T, within a rounding).
@@ -224,7 +229,10 @@ class CanvasSampler:
         new_argmax = torch.argmax(z, dim=-1)
         entropy = sampling.token_entropy(z)
         committed = self.committed
-        if lite:
+        if self.ancestral:  # x_{s'} from the reverse step, s = n / N -> s' = (n - 1) / N ("accepted": unchanged)
+            new_x = sampling.draw_tokens(sampling.ancestral_step(z, state.x, n / N, (n - 1) / N), generator)
+            new_draw, accepted = new_x, new_x == state.x
+        elif lite:
             new_commits = sampling.lite_commit(config, N - n + 1, new_argmax, confidence, self.prev_argmax,
                                                self.prev_confidence, committed)
             new_x = torch.where(new_commits, new_draw, sampling.renoise(state.x, committed, V, generator))

@@ -174,7 +174,7 @@ def time_level(config: GenerationConfig, clean_share: Tensor, steps_remaining: i
     mostly noise, so the model copies the noise into its prediction; "noise" always 1 (every canvas treated as pure
     noise: the model copies almost none of it, but it also discounts what the canvas holds). docs/sampling.md
     measures the three."""
-    if config.time_level == "schedule":
+    if config.time_level == "schedule" or config.sampler == "ancestral":  # the chain's canvas is a draw at n / N
         return torch.full(clean_share.shape, steps_remaining / num_steps, dtype=torch.float32,
                           device=clean_share.device)
     if config.time_level == "noise":
@@ -196,7 +196,10 @@ def stop_rows(config: GenerationConfig, state: StopState, argmax: Tensor, input_
     entropy-bound, stop_rule "hf"    argmax stable over `stability_threshold` steps and mean(H) < threshold
     entropy-bound, stop_rule "jax"   argmax == the step's input canvas and mean(H) <= threshold
     lite, adaptive                   mean(H) < threshold for `stability_steps` steps in a row (seed 003, 4.4)
-    lite, not adaptive               never (the fixed schedule)"""
+    lite, not adaptive               never (the fixed schedule)
+    ancestral                        never (the chain runs its N steps to s = 0)"""
+    if config.sampler == "ancestral":  # the chain runs to s = 0: stopping early would commit noise
+        return torch.zeros_like(mean_entropy, dtype=torch.bool)
     if config.sampler == "lite":
         if not config.adaptive:  # the fixed schedule: entropy is never consulted
             return torch.zeros_like(mean_entropy, dtype=torch.bool)
@@ -208,3 +211,24 @@ def stop_rows(config: GenerationConfig, state: StopState, argmax: Tensor, input_
         return (argmax == input_canvas).all(-1) & (mean_entropy <= config.confidence_threshold)
     stable, state.history = is_stable(state.history, argmax, config.stability_threshold)
     return stable & (mean_entropy < config.confidence_threshold)
+
+
+def ancestral_step(z: Tensor, x: Tensor, level: float, next_level: float) -> Tensor:
+    """The ancestral chain's step (B, L, V) probabilities of x_{s'} given x_s = `x` (B, L) for s = `level` >
+    s' = `next_level`, from the posterior logits `z` (B, L, V) of p(x0 | x_s): the mixture sum_k p(k | x_s)
+    q(x_{s'} | x_s, x0 = k), the reverse model whose NELBO dgemma/train/nelbo.py computes. With w_k = p_k / q(x_s | k)
+    and S = sum_k w_k, p(x_{s'} = j | x_s) is proportional to q(x_s | x_{s'} = j) (alpha' w_j + (1 - alpha') / V S);
+    at s' = 0 it is p(x0 | x_s). O(V) per position, in float32 logs."""
+    from dgemma.noise import alpha
+
+    V = z.shape[-1]
+    a = float(alpha(torch.tensor(level), torch.float64))
+    a2 = float(alpha(torch.tensor(next_level), torch.float64))
+    if a2 >= 1:  # the last step: x0 itself
+        return torch.softmax(z.float(), dim=-1)
+    at_x = torch.nn.functional.one_hot(x, V).bool()
+    log_w = torch.log_softmax(z.float(), dim=-1) - torch.where(at_x, math.log(a + (1 - a) / V), math.log((1 - a) / V))
+    step = a / a2  # the forward keep probability from s' to s
+    log_back = torch.where(at_x, math.log(step + (1 - step) / V), math.log((1 - step) / V))  # q(x_s | x_{s'} = j)
+    log_mix = torch.logaddexp(math.log(a2) + log_w, math.log((1 - a2) / V) + torch.logsumexp(log_w, -1, keepdim=True))
+    return torch.softmax(log_back + log_mix, dim=-1)

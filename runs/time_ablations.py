@@ -11,7 +11,7 @@ Two settings: `demo` (what `dgemma demo` trains: `cpu-tiny` on Shakespeare with 
 (the README's model on the default corpus). Training runs go `--jobs` at a time, one CPU thread each; a run that has
 its last checkpoint is not retrained and a scored one not rescored (OUT/NAME/score.json), so the script resumes.
 
-    python runs/time_ablations.py --setting demo --steps 550      # about 25 minutes on 2 cores
+    python runs/time_ablations.py --setting demo --steps 550      # about 40 minutes on 2 cores (9 runs, then scoring)
     python runs/time_ablations.py --smoke                         # the same pipeline, tiny model, toy corpus
 """
 
@@ -36,10 +36,6 @@ CONT = ["--diffusion-time", "continuous"]
 VARIANTS: list[tuple[str, str, list[str]]] = [
     ("discrete", "time conditioning, t ~ U{1..16} per canvas (cpu-small's recipe before issue 23)", []),
     ("continuous", "levels s ~ U(0, 1] per canvas (continuous time)", CONT),
-    ("continuous+strat", "continuous, a stratified set of levels over each micro-batch", [*CONT, "--t-sampling",
-                                                                                         "stratified"]),
-    ("continuous+elbo", "continuous, the loss weighted as the continuous-time bound", [*CONT, "--loss-weighting",
-                                                                                       "elbo"]),
     ("continuous+sc0", "continuous, no self-conditioning pre-pass", [*CONT, "--self-conditioning-prob", "0"]),
     ("continuous+observed", "continuous, the posterior takes each token's own observation by Bayes",
      [*CONT, "--observed-likelihood"]),

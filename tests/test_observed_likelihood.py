@@ -91,7 +91,8 @@ def test_the_readable_sampler_observes_what_it_carried_and_not_its_fresh_noise()
     L, V = 4, 9
     model = _Flat(L, V)
     records = []
-    denoise_canvas(model, SimpleNamespace(batch_size=2), GenerationConfig(max_denoising_steps=3, entropy_bound=1e9),
+    config = GenerationConfig(sampler="entropy-bound", max_denoising_steps=3, entropy_bound=1e9)
+    denoise_canvas(model, SimpleNamespace(batch_size=2), config,
                    generator=torch.Generator().manual_seed(0), on_step=records.append)
     torch.testing.assert_close(records[0].entropy, torch.full((2, L), math.log(V)))
     assert records[1].entropy.max() < 1e-3 and torch.equal(records[1].argmax, model.canvases[1])
@@ -118,5 +119,43 @@ def test_generation_with_an_observed_likelihood_model_runs_in_both_loops():
         observed_likelihood=True, time_embedding=True)), seed=3).eval()
     prompt = random_ids(500, 2, 7, seed=4)
     for impl in ("reference", "fast"):
-        out = generate(model, prompt, seed=0, impl=impl, max_new_tokens=32, max_denoising_steps=4)
+        out = generate(model, prompt, seed=0, impl=impl, max_new_tokens=32, max_denoising_steps=4,
+                       sampler="entropy-bound")
         assert out.sequences.shape == (2, 7 + 32)
+
+
+def test_the_ancestral_step_is_the_mixture_of_true_posteriors():
+    """sampling.ancestral_step equals sum_k p(k | x_s) q(x_{s'} | x_s, x0 = k), each posterior built by Bayes from the
+    forward process; at s' = 0 it is p(x0 | x_s) itself."""
+    V, s, s2 = 5, 0.6, 0.35
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, 3, V, generator=g, dtype=torch.float64)
+    x = torch.tensor([[0, 3, 4]])
+    a, a2 = float(alpha(torch.tensor(s), torch.float64)), float(alpha(torch.tensor(s2), torch.float64))
+    keep = lambda k: k * torch.eye(V, dtype=torch.float64) + (1 - k) / V  # q(to | from) as [from, to]
+    p = torch.softmax(z, -1)
+    for pos in range(3):
+        i = int(x[0, pos])
+        post = keep(a2) * keep(a / a2)[:, i][None, :] / keep(a)[:, i][:, None]  # [x0 = k, j]: q(j | x_s = i, k)
+        torch.testing.assert_close(sampling.ancestral_step(z, x, s, s2)[0, pos].double(), p[0, pos] @ post,
+                                   rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(sampling.ancestral_step(z, x, s, 0.0).double(), p, rtol=1e-5, atol=1e-7)
+
+
+def test_an_observed_likelihood_model_samples_with_the_ancestral_chain_by_default():
+    """Its sampler is the ancestral chain unless one is named: N steps every canvas (never an early stop), the network
+    told the schedule level n / N, and the final draw committed."""
+    from dgemma.generation_config import default_sampler
+
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny").replace(
+        observed_likelihood=True, time_embedding=True)), seed=3).eval()
+    assert default_sampler(model.config) == "ancestral" and default_sampler(dgemma.preset("tiny")) == "entropy-bound"
+    out = generate(model, random_ids(500, 1, 7, seed=4), seed=0, max_new_tokens=32, max_denoising_steps=4, trace=True)
+    assert out.trace.summary["generation_config"]["sampler"] == "ancestral"
+    assert all(n == 4 for row in out.steps_per_canvas for n in row)
+    levels = [float(info.level[0]) for info in out.trace.steps[:4]]
+    assert levels == [1.0, 0.75, 0.5, 0.25]
+    assert GenerationConfig(sampler="ancestral").commit_rule == "sample"  # the chain's last draw is x0
+    entropy_bound = generate(model, random_ids(500, 1, 7, seed=4), seed=0, max_new_tokens=32, max_denoising_steps=4,
+                             sampler="entropy-bound")
+    assert entropy_bound.sequences.shape == out.sequences.shape

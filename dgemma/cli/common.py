@@ -20,7 +20,15 @@ from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.data.templates import ChatTemplate, load_chat_template
 from dgemma.data.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
-from dgemma.generation_config import FLOAT32_MAX, LITE_COMMITS, SEED_MAX, TIME_LEVELS, GenerationConfig, is_seed
+from dgemma.generation_config import (
+    FLOAT32_MAX,
+    LITE_COMMITS,
+    SAMPLERS,
+    SEED_MAX,
+    TIME_LEVELS,
+    GenerationConfig,
+    is_seed,
+)
 from dgemma.loading import DTYPES  # the one table of dtype names (--dtype of every command)
 
 # --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
@@ -222,7 +230,8 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
     """Flags that override the checkpoint's generation_config.json for this run. They are GenerationConfig settings,
     so GenerationConfig checks them (`overrides`: one rule for the command line and the server); --seed is argparse's
     `seed` (left out with seed_help=None)."""
-    p.add_argument("--sampler", choices=("entropy-bound", "lite"), help="the sampler (default: the checkpoint's)")
+    p.add_argument("--sampler", choices=SAMPLERS, help="the sampler (default: the checkpoint's: ancestral for a model "
+                   "trained with the observed likelihood, else entropy-bound)")
     p.add_argument("--time-level", choices=TIME_LEVELS,
                    help="noise level told to a time-embedding model: canvas (what the canvas holds, default), "
                         "schedule (seed 003's n/N) or noise (always 1)")
