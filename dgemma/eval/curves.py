@@ -38,6 +38,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+BOUNDS = (("val_nelbo_continuous", "NELBO (continuous time)"), ("val_nelbo", "NELBO"))  # a run's headline first
+
+
+def bound_of(record: dict[str, Any]) -> tuple[str, str] | None:
+    """The key and name of the headline bound an evaluation record carries: the continuous-time NELBO of a
+    continuous-time run, else the NELBO at T; None for a record with neither (an AR run's)."""
+    return next(((key, name) for key, name in BOUNDS if key in record), None)
+
+
 def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
     """The evaluation records of a training run directory (those with val_loss) that carry `metric`, one per step (the
     last one logged, if a resume evaluated a step again), in step order: step, tokens, value, se (`metric`_se; None
@@ -122,8 +131,8 @@ def learning_curves(model_path: str | Path, baseline_path: str | Path | None, da
     the unigram cross-entropy of `data_dir`, and the matched-token ratio; None when neither run has a curve."""
     from dgemma.data.shards import DataError, unigram_cross_entropy
 
-    continuous = eval_points(model_path, "val_nelbo_continuous")
-    runs = {"diffusion": (model_path, "val_nelbo_continuous" if continuous else "val_nelbo"),
+    continuous = eval_points(model_path, BOUNDS[0][0])
+    runs = {"diffusion": (model_path, BOUNDS[0][0] if continuous else BOUNDS[1][0]),
             "ar": (baseline_path, "val_loss")}
     curves: dict[str, Any] = {}
     for side, (path, metric) in runs.items():
@@ -174,5 +183,5 @@ def curves_markdown(curves: dict[str, Any]) -> list[str]:
     return [*lines, "", "![curves](curves.png)", ""]
 
 
-__all__ = ["curves_markdown", "eval_points", "learning_curves", "matched_ratio", "read_metrics", "token_multiplier",
-           "tokens_to_reach"]
+__all__ = ["BOUNDS", "bound_of", "curves_markdown", "eval_points", "learning_curves", "matched_ratio", "read_metrics",
+           "token_multiplier", "tokens_to_reach"]

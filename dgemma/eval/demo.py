@@ -40,7 +40,7 @@ from dgemma.console import Streamer
 from dgemma.data import prepare
 from dgemma.data.shards import decode_documents, unigram_cross_entropy
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
-from dgemma.eval.curves import read_metrics
+from dgemma.eval.curves import bound_of, read_metrics
 from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words
 from dgemma.eval.demo_training import TrainingJob, train_side_by_side
 from dgemma.eval.judging import prompt_dependence, retokenize
@@ -264,10 +264,11 @@ def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], d_t
              nelbo_steps: int) -> dict[str, Any]:
     (d_state, d_eval), (a_state, a_eval) = last_records(diff_run), last_records(ar_run)
     dep = lambda side: {k: dependence[side][k] for k in ("prompt_dependence", "prompt_dependence_se")}
+    key, name = bound_of(d_eval) or ("val_nelbo", "NELBO")
     return {
         "diffusion": {"steps": d_state["step"], "tokens": d_state["tokens"],
-                      "heldout_nelbo": d_eval.get("val_nelbo"), "heldout_nelbo_se": d_eval.get("val_nelbo_se"),
-                      "nelbo_num_steps": nelbo_steps,
+                      "heldout_nelbo": d_eval.get(key), "heldout_nelbo_se": d_eval.get(f"{key}_se"),
+                      "bound": name if key != "val_nelbo" else f"NELBO at T={nelbo_steps}",
                       "real_word_share": real_word_share(d_texts, vocabulary), **dep("diffusion"),
                       "tokens_per_forward": sum(per_forward) / len(per_forward),
                       "canvas_length": model.config.canvas_length},
@@ -297,7 +298,7 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
         f"trained                 {d['steps']:>10} steps  {a['steps']:>10} steps   ({d['tokens']:,} / "
         f"{a['tokens']:,} tokens)",
         f"held-out nats/token     {_pm(d['heldout_nelbo'], d['heldout_nelbo_se']):>16}  "
-        f"{_pm(a['heldout_ce'], a['heldout_ce_se']):>16}   (diffusion: NELBO at T={d['nelbo_num_steps']}, an upper "
+        f"{_pm(a['heldout_ce'], a['heldout_ce_se']):>16}   (diffusion: {d['bound']}, an upper "
         f"bound; a unigram model: {f['unigram_ce']:.2f})",
         f"tokens per forward      {d['tokens_per_forward']:>16.2f}  {1.0:>16.2f}   (canvas {d['canvas_length']})",
         f"real words              {_pct(d['real_word_share']):>16}  {_pct(a['real_word_share']):>16}   "

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch
 
 from dgemma.console import Console
+from dgemma.eval.curves import bound_of
 from dgemma.train.config import TrainConfig
 from dgemma.train.loop import train
 from dgemma.train.run_dir import METRICS
@@ -107,8 +108,8 @@ def _read(w: _Watched, say: Any) -> None:
             w.step = rec["step"]
             w.first = w.first or (rec["step"] - 1, time.monotonic())
         elif "val_loss" in rec:
-            value, name = (rec["val_nelbo"], "NELBO") if "val_nelbo" in rec else (rec["val_loss"], "CE")
-            say(f"   {w.job.label} step {rec['step']}: held-out {name} {value:.3f} nats/token")
+            key, name = bound_of(rec) or ("val_loss", "CE")
+            say(f"   {w.job.label} step {rec['step']}: held-out {name} {rec[key]:.3f} nats/token")
 
 
 def _eta(w: _Watched) -> float | None:
