@@ -13,12 +13,16 @@ with the same seed, each setting scored on:
 The models are trained on Shakespeare (BPE 8,192) with the real CLI (a run that already has its checkpoint is not
 retrained); every setting runs on both diffusion models:
 
-    diffusion           dgemma train --preset cpu-tiny --time-embedding --diffusion-time continuous --max-steps 600
-    diffusion-observed  the same with --observed-likelihood (cpu-small's recipe): the posterior takes each token's
-                        own observation, and the sampler gives that term only to the positions it carried over
-    judge               dgemma train --preset cpu-tiny --objective ar --max-steps 1000
+    diffusion           dgemma train --preset cpu-tiny --time-embedding --diffusion-time continuous --max-steps 550
+    diffusion-observed  the same with --observed-likelihood (the demo's and cpu-small's recipe): the posterior takes
+                        each token's own observation, and the sampler gives that term only to the positions it
+                        carried over (the ancestral chain: to every position, at the chain's level)
+    judge               dgemma train --preset cpu-tiny --objective ar --max-steps 960
 
-    python runs/sampler_levels.py            # about 25 minutes on 2 cores (training 15), then the table
+(the demo's budget: these are bit for bit the runs `dgemma demo` and runs/time_ablations.py train with the same
+flags and seed, so their checkpoints may be copied in).
+
+    python runs/sampler_levels.py            # about 25 minutes on 2 cores (training 12), then the table
     python runs/sampler_levels.py --smoke    # the same pipeline: tiny models, toy corpus, 2 steps (seconds)
 
 Writes OUT/sampler_levels.json and OUT/sampler_levels.md and prints the table.
@@ -52,6 +56,7 @@ SETTINGS: list[tuple[str, dict]] = [
     ("lite, level canvas, commit scheduled (default)", {"sampler": "lite", "time_level": "canvas",
                                                         "lite_commit": "scheduled"}),
     ("lite, level noise, commit scheduled", {"sampler": "lite", "time_level": "noise", "lite_commit": "scheduled"}),
+    ("ancestral (the chain the NELBO bounds)", {"sampler": "ancestral"}),
 ]
 
 
@@ -72,9 +77,9 @@ def train(args: argparse.Namespace) -> None:
         subprocess.run([*dgemma, "data", "prepare", "--out", str(data), "-q", *extra], check=True, env=env)
     base = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1",
             "--max-steps", "2"] if args.smoke else ["--preset", "cpu-tiny"]
-    diffusion = ["--time-embedding", "--diffusion-time", "continuous", *([] if args.smoke else ["--max-steps", "600"])]
+    diffusion = ["--time-embedding", "--diffusion-time", "continuous", *([] if args.smoke else ["--max-steps", "550"])]
     runs = {"diffusion": diffusion, "diffusion-observed": [*diffusion, "--observed-likelihood"],
-            "judge": ["--objective", "ar", *([] if args.smoke else ["--max-steps", "1000"])]}
+            "judge": ["--objective", "ar", *([] if args.smoke else ["--max-steps", "960"])]}
     for name, flags in runs.items():
         if not (args.out / name / "checkpoints" / "latest").exists():
             print(f"training {name} ...", flush=True)
