@@ -18,6 +18,7 @@ from dgemma.generation_config import GenerationConfig
 from dgemma.noise import MAX_BOOST, alpha, observation_boost, observation_levels, observe
 from dgemma.train.diffusion import posterior_logits
 from dgemma.train.nelbo import clean_context_posterior
+from tests import test_evaluate
 from tests.helpers import random_ids
 
 
@@ -159,3 +160,26 @@ def test_an_observed_likelihood_model_samples_with_the_ancestral_chain_by_defaul
     entropy_bound = generate(model, random_ids(500, 1, 7, seed=4), seed=0, max_new_tokens=32, max_denoising_steps=4,
                              sampler="entropy-bound")
     assert entropy_bound.sequences.shape == out.sequences.shape
+
+
+pair = test_evaluate.pair  # the fixture: prepared toy data and a tiny diffusion / AR pair
+
+
+def test_an_observed_likelihood_run_writes_the_ancestral_chains_settings(pair, tmp_path):
+    """A run trained with the observed likelihood saves sampler settings for its chain (the training T steps at
+    temperature 1), and loading it samples with the ancestral chain by default."""
+    import io
+
+    from dgemma.loading import load_model
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.loop import ANCESTRAL_T_MIN, train
+
+    root, _ = pair
+    cfg = TrainConfig(preset="tiny", time_embedding=True, observed_likelihood=True, diffusion_time="continuous",
+                      num_steps=8, seq_len=32, batch_size=2, max_steps=2, warmup_steps=1, eval_every=2,
+                      eval_batches=1, save_every=2, chunk_rows=256, device="cpu")
+    train(cfg, root / "data", tmp_path / "run", stream=io.StringIO())
+    model = load_model(tmp_path / "run")
+    g = model.generation_config
+    assert (g.max_denoising_steps, g.t_min, g.t_max) == (8, ANCESTRAL_T_MIN, 1.0)
+    assert g.resolved_for(model.config).sampler == "ancestral"

@@ -73,6 +73,9 @@ from dgemma.train.run_dir import NonFiniteError
 # A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
 # steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
 NONFINITE_FIRST_STEPS, NONFINITE_STREAK = 3, 5
+# The temperature at the last step of an observed-likelihood run's sampler: 1 at every other step (t_max; a schedule
+# needs t_min < t_max).
+ANCESTRAL_T_MIN = 0.99
 
 
 def micro_step_generator(cfg: TrainConfig, micro_step: int, device: torch.device) -> torch.Generator:
@@ -333,6 +336,10 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     if cfg.init_from is None:
         model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
                                                    bos_token_id=mc.bos_token_id)
+        if mc.observed_likelihood:  # its sampler is the ancestral chain (generation_config.default_sampler): the
+            # training T steps at temperature 1 (the chain the bound is for; docs/sampling.md measures it)
+            model.generation_config = model.generation_config.replace(
+                max_denoising_steps=cfg.num_steps, t_min=ANCESTRAL_T_MIN, t_max=1.0)
     else:
         gen = model.generation_config.stopping_at(train_set.eot_id)
         model.generation_config = gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
