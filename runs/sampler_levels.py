@@ -116,7 +116,8 @@ def measure(args: argparse.Namespace) -> dict:
     for model_name, model in models.items():
         for name, settings in SETTINGS:
             out["results"].append({"model": model_name, **_measure(model, judge, prompts, name, settings, args)})
-            print(f"{model_name}, {name}: copied {out['results'][-1]['copied']:.1%}", flush=True)
+            print(f"{model_name}, {name}: copied {out['results'][-1]['copied']:.1%}, gen-PPL "
+                  f"{out['results'][-1]['gen_ppl']:.0f}", flush=True)
     return out
 
 
@@ -128,6 +129,7 @@ def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Na
 
     r = generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens, truncate=True,
                  max_denoising_steps=args.steps, trace=True, eos_token_id=(), **settings)
+    chain = r.trace.summary["generation_config"]["sampler"] == "ancestral"  # no fresh noise: nothing to copy
     copied, fresh_n = [0.0] * args.steps, [0.0] * args.steps
     committed, rows = [0.0] * args.steps, [0.0] * args.steps
     prev = None
@@ -145,7 +147,8 @@ def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Na
     per_step = [c / n if n else math.nan for c, n in zip(copied, fresh_n, strict=True)]
     return {
         "name": name, **settings,
-        "copied": sum(copied) / max(sum(fresh_n), 1), "copied_per_step": per_step,
+        "copied": math.nan if chain else sum(copied) / max(sum(fresh_n), 1),
+        "copied_per_step": [math.nan] * args.steps if chain else per_step,
         "steps_per_canvas": sum(map(sum, r.steps_per_canvas)) / sum(map(len, r.steps_per_canvas)),
         "tokens_per_forward": float(r.tokens_per_forward.mean()), "gen_ppl": ppl["gen_ppl"],
         "token_entropy": quality(samples)["token_entropy"],

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -42,6 +43,8 @@ VARIANTS: list[tuple[str, str, list[str]]] = [
     ("discrete+observed", "discrete, the posterior takes each token's own observation by Bayes",
      ["--observed-likelihood"]),
     ("ar", "the AR baseline (same backbone, data, batch and schedule)", ["--objective", "ar"]),
+    ("unigram+observed", "no network: the unigram distribution as p(x0 | x_s), with the observation term (not "
+     "trained)", []),
     ("discrete@seed1", "`discrete` from training seed 1", ["--seed", "1"]),
     ("continuous@seed1", "`continuous` from training seed 1", [*CONT, "--seed", "1"]),
     ("continuous+observed@seed1", "`continuous+observed` from training seed 1",
@@ -55,6 +58,7 @@ SETTINGS = {
                                         "--batch-size", "2", "--eval-batches", "1"]},
 }
 EVAL_T = (16, 64, 256)
+CANVAS = {"demo": 16, "cpu-small": 32, "smoke": 16}  # each setting's preset canvas length
 
 
 def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
@@ -127,9 +131,46 @@ def _score(name: str, args: argparse.Namespace) -> dict:
 FLAGS = {name: flags for name, _, flags in VARIANTS}
 
 
+def reference_score(args: argparse.Namespace) -> dict:
+    """The `unigram+observed` row: no network at all, the training split's unigram distribution as every
+    position's p(x0 | x_s), with the observation term (dgemma/noise.py:observe), scored like the variants. What the
+    observed likelihood's bound is before any context is learned."""
+    cached = args.out / "unigram+observed.json"
+    if cached.exists():
+        saved = json.loads(cached.read_text())
+        if saved.get("settings") == _settings(args):
+            return saved["result"]
+    import torch
+
+    from dgemma.data.shards import TokenDataset
+    from dgemma.eval.evaluate import heldout_nelbo
+    from dgemma.noise import observe
+
+    train_split, val = TokenDataset(args.out / "data", split="train"), TokenDataset(args.out / "data", split="val")
+    V = train_split.meta["vocab_size"]
+    counts = np.bincount(train_split.read(0, len(train_split)), minlength=V).astype(np.float64) + 0.5
+    log_unigram = torch.tensor(np.log(counts / counts.sum()), dtype=torch.float32)
+    L = CANVAS[args.setting]
+
+    def posterior(x0, xt, level):
+        return observe(log_unigram.expand(*x0.shape, -1).clone(), xt, level.repeat_interleave(L, dim=1))
+
+    model = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(canvas_length=L,
+                                                                               vocab_size=len(log_unigram)))
+    out: dict = {"name": "unigram+observed"}
+    for T in (*EVAL_T, None):
+        key = "continuous" if T is None else f"T{T}"
+        r = heldout_nelbo(model, val, seq_len=args.seq_len, num_steps=T, num_t_samples=args.t_samples,
+                          max_windows=args.windows, seed=0, posterior=posterior, progress=False)
+        out[f"nelbo_{key}"] = r["estimate"].to_dict()
+        out[f"per_window_{key}"] = r["per_window"]
+    write_text(cached, json.dumps({"settings": _settings(args), "result": out}))
+    return out
+
+
 def headline(r: dict) -> str:
     """A variant's honest bound: the continuous-time one for a continuous-time run, T = 16 for a discrete one."""
-    return "continuous" if r["name"].startswith("continuous") else "T16"
+    return "continuous" if r["name"].startswith(("continuous", "unigram")) else "T16"
 
 
 def table(results: list[dict], unigram: float | None) -> str:
@@ -154,8 +195,8 @@ def table(results: list[dict], unigram: float | None) -> str:
         value = r[f"nelbo_{h}"]["mean"]
         ratio = f"{value / ar:.3f}" if ar else "–"
         share = f"{(unigram - value) / (unigram - ar):.0%}" if ar and unigram else "–"
-        lines.append(f"| {r['name']} | {what[r['name']]} | {' | '.join(cells)} | {diff} | {ratio} | {share} | "
-                     f"{r['x0_ce']['mean']:.3f} |")
+        ce = f"{r['x0_ce']['mean']:.3f}" if "x0_ce" in r else "–"
+        lines.append(f"| {r['name']} | {what[r['name']]} | {' | '.join(cells)} | {diff} | {ratio} | {share} | {ce} |")
     if ar:
         lines.append(f"| ar | {what['ar']} | AR CE {ar:.3f} ± {by['ar']['ar_ce']['se']:.3f} | | | | | 1 | 100% | |")
     if unigram:
@@ -180,13 +221,13 @@ def main() -> int:
     if args.smoke:
         args.setting, args.steps, args.windows, args.t_samples, args.seq_len = "smoke", 2, 2, 1, 32
     args.out = args.out or ROOT / "runs" / "out" / f"time-ablations-{args.setting}"
-    variants = VARIANTS
+    variants = [v for v in VARIANTS if v[0] != "unigram+observed"]  # the reference row is scored, not trained
     if args.only:
         keep = set(args.only.split(","))
         unknown = sorted(keep - {name for name, _, _ in VARIANTS})
         if unknown:
             p.error(f"--only {','.join(unknown)}: no such variant; choose from {', '.join(n for n, _, _ in VARIANTS)}")
-        variants = [v for v in VARIANTS if v[0] in keep]
+        variants = [v for v in variants if v[0] in keep]
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "data"
     if not (data / "meta.json").exists():
@@ -207,6 +248,7 @@ def main() -> int:
     from dgemma.data.shards import unigram_cross_entropy
 
     results = [r for name, _, _ in VARIANTS if (r := cached_score(name, args)) is not None]
+    results.append(reference_score(args))
     md = table(results, unigram_cross_entropy(data))
     write_text(args.out / "time_ablations.md", md + "\n")
     write_text(args.out / "time_ablations.json", json.dumps(
