@@ -142,8 +142,7 @@ def test_empty_inputs_give_the_documented_defaults():
     assert GenerationConfig.from_hf({}) == GenerationConfig()
     assert GenerationConfig().max_denoising_steps == 48 and GenerationConfig().entropy_bound == 0.1
     assert TrainConfig.from_json({}) == TrainConfig()
-    assert TRAIN_PRESETS["cpu-small"] == TrainConfig(time_embedding=True, diffusion_time="continuous",
-                                                     observed_likelihood=True)  # the defaults plus the recipe
+    assert TRAIN_PRESETS["cpu-small"] == TrainConfig(time_embedding=True, diffusion_time="continuous")
     assert TrainConfig().preset == "cpu-small"
     assert RopeConfig.from_hf({}, "rope") == RopeConfig()
 

@@ -9,9 +9,9 @@ in RUN/metrics.jsonl, for the diffusion run and its AR baseline, against tokens 
     learning_curves(...)            the report's `curves` section (None when neither run has a metrics.jsonl)
     curves_markdown(curves)         report.md's table
 
-A diffusion run's curve is its headline bound (`val_nelbo_continuous`, the continuous-time NELBO, for a run that logged
-it, i.e. a continuous-time run; else `val_nelbo`, the NELBO at the run's training T; both upper bounds on its NLL;
-records without it are skipped), an AR run's its `val_loss` (next-token cross-entropy). The reference line is the
+A diffusion run's curve is its `val_nelbo` (the NELBO at the run's training T), or for a run that logged only the
+continuous-time one `val_nelbo_continuous` (both upper bounds on its NLL; records without it are skipped), an AR run's
+its `val_loss` (next-token cross-entropy). The reference line is the
 held-out cross-entropy of the training split's unigram distribution (`dgemma.data.shards.unigram_cross_entropy`).
 """
 
@@ -38,12 +38,13 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-BOUNDS = (("val_nelbo_continuous", "NELBO (continuous time)"), ("val_nelbo", "NELBO"))  # a run's headline first
+BOUNDS = (("val_nelbo", "NELBO at the training T"), ("val_nelbo_continuous", "NELBO (continuous time)"))
 
 
 def bound_of(record: dict[str, Any]) -> tuple[str, str] | None:
-    """The key and name of the headline bound an evaluation record carries: the continuous-time NELBO of a
-    continuous-time run, else the NELBO at T; None for a record with neither (an AR run's)."""
+    """The key and name of the bound an evaluation record's curve follows: the NELBO at the run's training T when
+    logged (every diffusion run logs it by default), else the continuous-time one; None for a record with neither
+    (an AR run's). (`dgemma eval`'s verdict reads the tighter of the two: evaluate.headline_bound.)"""
     return next(((key, name) for key, name in BOUNDS if key in record), None)
 
 
@@ -131,8 +132,8 @@ def learning_curves(model_path: str | Path, baseline_path: str | Path | None, da
     the unigram cross-entropy of `data_dir`, and the matched-token ratio; None when neither run has a curve."""
     from dgemma.data.shards import DataError, unigram_cross_entropy
 
-    continuous = eval_points(model_path, BOUNDS[0][0])
-    runs = {"diffusion": (model_path, BOUNDS[0][0] if continuous else BOUNDS[1][0]),
+    discrete = eval_points(model_path, BOUNDS[0][0])
+    runs = {"diffusion": (model_path, BOUNDS[0][0] if discrete else BOUNDS[1][0]),
             "ar": (baseline_path, "val_loss")}
     curves: dict[str, Any] = {}
     for side, (path, metric) in runs.items():

@@ -116,13 +116,13 @@ def schedule_end(run: Path, more: int) -> int:
 
 # Shakespeare alone (1.5M tokens) with a BPE of 8,192 ids trained on it, so that most words are one token; the
 # `cpu-tiny` model (2.6M parameters, canvas 16) with cpu-small's diffusion recipe (time conditioning, continuous
-# time, the observed likelihood). The budget: 550 diffusion steps (280k tokens) and 960 AR steps, three minutes on
+# time). The budget: 550 diffusion steps (280k tokens) and 960 AR steps, three minutes on
 # one core each. How it was chosen, and what it gives: docs/training.md, "The demo".
 DEMO = DemoRecipe(
     corpus=("default:shakespeare",),
     tokenizer="bpe:8192",
-    diffusion=TrainConfig(preset="cpu-tiny", time_embedding=True, diffusion_time="continuous",
-                          observed_likelihood=True, warmup_steps=20, eval_batches=16,  # 64 held-out windows
+    diffusion=TrainConfig(preset="cpu-tiny", time_embedding=True, diffusion_time="continuous", warmup_steps=20,
+                          eval_batches=16,  # 64 held-out windows
                           eval_every=10_000,  # at the start and the end only
                           save_every=100, log_every=20),
     prompts=("To be, or not to be,", "KING RICHARD.\n", "O Romeo, Romeo,"),

@@ -115,8 +115,8 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
     else:
         ok = "yes" if v["nelbo_within_tolerance"] else "no"
         bound = v.get("bound", "nelbo")
-        which = ("the continuous-time NELBO (the run trained in continuous time)" if bound == "nelbo_continuous"
-                 else f"the NELBO at T={lk['nelbo']['num_steps']} (the run's training T)")
+        which = (("the continuous-time NELBO" if bound == "nelbo_continuous" else
+                  f"the NELBO at T={lk['nelbo']['num_steps']}") + " (the tighter of the bounds computed)")
         gain = "" if v.get("share_of_ar_gain") is None else (
             f" The diffusion model captures **{v['share_of_ar_gain']:.0%}** of the AR model's gain over the unigram "
             f"model ({_f(v['unigram_ce'])} nats/token).")
