@@ -431,11 +431,18 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         import torch.distributed.checkpoint as dcp
 
         state = read_json(ckpt / SHARDED_STATE)
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer)  # on a fresh optimizer: a stand-in state for every parameter
+        # AdamW makes a parameter's state at its first gradient: a parameter with none yet (the self-conditioning
+        # MLP before the first pre-pass) has no state in the checkpoint. Those are not asked for, and load_state_dict
+        # drops their stand-ins, so the resumed optimizer is the one that was saved.
+        saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+        for fqn in [f for f in osd["state"] if f"optimizer.state.{f}.step" not in saved]:
+            del osd["state"][fqn]
         sd = {"model": msd, "optimizer": osd}
         with _single_process_quiet():
-            dcp.load(sd, checkpoint_id=ckpt)
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+            dcp.load(sd, checkpoint_id=ckpt)  # every model key is asked for: a missing one is an error here
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
+                       options=StateDictOptions(strict=False))  # not strict: the parameters without state
     else:
         try:
             state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
