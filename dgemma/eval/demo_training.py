@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -160,24 +161,30 @@ def train_side_by_side(jobs: list[TrainingJob], data: Path, *, threads: int, str
         send.close()
         watched.append(_Watched(job, process, receive, step=job.start))
     interrupted, tick = 0, 0
+    # A Ctrl-C is counted by a handler, never raised: raised, it could land between two statements of the loop and
+    # leave it without passing the interrupt on, and the children would train their whole budget.
+    signals: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda *_: signals.append(1)) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         while any(w.process.is_alive() for w in watched):
-            try:
-                time.sleep(POLL_S)
-                for w in watched:
-                    _read(w, say)
-                    if not w.outcome and w.conn.poll():
-                        w.outcome.append(w.conn.recv())
-                        if isinstance(w.outcome[0], BaseException):  # a failure stops the others, which save
-                            _interrupt(watched)
-                tick += 1
-                console.status(tick, _status(watched))
-            except KeyboardInterrupt:
+            time.sleep(POLL_S)
+            while interrupted < len(signals):
                 interrupted += 1
                 if interrupted == 1:
                     say("interrupt: every run finishes its step and saves (Ctrl-C again to stop at once)")
                 _interrupt(watched)
+            for w in watched:
+                _read(w, say)
+                if not w.outcome and w.conn.poll():
+                    w.outcome.append(w.conn.recv())
+                    if isinstance(w.outcome[0], BaseException):  # a failure stops the others, which save
+                        _interrupt(watched)
+            tick += 1
+            console.status(tick, _status(watched))
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         for w in watched:
             w.process.join()
     for w in watched:
