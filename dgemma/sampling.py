@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dgemma.generation_config import GenerationConfig
+from dgemma.noise import alpha
 
 ENTROPY_CHUNK_ROWS = 4096  # rows of (V,) logits per entropy chunk: bounds the extra memory to 2 x chunk x V fp32
 
@@ -161,7 +162,7 @@ def lite_commit(config: GenerationConfig, step: int, argmax: Tensor, confidence:
 def canvas_level(clean_share: Tensor) -> Tensor:
     """The noise level s in [0, 1] consistent with a canvas of which the share `clean_share` (...) of positions is
     clean and the rest fresh uniform noise, (...) fp32. The forward process keeps a token with probability
-    alpha(s) = cos^2(pi/2 * s) (dgemma/train/diffusion.py:alpha) and otherwise draws it uniformly, so such a canvas
+    alpha(s) = cos^2(pi/2 * s) (dgemma/noise.py:alpha) and otherwise draws it uniformly, so such a canvas
     is a draw at alpha(s) = a: s = (2 / pi) * arccos(sqrt(a)). a = 0 (pure noise) gives 1, a = 1 gives 0."""
     return torch.arccos(clean_share.double().clamp(0, 1).sqrt()).mul_(2 / math.pi).float()
 
@@ -219,8 +220,6 @@ def ancestral_step(z: Tensor, x: Tensor, level: float, next_level: float) -> Ten
     q(x_{s'} | x_s, x0 = k), the reverse model whose NELBO dgemma/train/nelbo.py computes. With w_k = p_k / q(x_s | k)
     and S = sum_k w_k, p(x_{s'} = j | x_s) is proportional to q(x_s | x_{s'} = j) (alpha' w_j + (1 - alpha') / V S);
     at s' = 0 it is p(x0 | x_s). O(V) per position, in float32 logs."""
-    from dgemma.noise import alpha
-
     V = z.shape[-1]
     a = float(alpha(torch.tensor(level), torch.float64))
     a2 = float(alpha(torch.tensor(next_level), torch.float64))
