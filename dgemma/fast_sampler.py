@@ -144,7 +144,6 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     (default: every step on CPU, where a read costs nothing; every 4 on CUDA; steps run after the whole batch stopped
     are discarded, so the per-row step counts are the readable loop's); `chunk_rows`: rows of (rows, V) logits per
     chunk."""
-    config = config.resolved_for(model.config)
     check_supported(config)
     B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
     device = model.device

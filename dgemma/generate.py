@@ -173,7 +173,6 @@ class CanvasSampler:
                  canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None, trace: bool = False):
         B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
         device = model.device
-        config = config.resolved_for(model.config)  # sampler None: the model's own
         self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
         self.time_embedding = model.config.time_embedding
         self.observed = model.config.observed_likelihood

@@ -61,8 +61,8 @@ class GenerationConfig:
     # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
     # generation_config.json.
     # "entropy-bound" (transformers), "lite" (seed 003: monotone commits) or "ancestral" (the D3PM chain the NELBO
-    # bounds: each step draws x_{s - 1/N} from the model's reverse step); None: the model's own (`resolved_for`).
-    sampler: str | None = None
+    # bounds: each step draws x_{s - 1/N} from the model's reverse step).
+    sampler: str = "entropy-bound"
     # What a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (the JAX reference's final canvas;
     # for Lite, seed 003's committed tokens, else the last draw). None: "sample" for lite, "argmax" otherwise.
     commit: str | None = None
@@ -112,7 +112,7 @@ class GenerationConfig:
             require(v is None or (is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
         for name in ("truncate", "adaptive"):
             require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
-        switches = (("sampler", (None, *SAMPLERS)), ("commit", (None, "argmax", "sample")),
+        switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")),
                     ("stop_rule", ("hf", "jax")), ("sliding_prefix", ("hf", "jax")),
                     ("posterior", (None, "tempered", "raw")),
                     ("initial_self_conditioning", ("zeros", "uniform")), ("time_level", TIME_LEVELS),
@@ -132,10 +132,6 @@ class GenerationConfig:
     def posterior_rule(self) -> str:
         """The resolved `posterior` switch."""
         return self.posterior or ("raw" if self.sampler == "lite" else "tempered")
-
-    def resolved_for(self, model_config: Any) -> GenerationConfig:
-        """This config with `sampler` None resolved to the model's own sampler (`default_sampler`)."""
-        return self if self.sampler is not None else self.replace(sampler=default_sampler(model_config))
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A copy with `changes`; unknown names raise a ConfigError listing the valid ones."""
@@ -214,12 +210,7 @@ class GenerationConfig:
 SAMPLERS = ("entropy-bound", "lite", "ancestral")
 
 
-def default_sampler(model_config: Any) -> str:
-    """The sampler of a model whose generation settings do not name one: "ancestral" for a model trained with the
-    observed likelihood (its posterior is that chain's; the entropy-bound rule, which accepts the most confident
-    positions first and commits argmaxes, turns a weak one's output into punctuation: docs/sampling.md),
-    "entropy-bound" (transformers') for every other."""
-    return "ancestral" if getattr(model_config, "observed_likelihood", False) else "entropy-bound"
+
 TIME_LEVELS = ("canvas", "schedule", "noise")
 LITE_COMMITS = ("scheduled", "seed")
 _HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",

@@ -19,9 +19,9 @@ TRANSFORMERS_MAX_NEW_TOKENS = 256  # transformers' default max_new_tokens: only 
 def resolve_generation_config(model: DiffusionGemma, generation_config: GenerationConfig | None,
                               overrides: dict[str, Any]) -> GenerationConfig:
     """The settings of a request. Precedence: `overrides` > `generation_config` > the model's generation_config.json
-    > GenerationConfig's defaults; a sampler none of them names is the model's own (`GenerationConfig.resolved_for`)."""
+    > GenerationConfig's defaults."""
     base = generation_config or model.generation_config or GenerationConfig()
-    return (base.replace(**overrides) if overrides else base).resolved_for(model.config)
+    return base.replace(**overrides) if overrides else base
 
 
 def new_token_budget(config: GenerationConfig, context_length: int) -> int:

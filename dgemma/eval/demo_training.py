@@ -1,5 +1,6 @@
-"""`dgemma demo`'s training step: several runs trained at the same time, each in its own spawned process on its share
-of the cores, watched from here with one status line for all of them (steps done of the budget, ETA each).
+"""`dgemma demo`'s training step: runs trained at the same time (the demo trains one at a time), each in its own spawned
+process on its share of the cores, watched from here with one status line for all of them (steps done of the budget,
+ETA each).
 
 Each child trains with `dgemma.train.loop.train` (resume=True: a rerun continues it), its console in a log file; the
 parent reads the runs' metrics.jsonl as they grow, so what it shows is what the runs recorded. Each child is a
@@ -128,8 +129,8 @@ def _status(watched: list[_Watched]) -> str:
         parts.append(f"{w.job.label} step {w.step}/{w.job.cfg.max_steps} ({state})")
     etas = [_eta(w) for w in watched if w.process.is_alive() and not w.outcome]
     known = [e for e in etas if e is not None]
-    return " | ".join(parts) + (f" | all done in ~{_duration(max(known))}" if known and len(known) == len(etas)
-                                else "")
+    return " | ".join(parts) + (f" | all done in ~{_duration(max(known))}"
+                                if len(watched) > 1 and known and len(known) == len(etas) else "")
 
 
 def _duration(seconds: float) -> str:

@@ -84,13 +84,14 @@ class TrainConfig:
                                "weighted as in the NELBO (the bound `dgemma eval` reports)", default="x0",
                                choices=LOSS_WEIGHTING)
     time_embedding: bool | None = _opt("time conditioning: add an embedding of the canvas's noise level t/T to its "
-                                       "tokens (default: the preset's; a dg checkpoint with it does not load in "
-                                       "transformers)", default=None)
+                                       "tokens (default: the preset's, or init_from's; on an init_from checkpoint "
+                                       "without it, its projection starts at zero; a dg checkpoint with it does not "
+                                       "load in transformers)", default=None)
     observed_likelihood: bool | None = _opt("the posterior p(x0 | x_s) multiplies the network's prediction by the "
                                             "likelihood q(x_s | x0) of each token's own observation (exact Bayes; "
                                             "dgemma/noise.py), so a clean-looking token is near-certain at low noise "
-                                            "(default: the preset's; such a checkpoint does not load in "
-                                            "transformers)", default=None)
+                                            "(default: the preset's, or init_from's; such a checkpoint does not "
+                                            "load in transformers)", default=None)
     self_conditioning_prob: float = _opt("probability of the self-conditioning pre-pass", default=0.5)
     ar_weight: float = _opt("weight of a next-token loss on the clean stream (clean-context)", default=0.0)
     chunk_rows: int = _opt("rows of the (rows, V) logits alive at once in the loss", default=1024)
@@ -131,8 +132,8 @@ class TrainConfig:
               "must be None or an int >= 0")
         for name in ("time_embedding", "observed_likelihood"):
             check(getattr(self, name) in (None, True, False), name, "must be true, false or None")
-            check(self.init_from is None or getattr(self, name) is None, name,
-                  "must be None with init_from (the checkpoint decides)")
+            check(self.init_from is None or getattr(self, name) is None or not self.lora_rank, name,
+                  "must be None with LoRA (the adapter adapts the checkpoint's own model)")
         check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
               "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
         for f in dataclasses.fields(self):
@@ -154,6 +155,10 @@ class TrainConfig:
         check(self.ar_weight == 0 or self.objective == "clean-context", "ar_weight",
               "is the clean stream's next-token loss: only the clean-context objective has one")
         mc = self.model_config
+        if self.init_from is not None and self.time_embedding is False:
+            check(not self.base_model_config.time_embedding, "time_embedding",
+                  f"must not be false: init_from {self.init_from} is time-conditioned (its trained time input would "
+                  "be dropped)")
         L = mc.canvas_length
         check(self.objective == "ar" or self.seq_len % L == 0, "seq_len",
               f"must be a multiple of the preset's canvas_length={L} for a diffusion objective")
@@ -173,14 +178,22 @@ class TrainConfig:
         return self.objective in ("clean-context", "noisy-context") and self.diffusion_time == "continuous"
 
     @property
-    def model_config(self) -> ModelConfig:
-        if self.init_from is not None:  # the checkpoint's geometry
+    def base_model_config(self) -> ModelConfig:
+        """The model before this run's switches: init_from's (the checkpoint's geometry), or the preset's."""
+        if self.init_from is not None:
             config = resolve_model_dir(self.init_from) / "config.json"
             return ModelConfig.from_hf(read_json(config), source=str(config))
-        mc = PRESETS[self.preset]
-        overrides = {name: getattr(self, name)
-                     for name in ("vocab_size", "canvas_length", "time_embedding", "observed_likelihood")
-                     if getattr(self, name) is not None}
+        return PRESETS[self.preset]
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model this run trains: `base_model_config` with the switches set here. With init_from only the
+        diffusion switches (time_embedding, observed_likelihood) may change it: an AR checkpoint becomes a
+        diffusion model's starting point (docs/training.md, "From an AR checkpoint")."""
+        mc = self.base_model_config
+        names = ("vocab_size", "canvas_length", "time_embedding", "observed_likelihood") if self.init_from is None \
+            else ("time_embedding", "observed_likelihood")
+        overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         return mc.replace(**overrides) if overrides else mc
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -53,7 +53,7 @@ import torch
 
 from dgemma import fsio, lock, lora
 from dgemma.checkpoint import resolve_model_dir
-from dgemma.config import ConfigError
+from dgemma.config import ConfigError, ModelConfig
 from dgemma.console import Console
 from dgemma.data.sft import ChatData
 from dgemma.data.shards import TokenDataset, check_token_range, sha256_file, verify
@@ -73,9 +73,6 @@ from dgemma.train.run_dir import NonFiniteError
 # A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
 # steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
 NONFINITE_FIRST_STEPS, NONFINITE_STREAK = 3, 5
-# The temperature at the last step of an observed-likelihood run's sampler: 1 at every other step (t_max; a schedule
-# needs t_min < t_max).
-ANCESTRAL_T_MIN = 0.99
 
 
 def micro_step_generator(cfg: TrainConfig, micro_step: int, device: torch.device) -> torch.Generator:
@@ -311,11 +308,28 @@ def initial_model(cfg: TrainConfig, device: torch.device) -> DiffusionGemma:
     if cfg.init_from is None:
         return init_weights(DiffusionGemma(cfg.model_config, impl=cfg.impl), seed=cfg.seed).to(device)
     model = load_model(cfg.init_from, dtype=torch.float32, device=device, impl=cfg.impl)
+    if cfg.model_config != model.config:  # the diffusion switches on another model's weights
+        model = with_diffusion_switches(model, cfg.model_config, device)
     if cfg.lora_rank:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             lora.attach(model, adapter_config(cfg))
     return model
+
+
+def with_diffusion_switches(model: DiffusionGemma, config: ModelConfig, device: torch.device) -> DiffusionGemma:
+    """`model`'s weights in a model of `config`, which differs only in the diffusion switches (TrainConfig.model_config
+    allows no other change on init_from): the observed likelihood has no weights; a new time input's projection starts
+    at zero, so the step-0 model computes exactly what the checkpoint does (an AR baseline adapted to diffusion, as
+    Dream and DiffuLLaMA adapt theirs; docs/training.md, "From an AR checkpoint")."""
+    new = DiffusionGemma(config, impl=model.impl).to(device)
+    missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all("time_proj" in k.split(".") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for name in missing:
+            new.get_parameter(name).zero_()
+    new.generation_config = model.generation_config
+    return new
 
 
 def adapter_config(cfg: TrainConfig) -> Any:
@@ -330,16 +344,16 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     # The same on every rank; FSDP from a checkpoint: built on the meta device, each rank then fills only its shards
     # with what rank 0 alone reads (Dist.wrap's fill_from), so no rank holds the whole model.
     deferred = cfg.init_from is not None and d.world_size > 1 and cfg.parallel == "fsdp"
+    if deferred and mc != cfg.base_model_config:
+        raise ConfigError(f"--init-from {cfg.init_from} with new diffusion switches (time embedding, observed "
+                          "likelihood) under --parallel fsdp: FSDP fills the checkpoint's own model; start the "
+                          "diffusion run with ddp or one process, then continue it with fsdp")
     model = distributed.meta_model(cfg.init_from, cfg.impl) if deferred else initial_model(cfg, device)
     # Documents end with the data's end-of-text id (answers with the chat template's end of turn): generation stops
     # there. A fine-tuned checkpoint keeps its sampler settings.
     if cfg.init_from is None:
         model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
                                                    bos_token_id=mc.bos_token_id)
-        if mc.observed_likelihood:  # its sampler is the ancestral chain (generation_config.default_sampler): the
-            # training T steps at temperature 1 (the chain the bound is for; docs/sampling.md measures it)
-            model.generation_config = model.generation_config.replace(
-                max_denoising_steps=cfg.num_steps, t_min=ANCESTRAL_T_MIN, t_max=1.0)
     else:
         gen = model.generation_config.stopping_at(train_set.eot_id)
         model.generation_config = gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
