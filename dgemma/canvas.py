@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dgemma import sampling
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import COMMITTING, GenerationConfig
 
 
 @dataclass
@@ -108,7 +108,7 @@ class CanvasState:
                  entropy: Tensor, temperature: Tensor) -> None:
         """Apply the stop rule to the step's (already frozen) results and move on to the next input canvas."""
         self.mean_entropy = entropy.mean(-1)
-        stopped = sampling.stop_rows(self.config, self._stop, new_argmax, self.x, self.mean_entropy)
+        stopped = sampling.stop_rows(self.config, self._stop, new_argmax, self.x, self.mean_entropy, accepted)
         self.stopped_at = torch.where(stopped & ~was_done, self.step, self.stopped_at)
         self.done = was_done | stopped
         self.clean = torch.where(was_done, self.clean, accepted.float().mean(-1))  # what `new_x` carries over
@@ -128,7 +128,8 @@ class CanvasState:
         return bool(self.done.all())
 
     def stop_reasons(self) -> list[str]:
-        reason = "adaptive" if self.config.sampler == "lite" else "stable+confident"
+        reason = "adaptive" if self.config.sampler == "lite" else "committed" if self.config.sampler in COMMITTING \
+            else "stable+confident"
         return [reason if s else "max_steps" for s in (self.stopped_at > 0).tolist()]
 
     def staged(self, sample: Tensor) -> StagedCanvas:

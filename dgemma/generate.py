@@ -33,7 +33,7 @@ from torch import Tensor
 from dgemma import dirkind, fast_sampler, fsio, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.generation_config import GenerationConfig, GenerationError
+from dgemma.generation_config import COMMITTING, GenerationConfig, GenerationError
 from dgemma.inputs import check_token_ids
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
@@ -180,6 +180,7 @@ class CanvasSampler:
                                        finished=finished, canvas_index=canvas_index, on_step=on_step, trace=trace)
         self.lite, self.raw = config.sampler == "lite", config.posterior_rule == "raw"
         self.ancestral = config.sampler == "ancestral"
+        self.committing = config.sampler in COMMITTING  # block-refinement, confidence: commits stay (unless edited)
         self.num_steps = self.remaining = config.max_denoising_steps
         sc = self_conditioning_logits
         if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
@@ -220,6 +221,8 @@ class CanvasSampler:
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
         new_draw = None if self.ancestral else sampling.draw_tokens(probs, generator)
         confidence = probs.amax(-1) if lite and not raw else None
+        if self.committing:  # the tempered probability of each drawn token (diffusers' confidence)
+            confidence = probs.gather(-1, new_draw[..., None])[..., 0]
         del probs
         # What entropy, confidence and self-conditioning read: z, or the raw logits again (z * T, within a rounding).
         z = z.mul_(temp) if raw else z
@@ -231,6 +234,14 @@ class CanvasSampler:
         if self.ancestral:  # x_{s'} from the reverse step, s = n / N -> s' = (n - 1) / N ("accepted": unchanged)
             new_x = sampling.draw_tokens(sampling.ancestral_step(z, state.x, n / N, (n - 1) / N), generator)
             new_draw, accepted = new_x, new_x == state.x
+        elif self.committing:
+            quota = sampling.commit_quota(committed, N - n + 1, N) if config.sampler == "block-refinement" else \
+                torch.ones(committed.shape[0], dtype=torch.long, device=committed.device)
+            new_commits = sampling.threshold_commits(confidence, committed, config.commit_threshold, quota)
+            edited = sampling.edits(new_draw, state.x, committed, confidence, config.edit_threshold)
+            kept = sampling.renoise(torch.where(edited, new_draw, state.x), committed, V, generator)
+            new_x = torch.where(new_commits, new_draw, kept)
+            accepted = committed | new_commits
         elif lite:
             new_commits = sampling.lite_commit(config, N - n + 1, new_argmax, confidence, self.prev_argmax,
                                                self.prev_confidence, committed)
@@ -245,10 +256,10 @@ class CanvasSampler:
             new_argmax = torch.where(keep, state.argmax, new_argmax)
             new_x = torch.where(keep, state.x, new_x)
             new_draw = torch.where(keep, self.draw, new_draw)
-            accepted = torch.where(keep, committed if lite else accepted, accepted)
+            accepted = torch.where(keep, committed if lite or self.committing else accepted, accepted)
             z[was_done] = sc_done.to(z.dtype)
             entropy[was_done] = sampling.token_entropy(z[was_done])
-        self.committed = accepted if lite else committed
+        self.committed = accepted if lite or self.committing else committed
         state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
         self.draw = new_draw
         self.sc = z.to(self.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
@@ -258,7 +269,8 @@ class CanvasSampler:
     def staged(self) -> StagedCanvas:
         """The finished canvas. Lite ends every position on its best guess: the committed token, else the last draw
         (seed 003, 4.2 rule 5)."""
-        return self.state.staged(torch.where(self.committed, self.state.x, self.draw) if self.lite else self.state.x)
+        final = self.lite or self.committing  # committed tokens, else the last draw
+        return self.state.staged(torch.where(self.committed, self.state.x, self.draw) if final else self.state.x)
 
 
 def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:
@@ -384,7 +396,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
             "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.to_hf() | {
                 k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
                                                 "adaptive", "stability_steps", "posterior_rule",
-                                                "initial_self_conditioning", "time_level", "lite_commit")}
+                                                "initial_self_conditioning", "time_level", "lite_commit",
+                                                "commit_threshold", "edit_threshold")}
                                                 | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
                       "(S, B, L); mean_entropy, done, active, level (S, B)",

@@ -60,9 +60,14 @@ class GenerationConfig:
     bos_token_id: int | None = None
     # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
     # generation_config.json.
-    # "entropy-bound" (transformers), "lite" (seed 003: monotone commits) or "ancestral" (the D3PM chain the NELBO
-    # bounds: each step draws x_{s - 1/N} from the model's reverse step).
+    # "entropy-bound" (transformers), "lite" (seed 003: monotone commits), "ancestral" (the D3PM chain the NELBO
+    # bounds: each step draws x_{s - 1/N} from the model's reverse step), "block-refinement" (diffusers: commit the
+    # positions above `commit_threshold` and at least ceil(L * k / N) after step k; `edit_threshold` lets a committed
+    # token change) or "confidence" (Fast-dLLM: commit the positions above `commit_threshold`, at least one a step).
     sampler: str = "entropy-bound"
+    commit_threshold: float = 0.95  # block-refinement, confidence: a drawn token this probable commits (diffusers')
+    edit_threshold: float | None = None  # block-refinement, confidence: a committed token changes to a new draw this
+    # probable (None: never; diffusers' editing_threshold)
     # What a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (the JAX reference's final canvas;
     # for Lite, seed 003's committed tokens, else the last draw). None: "sample" for lite, "argmax" otherwise.
     commit: str | None = None
@@ -107,6 +112,11 @@ class GenerationConfig:
                f"must be an int >= 0, got {self.stability_threshold!r}")
         require(self.confidence_threshold > 0, "confidence_threshold",
                f"must be > 0, got {self.confidence_threshold!r}")
+        require(0 <= self.commit_threshold <= 1, "commit_threshold",
+               f"must be a probability in [0, 1], got {self.commit_threshold!r}")
+        e = self.edit_threshold
+        require(e is None or (is_real(e) and 0 < e <= 1), "edit_threshold",
+               f"must be None (no editing) or a probability in (0, 1], got {e!r}")
         for name in ("pad_token_id", "bos_token_id"):
             v = getattr(self, name)
             require(v is None or (is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
@@ -126,7 +136,7 @@ class GenerationConfig:
     @property
     def commit_rule(self) -> str:
         """The resolved `commit` switch."""
-        return self.commit or ("sample" if self.sampler in ("lite", "ancestral") else "argmax")
+        return self.commit or ("sample" if self.sampler in ("lite", "ancestral", *COMMITTING) else "argmax")
 
     @property
     def posterior_rule(self) -> str:
@@ -207,7 +217,8 @@ class GenerationConfig:
         return d
 
 
-SAMPLERS = ("entropy-bound", "lite", "ancestral")
+SAMPLERS = ("entropy-bound", "lite", "ancestral", "block-refinement", "confidence")
+COMMITTING = ("block-refinement", "confidence")  # samplers whose committed positions are final (unless edited)
 
 
 

@@ -17,6 +17,10 @@ ceil(L * k / N) committed after step k of N; `lite_commit="seed"` commits all of
 Its entropy, confidence and self-conditioning read the raw posterior softmax(logits), not softmax(z) (seed 003,
 4.2); the `posterior` switch chooses this for either sampler.
 
+Block refinement and confidence-threshold decoding (`threshold_commits`, `edits`) share the step too, and commit the
+positions whose drawn token is more probable than `commit_threshold`, at least ceil(L * k / N) in all after step k
+(block refinement) or one a step (confidence); committed tokens stay unless `edits` replaces them.
+
 A time-embedding model is told a noise level per row (`time_level`): by default the level consistent with what its
 input canvas holds (`canvas_level` of the share carried over clean), or the seed's schedule n / N, or 1.
 
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import COMMITTING, GenerationConfig
 from dgemma.noise import alpha
 
 ENTROPY_CHUNK_ROWS = 4096  # rows of (V,) logits per entropy chunk: bounds the extra memory to 2 x chunk x V fp32
@@ -159,6 +163,28 @@ def lite_commit(config: GenerationConfig, step: int, argmax: Tensor, confidence:
     return most_confident(candidates, confidence, commit_quota(committed, step, config.max_denoising_steps))
 
 
+def threshold_commits(confidence: Tensor, committed: Tensor, threshold: float, quota: Tensor) -> Tensor:
+    """The positions that commit at this step, (B, L) bool, only among those not committed yet: every one whose
+    `confidence` (B, L) (the tempered probability of its drawn token) exceeds `threshold`, and at least the `quota`
+    (B,) most confident of the rest (`most_confident`). Two samplers use it:
+
+    block-refinement   quota = `commit_quota` (the committed set reaches L at the last step), as diffusers'
+                       BlockRefinementScheduler in its uniform (no mask token) mode [D2]
+    confidence         quota = 1: every position above the threshold, at least one a step; a canvas stops once all
+                       are committed (Fast-dLLM's threshold parallel decoding [F1])"""
+    open_ = ~committed
+    return (open_ & (confidence > threshold)) | most_confident(open_, confidence, quota)
+
+
+def edits(draw: Tensor, canvas: Tensor, committed: Tensor, confidence: Tensor, threshold: float | None) -> Tensor:
+    """Committed positions whose new draw differs from the committed token with `confidence` above `threshold`, (B, L)
+    bool: block refinement's editing [D2], which lets a committed token change when the model is sure of another;
+    none when `threshold` is None (editing off)."""
+    if threshold is None:
+        return torch.zeros_like(committed)
+    return committed & (draw != canvas) & (confidence > threshold)
+
+
 def canvas_level(clean_share: Tensor) -> Tensor:
     """The noise level s in [0, 1] consistent with a canvas of which the share `clean_share` (...) of positions is
     clean and the rest fresh uniform noise, (...) fp32. The forward process keeps a token with probability
@@ -192,13 +218,17 @@ class StopState:
 
 
 def stop_rows(config: GenerationConfig, state: StopState, argmax: Tensor, input_canvas: Tensor,
-              mean_entropy: Tensor) -> Tensor:
+              mean_entropy: Tensor, committed: Tensor | None = None) -> Tensor:
     """Which rows stop after this step, (B,) bool; updates `state`. The rule follows `config`:
     entropy-bound, stop_rule "hf"    argmax stable over `stability_threshold` steps and mean(H) < threshold
     entropy-bound, stop_rule "jax"   argmax == the step's input canvas and mean(H) <= threshold
     lite, adaptive                   mean(H) < threshold for `stability_steps` steps in a row (seed 003, 4.4)
     lite, not adaptive               never (the fixed schedule)
-    ancestral                        never (the chain runs its N steps to s = 0)"""
+    ancestral                        never (the chain runs its N steps to s = 0)
+    confidence, block-refinement     every position committed (`committed` (B, L): the step's committed set)"""
+    if config.sampler in COMMITTING:
+        assert committed is not None, "the committing samplers stop on their committed set"
+        return committed.all(-1)
     if config.sampler == "ancestral":  # the chain runs to s = 0: stopping early would commit noise
         return torch.zeros_like(mean_entropy, dtype=torch.bool)
     if config.sampler == "lite":
