@@ -114,7 +114,7 @@ class CanvasState:
         self.clean = torch.where(was_done, self.clean, accepted.float().mean(-1))  # what `new_x` carries over
         self.carried = torch.where(was_done[:, None], self.carried, accepted)
         if self.trace or self.on_step is not None:
-            info = StepInfo(self.canvas_index, self.step, self.config.max_denoising_steps, float(temperature), self.x,
+            info = StepInfo(self.canvas_index, self.step, self.config.max_passes, float(temperature), self.x,
                             new_argmax, accepted, entropy, self.mean_entropy, self.done, active, self.level,
                             time.perf_counter() - self._started)
             if self.trace:

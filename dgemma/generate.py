@@ -179,7 +179,11 @@ class CanvasSampler:
         self.state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas,
                                        finished=finished, canvas_index=canvas_index, on_step=on_step, trace=trace)
         self.lite, self.raw = config.sampler == "lite", config.posterior_rule == "raw"
-        self.ancestral = config.sampler == "ancestral"
+        # The chain samplers: ancestral, and predictor-corrector (each ancestral step followed by `corrector_steps`
+        # passes that noise the canvas back up one level and step down again)
+        self.ancestral = config.sampler in ("ancestral", "predictor-corrector")
+        self.correctors = config.corrector_steps if config.sampler == "predictor-corrector" else 0
+        self.corrector_pass = 0  # 0: the step's predictor pass; 1..correctors: its corrector passes
         self.committing = config.sampler in COMMITTING  # block-refinement, confidence: commits stay (unless edited)
         self.num_steps = self.remaining = config.max_denoising_steps
         sc = self_conditioning_logits
@@ -197,13 +201,24 @@ class CanvasSampler:
         (B,) for a time-embedding model (`sampling.time_level`; None without a time embedding). Call once per step,
         then `step` with the pass's logits."""
         self._begun = self.state.begin_step()
+        if self.correctors:  # the pass's level is the chain's, s = index / N (`_chain_index`)
+            s, N = self._chain_index(), self.num_steps
+            if self.corrector_pass:  # noise x_{s'} forward to s: the corrector's first half
+                self.state.x = sampling.forward_noise(self.state.x, (s - 1) / N, s / N, self.vocab_size,
+                                                      self.generator)
+            self.state.level = torch.full_like(self.state.level, s / N)
         return self.state.x, self.sc, self.state.level if self.time_embedding else None
+
+    def _chain_index(self) -> int:
+        """n of the pass's level s = n / N: the steps remaining for a predictor pass, one more for a corrector pass
+        (it steps down to the level the predictor reached)."""
+        return self.remaining + (1 if self.corrector_pass else 0)
 
     def step(self, logits: Tensor) -> bool:
         """The sampler on the pass's fp32 logits (B, L, V), consumed in place. Returns whether the canvas is
         finished (every row stopped, or no step left)."""
         state, config, generator, V, n, N = self.state, self.config, self.generator, self.vocab_size, \
-            self.remaining, self.num_steps
+            self._chain_index(), self.num_steps
         lite, raw, sc = self.lite, self.raw, self.sc
         was_done, active = self._begun
         check_finite_logits(logits, state.canvas_index, N - n + 1)
@@ -263,8 +278,12 @@ class CanvasSampler:
         state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
         self.draw = new_draw
         self.sc = z.to(self.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
-        self.remaining -= 1
-        return self.remaining == 0 or state.all_done()
+        if self.corrector_pass:
+            self.corrector_pass = (self.corrector_pass + 1) % (self.correctors + 1)
+        else:
+            self.remaining -= 1
+            self.corrector_pass = 1 if self.correctors else 0
+        return (self.remaining == 0 and not self.corrector_pass) or state.all_done()
 
     def staged(self) -> StagedCanvas:
         """The finished canvas. Lite ends every position on its best guess: the committed token, else the last draw
@@ -397,7 +416,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
                 k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
                                                 "adaptive", "stability_steps", "posterior_rule",
                                                 "initial_self_conditioning", "time_level", "lite_commit",
-                                                "commit_threshold", "edit_threshold")}
+                                                "corrector_steps", "commit_threshold", "edit_threshold")}
                                                 | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
                       "(S, B, L); mean_entropy, done, active, level (S, B)",

@@ -61,10 +61,12 @@ class GenerationConfig:
     # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
     # generation_config.json.
     # "entropy-bound" (transformers), "lite" (seed 003: monotone commits), "ancestral" (the D3PM chain the NELBO
-    # bounds: each step draws x_{s - 1/N} from the model's reverse step), "block-refinement" (diffusers: commit the
+    # bounds: each step draws x_{s - 1/N} from the model's reverse step), "predictor-corrector" (each ancestral step
+    # followed by `corrector_steps` forward-backward corrector passes), "block-refinement" (diffusers: commit the
     # positions above `commit_threshold` and at least ceil(L * k / N) after step k; `edit_threshold` lets a committed
     # token change) or "confidence" (Fast-dLLM: commit the positions above `commit_threshold`, at least one a step).
     sampler: str = "entropy-bound"
+    corrector_steps: int = 1  # predictor-corrector: corrector passes after each ancestral step
     commit_threshold: float = 0.95  # block-refinement, confidence: a drawn token this probable commits (diffusers')
     edit_threshold: float | None = None  # block-refinement, confidence: a committed token changes to a new draw this
     # probable (None: never; diffusers' editing_threshold)
@@ -112,6 +114,8 @@ class GenerationConfig:
                f"must be an int >= 0, got {self.stability_threshold!r}")
         require(self.confidence_threshold > 0, "confidence_threshold",
                f"must be > 0, got {self.confidence_threshold!r}")
+        require(is_int(self.corrector_steps) and self.corrector_steps >= 0, "corrector_steps",
+               f"must be an int >= 0, got {self.corrector_steps!r}")
         require(0 <= self.commit_threshold <= 1, "commit_threshold",
                f"must be a probability in [0, 1], got {self.commit_threshold!r}")
         e = self.edit_threshold
@@ -136,7 +140,14 @@ class GenerationConfig:
     @property
     def commit_rule(self) -> str:
         """The resolved `commit` switch."""
-        return self.commit or ("sample" if self.sampler in ("lite", "ancestral", *COMMITTING) else "argmax")
+        return self.commit or ("sample" if self.sampler in ("lite", "ancestral", "predictor-corrector", *COMMITTING)
+                               else "argmax")
+
+    @property
+    def max_passes(self) -> int:
+        """The most model passes a canvas takes: max_denoising_steps, times 1 + corrector_steps for the
+        predictor-corrector sampler."""
+        return self.max_denoising_steps * (1 + (self.corrector_steps if self.sampler == "predictor-corrector" else 0))
 
     @property
     def posterior_rule(self) -> str:
@@ -217,7 +228,7 @@ class GenerationConfig:
         return d
 
 
-SAMPLERS = ("entropy-bound", "lite", "ancestral", "block-refinement", "confidence")
+SAMPLERS = ("entropy-bound", "lite", "ancestral", "predictor-corrector", "block-refinement", "confidence")
 COMMITTING = ("block-refinement", "confidence")  # samplers whose committed positions are final (unless edited)
 
 

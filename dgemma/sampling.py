@@ -17,6 +17,9 @@ ceil(L * k / N) committed after step k of N; `lite_commit="seed"` commits all of
 Its entropy, confidence and self-conditioning read the raw posterior softmax(logits), not softmax(z) (seed 003,
 4.2); the `posterior` switch chooses this for either sampler.
 
+The ancestral chain (`ancestral_step`) draws each step from the model's reverse step; the predictor-corrector sampler
+adds corrector passes that noise the canvas back up one level (`forward_noise`) and step down again.
+
 Block refinement and confidence-threshold decoding (`threshold_commits`, `edits`) share the step too, and commit the
 positions whose drawn token is more probable than `commit_threshold`, at least ceil(L * k / N) in all after step k
 (block refinement) or one a step (confidence); committed tokens stay unless `edits` replaces them.
@@ -113,6 +116,18 @@ def renoise(canvas: Tensor, keep: Tensor, vocab_size: int, generator: torch.Gene
     return torch.where(keep, canvas, uniform_tokens(canvas.shape, vocab_size, canvas.device, generator))
 
 
+def forward_noise(x: Tensor, level: float, next_level: float, vocab_size: int,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """A draw of the forward process from level `level` to the noisier `next_level`, (B, L): each token kept with
+    probability alpha(next_level) / alpha(level), else drawn uniformly (q(x_{s2} | x_s) of uniform-state diffusion;
+    dgemma/noise.py:alpha). The predictor-corrector sampler's corrector noises x_{s'} up to s with it and steps down
+    again with `ancestral_step`: for the exact posterior that pair leaves the law of x_{s'} unchanged (a
+    forward-backward corrector, as in Campbell et al. 2022's predictor-corrector for discrete diffusion)."""
+    keep = float(alpha(torch.tensor(next_level), torch.float64) / alpha(torch.tensor(level), torch.float64))
+    stays = torch.rand(x.shape, device=x.device, generator=generator) < keep
+    return renoise(x, stays, vocab_size, generator)
+
+
 def is_stable(history: Tensor | None, argmax: Tensor, threshold: int) -> tuple[Tensor, Tensor | None]:
     """Whether `argmax` (B, L) equals each of the last `threshold` argmax canvases, and the updated history
     (threshold, B, L). The history starts at -1, so the first step of a canvas is never stable."""
@@ -201,7 +216,8 @@ def time_level(config: GenerationConfig, clean_share: Tensor, steps_remaining: i
     mostly noise, so the model copies the noise into its prediction; "noise" always 1 (every canvas treated as pure
     noise: the model copies almost none of it, but it also discounts what the canvas holds). docs/sampling.md
     measures the three."""
-    if config.time_level == "schedule" or config.sampler == "ancestral":  # the chain's canvas is a draw at n / N
+    if config.time_level == "schedule" or config.sampler in ("ancestral", "predictor-corrector"):  # the chain's
+        # canvas is a draw at n / N (a predictor-corrector's corrector passes set their own level)
         return torch.full(clean_share.shape, steps_remaining / num_steps, dtype=torch.float32,
                           device=clean_share.device)
     if config.time_level == "noise":
@@ -229,7 +245,8 @@ def stop_rows(config: GenerationConfig, state: StopState, argmax: Tensor, input_
     if config.sampler in COMMITTING:
         assert committed is not None, "the committing samplers stop on their committed set"
         return committed.all(-1)
-    if config.sampler == "ancestral":  # the chain runs to s = 0: stopping early would commit noise
+    if config.sampler in ("ancestral", "predictor-corrector"):  # the chain runs to s = 0: stopping early would
+        # commit noise
         return torch.zeros_like(mean_entropy, dtype=torch.bool)
     if config.sampler == "lite":
         if not config.adaptive:  # the fixed schedule: entropy is never consulted

@@ -58,6 +58,15 @@ SETTINGS: list[tuple[str, dict]] = [
                                                         "lite_commit": "scheduled"}),
     ("lite, level noise, commit scheduled", {"sampler": "lite", "time_level": "noise", "lite_commit": "scheduled"}),
     ("ancestral (the chain the NELBO bounds)", {"sampler": "ancestral"}),
+    ("predictor-corrector, 1 corrector a step (2N passes)", {"sampler": "predictor-corrector", "corrector_steps": 1}),
+    # the committing samplers (issue 24): diffusers' block refinement, with and without editing, and Fast-dLLM's
+    # confidence threshold
+    ("block-refinement, threshold 0.95", {"sampler": "block-refinement", "commit_threshold": 0.95}),
+    ("block-refinement, threshold 0.95, editing 0.99", {"sampler": "block-refinement", "commit_threshold": 0.95,
+                                                        "edit_threshold": 0.99}),
+    ("block-refinement, threshold 0.7", {"sampler": "block-refinement", "commit_threshold": 0.7}),
+    ("confidence, threshold 0.9", {"sampler": "confidence", "commit_threshold": 0.9}),
+    ("confidence, threshold 0.7", {"sampler": "confidence", "commit_threshold": 0.7}),
 ]
 
 
@@ -133,7 +142,8 @@ def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Na
 
     r = generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens, truncate=True,
                  max_denoising_steps=args.steps, trace=True, eos_token_id=(), **settings)
-    chain = r.trace.summary["generation_config"]["sampler"] == "ancestral"  # no fresh noise: nothing to copy
+    chain = r.trace.summary["generation_config"]["sampler"] in ("ancestral", "predictor-corrector")  # no fresh
+    # noise: nothing to copy
     copied, fresh_n = [0.0] * args.steps, [0.0] * args.steps
     committed, rows = [0.0] * args.steps, [0.0] * args.steps
     prev = None

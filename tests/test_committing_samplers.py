@@ -115,8 +115,8 @@ def test_editing_lets_committed_tokens_change():
 @pytest.mark.parametrize("field, value, message", [
     ("commit_threshold", 1.5, "commit_threshold: must be a probability in [0, 1], got 1.5"),
     ("edit_threshold", 0.0, "edit_threshold: must be None (no editing) or a probability in (0, 1], got 0.0"),
-    ("sampler", "fast-dllm", "sampler: must be one of 'entropy-bound', 'lite', 'ancestral', 'block-refinement', "
-                             "'confidence', got 'fast-dllm'"),
+    ("sampler", "fast-dllm", "sampler: must be one of 'entropy-bound', 'lite', 'ancestral', 'predictor-corrector', "
+                             "'block-refinement', 'confidence', got 'fast-dllm'"),
 ])
 def test_bad_settings_are_one_error_naming_the_field(field, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")

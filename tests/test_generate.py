@@ -513,7 +513,8 @@ def test_truncate_counts_only_the_kept_tokens_per_forward(model):
     ({"t_max": 0.4}, ConfigError, r"t_max: must be > t_min=0.4"),
     ({"t_min": 0.9}, ConfigError, r"t_max: must be > t_min=0.9"),
     ({"sampler": "foo"}, ConfigError,
-     r"sampler: must be one of 'entropy-bound', 'lite', 'ancestral', 'block-refinement', 'confidence', got 'foo'"),
+     r"sampler: must be one of 'entropy-bound', 'lite', 'ancestral', 'predictor-corrector', 'block-refinement', "
+     r"'confidence', got 'foo'"),
     ({"temprature": 0.5}, ConfigError, r"unknown generation setting\(s\) temprature; valid: .*t_max"),
     ({"eos_token_id": V}, ValueError, r"eos_token_id \[512\] outside the vocabulary"),
     ({"pad_token_id": V}, ValueError, r"pad_token_id=512 is outside the vocabulary"),

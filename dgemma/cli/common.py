@@ -237,6 +237,8 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
                         "schedule (seed 003's n/N) or noise (always 1)")
     p.add_argument("--lite-commit", choices=LITE_COMMITS,
                    help="Lite's commit rule: scheduled (gradual, default) or seed (seed 003's all-at-once)")
+    p.add_argument("--corrector-steps", type=int, metavar="K",
+                   help="predictor-corrector: corrector passes after each ancestral step (default 1)")
     p.add_argument("--commit-threshold", type=float, metavar="P",
                    help="block-refinement, confidence: a drawn token at least this probable commits (default 0.95)")
     p.add_argument("--edit-threshold", type=float, metavar="P",
@@ -256,7 +258,8 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
 def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:
     """generate()'s keyword overrides from the sampler flags given (GenerationConfig.overrides checks them)."""
     return gcfg.overrides(sampler=args.sampler, time_level=args.time_level, lite_commit=args.lite_commit,
-                          commit_threshold=args.commit_threshold, edit_threshold=args.edit_threshold,
+                          corrector_steps=args.corrector_steps, commit_threshold=args.commit_threshold,
+                          edit_threshold=args.edit_threshold,
                           max_new_tokens=args.max_new_tokens,
                           max_denoising_steps=args.max_denoising_steps, entropy_bound=args.entropy_bound,
                           t_min=args.t_min, t_max=args.t_max)

@@ -25,7 +25,7 @@ from dgemma.generation_config import SEED_MAX, GenerationConfig, is_seed, offset
 SAMPLER_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "sampler", "stability_threshold",
                   "confidence_threshold", "commit", "stop_rule", "sliding_prefix", "posterior",
                   "initial_self_conditioning", "adaptive", "stability_steps", "time_level", "lite_commit",
-                  "commit_threshold", "edit_threshold")
+                  "corrector_steps", "commit_threshold", "edit_threshold")
 COMMON_FIELDS = ("model", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "temperature", "top_p",
                  "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user")
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
