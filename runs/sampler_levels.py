@@ -144,8 +144,9 @@ def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Na
                  max_denoising_steps=args.steps, trace=True, eos_token_id=(), **settings)
     chain = r.trace.summary["generation_config"]["sampler"] in ("ancestral", "predictor-corrector")  # no fresh
     # noise: nothing to copy
-    copied, fresh_n = [0.0] * args.steps, [0.0] * args.steps
-    committed, rows = [0.0] * args.steps, [0.0] * args.steps
+    P = max(info.step for info in r.trace.steps)  # passes a canvas: N, or N (1 + K) with K corrector passes
+    copied, fresh_n = [0.0] * P, [0.0] * P
+    committed, rows = [0.0] * P, [0.0] * P
     prev = None
     for info in r.trace.steps:  # canvas after canvas; a canvas's first step is all fresh noise
         k = info.step - 1
@@ -162,7 +163,7 @@ def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Na
     return {
         "name": name, **settings,
         "copied": math.nan if chain else sum(copied) / max(sum(fresh_n), 1),
-        "copied_per_step": [math.nan] * args.steps if chain else per_step,
+        "copied_per_step": [math.nan] * P if chain else per_step,
         "steps_per_canvas": sum(map(sum, r.steps_per_canvas)) / sum(map(len, r.steps_per_canvas)),
         "tokens_per_forward": float(r.tokens_per_forward.mean()), "gen_ppl": ppl["gen_ppl"],
         "token_entropy": quality(samples)["token_entropy"],
