@@ -23,7 +23,7 @@ retrained); every setting runs on both diffusion models:
 (the demo's budget: these are bit for bit the runs `dgemma demo` and runs/time_ablations.py train with the same
 flags and seed, so their checkpoints may be copied in).
 
-    python runs/sampler_levels.py            # about 35 minutes on 2 cores (training 16), then the table
+    python runs/sampler_levels.py            # about 45 minutes on 2 cores (training 16), then the table
     python runs/sampler_levels.py --smoke    # the same pipeline: tiny models, toy corpus, 2 steps (seconds)
 
 Writes OUT/sampler_levels.json and OUT/sampler_levels.md and prints the table.
@@ -179,18 +179,20 @@ def table(m: dict) -> str:
     lines = [f"| model | setting | copied, all steps | copied at {head} | steps/canvas | tokens/forward | gen-PPL | "
              "entropy |", "|---|---|---:|" + "---:|" * len(shown) + "---:|---:|---:|---:|"]
     pct = lambda x: "–" if x != x else f"{x:.1%}"
+    at = lambda values, k: values[k] if k < len(values) else math.nan  # a sampler that stopped sooner has no step k
     for r in m["results"]:
-        steps = " | ".join(pct(r["copied_per_step"][k]) for k in shown)
+        steps = " | ".join(pct(at(r["copied_per_step"], k)) for k in shown)
         lines.append(f"| {r['model']} | {r['name']} | {pct(r['copied'])} | {steps} | {r['steps_per_canvas']:.2f} | "
                      f"{r['tokens_per_forward']:.2f} | {r['gen_ppl']:.0f} | {r['token_entropy']:.2f} |")
     dash = " | ".join("–" for _ in range(len(shown) + 3))
     for r in m["references"]:
         lines.append(f"| – | {r['name']} | {dash} | {r['gen_ppl']:.0f} | {r['token_entropy']:.2f} |")
-    lite = [r for r in m["results"] if r["sampler"] == "lite"]
+    lite = [r for r in m["results"] if r["sampler"] in ("lite", "block-refinement", "confidence")]
     shown = sorted({*shown, min(1, N - 1)})  # step 2 too: where the seed's rule commits
-    lines += ["", f"Lite: share of positions committed after step ({', '.join(str(k + 1) for k in shown)}) of {N}:",
+    lines += ["", f"Lite and the committing samplers: share of positions committed after step "
+              f"({', '.join(str(k + 1) for k in shown)}) of {N} (– where every canvas had stopped):",
               ""]
-    lines += [f"- {r['model']}, {r['name']}: " + ", ".join(pct(r["committed_per_step"][k]) for k in shown)
+    lines += [f"- {r['model']}, {r['name']}: " + ", ".join(pct(at(r["committed_per_step"], k)) for k in shown)
               for r in lite]
     return "\n".join(lines)
 
@@ -212,8 +214,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     train(args)
     m = measure(args)
+    write_text(args.out / "sampler_levels.json", json.dumps(m, indent=1) + "\n")  # before the table: kept whatever
     md = table(m)
-    write_text(args.out / "sampler_levels.json", json.dumps(m, indent=1) + "\n")
     write_text(args.out / "sampler_levels.md", md + "\n")
     print(md)
     return 0
