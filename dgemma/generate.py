@@ -33,7 +33,7 @@ from torch import Tensor
 from dgemma import dirkind, fast_sampler, fsio, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
-from dgemma.generation_config import COMMITTING, GenerationConfig, GenerationError
+from dgemma.generation_config import CHAINS, COMMITTING, GenerationConfig, GenerationError
 from dgemma.inputs import check_token_ids
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
@@ -181,10 +181,11 @@ class CanvasSampler:
         self.lite, self.raw = config.sampler == "lite", config.posterior_rule == "raw"
         # The chain samplers: ancestral, and predictor-corrector (each ancestral step followed by `corrector_steps`
         # passes that noise the canvas back up one level and step down again)
-        self.ancestral = config.sampler in ("ancestral", "predictor-corrector")
-        self.correctors = config.corrector_steps if config.sampler == "predictor-corrector" else 0
+        self.ancestral = config.sampler in CHAINS
+        self.correctors = config.corrector_passes
         self.corrector_pass = 0  # 0: the step's predictor pass; 1..correctors: its corrector passes
         self.committing = config.sampler in COMMITTING  # block-refinement, confidence: commits stay (unless edited)
+        self.keeps_commits = self.lite or self.committing  # the samplers with a committed set (`self.committed`)
         self.num_steps = self.remaining = config.max_denoising_steps
         sc = self_conditioning_logits
         if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
@@ -271,10 +272,10 @@ class CanvasSampler:
             new_argmax = torch.where(keep, state.argmax, new_argmax)
             new_x = torch.where(keep, state.x, new_x)
             new_draw = torch.where(keep, self.draw, new_draw)
-            accepted = torch.where(keep, committed if lite or self.committing else accepted, accepted)
+            accepted = torch.where(keep, committed if self.keeps_commits else accepted, accepted)
             z[was_done] = sc_done.to(z.dtype)
             entropy[was_done] = sampling.token_entropy(z[was_done])
-        self.committed = accepted if lite or self.committing else committed
+        self.committed = accepted if self.keeps_commits else committed
         state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
         self.draw = new_draw
         self.sc = z.to(self.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
@@ -286,10 +287,10 @@ class CanvasSampler:
         return (self.remaining == 0 and not self.corrector_pass) or state.all_done()
 
     def staged(self) -> StagedCanvas:
-        """The finished canvas. Lite ends every position on its best guess: the committed token, else the last draw
-        (seed 003, 4.2 rule 5)."""
-        final = self.lite or self.committing  # committed tokens, else the last draw
-        return self.state.staged(torch.where(self.committed, self.state.x, self.draw) if final else self.state.x)
+        """The finished canvas. Lite and the committing samplers end every position on its best guess: the committed
+        token, else the last draw (seed 003, 4.2 rule 5)."""
+        return self.state.staged(torch.where(self.committed, self.state.x, self.draw) if self.keeps_commits
+                                 else self.state.x)
 
 
 def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:

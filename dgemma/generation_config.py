@@ -140,14 +140,17 @@ class GenerationConfig:
     @property
     def commit_rule(self) -> str:
         """The resolved `commit` switch."""
-        return self.commit or ("sample" if self.sampler in ("lite", "ancestral", "predictor-corrector", *COMMITTING)
-                               else "argmax")
+        return self.commit or ("sample" if self.sampler in ("lite", *CHAINS, *COMMITTING) else "argmax")
+
+    @property
+    def corrector_passes(self) -> int:
+        """The corrector passes after each step: `corrector_steps` for the predictor-corrector sampler, else 0."""
+        return self.corrector_steps if self.sampler == "predictor-corrector" else 0
 
     @property
     def max_passes(self) -> int:
-        """The most model passes a canvas takes: max_denoising_steps, times 1 + corrector_steps for the
-        predictor-corrector sampler."""
-        return self.max_denoising_steps * (1 + (self.corrector_steps if self.sampler == "predictor-corrector" else 0))
+        """The most model passes a canvas takes: max_denoising_steps, each with its `corrector_passes`."""
+        return self.max_denoising_steps * (1 + self.corrector_passes)
 
     @property
     def posterior_rule(self) -> str:
@@ -229,10 +232,8 @@ class GenerationConfig:
 
 
 SAMPLERS = ("entropy-bound", "lite", "ancestral", "predictor-corrector", "block-refinement", "confidence")
+CHAINS = ("ancestral", "predictor-corrector")  # samplers that run the reverse chain to s = 0, N steps a canvas
 COMMITTING = ("block-refinement", "confidence")  # samplers whose committed positions are final (unless edited)
-
-
-
 TIME_LEVELS = ("canvas", "schedule", "noise")
 LITE_COMMITS = ("scheduled", "seed")
 _HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",

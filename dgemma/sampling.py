@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dgemma.generation_config import COMMITTING, GenerationConfig
+from dgemma.generation_config import CHAINS, COMMITTING, GenerationConfig
 from dgemma.noise import alpha
 
 ENTROPY_CHUNK_ROWS = 4096  # rows of (V,) logits per entropy chunk: bounds the extra memory to 2 x chunk x V fp32
@@ -216,8 +216,8 @@ def time_level(config: GenerationConfig, clean_share: Tensor, steps_remaining: i
     mostly noise, so the model copies the noise into its prediction; "noise" always 1 (every canvas treated as pure
     noise: the model copies almost none of it, but it also discounts what the canvas holds). docs/sampling.md
     measures the three."""
-    if config.time_level == "schedule" or config.sampler in ("ancestral", "predictor-corrector"):  # the chain's
-        # canvas is a draw at n / N (a predictor-corrector's corrector passes set their own level)
+    if config.time_level == "schedule" or config.sampler in CHAINS:  # the chain's canvas is a draw at n / N (a
+        # predictor-corrector's corrector passes set their own level)
         return torch.full(clean_share.shape, steps_remaining / num_steps, dtype=torch.float32,
                           device=clean_share.device)
     if config.time_level == "noise":
@@ -245,8 +245,7 @@ def stop_rows(config: GenerationConfig, state: StopState, argmax: Tensor, input_
     if config.sampler in COMMITTING:
         assert committed is not None, "the committing samplers stop on their committed set"
         return committed.all(-1)
-    if config.sampler in ("ancestral", "predictor-corrector"):  # the chain runs to s = 0: stopping early would
-        # commit noise
+    if config.sampler in CHAINS:  # the chain runs to s = 0: stopping early would commit noise
         return torch.zeros_like(mean_entropy, dtype=torch.bool)
     if config.sampler == "lite":
         if not config.adaptive:  # the fixed schedule: entropy is never consulted

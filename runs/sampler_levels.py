@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 
 from dgemma.fsio import write_text
+from dgemma.generation_config import CHAINS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("diffusion", "diffusion-observed", "diffusion-from-ar")
@@ -142,8 +143,7 @@ def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Na
 
     r = generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens, truncate=True,
                  max_denoising_steps=args.steps, trace=True, eos_token_id=(), **settings)
-    chain = r.trace.summary["generation_config"]["sampler"] in ("ancestral", "predictor-corrector")  # no fresh
-    # noise: nothing to copy
+    chain = r.trace.summary["generation_config"]["sampler"] in CHAINS  # no fresh noise: nothing to copy
     P = max(info.step for info in r.trace.steps)  # passes a canvas: N, or N (1 + K) with K corrector passes
     copied, fresh_n = [0.0] * P, [0.0] * P
     committed, rows = [0.0] * P, [0.0] * P

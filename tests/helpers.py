@@ -5,6 +5,20 @@ from __future__ import annotations
 import torch
 
 
+def traced_cli_settings(tmp_path, capsys, *flags: str) -> dict:
+    """The generation settings the trace of a real `dgemma generate` on a random tiny model recorded: 16 new tokens
+    after the ids 1,2 at seed 0, with the sampler `flags`."""
+    import json
+
+    from dgemma.cli import main
+
+    trace = tmp_path / "t"
+    main(["generate", "--preset", "tiny", "--random-init", "--prompt-ids", "1,2", "--max-new-tokens", "16", "--seed",
+          "0", *flags, "--trace", str(trace)])
+    capsys.readouterr()
+    return json.loads(trace.with_suffix(".json").read_text())["generation_config"]
+
+
 def random_ids(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
     """Token ids uniform in [0, vocab), of `shape`, reproducible from `seed`."""
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))

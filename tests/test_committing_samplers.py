@@ -14,6 +14,7 @@ from dgemma.config import ConfigError
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 from dgemma.testing.hf import randomize_
+from tests.helpers import traced_cli_settings
 
 
 def test_threshold_commits_take_every_confident_position_and_the_quota():
@@ -127,17 +128,11 @@ def test_bad_settings_are_one_error_naming_the_field(field, value, message):
 def test_the_cli_and_the_server_take_the_samplers_and_their_thresholds(tmp_path, capsys):
     """`--sampler block-refinement --commit-threshold --edit-threshold` reach the sampler (its trace records them);
     the server's request body takes the same fields, and a bad one is a 400 naming it; the CLI's is one line."""
-    import json
-
     from dgemma.cli import main
     from dgemma.serving.api import APIError, parse_completion_request
 
-    trace = tmp_path / "t"
-    main(["generate", "--preset", "tiny", "--random-init", "--prompt-ids", "1,2", "--max-new-tokens", "16",
-          "--max-denoising-steps", "4", "--seed", "0", "--sampler", "block-refinement", "--commit-threshold", "0.5",
-          "--edit-threshold", "0.99", "--trace", str(trace)])
-    capsys.readouterr()
-    summary = json.loads(trace.with_suffix(".json").read_text())["generation_config"]
+    summary = traced_cli_settings(tmp_path, capsys, "--max-denoising-steps", "4", "--sampler", "block-refinement",
+                                  "--commit-threshold", "0.5", "--edit-threshold", "0.99")
     assert (summary["sampler"], summary["commit_threshold"], summary["edit_threshold"]) == \
         ("block-refinement", 0.5, 0.99)
     request = lambda body: parse_completion_request({"prompt": [1, 2], **body}, tokenizer=None,

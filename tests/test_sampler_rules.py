@@ -4,7 +4,6 @@ gradual by default, seed 003's all-at-once as a switch), on real tiny models and
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -19,6 +18,7 @@ from dgemma.model import TIME_FEATURES, DiffusionGemma, time_features
 from dgemma.serving.api import APIError, parse_completion_request
 from dgemma.testing.hf import randomize_
 from dgemma.train.diffusion import alpha
+from tests.helpers import traced_cli_settings
 
 N = 6
 
@@ -137,12 +137,8 @@ def test_a_bad_value_is_one_error_naming_the_setting(field, flag, capsys):
 
 
 def test_the_settings_reach_the_sampler_and_its_trace(tmp_path, capsys):
-    trace = tmp_path / "t"
-    main(["generate", "--preset", "tiny", "--random-init", "--prompt-ids", "1,2", "--max-new-tokens", "16",
-          "--max-denoising-steps", "3", "--seed", "0", "--sampler", "lite", "--time-level", "schedule",
-          "--lite-commit", "seed", "--trace", str(trace)])
-    capsys.readouterr()
-    summary = json.loads(trace.with_suffix(".json").read_text())["generation_config"]
+    summary = traced_cli_settings(tmp_path, capsys, "--max-denoising-steps", "3", "--sampler", "lite", "--time-level",
+                                  "schedule", "--lite-commit", "seed")
     assert summary["time_level"] == "schedule" and summary["lite_commit"] == "seed"
     default = GenerationConfig()
     assert (default.time_level, default.lite_commit) == ("canvas", "scheduled")
