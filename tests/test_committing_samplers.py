@@ -11,6 +11,7 @@ import torch
 from dgemma import generate, preset
 from dgemma import sampling as S
 from dgemma.config import ConfigError
+from dgemma.eval.viz import CHANGES, step_changes
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 from dgemma.testing.hf import randomize_
@@ -106,8 +107,11 @@ def test_editing_lets_committed_tokens_change():
                        commit_threshold=1.0, max_denoising_steps=N, trace=True, edit_threshold=edit, t_min=0.9,
                        t_max=1.0)
         steps = out.trace.steps
-        return sum(int((steps[k].accepted & (steps[k + 1].input_canvas != steps[k].input_canvas)
-                        & steps[k - 1].accepted).sum()) for k in range(1, N - 1))
+        edits = sum(int((steps[k].accepted & (steps[k + 1].input_canvas != steps[k].input_canvas)
+                         & steps[k - 1].accepted).sum()) for k in range(1, N - 1))
+        # the player marks exactly these (dgemma viz: "changed while accepted")
+        assert int((step_changes(out.trace.arrays()) == CHANGES.index("changed while accepted")).sum()) == edits
+        return edits
 
     assert changed(None) == 0
     assert changed(1e-12) > 0

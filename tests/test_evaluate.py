@@ -614,13 +614,16 @@ def test_verdict_chooses_on_the_selection_prompts_and_reports_the_others():
 
     est = {"mean": 2.0, "se": 0.01}
     lk = {"ar_ce": {"estimate": est}, "nelbo": {"estimate": est}, "x0_ce": {"estimate": est}}
-    # on the selection prompts only the fast setting matches the AR samples; on the report prompts it does not
-    fast = _point((100.0, 10.0, 3.0), (90.0, 30.0, 3.0), max_denoising_steps=4, entropy_bound=1.0)
-    slow = _point((20.0, 10.0, 3.0), (25.0, 10.0, 3.0), max_denoising_steps=32, entropy_bound=0.1)
+    # on the selection prompts only the fast setting matches the AR samples; on the report prompts it does not. Any
+    # sampler of the frontier may be the one chosen.
+    fast = _point((100.0, 10.0, 3.0), (90.0, 30.0, 3.0), max_denoising_steps=4, entropy_bound=1.0,
+                  label="confidence N=4 commit_threshold=0.5", sampler="confidence")
+    slow = _point((20.0, 10.0, 3.0), (25.0, 10.0, 3.0), max_denoising_steps=32, entropy_bound=0.1,
+                  label="entropy-bound N=32 eb=0.1", sampler="entropy-bound")
     hot = _point((10.0, 10.0, 3.0), (9.0, 10.0, 3.0), temperature=1.0)
     cold = _point((10.0, 5.0, 2.0), (9.0, 5.0, 2.0), temperature=0.7)  # nothing matches this one: the hard case
     v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot]})
-    assert v["speedup_setting"]["max_denoising_steps"] == 4 and v["quality_matched"]
+    assert v["speedup_setting"]["label"] == "confidence N=4 commit_threshold=0.5" and v["quality_matched"]
     assert v["speedup"] == pytest.approx(90 / 9) and v["gen_ppl"] == 30 and v["ar_gen_ppl"] == 10  # report half
     assert not v["quality_matched_on_report"] and v["speedup_ci95"][0] < v["speedup"] < v["speedup_ci95"][1]
     v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot, cold]})

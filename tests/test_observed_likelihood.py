@@ -4,6 +4,7 @@ sampling loops."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -171,6 +172,7 @@ def test_a_diffusion_run_starts_from_an_ar_checkpoint_computing_what_it_computes
     resumes with the same command."""
     import io
 
+    from dgemma.eval.curves import eval_points
     from dgemma.loading import load_model
     from dgemma.train.config import TrainConfig
     from dgemma.train.loop import initial_model, train
@@ -193,9 +195,17 @@ def test_a_diffusion_run_starts_from_an_ar_checkpoint_computing_what_it_computes
     train(cfg, root / "data", tmp_path / "run", stream=io.StringIO())
     model = load_model(tmp_path / "run")
     assert model.config.time_embedding and model.config.observed_likelihood
+    # the run records what its start had done (the AR run's 8 steps of 4 x 32 tokens), and its curve counts them
+    start_state = torch.load(runs["ar"] / "checkpoints" / "step-0000008" / "trainer_state.pt", weights_only=True)
+    inherited = json.loads((tmp_path / "run" / "run.json").read_text())["inherited"]
+    assert inherited == {"checkpoint": str(runs["ar"] / "checkpoints" / "step-0000008"), "step": 8,
+                         "tokens": 8 * 4 * 32, "cpu_s": start_state["cpu_s"]}
+    curve = eval_points(tmp_path / "run", "val_nelbo_continuous")
+    assert [p["tokens"] for p in curve] == [8 * 4 * 32 + step * 2 * 32 for step in (0, 2)]
     g = model.generation_config
     assert (g.sampler, g.max_denoising_steps, g.t_min, g.t_max) == ("entropy-bound", 48, 0.4, 0.8)
     assert train(cfg.replace(max_steps=3), root / "data", tmp_path / "run", resume=True, stream=io.StringIO()).step == 3
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["inherited"] == inherited  # kept on resume
 
 
 def _committed(model, ids):

@@ -116,6 +116,31 @@ def test_player_is_one_self_contained_file_with_the_trace_and_token_text(rendere
     assert check.returncode == 0, check.stderr
 
 
+def test_each_step_marks_what_it_accepted_renoised_or_changed():
+    """Two rows, one canvas of 3 positions over 4 steps (row 1 stops after step 1), then a second canvas."""
+    acc = np.array([[[0, 0, 0], [1, 0, 0]],
+                    [[1, 1, 0], [1, 1, 0]],
+                    [[1, 0, 1], [0, 0, 0]],
+                    [[1, 0, 1], [0, 0, 0]],
+                    [[1, 1, 1], [0, 0, 0]]], dtype=bool)
+    x = np.array([[[9, 9, 9], [9, 9, 9]],
+                  [[5, 9, 9], [5, 9, 9]],
+                  [[5, 6, 9], [5, 6, 9]],
+                  [[5, 9, 7], [0, 0, 0]],
+                  [[4, 4, 4], [0, 0, 0]]])  # step 3's output is not in the trace: its canvas ends there
+    arrays = {"canvas": np.array([0, 0, 0, 0, 1]), "accepted": acc, "input_canvas": x,
+              "active": np.array([[1, 1], [1, 1], [1, 0], [1, 0], [1, 0]], dtype=bool)}
+    changes = viz.step_changes(arrays)
+    assert changes[0].tolist() == [[0, 0, 0], [0, 0, 0]]  # a canvas's first step has nothing to compare with
+    assert changes[1].tolist() == [[1, 1, 0], [0, 1, 0]]
+    assert changes[2, 0].tolist() == [0, 2, 1] and changes[2, 1].tolist() == [0, 0, 0]  # row 1 is done
+    # position 0 stays accepted and keeps 5 (input of step 3); position 2 stays accepted: no later step to show it
+    assert changes[3, 0].tolist() == [0, 0, 0] and changes[4].tolist() == [[0, 0, 0], [0, 0, 0]]
+    x[3, 0, 0] = 8  # step 2 left another token at an accepted position: an edit
+    assert viz.step_changes(arrays)[2, 0].tolist() == [3, 2, 1]
+    assert viz.CHANGES[3] == "changed while accepted"
+
+
 def _chromium():
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -132,7 +157,7 @@ def test_player_loads_steps_and_plays_in_headless_chromium(rendered):
 
     opened = dom("")
     assert 'data-ready="1"' in opened and "data-error" not in opened
-    assert len(re.findall(r'class="cell( accepted)?"', opened)) == 16
+    assert len(re.findall(r'class="cell( accepted)?( c[123])?"', opened)) == 16
     assert 'data-step="1"' in opened
     assert 'data-step="3"' in dom("#step=2")  # the slider position K shows step K + 1
     played = dom("#play")  # virtual time runs the timer to the end of canvas 0

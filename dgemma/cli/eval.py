@@ -41,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="max_denoising_steps values of the frontier (default 4,8,16,32)")
     p.add_argument("--entropy-bounds", type=_floats, default=(0.1, 1.0), metavar="X,X,..",
                    help="entropy_bound values of the frontier (default 0.1,1)")
+    p.add_argument("--sampler-grid", dest="sampler_grids", action="append", default=[], metavar="SPEC",
+                   help="more samplers on the frontier, repeatable: NAME[:FIELD=V1/V2/..[,FIELD=..]], a sampler and a "
+                   "grid over generation settings (e.g. confidence:commit_threshold=0.9/0.7), at every "
+                   "--max-denoising-steps-grid value unless it sets max_denoising_steps; 'all': every other sampler "
+                   "at its defaults (docs/sampling.md)")
     p.add_argument("--ar-temperatures", type=_floats, default=(1.0,), metavar="X,X,..",
                    help="temperatures the AR baseline decodes at: its frontier (default 1)")
     p.add_argument("--seq-len", type=int, metavar="N", help="held-out window (default: the run's training seq_len)")
@@ -68,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.eval.report import write_report
     from dgemma.eval.viz import check_installed
 
-    settings = EvalSettings(steps=args.steps, entropy_bounds=args.entropy_bounds, num_prompts=args.prompts,
+    settings = EvalSettings(steps=args.steps, entropy_bounds=args.entropy_bounds,
+                            sampler_grids=tuple(args.sampler_grids), num_prompts=args.prompts,
                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                             seq_len=args.seq_len, num_steps=args.num_steps, num_t_samples=args.t_samples,
                             max_windows=args.max_windows or None, batch_size=args.batch_size,
@@ -107,6 +113,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
                         ("--max-windows", args.max_windows), ("--seed", args.seed)):
         if value is not None:
             out += [flag, str(value)]
+    for spec in args.sampler_grids:
+        out += ["--sampler-grid", spec]
     if args.ar_temperatures != (1.0,):
         out += ["--ar-temperatures", ",".join(f"{x:g}" for x in args.ar_temperatures)]
     if args.bootstrap != 1000:

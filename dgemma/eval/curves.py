@@ -22,7 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-METRICS = "metrics.jsonl"
+from dgemma.train import run_dir
+from dgemma.train.run_dir import METRICS
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -60,12 +61,20 @@ def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
     last one logged, if a resume evaluated a step again), in step order: step, tokens, value, se (`metric`_se; None
     when not finite, as with one evaluation batch), and
     cpu_s / elapsed_s of the training record of the same step when there is one. A checkpoint of a run
-    (RUN/checkpoints/step-N) gives its run's whole curve. None without RUN/metrics.jsonl."""
-    path = Path(run) / METRICS
-    if not path.is_file() and Path(run).parent.name == "checkpoints":  # RUN/checkpoints/step-N: the run's curve
-        path = Path(run).parent.parent / METRICS
+    (RUN/checkpoints/step-N) gives its run's whole curve. A run started from another run's checkpoint counts the
+    tokens and CPU seconds that one had spent (run.json's `inherited`): tokens seen by the model, not by this run
+    alone. None without RUN/metrics.jsonl."""
+    root = Path(run)
+    if not (root / METRICS).is_file() and root.parent.name == "checkpoints":  # RUN/checkpoints/step-N: the run's curve
+        root = root.parent.parent
+    path = root / METRICS
     if not path.is_file():
         return None
+    try:
+        start = (run_dir.read_record(root) or {}).get("inherited") or {}
+    except run_dir.RunStateError:
+        start = {}
+    tokens0, cpu0 = start.get("tokens") or 0, start.get("cpu_s") or 0.0
     train: dict[int, dict[str, Any]] = {}
     points: dict[int, dict[str, Any]] = {}
     for rec in read_metrics(path):
@@ -80,9 +89,10 @@ def eval_points(run: str | Path, metric: str) -> list[dict[str, Any]] | None:
             continue
         t = train.get(step, {})
         se = rec.get(f"{metric}_se")  # NaN (one micro-batch has no SE) as None
-        points[step] = {"step": step, "tokens": rec["tokens"], "value": rec[metric],
+        cpu = t.get("cpu_s")
+        points[step] = {"step": step, "tokens": tokens0 + rec["tokens"], "value": rec[metric],
                         "se": se if isinstance(se, (int, float)) and math.isfinite(se) else None,
-                        "cpu_s": t.get("cpu_s"), "elapsed_s": t.get("elapsed_s")}
+                        "cpu_s": None if cpu is None else cpu0 + cpu, "elapsed_s": t.get("elapsed_s")}
     return [points[k] for k in sorted(points)]
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from dgemma.attention import IMPLS
 from dgemma.console import Progress
 from dgemma.eval.curves import learning_curves
-from dgemma.eval.frontier import decode_frontier
+from dgemma.eval.frontier import decode_frontier, frontier_points
 from dgemma.eval.judging import Z95, judge_description
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
@@ -262,6 +262,7 @@ def pick_prompts(dataset: Any, num_prompts: int, prompt_tokens: int) -> list[Ten
 class EvalSettings:
     steps: tuple[int, ...] = (4, 8, 16, 32)  # max_denoising_steps of the frontier
     entropy_bounds: tuple[float, ...] = (0.1, 1.0)  # entropy_bound values of the frontier
+    sampler_grids: tuple[str, ...] = ()  # more samplers on the frontier (frontier.parse_sampler_grid: --sampler-grid)
     num_prompts: int = 8
     prompt_tokens: int = 32
     max_new_tokens: int | None = None  # default: two canvases
@@ -306,6 +307,7 @@ class EvalSettings:
             problems.append(f"--impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
         if problems:
             raise EvalError("; ".join(problems))
+        frontier_points(self.steps, self.entropy_bounds, self.sampler_grids)  # EvalError naming a bad spec
 
 
 def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str | Path | None = None,
@@ -502,7 +504,8 @@ def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict
         "nelbo_upper_ratio": (nelbo["mean"] + 2 * nelbo["se"]) / ar_ce,
         "x0_ce_over_ar": x0["mean"] / ar_ce, "x0_ce_within_tolerance": x0["mean"] / ar_ce <= 1 + tolerance,
         "speedup": speedup, "speedup_ci95": speedup_ci, "speedup_setting": {
-            "max_denoising_steps": best["max_denoising_steps"], "entropy_bound": best["entropy_bound"]},
+            "label": best["label"], "sampler": best["sampler"], "max_denoising_steps": best["max_denoising_steps"],
+            "entropy_bound": best["entropy_bound"]},
         "ar_temperature": ar["temperature"], "ar_index": i,
         "quality_matched": matched, "quality_matched_on_report": bool(on_report),
         "gen_ppl": d.get("gen_ppl"), "gen_ppl_ci95": d.get("gen_ppl_ci95"),

@@ -1,6 +1,14 @@
-"""The speed / quality frontier of `dgemma eval` (docs/evaluation.md): every sampler setting (max_denoising_steps x
-entropy_bound, adaptive and fixed schedules) and the AR baseline at each temperature, timed, then their samples drawn
-again in the quality dtype and judged.
+"""The speed / quality frontier of `dgemma eval` (docs/evaluation.md, docs/sampling.md): every sampler setting and the
+AR baseline at each temperature, timed, then their samples drawn again in the quality dtype and judged.
+
+Settings (`frontier_points`): transformers' entropy-bound sampler over max_denoising_steps x entropy_bound, each timed
+adaptive and with early stopping off (fixed), then every point of each `--sampler-grid` spec (`parse_sampler_grid`):
+
+    NAME[:FIELD=V1/V2/...[,FIELD=V...]]     e.g.  confidence:commit_threshold=0.9/0.7,max_denoising_steps=32
+
+a sampler of generation_config.SAMPLERS and a grid over GenerationConfig fields (the Cartesian product), over every
+max_denoising_steps of the main grid unless the spec sets it. Each spec is one line of the plot; `all` stands for
+every other sampler at its defaults (ALL).
 
 Timing: all the timed decoders run in one rotation (`decoding.run_interleaved`: prompt by prompt, every setting in
 turn), not one setting over all prompts and then the next, so that a burst of load from elsewhere slows every setting
@@ -14,12 +22,16 @@ much the continuations depend on their prompts (`judging.prompt_dependence`), th
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from dgemma.config import ConfigError
 from dgemma.eval.decoding import (
     DecodeRun,
     ar_job,
@@ -35,8 +47,115 @@ from dgemma.eval.decoding import (
 from dgemma.eval.judging import point_stats, prompt_dependence, retokenize
 from dgemma.eval.viz import renoised_fraction
 from dgemma.generate import Trace
-from dgemma.generation_config import GenerationConfig
+from dgemma.generation_config import SAMPLERS, GenerationConfig
 from dgemma.model import DiffusionGemma
+from dgemma.train.nelbo import EvalError
+
+# What every point shares, so that the points compare: the new-token budget, the stop tokens and padding.
+SHARED_FIELDS = ("max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "bos_token_id", "truncate")
+GRID_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig) if f.name not in (*SHARED_FIELDS, "sampler"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontierPoint:
+    """One sampler setting of the frontier: `overrides` on the model's GenerationConfig (sampler included)."""
+
+    label: str  # "entropy-bound N=16 eb=0.1", "confidence N=32 commit_threshold=0.9"
+    group: str  # its line on the plot: "entropy-bound eb=0.1", or the --sampler-grid spec it came from
+    overrides: dict[str, Any]
+    fixed_twin: bool  # also timed with early stopping off (the entropy-bound grid)
+
+    @property
+    def trace_name(self) -> str:
+        """A file name for its trace: N16_eb0p1 for the entropy-bound grid; no dot (Path.with_suffix would eat it)."""
+        o = self.overrides
+        if o["sampler"] == "entropy-bound" and set(o) == {"sampler", "max_denoising_steps", "entropy_bound"}:
+            name = f"N{o['max_denoising_steps']}_eb{o['entropy_bound']:g}"
+        else:
+            name = self.label
+        return re.sub(r"[^A-Za-z0-9]+", "_", name.replace(".", "p")).strip("_")
+
+
+ALL = tuple(name for name in SAMPLERS if name != "entropy-bound")
+
+
+def _value(text: str) -> Any:
+    """A grid value: none, true or false, an int, a float, else the string."""
+    low = text.strip().lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_sampler_grid(spec: str, base: GenerationConfig | None = None) -> list[dict[str, Any]]:
+    """The settings of one `--sampler-grid` spec, NAME[:FIELD=V1/V2/...[,FIELD=...]]: a dict of GenerationConfig
+    overrides per point of the grid (the sampler included), each checked by GenerationConfig. EvalError naming the
+    spec and the field for a bad one."""
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    where = f"--sampler-grid {spec!r}"
+    if name not in SAMPLERS:
+        raise EvalError(f"{where}: unknown sampler {name!r} (one of {', '.join(SAMPLERS)})")
+    axes: dict[str, list[Any]] = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))) if rest.strip() else ():
+        field, eq, values = item.partition("=")
+        field = field.strip()
+        if not eq or not values.strip():
+            raise EvalError(f"{where}: {item!r} is not FIELD=VALUE[/VALUE...]")
+        if field in SHARED_FIELDS:
+            raise EvalError(f"{where}: {field} is shared by every point of the frontier (set it for the whole "
+                            "evaluation), not per sampler")
+        if field not in GRID_FIELDS:
+            raise EvalError(f"{where}: unknown field {field!r} (GenerationConfig fields: {', '.join(GRID_FIELDS)})")
+        if field in axes:
+            raise EvalError(f"{where}: {field} given twice")
+        axes[field] = [_value(v) for v in values.split("/")]
+    points = []
+    for combo in itertools.product(*axes.values()):
+        overrides = {"sampler": name, **dict(zip(axes, combo, strict=True))}
+        try:
+            (base or GenerationConfig()).replace(**overrides)
+        except ConfigError as e:
+            raise EvalError(f"{where}: {e}") from None
+        points.append(overrides)
+    return points
+
+
+def frontier_points(steps: Sequence[int], entropy_bounds: Sequence[float], sampler_grids: Sequence[str],
+                    base: GenerationConfig | None = None) -> list[FrontierPoint]:
+    """The frontier's settings, in order: the entropy-bound grid (steps x entropy_bounds, with fixed twins), then
+    each spec of `sampler_grids` (at every max_denoising_steps of `steps` unless the spec sets it)."""
+    points = [FrontierPoint(f"entropy-bound N={n} eb={eb:g}", f"entropy-bound eb={eb:g}",
+                            {"sampler": "entropy-bound", "max_denoising_steps": n, "entropy_bound": eb}, True)
+              for n in steps for eb in entropy_bounds]
+    specs = [x for spec in sampler_grids for x in (ALL if spec.strip() == "all" else (spec,))]
+    for spec in specs:
+        for overrides in parse_sampler_grid(spec, base):
+            for o in ([overrides] if "max_denoising_steps" in overrides
+                      else [{**overrides, "max_denoising_steps": n} for n in steps]):
+                n = o["max_denoising_steps"]
+                extra = " ".join(f"{k}={_show(v)}" for k, v in o.items() if k not in ("sampler", "max_denoising_steps"))
+                points.append(FrontierPoint(f"{o['sampler']} N={n}" + (f" {extra}" if extra else ""), spec.strip(), o,
+                                            False))
+    seen: dict[tuple, str] = {}
+    for p in points:  # the same settings twice would only cost time (labels differ: eb= vs entropy_bound=)
+        key = tuple(sorted((k, repr(v)) for k, v in p.overrides.items()))
+        if key in seen:
+            raise EvalError(f"--sampler-grid: {p.label} is the setting {seen[key]} again")
+        seen[key] = p.label
+    return points
+
+
+def _show(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
 
 TIMING_ORDER = ("interleaved: prompt by prompt, every timed setting (each sampler setting adaptive and fixed, the AR "
                 "baseline at each temperature) in rotation, prompt i starting with setting i mod k, in one process")
@@ -50,11 +169,15 @@ def decode_frontier(model: DiffusionGemma, baseline: DiffusionGemma | None, scor
     (order, load before and after). `s` is the EvalSettings (steps, entropy_bounds, ar_temperatures, seed,
     bootstrap, quality_dtype, progress); `gcfg` the sampler's config with the budget and EOS set."""
     L, max_new, eos = model.config.canvas_length, gcfg.max_new_tokens, gcfg.eos_token_id
-    settings = [(n, eb) for n in s.steps for eb in s.entropy_bounds]
-    configs = [gcfg.replace(max_denoising_steps=n, entropy_bound=eb) for n, eb in settings]
-    jobs = [job for (n, eb), cfg in zip(settings, configs, strict=True) for job in (
-        sampler_job(model, cfg, seed=s.seed, name=f"N={n} eb={eb:g}"),
-        sampler_job(model, fixed_schedule(cfg), seed=s.seed, name=f"N={n} eb={eb:g} fixed"))]
+    points = frontier_points(s.steps, s.entropy_bounds, s.sampler_grids, gcfg)
+    configs = [gcfg.replace(**p.overrides) for p in points]
+    jobs, slots = [], []  # slots[k]: the indices in `jobs` of point k's adaptive run and its fixed twin (or None)
+    for p, cfg in zip(points, configs, strict=True):
+        slots.append((len(jobs), len(jobs) + 1 if p.fixed_twin else None))
+        jobs.append(sampler_job(model, cfg, seed=s.seed, name=p.label))
+        if p.fixed_twin:
+            jobs.append(sampler_job(model, fixed_schedule(cfg), seed=s.seed, name=p.label + " fixed"))
+    first_ar = len(jobs)
     if baseline is not None:
         jobs += [ar_job(baseline, max_new_tokens=max_new, eos=eos, seed=s.seed, temperature=t, name=f"AR T={t:g}")
                  for t in s.ar_temperatures]
@@ -83,20 +206,23 @@ def decode_frontier(model: DiffusionGemma, baseline: DiffusionGemma | None, scor
                 "samples": scored.samples, "example": tokenizer.decode(scored.samples[0]) if scored.samples else ""}
 
     frontier, traces = [], {}
-    for k, ((n, eb), cfg) in enumerate(zip(settings, configs, strict=True)):
-        label = f"N={n} eb={eb:g}"
-        scored = run_sampler(quality_model, prompts, cfg, seed=s.seed, trace=True, name=label + " " + s.quality_dtype,
+    for p, cfg, (i, j) in zip(points, configs, slots, strict=True):
+        log(f"sampling {p.label} in {s.quality_dtype}")
+        scored = run_sampler(quality_model, prompts, cfg, seed=s.seed, trace=True, name=p.label + " " + s.quality_dtype,
                              progress=s.progress)
-        adaptive, fixed = timed[2 * k], timed[2 * k + 1]
+        adaptive, fixed = timed[i], None if j is None else timed[j]
         point = judged(adaptive, scored)
         point["quality"]["renoised"] = renoised_fraction(scored.traces)
-        frontier.append({"max_denoising_steps": n, "entropy_bound": eb, "adaptive": adaptive.summary(),
-                         "fixed": fixed.summary(), "fixed_rule_tokens_per_forward": L / (n + 1), **point})
-        traces[f"N{n}_eb{eb:g}".replace(".", "p")] = scored.traces[0]  # no dot: Path.with_suffix would eat it
+        n = cfg.max_denoising_steps
+        frontier.append({"label": p.label, "group": p.group, "sampler": cfg.sampler, "overrides": p.overrides,
+                         "max_denoising_steps": n, "entropy_bound": cfg.entropy_bound, "adaptive": adaptive.summary(),
+                         "fixed": None if fixed is None else fixed.summary(),
+                         "fixed_rule_tokens_per_forward": L / (n + 1) if fixed is not None else None, **point})
+        traces[p.trace_name] = scored.traces[0]
     ar_frontier = []
     if baseline is not None:
         quality_baseline = copy.deepcopy(baseline).to(dtype) if s.quality_dtype != "float32" else baseline
-        for temp, timed_run in zip(s.ar_temperatures, timed[2 * len(settings):], strict=True):
+        for temp, timed_run in zip(s.ar_temperatures, timed[first_ar:], strict=True):
             log(f"sampling with the AR baseline at temperature {temp:g} in {s.quality_dtype}")
             scored = run_ar(quality_baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed,
                             temperature=temp, name=f"AR T={temp:g} {s.quality_dtype}", progress=s.progress)
@@ -104,4 +230,4 @@ def decode_frontier(model: DiffusionGemma, baseline: DiffusionGemma | None, scor
     return frontier, ar_frontier, traces, timing
 
 
-__all__ = ["TIMING_ORDER", "decode_frontier"]
+__all__ = ["TIMING_ORDER", "FrontierPoint", "decode_frontier", "frontier_points", "parse_sampler_grid"]

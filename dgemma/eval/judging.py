@@ -83,20 +83,23 @@ def split_prompts(n: int) -> tuple[list[int], list[int]]:
 def bootstrap_ppl(nlls: Sequence[tuple[float, int]], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
                   level: float = 0.95) -> dict[str, Any]:
     """Generative perplexity exp(sum NLL / sum tokens) over samples ((NLL sum, token count) each, as
-    `decoding.sample_nlls` gives them) and its percentile interval from `resamples` bootstrap resamples of the samples
+    `decoding.sample_nlls` gives them), the NLL per token with its SE across samples, and the perplexity's percentile
+    interval from `resamples` bootstrap resamples of the samples
     (with replacement; a seeded generator, so the interval is reproducible). Empty samples carry no tokens and are
     left out."""
     s = np.array([x for x, n in nlls if n > 0], dtype=np.float64)
     n = np.array([n for _, n in nlls if n > 0], dtype=np.float64)
     if not n.size:
-        return {"gen_ppl": math.nan, "gen_ppl_ci95": [math.nan, math.nan], "nll_per_token": math.nan, "tokens": 0,
-                "samples": 0, "resamples": resamples}
+        return {"gen_ppl": math.nan, "gen_ppl_ci95": [math.nan, math.nan], "nll_per_token": math.nan,
+                "nll_per_token_se": math.nan, "tokens": 0, "samples": 0, "resamples": resamples}
     nll = float(s.sum() / n.sum())
+    # the ratio estimator's delta-method SE across samples (as rate_interval's), for the NLL per token itself
+    se = math.sqrt(((s - nll * n) ** 2).sum() / (n.size * (n.size - 1))) / n.mean() if n.size >= 2 else math.nan
     idx = np.random.default_rng(seed).integers(0, n.size, size=(resamples, n.size))
     boot = np.exp(s[idx].sum(1) / n[idx].sum(1))
     lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
     return {"gen_ppl": math.exp(nll), "gen_ppl_ci95": [float(lo), float(hi)], "nll_per_token": nll,
-            "tokens": int(n.sum()), "samples": int(n.size), "resamples": resamples}
+            "nll_per_token_se": float(se), "tokens": int(n.sum()), "samples": int(n.size), "resamples": resamples}
 
 
 def rate_interval(tokens: Sequence[int], seconds: Sequence[float]) -> dict[str, Any]:

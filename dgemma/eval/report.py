@@ -131,8 +131,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                   f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
                   f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** (95% interval "
                   f"{_ci(v['speedup_ci95'], '.2f')}) wall-clock useful tokens/s over the AR baseline at temperature "
-                  f"{v['ar_temperature']:g}, at max_denoising_steps={v['speedup_setting']['max_denoising_steps']}, "
-                  f"entropy_bound={v['speedup_setting']['entropy_bound']:g}: generative perplexity "
+                  f"{v['ar_temperature']:g}, at {_setting(v['speedup_setting'])}: generative perplexity "
                   f"{_f(v['gen_ppl'], '.1f')} {_ci(v['gen_ppl_ci95'], '.1f')} and token entropy "
                   f"{_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} "
                   f"{_ci(v['ar_gen_ppl_ci95'], '.1f')} and {_f(v['ar_token_entropy'], '.2f')} "
@@ -174,26 +173,28 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
               "dependence: the judge's NLL per token of each continuation given another prompt minus given its own, "
               "averaged (nats/token; 0 = the prompt does not matter).", "",
               *_timing_lines(report.get("timing")),
-              "| N / AR temperature | entropy_bound | tok/s ± SE | speedup | tok/forward adaptive | fixed (rule) | "
-              "steps/canvas | gen PPL [95%] | distinct-2 | entropy | re-noised | prompt dependence |",
+              "| sampler setting / AR temperature | tok/s ± SE | speedup | tok/forward adaptive | fixed (rule) | "
+              "steps/canvas | judge NLL/token ± SE | gen PPL [95%] | distinct-2 | entropy | re-noised | "
+              "prompt dependence |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ar = report["ar_decode"]
     for f in report["frontier"]:
         a, q, al = f["adaptive"], f["quality"], f["stats"]["all"]
         speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
-        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | {_f(a['tokens_per_second'], '.1f')} ± "
+        fixed = "–" if not f.get("fixed") else (f"{_f(f['fixed']['tokens_per_forward'], '.2f')} "
+                                                 f"({_f(f['fixed_rule_tokens_per_forward'], '.2f')})")
+        lines.append(f"| {_label(f)} | {_f(a['tokens_per_second'], '.1f')} ± "
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
-                     f"{_f(a['tokens_per_forward'], '.2f')} | "
-                     f"{_f(f['fixed']['tokens_per_forward'], '.2f')} ({_f(f['fixed_rule_tokens_per_forward'], '.2f')})"
-                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_f(q.get('gen_ppl'), '.1f')} "
+                     f"{_f(a['tokens_per_forward'], '.2f')} | {fixed}"
+                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_nll(q)} | {_f(q.get('gen_ppl'), '.1f')} "
                      f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
                      f"{_f(q['renoised']['fraction'], '.3%')} | {_dependence(q)} |")
     for p in report["ar_frontier"]:
         q, al = p["quality"], p["stats"]["all"]
         speed = p["tokens_per_second"] / ar["tokens_per_second"] if ar["tokens_per_second"] else None
-        lines.append(f"| AR T={p['temperature']:g} | – | {_f(p['tokens_per_second'], '.1f')} ± "
+        lines.append(f"| AR T={p['temperature']:g} | {_f(p['tokens_per_second'], '.1f')} ± "
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
-                     f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_f(q.get('gen_ppl'), '.1f')} "
+                     f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_nll(q)} | {_f(q.get('gen_ppl'), '.1f')} "
                      f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
                      f"| – | {_dependence(q)} |")
     if ar:
@@ -202,11 +203,11 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
     lines += ["", "### Adaptive stopping", "",
               "Per setting, the denoising steps the adaptive sampler spent per canvas against its cap "
               "(max_denoising_steps), and the share of canvases that stopped before the cap (timed runs).", "",
-              "| N (cap) | entropy_bound | mean steps/canvas | canvases | stopped early |", "|---|---|---|---|---|"]
+              "| sampler setting | mean steps/canvas | canvases | stopped early |", "|---|---|---|---|"]
     for f in report["frontier"]:
         a = f["adaptive"]
         canvases = a["commit_passes"]  # one commit per canvas
-        lines.append(f"| {f['max_denoising_steps']} | {f['entropy_bound']:g} | "
+        lines.append(f"| {_label(f)} | "
                      f"{_f(a['mean_steps_per_canvas'], '.2f')} / {f['max_denoising_steps']} | {canvases} | "
                      f"{_f(a.get('early_stop_share'), '.0%')} |")
     lines += ["", "![frontier](frontier.png)", "", f"*frontier.png: `{report['command']}`*", ""]
@@ -220,7 +221,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines += [f"*curves.png: `{report['command']}`*", ""]
     lines += ["## Samples (first prompt)", ""]
     for f in report["frontier"]:
-        lines += [f"**N={f['max_denoising_steps']}, entropy_bound={f['entropy_bound']:g}:**", "", "```",
+        lines += [f"**{_label(f)}:**", "", "```",
                   f["example"].strip()[:600], "```", ""]
     if ar:
         lines += [f"**AR baseline, temperature {ar['temperature']:g}:**", "", "```", ar["example"].strip()[:600], "```",
@@ -248,17 +249,17 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
                                                     else "AR baseline")
         panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
                   ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
-    bounds = sorted({f["entropy_bound"] for f in report["frontier"]})
+    groups = list(dict.fromkeys(_label(f, "group") for f in report["frontier"]))
     for n, (xkey, xlabel, ykey, ylabel) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), n + 1)
-        for eb in bounds:
-            pts = [f for f in report["frontier"] if f["entropy_bound"] == eb]
+        for k, group in enumerate(groups):
+            pts = [f for f in report["frontier"] if _label(f, "group") == group]
             xs = [f["adaptive"][xkey] for f in pts]
             ys = [_num(f["quality"].get(ykey)) for f in pts]
-            ax.errorbar(xs, ys, yerr=_yerr(pts, ykey), fmt="o-", capsize=3, label=f"adaptive, entropy_bound={eb:g}")
+            ax.errorbar(xs, ys, yerr=_yerr(pts, ykey), fmt="os^vD<>ph"[k % 9] + "-", capsize=3, label=group,
+                        markersize=5)
             for f, x, y in zip(pts, xs, ys, strict=True):
-                ax.annotate(f"N={f['max_denoising_steps']}", (x, y), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+                ax.annotate(_point_name(f), (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         if ar_points:
             ar_points = sorted(ar_points, key=lambda p: p["temperature"])
             xs = [p[xkey] for p in ar_points]
@@ -271,10 +272,39 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
         ax.set_ylabel(ylabel, fontsize=9)
         if ykey == "gen_ppl":
             ax.set_yscale("log")
-        ax.legend(fontsize=7)
+        if n == len(panels) - 1:  # one legend, on the panel that needs no judge: the lines are the same in each
+            ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
     fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.12, wspace=0.3)
     return save_figure(fig, path)
+
+
+def _label(f: dict[str, Any], key: str = "label") -> str:
+    """A frontier point's label (or plot group); a report without them (dgemma-eval-1 before the sampler grid) has
+    only the entropy-bound grid."""
+    if key in f:
+        return f[key]
+    eb = f"eb={f['entropy_bound']:g}"
+    return f"entropy-bound N={f['max_denoising_steps']} {eb}" if key == "label" else f"entropy-bound {eb}"
+
+
+def _point_name(f: dict[str, Any]) -> str:
+    """What tells a point from the others of its line: N, and the grid's values other than the sampler."""
+    o = f.get("overrides") or {"max_denoising_steps": f["max_denoising_steps"]}
+    parts = [f"N={o['max_denoising_steps']}"] + [f"{v:g}" if isinstance(v, float) else str(v) for k, v in o.items()
+                                                 if k not in ("sampler", "max_denoising_steps", "entropy_bound")]
+    return " ".join(parts)
+
+
+def _setting(s: dict[str, Any]) -> str:
+    return s.get("label") or f"max_denoising_steps={s['max_denoising_steps']}, entropy_bound={s['entropy_bound']:g}"
+
+
+def _nll(q: dict[str, Any]) -> str:
+    """The judge's NLL per token of the samples, ± its SE (a missing one: –)."""
+    if q.get("nll_per_token") is None:
+        return "–"
+    return f"{_f(q['nll_per_token'], '.3f')} ± {_f(q.get('nll_per_token_se'), '.3f')}"
 
 
 def _num(x: Any) -> float:

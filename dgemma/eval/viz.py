@@ -14,6 +14,7 @@ Figures have fixed pixel sizes (no tight bounding box), so they can be laid out 
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 import textwrap
@@ -22,6 +23,7 @@ import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -388,127 +390,44 @@ def write_gif(trace: TraceData, canvas: int, row: int, path: Path, command: str,
 
 # --- the HTML player ------------------------------------------------------------------------------------------------
 
-PLAYER_TEMPLATE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>dgemma trace: __TITLE__</title>
-<style>
-body { font: 14px system-ui, sans-serif; margin: 16px; background: #fafafa; color: #222; }
-#controls { display: flex; flex-wrap: wrap; gap: 8px; align-items: center; margin-bottom: 8px; }
-#grid { display: grid; gap: 2px; margin-top: 8px; }
-.cell { font: 12px ui-monospace, monospace; padding: 3px 2px; border: 2px solid transparent; border-radius: 3px;
-        white-space: pre; overflow: hidden; text-overflow: ellipsis; text-align: center; min-height: 1.3em; }
-.cell.accepted { border-color: #111; }
-#info { margin-top: 6px; color: #444; }
-#footer { margin-top: 14px; font: 11px ui-monospace, monospace; color: #777; }
-#error { color: #b00; }
-</style></head>
-<body>
-<h3>dgemma trace: __TITLE__</h3>
-<div id="controls">
-  <label>row <select id="row"></select></label>
-  <label>canvas <select id="canvas"></select></label>
-  <button id="prev" title="previous step">&#9664;</button>
-  <button id="play">play</button>
-  <button id="next" title="next step">&#9654;</button>
-  <input id="slider" type="range" min="0" max="0" value="0">
-  <label>show <select id="show"><option value="argmax">argmax (prediction)</option>
-    <option value="input">input canvas (noisy)</option></select></label>
-  <label>ms/step <input id="speed" type="number" value="500" min="50" step="50" style="width:5em"></label>
-</div>
-<div id="info"></div>
-<div id="grid"></div>
-<div id="error"></div>
-<div id="footer">__COMMAND__ · colour: entropy of the position (nats, 0 = certain), dark border: accepted</div>
-<script type="application/json" id="trace-data">__DATA__</script>
-<script>
-"use strict";
-window.onerror = function (msg) { document.body.dataset.error = String(msg);
-  document.getElementById("error").textContent = "error: " + msg; };
-const data = JSON.parse(document.getElementById("trace-data").textContent);
-const $ = (id) => document.getElementById(id);
-const state = { row: 0, canvas: data.canvases[0], k: 0, timer: null };
+# The player's page (package data beside this module): __TITLE__, __COMMAND__ and __DATA__ are filled in.
+PLAYER_TEMPLATE = resources.files("dgemma.eval") / "player.html"
 
-function stepsOf(row, canvas) {
-  const out = [];
-  for (let s = 0; s < data.steps.length; s++) {
-    if (data.steps[s].canvas === canvas && data.steps[s].active[row]) out.push(s);
-  }
-  return out;
-}
-function colour(h) {
-  const x = Math.min(1, h / data.max_entropy);
-  return "hsl(" + Math.round(120 * (1 - x)) + ", 70%, " + Math.round(88 - 28 * x) + "%)";
-}
-function text(id) { const t = data.vocab[String(id)]; return t === undefined ? String(id) : t; }
-function render() {
-  const steps = stepsOf(state.row, state.canvas);
-  $("slider").max = Math.max(0, steps.length - 1);
-  if (state.k > steps.length - 1) state.k = Math.max(0, steps.length - 1);
-  $("slider").value = state.k;
-  const grid = $("grid");
-  grid.style.gridTemplateColumns = "repeat(" + data.grid_width + ", minmax(3.5em, 1fr))";
-  grid.textContent = "";
-  if (steps.length === 0) { $("info").textContent = "this row spent no step on this canvas"; return; }
-  const s = data.steps[steps[state.k]];
-  const ids = $("show").value === "input" ? s.input[state.row] : s.argmax[state.row];
-  let accepted = 0;
-  for (let p = 0; p < data.canvas_length; p++) {
-    const cell = document.createElement("div");
-    const h = s.entropy[state.row][p];
-    cell.className = "cell" + (s.accepted[state.row][p] ? " accepted" : "");
-    if (s.accepted[state.row][p]) accepted++;
-    cell.style.background = colour(h);
-    cell.textContent = text(ids[p]);
-    cell.title = "position " + p + ", id " + ids[p] + ", entropy " + h.toFixed(3);
-    grid.appendChild(cell);
-  }
-  $("info").dataset.step = String(s.step);
-  $("info").textContent = "canvas " + s.canvas + ", step " + s.step + " of " + steps.length +
-    " · temperature " + s.temperature.toFixed(3) + " · mean entropy " + s.mean_entropy[state.row].toFixed(3) +
-    " · accepted " + accepted + "/" + data.canvas_length;
-}
-function go(delta) {
-  const n = stepsOf(state.row, state.canvas).length;
-  state.k = Math.min(Math.max(0, state.k + delta), Math.max(0, n - 1));
-  render();
-}
-function play() {
-  if (state.timer !== null) { clearInterval(state.timer); state.timer = null; $("play").textContent = "play"; return; }
-  $("play").textContent = "pause";
-  state.timer = setInterval(function () {
-    const n = stepsOf(state.row, state.canvas).length;
-    if (state.k >= n - 1) { play(); return; }
-    go(1);
-  }, Math.max(50, Number($("speed").value) || 500));
-}
-for (let r = 0; r < data.batch_size; r++) $("row").add(new Option(String(r), String(r)));
-for (const c of data.canvases) $("canvas").add(new Option(String(c), String(c)));
-$("row").onchange = function () { state.row = Number(this.value); state.k = 0; render(); };
-$("canvas").onchange = function () { state.canvas = Number(this.value); state.k = 0; render(); };
-$("slider").oninput = function () { state.k = Number(this.value); render(); };
-$("show").onchange = render;
-$("prev").onclick = function () { go(-1); };
-$("next").onclick = function () { go(1); };
-$("play").onclick = play;
-document.addEventListener("keydown", function (e) {
-  if (e.key === "ArrowRight") go(1); else if (e.key === "ArrowLeft") go(-1); else if (e.key === " ") play();
-});
-// #step=K opens at step K of the first canvas, #play starts playing (used by the headless test, and for links)
-const hash = new URLSearchParams(location.hash.slice(1));
-if (hash.has("step")) state.k = Number(hash.get("step")) || 0;
-render();
-if (hash.has("play")) play();
-document.body.dataset.ready = "1";
-</script>
-</body></html>
-"""
+
+CHANGES = ("", "newly accepted", "re-noised", "changed while accepted")  # step_changes' codes 0..3
+
+
+def step_changes(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """What each step did to each position (S, B, L), against the row's previous step of the same canvas: 1 newly
+    accepted, 2 re-noised (accepted before, not now), 3 accepted before and now with another token out of this step
+    (an edit of a committing sampler; for entropy-bound, whose accepted tokens are drawn again each step, a redraw),
+    else 0. A step's output is the next step's input canvas, so the last step of a canvas shows no change of token."""
+    canvas, acc, x, active = arrays["canvas"], arrays["accepted"].astype(bool), arrays["input_canvas"], arrays["active"]
+    out = np.zeros(acc.shape, dtype=np.int8)
+    for b in range(acc.shape[1]):
+        steps = [s for s in range(len(canvas)) if active[s, b]]
+        for prev, s in itertools.pairwise(steps):
+            if canvas[prev] != canvas[s]:
+                continue
+            was, now = acc[prev, b], acc[s, b]
+            out[s, b][~was & now] = 1
+            out[s, b][was & ~now] = 2
+            following = [t for t in steps if t > s]
+            if following and canvas[following[0]] == canvas[s]:  # the token this step leaves at each position
+                out[s, b][was & now & (x[following[0], b] != x[s, b])] = 3
+    return out
 
 
 def player_data(trace: TraceData, tokenizer: Any = None) -> dict[str, Any]:
-    """What the player embeds: per step the ids, acceptance and entropy of every row, and the text of every id."""
+    """What the player embeds: per step the ids, acceptance, what the step changed (`step_changes`), noise level and
+    entropy of every row, the text of every id, and the trace's summary (its sampler settings)."""
     a = trace.arrays
+    changes = step_changes(a)
+    level = a.get("level")
     steps = [{"canvas": int(a["canvas"][s]), "step": int(a["step"][s]), "temperature": float(a["temperature"][s]),
               "argmax": a["argmax"][s].tolist(), "input": a["input_canvas"][s].tolist(),
-              "accepted": a["accepted"][s].astype(int).tolist(),
+              "accepted": a["accepted"][s].astype(int).tolist(), "change": changes[s].tolist(),
+              "level": None if level is None else np.round(level[s].astype(np.float64), 4).tolist(),
               "entropy": np.round(a["entropy"][s].astype(np.float64), 3).tolist(),
               "mean_entropy": np.round(a["mean_entropy"][s].astype(np.float64), 4).tolist(),
               "active": a["active"][s].astype(bool).tolist()} for s in range(len(a["canvas"]))]
@@ -516,7 +435,9 @@ def player_data(trace: TraceData, tokenizer: Any = None) -> dict[str, Any]:
     return {"format": TRACE_FORMAT, "canvas_length": trace.canvas_length, "grid_width": grid_width(trace.canvas_length),
             "batch_size": trace.batch_size, "canvases": trace.canvases(),
             "max_entropy": max(float(a["entropy"].max()), 1e-6), "steps": steps,
-            "vocab": {str(k): v for k, v in token_texts(ids, tokenizer).items()}, "summary": trace.summary}
+            "vocab": {str(k): v for k, v in token_texts(ids, tokenizer).items()}, "summary": trace.summary,
+            "changes": list(CHANGES),
+            "sampler": (trace.summary.get("generation_config") or {}).get("sampler", "entropy-bound")}
 
 
 def write_player(trace: TraceData, path: Path, command: str, tokenizer: Any = None) -> Path:
@@ -524,7 +445,7 @@ def write_player(trace: TraceData, path: Path, command: str, tokenizer: Any = No
     # "<" and ">" escaped inside the JSON so no token text can close the <script> element
     data = json.dumps(player_data(trace, tokenizer), separators=(",", ":"), ensure_ascii=False)
     data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    page = (PLAYER_TEMPLATE.replace("__TITLE__", html.escape(trace.path.name))
+    page = (PLAYER_TEMPLATE.read_text(encoding="utf-8").replace("__TITLE__", html.escape(trace.path.name))
             .replace("__COMMAND__", html.escape(command)).replace("__DATA__", data))
     fsio.write_text(path, page)
     return path
@@ -559,6 +480,7 @@ def render_trace(trace: TraceData, out: str | Path, *, command: str, tokenizer: 
 
 
 __all__ = [
+    "CHANGES",
     "TraceData",
     "check_installed",
     "figure",
@@ -575,6 +497,7 @@ __all__ = [
     "renoise_counts",
     "renoised_fraction",
     "save_figure",
+    "step_changes",
     "token_texts",
     "transitions",
     "write_gif",

@@ -284,8 +284,10 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
             change = record and "data" in record and run_dir.describe_data_change(record["data"], fingerprint)
             if change:
                 console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
+            # a resume keeps what the run first inherited (its init_from checkpoint may be gone by now)
+            start = record["inherited"] if record and "inherited" in record else run_dir.inherited(cfg.init_from)
             run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir),
-                                       "world_size": d.world_size})
+                                       "world_size": d.world_size} | ({"inherited": start} if start else {}))
             run_dir.clean_temporaries(run)
 
         d.on_main(take_run)

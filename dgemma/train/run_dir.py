@@ -5,7 +5,9 @@
                                the kernel releases it when that process dies, however it dies. The file holds the
                                holder's pid, host and start time, for the error a second writer gets
     RUN/run.json               the run's record, written when a writer starts: its TrainConfig and the fingerprint
-                               of its data (shard checksums from the data's meta.json, the tokenizer's sha256)
+                               of its data (shard checksums from the data's meta.json, the tokenizer's sha256);
+                               for a run started from another run's checkpoint (init_from), what that one had done
+                               (`inherited`: its step, tokens and CPU seconds), so that curves count them
     RUN/metrics.jsonl          one JSON object per line
     RUN/checkpoints/step-*/    published by renaming a complete temporary directory; `latest` is written last
 
@@ -28,10 +30,12 @@ from dgemma import dirkind, fsio
 from dgemma.checkpoint import (
     CHECKPOINTS,
     MODEL_FILES,
+    SHARDED_STATE,
     STATE,
     NonFiniteError,
     list_checkpoints,
     nonfinite_tensor,
+    resolve_model_dir,
     save_pretrained,
 )
 from dgemma.dirkind import RECORD
@@ -63,6 +67,28 @@ def read_record(run: Path) -> dict[str, Any] | None:
 
 def write_record(run: Path, record: dict[str, Any]) -> None:
     fsio.write_text(Path(run) / RECORD, json.dumps(record, indent=2) + "\n")
+
+
+def inherited(init_from: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """What the checkpoint a run starts from had done, read from its trainer state: {"checkpoint", "step", "tokens",
+    "cpu_s"}; None without init_from, or for a checkpoint that no training run wrote (a Hugging Face model)."""
+    if init_from is None:
+        return None
+    ckpt = resolve_model_dir(init_from)
+    try:
+        if (ckpt / STATE).is_file():  # mmap: the optimizer's tensors are not read
+            state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True, mmap=True)
+        elif (ckpt / SHARDED_STATE).is_file():
+            state = json.loads((ckpt / SHARDED_STATE).read_text())
+        else:
+            return None
+    except (OSError, RuntimeError, ValueError, json.JSONDecodeError):
+        return None  # an unreadable state is named when that checkpoint is loaded, not here
+    out = {"checkpoint": str(ckpt)}
+    for key in ("step", "tokens", "cpu_s"):
+        v = state.get(key) if isinstance(state, dict) else None
+        out[key] = v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return out
 
 
 def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:
