@@ -38,7 +38,7 @@ TRAIN=(--preset cpu-small --max-steps $((2 * STEPS)) --eval-every "$EVERY" --eva
 # The frontier (docs/sampling.md): entropy-bound over N x entropy_bound, then every other sampler over its settings.
 # The committing samplers' N is a cap, so they run at one or two; the corrector doubles the passes, so it runs at
 # half the N.
-SAMPLERS=(--sampler-grid 'lite:max_denoising_steps=16/32' --sampler-grid 'ancestral:max_denoising_steps=16/32'
+SAMPLERS=(--sampler-grid 'lite:max_denoising_steps=16' --sampler-grid 'ancestral:max_denoising_steps=16/32'
           --sampler-grid 'predictor-corrector:max_denoising_steps=8/16'
           --sampler-grid 'confidence:commit_threshold=0.9/0.7/0.5,max_denoising_steps=32'
           --sampler-grid 'block-refinement:commit_threshold=0.9/0.7,max_denoising_steps=16'
@@ -87,11 +87,12 @@ OMP_NUM_THREADS=2 dgemma eval --model diffusion --baseline "ar/checkpoints/$CKPT
     --out report "${EVAL[@]}" --seed 0
 dgemma viz report/traces/N16_eb0p1 --out report/viz --model diffusion
 dgemma viz "report/traces/$COMMITTING" --out report/viz-committing --model diffusion
+"$PY" "$ROOT/runs/frontier_table.py" report/report.json --out report/frontier.md > /dev/null
 
 if [[ "$SMOKE" != --smoke ]]; then
   DEST="$ROOT/docs/results/cpu-small"
   mkdir -p "$DEST"
-  cp report/report.md report/report.json report/frontier.png report/likelihood.png report/curves.png "$DEST/"
+  cp report/report.md report/report.json report/frontier.md report/frontier.png report/likelihood.png report/curves.png "$DEST/"
   cp report/viz/canvas_00_entropy.png report/viz/player.html "$DEST/"
   cp report/viz-committing/player.html "$DEST/player-committing.html"
   echo "copied the report and pictures to $DEST"

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="more samplers on the frontier, repeatable: NAME[:FIELD=V1/V2/..[,FIELD=..]], a sampler and a "
                    "grid over generation settings (e.g. confidence:commit_threshold=0.9/0.7), at every "
                    "--max-denoising-steps-grid value unless it sets max_denoising_steps; 'all': every other sampler "
-                   "at its defaults (docs/sampling.md)")
+                   "at its defaults (docs/sampling.md; default: entropy-bound only)")
     p.add_argument("--ar-temperatures", type=_floats, default=(1.0,), metavar="X,X,..",
                    help="temperatures the AR baseline decodes at: its frontier (default 1)")
     p.add_argument("--seq-len", type=int, metavar="N", help="held-out window (default: the run's training seq_len)")
