@@ -5,7 +5,7 @@ and prompt dependence; then, per sampler, its best judge NLL and whether it beat
 higher tokens per forward and no less varied samples (token entropy at least 0.95 times its, the verdict's rule);
 "beyond 2 SE" compares with the SE of the point's own NLL, the samples of two samplers not being paired draws.
 
-    python runs/frontier_table.py REPORT_DIR/report.json [--out FILE]
+    python runs/frontier_table.py [REPORT_DIR/report.json] [--out FILE]   (default: docs/results/cpu-small's)
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ def _f(x, fmt: str = ".2f") -> str:
     return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
+def _named(p: dict) -> dict:
+    """A point with its sampler, label and group (a report from before --sampler-grid has the entropy-bound grid)."""
+    eb = f"eb={p['entropy_bound']:g}"
+    return {"sampler": "entropy-bound", "label": f"entropy-bound N={p['max_denoising_steps']} {eb}",
+            "group": f"entropy-bound {eb}"} | p
+
+
 def table(report: dict) -> list[str]:
     lines = ["| sampler setting | tokens/forward | tokens/s | judge NLL/token ± SE | gen-PPL [95%] | distinct-2 | "
              "token entropy | prompt dependence |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -33,7 +40,7 @@ def table(report: dict) -> list[str]:
                 f"{_f(q.get('distinct_2'), '.3f')} | {_f(q.get('token_entropy'))} | "
                 f"{_f(q.get('prompt_dependence'), '.3f')} |")
 
-    points = report["frontier"]
+    points = [_named(p) for p in report["frontier"]]
     order = list(dict.fromkeys(p["sampler"] for p in points))
     for sampler in order:
         for p in sorted((p for p in points if p["sampler"] == sampler),
@@ -46,14 +53,15 @@ def table(report: dict) -> list[str]:
 
 def verdicts(report: dict) -> list[str]:
     """Per sampler: its best judge NLL and its tokens/forward, against entropy-bound's best."""
-    points = [p for p in report["frontier"] if p["quality"].get("nll_per_token") is not None]
+    points = [_named(p) for p in report["frontier"] if p["quality"].get("nll_per_token") is not None]
     nll = lambda p: p["quality"]["nll_per_token"]
     base = [p for p in points if p["sampler"] == "entropy-bound"]
     if not base:
         return []
     best = min(base, key=nll)
-    out = ["", f"Entropy-bound's best judge NLL: {best['label']}, {nll(best):.3f} ± "
-           f"{best['quality']['nll_per_token_se']:.3f} at {best['adaptive']['tokens_per_forward']:.2f} tokens/forward.",
+    se = lambda p: _f(p["quality"].get("nll_per_token_se"), ".3f")
+    out = ["", f"Entropy-bound's best judge NLL: {best['label']}, {nll(best):.3f} ± {se(best)} at "
+           f"{best['adaptive']['tokens_per_forward']:.2f} tokens/forward.",
            "", "| sampler | its best setting | judge NLL/token ± SE | tokens/forward | beats entropy-bound's best at "
            "equal or more tokens/forward? |", "|---|---|---:|---:|---|"]
     for sampler in dict.fromkeys(p["sampler"] for p in points):
@@ -62,18 +70,19 @@ def verdicts(report: dict) -> list[str]:
         faster = [p for p in mine if p["adaptive"]["tokens_per_forward"] >= best["adaptive"]["tokens_per_forward"]]
         # as the verdict's match: no less varied than entropy-bound's best (token entropy at least 0.95 times its)
         varied = [p for p in faster if p["quality"]["token_entropy"] >= 0.95 * best["quality"]["token_entropy"]]
-        wins = [p for p in varied if nll(p) + 2 * p["quality"]["nll_per_token_se"] < nll(best)]
+        wins = [p for p in varied if nll(p) + 2 * (p["quality"].get("nll_per_token_se") or math.inf) < nll(best)]
         lower = [p for p in varied if nll(p) < nll(best)]
         answer = (f"yes, beyond 2 SE: {', '.join(p['label'] for p in wins)}" if wins else
                   f"lower, within 2 SE: {', '.join(p['label'] for p in lower)}" if lower else "no")
-        out.append(f"| {sampler} | {top['label']} | {nll(top):.3f} ± {top['quality']['nll_per_token_se']:.3f} | "
+        out.append(f"| {sampler} | {top['label']} | {nll(top):.3f} ± {se(top)} | "
                    f"{top['adaptive']['tokens_per_forward']:.2f} | {'–' if sampler == 'entropy-bound' else answer} |")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("report", type=Path, help="report.json of dgemma eval")
+    ap.add_argument("report", type=Path, nargs="?", default=Path(__file__).resolve().parents[1] / "docs" / "results"
+                    / "cpu-small" / "report.json", help="report.json of dgemma eval (default: the README's)")
     ap.add_argument("--out", type=Path, help="write the markdown here too")
     args = ap.parse_args(argv)
     try:
