@@ -37,9 +37,9 @@ TRAIN=(--preset cpu-small --max-steps $((2 * STEPS)) --eval-every "$EVERY" --eva
        --keep-last 40)
 # The frontier (docs/sampling.md): entropy-bound over N x entropy_bound, then every other sampler over its settings.
 # The committing samplers' N is a cap, so they run at one; the corrector doubles the passes, so it runs at half the
-# N of the ancestral chain. The NELBO takes the 4 t per canvas of the learning curves.
-SAMPLERS=(--sampler-grid 'lite:max_denoising_steps=16' --sampler-grid 'ancestral:max_denoising_steps=32'
-          --sampler-grid 'predictor-corrector:max_denoising_steps=16'
+# ancestral chain's N (the same passes). The NELBO takes the 4 t per canvas of the learning curves.
+SAMPLERS=(--sampler-grid 'lite:max_denoising_steps=16/32' --sampler-grid 'ancestral:max_denoising_steps=16/32'
+          --sampler-grid 'predictor-corrector:max_denoising_steps=8/16'
           --sampler-grid 'confidence:commit_threshold=0.9/0.7/0.5,max_denoising_steps=32'
           --sampler-grid 'block-refinement:commit_threshold=0.9/0.7,max_denoising_steps=16'
           --sampler-grid 'block-refinement:commit_threshold=0.7,edit_threshold=0.9,max_denoising_steps=16')
