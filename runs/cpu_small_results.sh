@@ -15,7 +15,7 @@
 #     128), so the learning curves end where the report's likelihoods are measured. Every training record carries
 #     the process's CPU seconds (`cpu_s`).
 #   * the AR run trains alone on 2 threads to STEPS/2, then it goes on to 2 x STEPS beside the diffusion run, one
-#     thread each (OMP_NUM_THREADS=1): about 60 minutes on 2 quiet cores, plus about 20 for the evaluation.
+#     thread each (OMP_NUM_THREADS=1): about 45 minutes on 2 cores, plus about 15 for the evaluation.
 #     `--resume` throughout, so rerunning continues where it stopped (logs are appended).
 #
 #   bash runs/cpu_small_results.sh 4800            # what the README cites

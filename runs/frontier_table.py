@@ -2,7 +2,7 @@
 docs/results/cpu-small/frontier.md): every sampler setting and the AR baseline at each temperature, sorted by
 tokens per forward within each sampler, with the judge's NLL per token and its SE, the gen-PPL interval, diversity
 and prompt dependence; then, per sampler, its best judge NLL and whether it beats entropy-bound's best at equal or
-higher tokens per forward and no less varied samples (token entropy at least 0.95 times its, the verdict's rule);
+higher tokens per forward and no less varied samples (token entropy and distinct-2 at least 0.95 times its);
 "beyond 2 SE" compares with the SE of the point's own NLL, the samples of two samplers not being paired draws.
 
     python runs/frontier_table.py [REPORT_DIR/report.json] [--out FILE]   (default: docs/results/cpu-small's)
@@ -68,12 +68,16 @@ def verdicts(report: dict) -> list[str]:
         mine = [p for p in points if p["sampler"] == sampler]
         top = min(mine, key=nll)
         faster = [p for p in mine if p["adaptive"]["tokens_per_forward"] >= best["adaptive"]["tokens_per_forward"]]
-        # as the verdict's match: no less varied than entropy-bound's best (token entropy at least 0.95 times its)
-        varied = [p for p in faster if p["quality"]["token_entropy"] >= 0.95 * best["quality"]["token_entropy"]]
+        # no less varied than entropy-bound's best: token entropy and distinct-2 at least 0.95 times its (a sampler
+        # that repeats itself more scores a lower NLL for it)
+        varied = [p for p in faster if all(p["quality"][k] >= 0.95 * best["quality"][k]
+                                           for k in ("token_entropy", "distinct_2"))]
         wins = [p for p in varied if nll(p) + 2 * (p["quality"].get("nll_per_token_se") or math.inf) < nll(best)]
         lower = [p for p in varied if nll(p) < nll(best)]
+        repeats = [p for p in faster if nll(p) < nll(best) and p not in varied]
         answer = (f"yes, beyond 2 SE: {', '.join(p['label'] for p in wins)}" if wins else
-                  f"lower, within 2 SE: {', '.join(p['label'] for p in lower)}" if lower else "no")
+                  f"lower, within 2 SE: {', '.join(p['label'] for p in lower)}" if lower else
+                  f"no: {len(repeats)} setting(s) score lower by repeating themselves more" if repeats else "no")
         out.append(f"| {sampler} | {top['label']} | {nll(top):.3f} ± {se(top)} | "
                    f"{top['adaptive']['tokens_per_forward']:.2f} | {'–' if sampler == 'entropy-bound' else answer} |")
     return out

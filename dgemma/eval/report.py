@@ -272,8 +272,8 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
         ax.set_ylabel(ylabel, fontsize=9)
         if ykey == "gen_ppl":
             ax.set_yscale("log")
-        if n == len(panels) - 1:  # one legend, on the panel that needs no judge: the lines are the same in each
-            ax.legend(fontsize=6)
+        if n == min(1, len(panels) - 1):  # one legend (the lines are the same in each): tokens/forward's upper right,
+            ax.legend(fontsize=6, loc="upper right", framealpha=0.8)  # where only slow bad samplers could be
         ax.grid(alpha=0.3)
     fig.subplots_adjust(left=0.06, right=0.98, top=0.9, bottom=0.12, wspace=0.3)
     return save_figure(fig, path)
