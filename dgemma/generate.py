@@ -33,6 +33,7 @@ from torch import Tensor
 from dgemma import dirkind, fast_sampler, fsio, sampling
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import CanvasState, StagedCanvas, StepInfo
+from dgemma.constraint import Constraint, ConstraintState
 from dgemma.generation_config import CHAINS, COMMITTING, GenerationConfig, GenerationError
 from dgemma.inputs import check_token_ids
 from dgemma.kv_cache import KVCache
@@ -128,6 +129,10 @@ class GenerationResult:
     trace: Trace | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # with a constraint: per row, whether the output is a whole sentence of its grammar (False: max_new_tokens ran
+    # out first; the output is still a valid prefix)
+    constraint_complete: list[bool] | None = None
+    constraint_seconds: float | None = None  # wall-clock spent computing the grammar's masks and draws
 
     def new_tokens(self) -> list[list[int]]:
         """Generated ids per row, up to and including the first EOS, padding removed."""
@@ -143,15 +148,17 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
                    generator: torch.Generator | None = None, canvas: Tensor | None = None,
                    self_conditioning_logits: Tensor | None = None, finished: Tensor | None = None,
                    canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None,
-                   trace: bool = False, impl: Impl | None = None) -> StagedCanvas:
+                   trace: bool = False, impl: Impl | None = None,
+                   constraint: ConstraintState | None = None) -> StagedCanvas:
     """Denoise one canvas against what the cache holds, without writing it (stage; `model.commit` writes).
 
     `canvas` (B, L) replaces the initial noise (which is still drawn, keeping the random stream aligned);
     `finished` (B,) marks rows whose sequence already ended (they run along but are not counted). `impl` selects
-    the model's kernels (default: the model's); this loop is the readable one whatever the kernels."""
+    the model's kernels (default: the model's); this loop is the readable one whatever the kernels. `constraint`: the
+    rows' grammar states (dgemma/constraint.py), which each step's draw and argmax follow."""
     sampler = CanvasSampler(model, config, cache.batch_size, generator=generator, canvas=canvas,
                             self_conditioning_logits=self_conditioning_logits, finished=finished,
-                            canvas_index=canvas_index, on_step=on_step, trace=trace)
+                            canvas_index=canvas_index, on_step=on_step, trace=trace, constraint=constraint)
     prefix = sliding_prefix(model.config, config)
     while True:
         x, sc, level = sampler.inputs()
@@ -170,8 +177,12 @@ class CanvasSampler:
     def __init__(self, model: DiffusionGemma, config: GenerationConfig, batch_size: int, *,
                  generator: torch.Generator | None = None, canvas: Tensor | None = None,
                  self_conditioning_logits: Tensor | None = None, finished: Tensor | None = None,
-                 canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None, trace: bool = False):
+                 canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
+                 constraint: ConstraintState | None = None):
         B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
+        if constraint is not None:
+            check_constrainable(config)
+        self.constraint = constraint
         device = model.device
         self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
         self.time_embedding = model.config.time_embedding
@@ -234,8 +245,12 @@ class CanvasSampler:
         self.sc = sc = None
         temp = sampling.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
+        if self.constraint is not None:  # left to right under the grammar's masks (dgemma/constraint.py)
+            rows = (active & ~was_done).nonzero().flatten().tolist()
+            new_draw, constrained_argmax, constrained_entropy = self.constraint.draw(z, generator, rows)
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-        new_draw = None if self.ancestral else sampling.draw_tokens(probs, generator)
+        new_draw = None if self.ancestral else new_draw if self.constraint is not None else \
+            sampling.draw_tokens(probs, generator)
         confidence = probs.amax(-1) if lite and not raw else None
         if self.committing:  # the tempered probability of each drawn token (diffusers' confidence)
             confidence = probs.gather(-1, new_draw[..., None])[..., 0]
@@ -246,6 +261,8 @@ class CanvasSampler:
             confidence = sampling.max_probability(z)
         new_argmax = torch.argmax(z, dim=-1)
         entropy = sampling.token_entropy(z)
+        if self.constraint is not None:  # the grammar's argmax and the entropy of what it allows
+            new_argmax, entropy = constrained_argmax, constrained_entropy
         committed = self.committed
         if self.ancestral:  # x_{s'} from the reverse step, s = n / N -> s' = (n - 1) / N ("accepted": unchanged)
             new_x = sampling.draw_tokens(sampling.ancestral_step(z, state.x, n / N, (n - 1) / N), generator)
@@ -293,6 +310,14 @@ class CanvasSampler:
                                  else self.state.x)
 
 
+def check_constrainable(config: GenerationConfig) -> None:
+    """A constraint runs with the entropy-bound sampler (the others decide per position in ways a left-to-right
+    mask does not yet follow): GenerationError naming the sampler otherwise."""
+    if config.sampler != "entropy-bound":
+        raise GenerationError(f"a constraint (json_schema, regex, grammar) runs with sampler='entropy-bound', not "
+                              f"{config.sampler!r}")
+
+
 def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:
     """Refuse NaN or +-inf logits (non-finite weights or an overflow) before they reach the draw, where
     torch.multinomial would fail obscurely or a sampler would silently pick token 0."""
@@ -310,7 +335,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
              cache: KVCache | None = None, decoder_input_ids: Tensor | None = None,
              impl: Impl | None = None, loop: str | None = None, compile: bool = False, force: bool = False,
              around_commit: Callable[[Callable[[], None]], None] | None = None,
-             **overrides: Any) -> GenerationResult:
+             constraint: Constraint | None = None, **overrides: Any) -> GenerationResult:
     """Generate whole canvases after `input_ids` (B, T).
 
     Settings come from `overrides` (any GenerationConfig field), then `generation_config`, then the checkpoint's
@@ -329,7 +354,9 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     loop; `compile=True` (sync-free only) compiles its denoise step. The model is never modified: calls on different
     caches may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
     cache and sampler buffers larger than the free memory unless `force`; NaN or inf logits raise GenerationError
-    naming the canvas and step."""
+    naming the canvas and step. `constraint` (dgemma/constraint.py: a JSON schema, regex or grammar): every
+    committed canvas keeps each row's output a valid prefix of its language, and the result's
+    `constraint_complete` says which rows finished a sentence of it (readable loop, entropy-bound sampler)."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
     loop = ("sync-free" if impl == "fast" else "readable") if loop is None else loop
@@ -342,7 +369,12 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
                          "dgemma/fast_sampler.py)")
     config = resolve_generation_config(model, generation_config, overrides)
     if loop == "sync-free":
+        if constraint is not None:
+            raise GenerationError("a constraint runs on the readable loop: pass loop='readable' (the sync-free loop "
+                                  "draws every position at once)")
         fast_sampler.check_supported(config)  # before anything is allocated
+    if constraint is not None:
+        check_constrainable(config)
     _check_inputs(model, input_ids, cache, config)
     B, T = input_ids.shape
     L, device = model.config.canvas_length, model.device
@@ -378,6 +410,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     passes = torch.zeros(B, dtype=torch.long, device=device)
     steps_per_canvas, stop_reasons, records = [], [], []
+    grammar = constraint.start(B) if constraint is not None else None
     for c in range(num_canvases):
         if c > 0:
             previous = sequences[:, -L:]  # the previous canvas, as finalised
@@ -387,7 +420,9 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
         if loop == "sync-free":
             staged = fast_sampler.denoise_canvas(model, cache, config, compile=compile, **kwargs)
         else:
-            staged = denoise_canvas(model, cache, config, impl=impl, **kwargs)
+            staged = denoise_canvas(model, cache, config, impl=impl, constraint=grammar, **kwargs)
+        if grammar is not None:  # the committed canvas moves the parsers on
+            grammar.commit(staged.tokens, rows=(~finished).nonzero().flatten().tolist())
         passes += staged.passes
         steps_per_canvas.append(staged.steps.tolist())
         stop_reasons.append(["finished" if f else r for f, r in zip(finished.tolist(), staged.stop_reasons,
@@ -407,7 +442,9 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     valid = (new != config.pad_token_id).sum(-1) if config.pad_token_id is not None else new.shape[1]
     tokens_per_forward = valid / passes
     result = GenerationResult(sequences, T, tokens_per_forward, steps_per_canvas, stop_reasons, cache,
-                              eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+                              eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+                              constraint_complete=None if grammar is None else grammar.complete(),
+                              constraint_seconds=None if grammar is None else grammar.seconds)
     if trace:
         result.trace = Trace(records, {
             "format": TRACE_FORMAT, "batch_size": B, "prompt_length": T, "canvas_length": L,

@@ -80,6 +80,8 @@ class Server:
         cmd = [sys.executable, "-m", "dgemma", "serve", "--host", "127.0.0.1", "--port", "0",
                "--max-batch", str(args.max_batch)]
         cmd += ["--model", args.model] if args.model else ["--preset", args.preset, "--random-init"]
+        if getattr(args, "tokenizer", None):  # its directory's chat template too (runs/structured_output.py)
+            cmd += ["--tokenizer", args.tokenizer]
         if args.impl:
             cmd += ["--impl", args.impl]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -166,12 +166,17 @@ TINY_ARGS: dict[str, list[str]] = {
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 "
     "--offload-experts": ["--max-denoising-steps", "3"],
     "python runs/bench_serve.py": ["--quick"],
+    "python runs/structured_output.py --model runs/out/cpu-small/diffusion": ["--smoke", "--out", "out"],
+    "dgemma generate --preset tiny --random-init --tokenizer tok --prompt \"A person:\" --json-schema "
+    "examples/person.schema.json --seed 0 --max-new-tokens 64": ["--max-denoising-steps", "3"],
 }
 # Files the docs' commands read from the current directory (docs/data.md: your own corpus).
 DOC_FILES = {"notes/a.md": "# Notes\n\nThe cat sees the red ball.\n", "book.txt": "A dog likes the blue sky. " * 20,
              "chats.jsonl": '{"text": "Hello there."}\n{"text": "What is the capital of France?"}\n',
              # docs/training.md, Fine-tuning: the shipped example chats, as the docs run them from the root
-             "examples/conversations.jsonl": (ROOT / "examples" / "conversations.jsonl").read_text(encoding="utf-8")}
+             "examples/conversations.jsonl": (ROOT / "examples" / "conversations.jsonl").read_text(encoding="utf-8"),
+             # docs/sampling.md, Structured output
+             "examples/person.schema.json": (ROOT / "examples" / "person.schema.json").read_text(encoding="utf-8")}
 
 
 def _flag(argv: list[str], name: str) -> str | None:

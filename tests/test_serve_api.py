@@ -4,6 +4,7 @@ transformers renders them, and the thinking / tool-call output parser (dgemma/da
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,25 +25,7 @@ BASE = GenerationConfig(max_new_tokens=32, max_denoising_steps=8, eos_token_id=(
 
 # A small template in the style of Gemma 4's: turns, a system turn listing the tools, Gemma's tool-call syntax and
 # its thinking channel (which the parser then recognizes).
-GEMMA_LIKE = """{{ bos_token }}
-{%- if tools %}<|turn>system
-{% for t in tools %}{{ t.function.name }}: {{ t.function | tojson }}
-{% endfor %}<turn|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'assistant' and m.tool_calls %}<|turn>model
-{% for c in m.tool_calls %}<|tool_call>call:{{ c.function.name }}
-{{- c.function.arguments | tojson }}<tool_call|>{% endfor %}
-<turn|>
-{% elif m.role == 'tool' %}<|turn>tool
-{{ m.content }}<turn|>
-{% else %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}
-{{ m.content | trim }}<turn|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|turn>model
-{% endif %}
-{#- thinking: <|channel>thought ... <channel|> #}"""
+GEMMA_LIKE = (Path(__file__).resolve().parents[1] / "examples" / "gemma4_tools.jinja").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +96,13 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
     ({"stop": ""}, "stop", "non-empty"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"stream": True, "stream_options": {"include_everything": True}}, "stream_options", "include_everything"),
-    ({"tool_choice": "required"}, "tool_choice", "auto"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "always"}, "tool_choice", "'auto', 'none', 'required' or"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}},
+      "tools": [{"type": "function", "function": {"name": "g"}}]}, "tool_choice", "no tool named 'f'"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "must be {'type': 'text'}"),
+    ({"response_format": {"type": "json_object"}, "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "g"}}]}, "tool_choice", "not both"),
     ({"messages": []}, "messages", "non-empty list"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages",

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from dgemma import loading
+from dgemma import fsio, loading
 from dgemma.attention import IMPLS
 from dgemma.config import ConfigError
 from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
@@ -253,6 +253,46 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
     p.add_argument("--t-max", type=float, metavar="X", help="initial temperature (default: the checkpoint's)")
     if seed_help is not None:
         p.add_argument("--seed", type=seed, metavar="SEED", help=seed_help)
+
+
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (dgemma/constraint.py, llguidance): at most one grammar the output must follow."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", type=Path, metavar="FILE", help="the output is JSON valid against the JSON Schema "
+                   "in FILE (needs llguidance: pip install 'dgemma[grammar]')")
+    g.add_argument("--json-object", action="store_true", help="the output is one JSON object")
+    g.add_argument("--regex", metavar="PATTERN", help="the output matches the regular expression PATTERN whole")
+    g.add_argument("--grammar", type=Path, metavar="FILE", help="the output follows the Lark grammar in FILE "
+                   "(llguidance's dialect)")
+
+
+def constraint_from(args: argparse.Namespace, tok: Tokenizer | None, model: Any) -> Any:
+    """The Constraint the flags ask for (None without one); a UsageError naming the flag for what cannot be built."""
+    from dgemma.constraint import Constraint, ConstraintError
+
+    flag = next((f for f in ("json_schema", "json_object", "regex", "grammar") if getattr(args, f, None)), None)
+    if flag is None:
+        return None
+    name = "--" + flag.replace("_", "-")
+    if tok is None:
+        raise UsageError(f"{name} needs the model's tokenizer (the grammar is compiled against it): pass --tokenizer "
+                         "PATH or put tokenizer.json in the model directory")
+    common = dict(eos_token_id=model.generation_config.eos_token_id)
+    try:
+        if flag == "json_object":
+            return Constraint.json_object(tok, **common)
+        if flag == "regex":
+            return Constraint.regex(args.regex, tok, **common)
+        path = getattr(args, flag)
+        try:
+            text = fsio.read_bytes(path, 1 << 20).decode("utf-8")
+        except (OSError, fsio.UnsafeFileError, UnicodeDecodeError) as e:
+            raise UsageError(f"{name} {path}: cannot read ({fsio.reason(e) if isinstance(e, OSError) else e})"
+                             ) from None
+        return Constraint.json_schema(text, tok, **common) if flag == "json_schema" else Constraint.lark(text, tok,
+                                                                                                         **common)
+    except ConstraintError as e:
+        raise UsageError(f"{name}: {e}") from None
 
 
 def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any]:

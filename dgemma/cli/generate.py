@@ -16,10 +16,12 @@ from dgemma import fsio
 from dgemma.cli.common import (
     Streamer,
     UsageError,
+    add_constraint_args,
     add_model_args,
     add_runtime_args,
     add_sampler_args,
     chat_template,
+    constraint_from,
     load,
     overrides,
 )
@@ -41,6 +43,7 @@ def register(subparsers: Any) -> None:
                         f"{MAX_BATCH_FILE_BYTES >> 20} MiB and {MAX_BATCH_PROMPTS} prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the Gemma chat turn template")
     add_sampler_args(p)
+    add_constraint_args(p)
     p.add_argument("--trace", type=Path, metavar="FILE", help="save a per-step trace: FILE (.npz) and FILE with .json")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     p.set_defaults(func=run)
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         check_trace_path(args.trace)  # before the model is loaded and anything generated
     model, tok = load(args)
     rows, texts = read_prompts(args, tok, model.config.vocab_size)
+    constraint = constraint_from(args, tok, model)
     gcfg = model.generation_config
     kw = overrides(args, gcfg)
     input_ids, mask = left_pad(rows, gcfg.pad_token_id or 0, model.device)
@@ -121,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         result = generate(model, input_ids, attention_mask=mask, seed=args.seed, on_step=streamer.on_step,
-                          on_canvas=streamer.on_canvas, trace=args.trace is not None, force=args.force, **kw)
+                          on_canvas=streamer.on_canvas, trace=args.trace is not None, force=args.force,
+                          constraint=constraint, **kw)
     finally:
         streamer.close()
     wall = time.perf_counter() - t0
@@ -135,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
                               "token_ids": ids, "tokens_per_forward": float(result.tokens_per_forward[i]),
                               # generate's lists are [canvas][row]; a row finished early shows 0 / "finished"
                               "steps_per_canvas": [c[i] for c in result.steps_per_canvas],
-                              "stop_reasons": [c[i] for c in result.stop_reasons]}))
+                              "stop_reasons": [c[i] for c in result.stop_reasons]}
+                             | ({} if result.constraint_complete is None else
+                                {"constraint_complete": result.constraint_complete[i]})))
     n = sum(len(ids) for ids in new)
     canvases = len(result.steps_per_canvas)
     tpf = float(torch.as_tensor(result.tokens_per_forward, dtype=torch.float32).mean())

@@ -332,6 +332,39 @@ def parse_tool_call(convention: Convention, body: str) -> dict[str, Any] | None:
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
+def tool_call_grammar(convention: Convention, tools: Sequence[dict[str, Any]], *, parallel: bool = True,
+                      special_ids: dict[str, int] | None = None, json_layout: dict[str, Any] | None = None) -> str:
+    """A Lark grammar (llguidance's dialect: `%json {schema}` for a JSON Schema, `<[id]>` for a special token) of
+    tool calls in `convention`'s syntax, one call (`parallel=False`) or more, each to one of `tools` (OpenAI's
+    {"type": "function", "function": {"name", "parameters"}}) with arguments valid against its parameters:
+
+        gemma-tool-call   <|tool_call>call:NAME{"arg": ...}<tool_call|>          (JSON, which its parser also reads)
+        json-tool-call    <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
+
+    A marker that is one special token of the tokenizer (`special_ids`: text -> id) is that token, else its text.
+    `json_layout`: llguidance's JSON options for the arguments (whitespace, separators)."""
+    def marker(text: str) -> str:
+        sid = (special_ids or {}).get(text)
+        return f"<[{sid}]>" if sid is not None else json.dumps(text)
+
+    if convention.kind != "tool":
+        raise ValueError(f"{convention.name} is not a tool-call convention")
+    layout = {"x-guidance": json_layout} if json_layout else {}
+    rules = []
+    for k, tool in enumerate(tools):
+        fn = tool["function"]
+        params = {"type": "object", **(fn.get("parameters") or {})}
+        if convention is GEMMA_TOOL_CALL:
+            body = f'{json.dumps("call:" + fn["name"])} %json {json.dumps({**params, **layout})}'
+        else:
+            schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False, **layout}
+            body = f"%json {json.dumps(schema)}"
+        rules.append(f"call_{k}: {marker(convention.open)} {body} {marker(convention.close)}")
+    calls = " | ".join(f"call_{k}" for k in range(len(tools)))
+    return "\n".join([f"start: call{'+' if parallel else ''}", f"call: {calls}", *rules]) + "\n"
+
+
 GEMMA_QUOTE = '<|"|>'  # Gemma 4 writes string values between these, unescaped
 _JSON = json.JSONDecoder()
 _BARE_END = re.compile(r"[,:{}\[\]]|\s*$")

@@ -9,6 +9,7 @@ or refused unless it has its neutral value; dgemma's sampler settings are extra 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.config import ConfigError, is_int, is_real
-from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
+from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention, tool_call_grammar
 from dgemma.data.tokenizer import Tokenizer
 from dgemma.generation_config import SEED_MAX, GenerationConfig, is_seed, offset_seed
 
@@ -109,6 +110,7 @@ class GenerationRequest:
     include_denoising: bool
     stop: tuple[str, ...]
     conventions: tuple[Convention, ...]  # how to split the output (chat with a template that marks spans)
+    constraint: Any = None  # dgemma.constraint.Constraint of response_format json_object / json_schema, or None
 
 
 class _Refused:
@@ -185,19 +187,22 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     """POST /v1/chat/completions: messages rendered with `template`. `limits` caps the work asked; the total
     (`max_request_steps`) is checked when `canvas_length` (the model's) is given."""
     _check_fields(body, COMMON_FIELDS + CHAT_FIELDS)
-    for name, neutral in (("top_logprobs", (None, 0)), ("parallel_tool_calls", (None, True))):
+    tools = _tools(body)
+    forced = tool_constraint(body, tools, template, tokenizer, base_config)
+    # parallel_tool_calls=false is kept only where the grammar keeps it (a forced call)
+    for name, neutral in (("top_logprobs", (None, 0)),) + (() if forced else (("parallel_tool_calls", (None, True)),)):
         _neutral(body, name, neutral)
     if body.get("logprobs") not in (None, False):
         raise APIError(f"logprobs: not supported (a diffusion sampler has no per-token log-probability of its "
                        f"output), got {body['logprobs']!r}", param="logprobs")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise APIError(f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}", param="response_format")
+    constraint = response_constraint(body.get("response_format"), tokenizer, base_config)
+    if constraint is not None and forced is not None:
+        raise APIError("give response_format or a forced tool_choice, not both (the output is one or the other)",
+                       param="tool_choice")
     if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] is not None \
             and body["max_completion_tokens"] is not None:
         raise APIError("give one of max_tokens and max_completion_tokens, not both", param="max_completion_tokens")
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    tools = _tools(body)
     messages = _messages(body.get("messages"))
     try:
         prompt = template.encode(tokenizer, messages, tools)
@@ -208,8 +213,49 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     conventions = template.conventions
     if body.get("tool_choice") == "none":
         conventions = tuple(c for c in conventions if c.kind != "tool")
-    return _request("chat", body, [prompt], base_config, model_name, limits, canvas_length, max_tokens_field,
-                    conventions)
+    if constraint is not None:  # the output is the JSON itself: no thinking or tool-call spans to split out
+        conventions = ()
+    constraint = constraint or forced  # a forced call: the tool-call spans are the output, parsed as always
+    return dataclasses.replace(_request("chat", body, [prompt], base_config, model_name, limits, canvas_length,
+                                        max_tokens_field, conventions), constraint=constraint)
+
+
+def response_constraint(fmt: Any, tokenizer: Tokenizer, base: GenerationConfig) -> Any:
+    """The Constraint of a chat request's response_format (dgemma/constraint.py): None for none or
+    {"type": "text"}; {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict", "description"}}: JSON valid against the schema (always strictly: the grammar admits nothing
+    else). A schema the grammar engine cannot compile is a 400 naming it."""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    where = "response_format"
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise APIError(f"{where}: must be {{'type': 'text'}}, {{'type': 'json_object'}} or {{'type': 'json_schema', "
+                       f"'json_schema': {{...}}}}, got {fmt!r}", param=where)
+    extra = sorted(set(fmt) - {"type", "json_schema"})
+    if extra or (fmt["type"] != "json_schema" and "json_schema" in fmt):
+        raise APIError(f"{where}: unknown field(s) {', '.join(extra or ['json_schema'])} for type "
+                       f"{fmt['type']!r}", param=where)
+    from dgemma.constraint import Constraint, ConstraintError
+
+    common = {"eos_token_id": base.eos_token_id}
+    try:
+        if fmt["type"] == "json_object":
+            return Constraint.json_object(tokenizer, **common)
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(f"{where}.json_schema: must be an object with a 'schema' object, got {spec!r}",
+                           param=where)
+        unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+        if unknown:
+            raise APIError(f"{where}.json_schema: unknown field(s) {', '.join(unknown)}", param=where)
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise APIError(f"{where}.json_schema.name: must be a non-empty string, got {spec.get('name')!r}",
+                           param=where)
+        if spec.get("strict") not in (None, True, False):
+            raise APIError(f"{where}.json_schema.strict: must be true or false, got {spec['strict']!r}", param=where)
+        return Constraint.json_schema(spec.get("schema", {}), tokenizer, **common)
+    except ConstraintError as e:
+        raise APIError(f"{where}: {e}", param=where) from None
 
 
 def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base_config: GenerationConfig,
@@ -447,9 +493,9 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise APIError(f"tool_choice: only 'auto' and 'none' are supported (the sampler cannot force a call), "
-                       f"got {choice!r}", param="tool_choice")
+    if choice not in (None, "auto", "none", "required") and not _named_choice(choice):
+        raise APIError(f"tool_choice: must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
+                       f"{{'name': NAME}}}}, got {choice!r}", param="tool_choice")
     tools = body.get("tools")
     if tools is None:
         return None
@@ -460,6 +506,42 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise APIError(f"tools[{j}]: must be {{'type': 'function', 'function': {{'name', 'description', "
                            "'parameters': {...}}}}", param="tools")
     return None if choice == "none" or not tools else tools
+
+
+def _named_choice(choice: Any) -> bool:
+    return isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "function"} \
+        and isinstance(choice["function"], dict) and set(choice["function"]) == {"name"} \
+        and isinstance(choice["function"]["name"], str)
+
+
+def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, template: ChatTemplate,
+                    tokenizer: Tokenizer, base: GenerationConfig) -> Any:
+    """The Constraint of tool_choice "required" (one or more calls, one if parallel_tool_calls is false) or a named
+    function (one call to it): the template's tool-call syntax as a grammar (templates.tool_call_grammar) with each
+    function's parameters as its arguments' JSON Schema. None for "auto" and "none"."""
+    choice = body.get("tool_choice")
+    if choice not in ("required",) and not _named_choice(choice):
+        return None
+    if not tools:
+        raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
+    convention = next((c for c in template.conventions if c.kind == "tool"), None)
+    if convention is None:
+        raise APIError("tool_choice: the chat template marks no tool-call syntax to force (a template that writes "
+                       "<|tool_call> or <tool_call> spans does)", param="tool_choice")
+    if _named_choice(choice):
+        name = choice["function"]["name"]
+        tools = [t for t in tools if t["function"]["name"] == name]
+        if not tools:
+            raise APIError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError
+
+    specials = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    parallel = choice == "required" and body.get("parallel_tool_calls") is not False
+    grammar = tool_call_grammar(convention, tools, parallel=parallel, special_ids=specials, json_layout=JSON_LAYOUT)
+    try:
+        return Constraint.lark(grammar, tokenizer, eos_token_id=base.eos_token_id)
+    except ConstraintError as e:
+        raise APIError(f"tools: {e}", param="tools") from None
 
 
 def _list(v: Any, where: str) -> list[Any]:

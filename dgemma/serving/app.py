@@ -327,7 +327,8 @@ class _Run:
             try:
                 choice.handle = self.state.engine.submit(
                     self.req.prompts[sub.prompt], sub.config, seed=sub.seed,
-                    on_event=partial(self._on_event, sub.index), stream_steps=self.req.include_denoising)
+                    on_event=partial(self._on_event, sub.index), stream_steps=self.req.include_denoising,
+                    constraint=self.req.constraint)
             except QueueFullError as e:
                 self.cancel()
                 raise APIError(f"the engine queue is full ({e}); retry later", status=429,

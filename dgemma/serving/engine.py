@@ -37,7 +37,8 @@ import torch
 
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import StepInfo
-from dgemma.generate import CanvasSampler
+from dgemma.constraint import Constraint, ConstraintState
+from dgemma.generate import CanvasSampler, check_constrainable
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
@@ -128,6 +129,7 @@ class Request:
     canvas: int = 0  # index of the canvas being denoised
     sampler: CanvasSampler | None = None
     generator: torch.Generator | None = None
+    constraint: ConstraintState | None = None  # the request's grammar state, at the end of what it committed
     emitted: int = 0
     passes: int = 0
     first_canvas_s: float | None = None
@@ -202,16 +204,20 @@ class Engine:
         self.close()
 
     def submit(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
-               on_event: Callable[[Event], None], stream_steps: bool = False) -> Request:
+               on_event: Callable[[Event], None], stream_steps: bool = False,
+               constraint: Constraint | None = None) -> Request:
         """Queue a request for whole canvases after `prompt_ids`; its events go to `on_event`, called from the engine
-        thread, in order: StepEvents (with `stream_steps`) and CanvasEvents, then one DoneEvent. Raises EngineError
-        for a request that cannot run, QueueFullError when the queue is full."""
+        thread, in order: StepEvents (with `stream_steps`) and CanvasEvents, then one DoneEvent. `constraint`
+        (dgemma/constraint.py): a grammar every committed canvas keeps the output a valid prefix of. Raises
+        EngineError for a request that cannot run, QueueFullError when the queue is full."""
         prompt = self._check_prompt(prompt_ids)
         if not isinstance(config, GenerationConfig):
             raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
         try:
             seed = secrets.randbits(63) if seed is None else check_seed(seed)
             max_new = new_token_budget(config, len(prompt))
+            if constraint is not None:
+                check_constrainable(config)
         except GenerationError as e:
             raise EngineError(str(e)) from None
         L = self.canvas_length
@@ -227,7 +233,8 @@ class Engine:
                 raise EngineError("the engine is closed")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue})")
-            request = Request(self._next_id, prompt, config, seed, on_event, stream_steps, max_new, engine=self)
+            request = Request(self._next_id, prompt, config, seed, on_event, stream_steps, max_new, engine=self,
+                              constraint=None if constraint is None else constraint.start(1))
             self._next_id += 1
             self._waiting.append(request)
             self._counts["requests_submitted"] += 1
@@ -321,7 +328,7 @@ class Engine:
     def _start_canvas(self, r: Request) -> None:
         on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
         r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
-                                  on_step=on_step)
+                                  on_step=on_step, constraint=r.constraint)
 
     def _denoise_step(self, rows: list[Request]) -> None:
         """One batched pass over `rows` (one sliding-prefix rule), each at its own length, then each row's sampler
@@ -372,6 +379,8 @@ class Engine:
         staged = r.sampler.staged()  # type: ignore[union-attr]
         r.sampler = None
         tokens = staged.tokens[0].tolist()
+        if r.constraint is not None:  # the committed canvas moves the grammar on
+            r.constraint.commit(staged.tokens)
         cut = eos_index(tokens, r.config.eos_token_id)
         room = r.max_new - r.emitted
         out = tokens[:min(cut, room)]

@@ -1,0 +1,143 @@
+"""Structured output (dgemma/constraint.py): every committed canvas keeps the output a valid prefix of the grammar,
+on a random tiny model that knows nothing of JSON, so the grammar alone decides validity; the masked draw is the
+masked product distribution; and the errors for what cannot be constrained."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from dgemma import generate, preset
+from dgemma.constraint import Constraint, ConstraintError
+from dgemma.data.tokenizer import build_test_tokenizer, load_tokenizer
+from dgemma.generation_config import GenerationError
+from dgemma.model import DiffusionGemma
+from dgemma.testing.hf import randomize_
+
+llguidance = pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+EOS = 1
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"},
+                                      "ok": {"type": "boolean"}},
+     "required": ["name", "age", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                      "size": {"type": "number"}},
+     "required": ["colour", "size"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "admin": {"type": "boolean"}}, "required": ["id", "admin"],
+        "additionalProperties": False}}, "required": ["user"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return randomize_(DiffusionGemma(preset("tiny")), 0).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    build_test_tokenizer(512, path)
+    return load_tokenizer(path)
+
+
+def _prompt(rows: int = 2) -> torch.Tensor:
+    return torch.randint(5, 500, (rows, 5), generator=torch.Generator().manual_seed(rows))
+
+
+def _text(tok, ids):
+    return tok.decode([t for t in ids if t != EOS])
+
+
+def _is_prefix(constraint: Constraint, ids: list[int]) -> bool:
+    """Whether a fresh parser takes every token (up to the grammar's end) of `ids`."""
+    m = llguidance.LLMatcher(constraint.tokenizer, constraint.grammar)
+    for t in ids:
+        if m.is_stopped():
+            return t == EOS
+        if not m.consume_token(t):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["scalars", "enum+number", "array", "nested"])
+def test_every_output_is_a_valid_prefix_and_a_complete_one_validates(model, tok, schema):
+    c = Constraint.json_schema(schema, tok, eos_token_id=EOS)
+    out = generate(model, _prompt(), seed=0, max_new_tokens=96, max_denoising_steps=6, constraint=c,
+                   eos_token_id=EOS)
+    assert len(out.constraint_complete) == 2
+    for ids, complete in zip(out.new_tokens(), out.constraint_complete, strict=True):
+        assert _is_prefix(c, ids)
+        if complete:
+            jsonschema.validate(json.loads(_text(tok, ids)), schema)
+    assert any(out.constraint_complete)  # the random model does finish some, within 6 canvases
+
+
+def test_a_regex_and_a_lark_grammar_hold_whole(model, tok):
+    c = Constraint.regex(r"[a-z]{3,6}-[0-9]{2}", tok, eos_token_id=EOS)
+    out = generate(model, _prompt(3), seed=1, max_new_tokens=32, max_denoising_steps=6, constraint=c,
+                   eos_token_id=EOS)
+    texts = [_text(tok, ids) for ids in out.new_tokens()]
+    assert out.constraint_complete == [True] * 3 and all(re.fullmatch(r"[a-z]{3,6}-[0-9]{2}", t) for t in texts)
+    c = Constraint.lark('start: "yes" | "no" | "maybe"', tok, eos_token_id=EOS)
+    out = generate(model, _prompt(3), seed=2, max_new_tokens=16, max_denoising_steps=4, constraint=c,
+                   eos_token_id=EOS)
+    assert {_text(tok, ids) for ids in out.new_tokens()} <= {"yes", "no", "maybe"}
+
+
+def test_a_budget_too_small_says_so_and_keeps_a_valid_prefix(model, tok):
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 60}}, "required": ["text"]}
+    c = Constraint.json_schema(schema, tok, eos_token_id=EOS)
+    out = generate(model, _prompt(), seed=0, max_new_tokens=16, max_denoising_steps=4, constraint=c,
+                   eos_token_id=EOS)
+    assert out.constraint_complete == [False, False]
+    assert all(_is_prefix(c, ids) and _text(tok, ids).startswith('{"text": "') for ids in out.new_tokens())
+
+
+def test_the_masked_draw_is_the_masked_distribution(tok):
+    """One position, a grammar allowing three tokens: the draw's frequencies follow softmax restricted to them."""
+    words = ["a", "b", "c"]
+    ids = [tok.encode(w, add_special_tokens=False) for w in words]
+    assert all(len(i) == 1 for i in ids), ids  # one token each in the test tokenizer
+    c = Constraint.regex("a|b|c", tok, eos_token_id=EOS)
+    state = c.start(1)
+    z = torch.zeros(1, 1, 512)
+    z[0, 0, [i[0] for i in ids]] = torch.tensor([0.0, 1.0, 2.0])
+    z[0, 0, 7] = 9.0  # the most likely token overall is not allowed
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        draw, greedy, entropy = state.draw(z, g)
+        counts[[i[0] for i in ids].index(int(draw[0, 0]))] += 1
+    want = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
+    assert torch.allclose(counts / counts.sum(), want, atol=0.03)
+    assert int(greedy[0, 0]) == ids[2][0]
+    assert float(entropy[0, 0]) == pytest.approx(float(-(want * want.log()).sum()), rel=1e-5)
+    assert state.complete() == [False]  # a step's draw does not move the parser
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda tok: Constraint.json_schema("{not json", tok), "json_schema: not JSON"),
+    (lambda tok: Constraint.regex("[a-z", tok), "cannot compile the regex: .*unclosed character class"),
+    (lambda tok: Constraint.lark("start: undefined_rule", tok), "cannot compile the lark"),
+    (lambda tok: Constraint.json_schema({"type": "object"}, "/nonexistent/tokenizer.json"), "cannot read"),
+])
+def test_what_cannot_be_compiled_is_one_error_naming_it(tok, build, message):
+    with pytest.raises(ConstraintError, match=message):
+        build(tok)
+
+
+def test_the_samplers_and_loops_it_does_not_follow_are_refused(model, tok):
+    c = Constraint.json_object(tok, eos_token_id=EOS)
+    with pytest.raises(GenerationError, match="sampler='entropy-bound', not 'lite'"):
+        generate(model, _prompt(), seed=0, max_new_tokens=16, sampler="lite", constraint=c)
+    with pytest.raises(GenerationError, match="readable loop"):
+        generate(model, _prompt(), seed=0, max_new_tokens=16, impl="fast", constraint=c)
