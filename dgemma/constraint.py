@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +64,7 @@ class Constraint:
                eos_token_id: Sequence[int] | int | None) -> Constraint:
         llg = _llguidance()
         eos = tuple([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []))
-        tok = _ll_tokenizer(_tokenizer_json(tokenizer), eos)
+        tok = _ll_tokenizer_of(tokenizer, eos)
         is_error, problems = llg.LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if is_error:
             why = " ".join((problems[0] if problems else "invalid").split())  # llguidance's message, on one line
@@ -124,6 +125,21 @@ def _tokenizer_json(tokenizer: Any) -> str:
     except (OSError, UnicodeDecodeError) as e:
         raise ConstraintError(f"{path}: cannot read the tokenizer.json the constraint is compiled against ({e})"
                               ) from None
+
+
+_BY_TOKENIZER: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _ll_tokenizer_of(tokenizer: Any, eos: tuple[int, ...]) -> Any:
+    """llguidance's tokenizer for a dgemma Tokenizer, kept with it (a server builds one constraint per request, and
+    serializing a large vocabulary each time would cost as much as the request); else by its tokenizer.json text."""
+    try:
+        kept = _BY_TOKENIZER.setdefault(tokenizer, {})
+    except TypeError:  # a path or a `tokenizers.Tokenizer`: no weak reference to hold it by
+        return _ll_tokenizer(_tokenizer_json(tokenizer), eos)
+    if eos not in kept:
+        kept[eos] = _ll_tokenizer(_tokenizer_json(tokenizer), eos)
+    return kept[eos]
 
 
 @functools.lru_cache(maxsize=8)
