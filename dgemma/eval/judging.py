@@ -93,13 +93,20 @@ def bootstrap_ppl(nlls: Sequence[tuple[float, int]], *, resamples: int = BOOTSTR
         return {"gen_ppl": math.nan, "gen_ppl_ci95": [math.nan, math.nan], "nll_per_token": math.nan,
                 "nll_per_token_se": math.nan, "tokens": 0, "samples": 0, "resamples": resamples}
     nll = float(s.sum() / n.sum())
-    # the ratio estimator's delta-method SE across samples (as rate_interval's), for the NLL per token itself
-    se = math.sqrt(((s - nll * n) ** 2).sum() / (n.size * (n.size - 1))) / n.mean() if n.size >= 2 else math.nan
+    se = ratio_se(s, n, nll)  # across samples, for the NLL per token itself
     idx = np.random.default_rng(seed).integers(0, n.size, size=(resamples, n.size))
     boot = np.exp(s[idx].sum(1) / n[idx].sum(1))
     lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
     return {"gen_ppl": math.exp(nll), "gen_ppl_ci95": [float(lo), float(hi)], "nll_per_token": nll,
             "nll_per_token_se": float(se), "tokens": int(n.sum()), "samples": int(n.size), "resamples": resamples}
+
+
+def ratio_se(num: np.ndarray, den: np.ndarray, ratio: float) -> float:
+    """The delta-method SE of the ratio estimator R = sum num / sum den over k units,
+    sqrt(sum (num_i - R den_i)^2 / (k (k - 1))) / mean den; NaN for fewer than two units."""
+    if num.size < 2:
+        return math.nan
+    return float(math.sqrt(((num - ratio * den) ** 2).sum() / (num.size * (num.size - 1))) / max(den.mean(), 1e-12))
 
 
 def rate_interval(tokens: Sequence[int], seconds: Sequence[float]) -> dict[str, Any]:
@@ -110,9 +117,7 @@ def rate_interval(tokens: Sequence[int], seconds: Sequence[float]) -> dict[str, 
         return {"tokens_per_second": math.nan, "tokens_per_second_se": math.nan,
                 "tokens_per_second_ci95": [math.nan, math.nan]}
     rate = float(t.sum() / max(s.sum(), 1e-12))
-    se = math.nan
-    if t.size >= 2:
-        se = float(math.sqrt(((t - rate * s) ** 2).sum() / (t.size * (t.size - 1))) / max(s.mean(), 1e-12))
+    se = ratio_se(t, s, rate)
     return {"tokens_per_second": rate, "tokens_per_second_se": se,
             "tokens_per_second_ci95": [rate - Z95 * se, rate + Z95 * se]}
 
@@ -162,4 +167,4 @@ def judge_description(independent: bool, path: Path, model_dir: Path, train_conf
 
 
 __all__ = ["BASELINE_JUDGE", "INDEPENDENT_JUDGE", "bootstrap_ppl", "half_stats", "judge_description", "point_stats",
-           "prompt_dependence", "rate_interval", "retokenize", "run_progress", "split_prompts"]
+           "prompt_dependence", "rate_interval", "ratio_se", "retokenize", "run_progress", "split_prompts"]
