@@ -245,24 +245,27 @@ class CanvasSampler:
         self.sc = sc = None
         temp = sampling.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
-        if self.constraint is not None:  # left to right under the grammar's masks (dgemma/constraint.py)
+        constrained = None
+        if self.constraint is not None:  # left to right under the grammar's masks (dgemma/constraint.py): the draw,
+            # the grammar's argmax and the entropy of what it allows (entropy-bound only: check_constrainable)
             rows = (active & ~was_done).nonzero().flatten().tolist()
-            new_draw, constrained_argmax, constrained_entropy = self.constraint.draw(z, generator, rows)
-        probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-        new_draw = None if self.ancestral else new_draw if self.constraint is not None else \
-            sampling.draw_tokens(probs, generator)
-        confidence = probs.amax(-1) if lite and not raw else None
-        if self.committing:  # the tempered probability of each drawn token (diffusers' confidence)
-            confidence = probs.gather(-1, new_draw[..., None])[..., 0]
-        del probs
+            new_draw, *constrained = self.constraint.draw(z, generator, rows)
+            confidence = None
+        else:
+            probs = torch.softmax(z, dim=-1, dtype=torch.float32)
+            new_draw = None if self.ancestral else sampling.draw_tokens(probs, generator)
+            confidence = probs.amax(-1) if lite and not raw else None
+            if self.committing:  # the tempered probability of each drawn token (diffusers' confidence)
+                confidence = probs.gather(-1, new_draw[..., None])[..., 0]
+            del probs
         # What entropy, confidence and self-conditioning read: z, or the raw logits again (z * T, within a rounding).
         z = z.mul_(temp) if raw else z
         if lite and raw:
             confidence = sampling.max_probability(z)
-        new_argmax = torch.argmax(z, dim=-1)
-        entropy = sampling.token_entropy(z)
-        if self.constraint is not None:  # the grammar's argmax and the entropy of what it allows
-            new_argmax, entropy = constrained_argmax, constrained_entropy
+        if constrained is None:
+            new_argmax, entropy = torch.argmax(z, dim=-1), sampling.token_entropy(z)
+        else:
+            new_argmax, entropy = constrained
         committed = self.committed
         if self.ancestral:  # x_{s'} from the reverse step, s = n / N -> s' = (n - 1) / N ("accepted": unchanged)
             new_x = sampling.draw_tokens(sampling.ancestral_step(z, state.x, n / N, (n - 1) / N), generator)
