@@ -73,6 +73,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def special_tokens(self) -> dict[int, str]:
+        """The special added tokens: id -> text (the chat markers, EOS, padding)."""
+        added = self.backend.get_added_tokens_decoder()
+        return {i: self.backend.id_to_token(i) or "" for i, t in added.items() if t.special}
+
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Load `path` (a tokenizer.json, or a directory holding one). Missing: FileNotFoundError; unreadable or

@@ -535,7 +535,7 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
             raise APIError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
     from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError
 
-    specials = {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    specials = {text: i for i, text in tokenizer.special_tokens().items()}
     parallel = choice == "required" and body.get("parallel_tool_calls") is not False
     grammar = tool_call_grammar(convention, tools, parallel=parallel, special_ids=specials, json_layout=JSON_LAYOUT)
     try:

@@ -167,8 +167,7 @@ class _State:
         self.in_flight, self.created = 0, int(time.time())
         self.metrics = Metrics(engine, lambda: self.in_flight)
         self._pieces: dict[int, str] = {}
-        specials = [i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special]
-        self._special = {i: tokenizer.backend.id_to_token(i) or "" for i in specials}
+        self._special = tokenizer.special_tokens()
 
     # --- requests ---
 
