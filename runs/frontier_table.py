@@ -21,13 +21,6 @@ def _f(x, fmt: str = ".2f") -> str:
     return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
-def _named(p: dict) -> dict:
-    """A point with its sampler, label and group (a report from before --sampler-grid has the entropy-bound grid)."""
-    eb = f"eb={p['entropy_bound']:g}"
-    return {"sampler": "entropy-bound", "label": f"entropy-bound N={p['max_denoising_steps']} {eb}",
-            "group": f"entropy-bound {eb}"} | p
-
-
 def table(report: dict) -> list[str]:
     lines = ["| sampler setting | tokens/forward | tokens/s | judge NLL/token ± SE | gen-PPL [95%] | distinct-2 | "
              "token entropy | prompt dependence |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -40,7 +33,7 @@ def table(report: dict) -> list[str]:
                 f"{_f(q.get('distinct_2'), '.3f')} | {_f(q.get('token_entropy'))} | "
                 f"{_f(q.get('prompt_dependence'), '.3f')} |")
 
-    points = [_named(p) for p in report["frontier"]]
+    points = report["frontier"]
     order = list(dict.fromkeys(p["sampler"] for p in points))
     for sampler in order:
         for p in sorted((p for p in points if p["sampler"] == sampler),
@@ -53,7 +46,7 @@ def table(report: dict) -> list[str]:
 
 def verdicts(report: dict) -> list[str]:
     """Per sampler: its best judge NLL and its tokens/forward, against entropy-bound's best."""
-    points = [_named(p) for p in report["frontier"] if p["quality"].get("nll_per_token") is not None]
+    points = [p for p in report["frontier"] if p["quality"].get("nll_per_token") is not None]
     nll = lambda p: p["quality"]["nll_per_token"]
     base = [p for p in points if p["sampler"] == "entropy-bound"]
     if not base:

@@ -131,7 +131,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                   f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
                   f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** (95% interval "
                   f"{_ci(v['speedup_ci95'], '.2f')}) wall-clock useful tokens/s over the AR baseline at temperature "
-                  f"{v['ar_temperature']:g}, at {_setting(v['speedup_setting'])}: generative perplexity "
+                  f"{v['ar_temperature']:g}, at {v['speedup_setting']['label']}: generative perplexity "
                   f"{_f(v['gen_ppl'], '.1f')} {_ci(v['gen_ppl_ci95'], '.1f')} and token entropy "
                   f"{_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} "
                   f"{_ci(v['ar_gen_ppl_ci95'], '.1f')} and {_f(v['ar_token_entropy'], '.2f')} "
@@ -183,7 +183,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
         fixed = "–" if not f.get("fixed") else (f"{_f(f['fixed']['tokens_per_forward'], '.2f')} "
                                                  f"({_f(f['fixed_rule_tokens_per_forward'], '.2f')})")
-        lines.append(f"| {_label(f)} | {_f(a['tokens_per_second'], '.1f')} ± "
+        lines.append(f"| {f['label']} | {_f(a['tokens_per_second'], '.1f')} ± "
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
                      f"{_f(a['tokens_per_forward'], '.2f')} | {fixed}"
                      f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_nll(q)} | {_f(q.get('gen_ppl'), '.1f')} "
@@ -207,7 +207,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
     for f in report["frontier"]:
         a = f["adaptive"]
         canvases = a["commit_passes"]  # one commit per canvas
-        lines.append(f"| {_label(f)} | "
+        lines.append(f"| {f['label']} | "
                      f"{_f(a['mean_steps_per_canvas'], '.2f')} / {f['max_denoising_steps']} | {canvases} | "
                      f"{_f(a.get('early_stop_share'), '.0%')} |")
     lines += ["", "![frontier](frontier.png)", "", f"*frontier.png: `{report['command']}`*", ""]
@@ -221,7 +221,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines += [f"*curves.png: `{report['command']}`*", ""]
     lines += ["## Samples (first prompt)", ""]
     for f in report["frontier"]:
-        lines += [f"**{_label(f)}:**", "", "```",
+        lines += [f"**{f['label']}:**", "", "```",
                   f["example"].strip()[:600], "```", ""]
     if ar:
         lines += [f"**AR baseline, temperature {ar['temperature']:g}:**", "", "```", ar["example"].strip()[:600], "```",
@@ -249,11 +249,11 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
                                                     else "AR baseline")
         panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
                   ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
-    groups = list(dict.fromkeys(_label(f, "group") for f in report["frontier"]))
+    groups = list(dict.fromkeys(f["group"] for f in report["frontier"]))
     for n, (xkey, xlabel, ykey, ylabel) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), n + 1)
         for k, group in enumerate(groups):
-            pts = [f for f in report["frontier"] if _label(f, "group") == group]
+            pts = [f for f in report["frontier"] if f["group"] == group]
             xs = [f["adaptive"][xkey] for f in pts]
             ys = [_num(f["quality"].get(ykey)) for f in pts]
             ax.errorbar(xs, ys, yerr=_yerr(pts, ykey), fmt="os^vD<>ph"[k % 9] + "-", capsize=3, label=group,
@@ -279,25 +279,12 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
     return save_figure(fig, path)
 
 
-def _label(f: dict[str, Any], key: str = "label") -> str:
-    """A frontier point's label (or plot group); a report without them (dgemma-eval-1 before the sampler grid) has
-    only the entropy-bound grid."""
-    if key in f:
-        return f[key]
-    eb = f"eb={f['entropy_bound']:g}"
-    return f"entropy-bound N={f['max_denoising_steps']} {eb}" if key == "label" else f"entropy-bound {eb}"
-
-
 def _point_name(f: dict[str, Any]) -> str:
     """What tells a point from the others of its line: N, and the grid's values other than the sampler."""
-    o = f.get("overrides") or {"max_denoising_steps": f["max_denoising_steps"]}
+    o = f["overrides"]
     parts = [f"N={o['max_denoising_steps']}"] + [f"{v:g}" if isinstance(v, float) else str(v) for k, v in o.items()
                                                  if k not in ("sampler", "max_denoising_steps", "entropy_bound")]
     return " ".join(parts)
-
-
-def _setting(s: dict[str, Any]) -> str:
-    return s.get("label") or f"max_denoising_steps={s['max_denoising_steps']}, entropy_bound={s['entropy_bound']:g}"
 
 
 def _nll(q: dict[str, Any]) -> str:
