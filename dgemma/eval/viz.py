@@ -14,7 +14,6 @@ Figures have fixed pixel sizes (no tight bounding box), so they can be laid out 
 from __future__ import annotations
 
 import html
-import itertools
 import json
 import math
 import textwrap
@@ -406,15 +405,15 @@ def step_changes(arrays: dict[str, np.ndarray]) -> np.ndarray:
     out = np.zeros(acc.shape, dtype=np.int8)
     for b in range(acc.shape[1]):
         steps = [s for s in range(len(canvas)) if active[s, b]]
-        for prev, s in itertools.pairwise(steps):
+        for k in range(1, len(steps)):
+            prev, s, nxt = steps[k - 1], steps[k], steps[k + 1] if k + 1 < len(steps) else None
             if canvas[prev] != canvas[s]:
                 continue
             was, now = acc[prev, b], acc[s, b]
             out[s, b][~was & now] = 1
             out[s, b][was & ~now] = 2
-            following = [t for t in steps if t > s]
-            if following and canvas[following[0]] == canvas[s]:  # the token this step leaves at each position
-                out[s, b][was & now & (x[following[0], b] != x[s, b])] = 3
+            if nxt is not None and canvas[nxt] == canvas[s]:  # the token this step leaves at each position
+                out[s, b][was & now & (x[nxt, b] != x[s, b])] = 3
     return out
 
 
