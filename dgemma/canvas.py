@@ -41,6 +41,9 @@ class StepInfo:
     active: Tensor  # rows that spent this step (not stopped before it, not finished)
     level: Tensor  # (B,) the noise level of the step's input canvas (`time_level`): what a time-embedding model is told
     seconds: float
+    # with a constraint: what the grammar did at each position of `argmax` (B, L) int8 (dgemma/constraint.py: FREE,
+    # PINNED: the only token it allows, CLOSED: the budget's closer chose it); None without one
+    grammar: Tensor | None = None
 
 
 @dataclass
@@ -55,6 +58,8 @@ class StagedCanvas:
     stop_reasons: list[str]
     mean_entropy: Tensor  # (B,) at the last step
     trace: list[StepInfo] = field(default_factory=list)
+    # with a constraint: what the grammar did at each position of `tokens` (dgemma/constraint.py: FREE, PINNED, CLOSED)
+    grammar: Tensor | None = None
 
 
 class CanvasState:
@@ -105,8 +110,9 @@ class CanvasState:
         return was_done, active
 
     def end_step(self, was_done: Tensor, active: Tensor, new_x: Tensor, new_argmax: Tensor, accepted: Tensor,
-                 entropy: Tensor, temperature: Tensor) -> None:
-        """Apply the stop rule to the step's (already frozen) results and move on to the next input canvas."""
+                 entropy: Tensor, temperature: Tensor, grammar: Tensor | None = None) -> None:
+        """Apply the stop rule to the step's (already frozen) results and move on to the next input canvas;
+        `grammar`: what a constraint did at each position of `new_argmax` (StepInfo.grammar)."""
         self.mean_entropy = entropy.mean(-1)
         stopped = sampling.stop_rows(self.config, self._stop, new_argmax, self.x, self.mean_entropy, accepted)
         self.stopped_at = torch.where(stopped & ~was_done, self.step, self.stopped_at)
@@ -116,7 +122,7 @@ class CanvasState:
         if self.trace or self.on_step is not None:
             info = StepInfo(self.canvas_index, self.step, self.config.max_passes, float(temperature), self.x,
                             new_argmax, accepted, entropy, self.mean_entropy, self.done, active, self.level,
-                            time.perf_counter() - self._started)
+                            time.perf_counter() - self._started, grammar)
             if self.trace:
                 self.records.append(info)
             if self.on_step is not None:

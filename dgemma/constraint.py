@@ -109,9 +109,12 @@ class Constraint:
             raise ConstraintError(f"lark: {e}") from None
         return cls._build("lark", grammar, text, tokenizer, eos_token_id)
 
-    def start(self, batch_size: int) -> ConstraintState:
+    def start(self, batch_size: int, max_new_tokens: int | None = None) -> ConstraintState:
+        """One parser state per row. With `max_new_tokens`, every row's output is closed within that many tokens
+        where the grammar allows it (`ConstraintState.draw`)."""
         llg = _llguidance()
-        return ConstraintState(self, [llg.LLMatcher(self.tokenizer, self.grammar) for _ in range(batch_size)])
+        return ConstraintState(self, [llg.LLMatcher(self.tokenizer, self.grammar) for _ in range(batch_size)],
+                               max_new_tokens)
 
 
 def _tokenizer_json(tokenizer: Any) -> str:
@@ -151,70 +154,251 @@ def _ll_tokenizer(text: str, eos: tuple[int, ...]) -> Any:
         raise ConstraintError(f"llguidance cannot read this tokenizer ({e})") from None
 
 
-class ConstraintState:
-    """One parser state per row, at the end of what the rows have committed."""
+# What the grammar did at a position of the committed (greedy) canvas, as traces record it (`ConstraintState.draw`):
+FREE, PINNED, CLOSED = 0, 1, 2  # more than one token allowed; exactly one (the grammar fixes it); the closer's
 
-    def __init__(self, constraint: Constraint, matchers: list[Any]):
+
+class Closer:
+    """The shortest way this module knows to finish a sentence of the grammar from a parser state: a greedy path
+    that prefers, in order, a closing quote, `@` (an email's), a closing brace or bracket, a comma, `.`, `:` and `0`,
+    then the grammar's forced tokens, then the shortest token it allows (not the one it just took, so `a*b` ends),
+    and EOS once the sentence is complete. It is an upper bound of the true shortest completion, found with a few
+    microsecond validity checks per token rather than a search; `ConstraintState.draw` keeps every row within its
+    budget of it."""
+
+    PREFERRED = ('"', "@", "}", "]", ",", ".", ":", "0")
+    STRUCTURAL = (",", "}", "]", ":")  # what may follow a closing quote
+
+    def __init__(self, tokenizer: Any):
+        single = {s: ids[0] for s in (*self.PREFERRED, *self.STRUCTURAL)
+                  if len(ids := tokenizer.tokenize_str(s)) == 1}
+        self.preferred = [single[s] for s in self.PREFERRED if s in single]
+        self.quote, self.eos = single.get('"'), tokenizer.eos_token
+        self.structural = [single[s] for s in self.STRUCTURAL if s in single]
+        lengths = np.array([len(tokenizer.decode_bytes([t])) for t in range(tokenizer.vocab_size)])
+        special = np.array([tokenizer.is_special_token(t) for t in range(tokenizer.vocab_size)])
+        # Shortest first: a special token (a tool-call marker, say) only when nothing else is allowed.
+        self.by_length = np.argsort(np.where(special | (lengths == 0), 1 << 20, lengths), kind="stable")
+        llg = _llguidance()
+        self._bits = llg.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+        self._fill = llg.numpy.fill_next_token_bitmask
+
+    def path(self, m: Any, limit: int) -> list[int] | None:
+        """The closer's tokens from `m`'s state to the grammar's stop, EOS included (empty where it has stopped), or
+        None if that takes more than `limit` tokens. The parser is left where it was."""
+        tokens: list[int] = []
+        while not m.is_stopped():
+            if len(tokens) >= limit:
+                m.rollback(len(tokens))
+                return None
+            t = self.eos if m.is_accepting() else self._next(m, tokens[-1] if tokens else None)
+            if t is None or not m.consume_token(t):  # a dead end: no token allowed
+                m.rollback(len(tokens))
+                return None
+            tokens.append(t)
+        m.rollback(len(tokens))
+        return tokens
+
+    def closes(self, m: Any, path: list[int]) -> bool:
+        """Whether `path` takes `m` to the grammar's stop (the parser is left where it was): a closer's path from an
+        earlier state, checked in one validation rather than found again."""
+        if m.validate_tokens(path) != len(path):
+            return False
+        m.consume_tokens(path)
+        stopped = m.is_stopped()
+        m.rollback(len(path))
+        return stopped
+
+    def _next(self, m: Any, previous: int | None) -> int | None:
+        for t in self.preferred:
+            if m.validate_tokens([t]) == 1 and (t != self.quote or self._closes(m)):
+                return t
+        forced = m.compute_ff_tokens()
+        if forced:
+            return forced[0]
+        self._fill(m, self._bits, 0)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[self.by_length].nonzero()[0]
+        if len(allowed) == 0:
+            return None
+        first = int(self.by_length[allowed[0]])
+        return int(self.by_length[allowed[1]]) if first == previous and len(allowed) > 1 else first
+
+    def _closes(self, m: Any) -> bool:
+        """Whether the quote `m` allows next ends a string (rather than opening one): after it, another quote is not
+        allowed and the sentence ends or a comma, brace, bracket or colon may follow."""
+        m.consume_token(self.quote)
+        closes = m.validate_tokens([self.quote]) == 0 and (
+            m.is_accepting() or any(m.validate_tokens([t]) == 1 for t in self.structural))
+        m.rollback(1)
+        return closes
+
+
+_CLOSERS: weakref.WeakKeyDictionary[Any, Closer] = weakref.WeakKeyDictionary()
+
+
+def _closer_of(tokenizer: Any) -> Closer:
+    try:
+        return _CLOSERS.setdefault(tokenizer, Closer(tokenizer)) if tokenizer not in _CLOSERS else _CLOSERS[tokenizer]
+    except TypeError:  # no weak reference to an llguidance tokenizer: build one per state
+        return Closer(tokenizer)
+
+
+class ConstraintState:
+    """One parser state per row, at the end of what the rows have committed, and the tokens each row may still
+    write (`left`, None: unbounded)."""
+
+    def __init__(self, constraint: Constraint, matchers: list[Any], max_new_tokens: int | None = None):
         self.constraint, self.matchers = constraint, matchers
+        self.left: list[int | None] = [max_new_tokens] * len(matchers)
         llg = _llguidance()
         self._fill = llg.numpy.fill_next_token_bitmask
         self._bits = llg.numpy.allocate_token_bitmask(1, constraint.tokenizer.vocab_size)
+        self.closer = _closer_of(constraint.tokenizer) if max_new_tokens is not None else None
+        self._start_paths: dict[int, list[int] | None] = {}  # per row: the closer's path from the committed state
         self.eos = constraint.tokenizer.eos_token
         self.mask_calls = 0  # masks computed
         self.seconds = 0.0  # wall-clock spent in `draw` and `commit`: the constraint's cost
-
-    def allowed(self, row: int, vocab_size: int, device: torch.device) -> Tensor:
-        """(vocab_size,) bool: the tokens the grammar allows next on `row` (none past the tokenizer's vocabulary:
-        a model's table may be larger)."""
-        self._fill(self.matchers[row], self._bits, 0)
-        self.mask_calls += 1
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        n = min(vocab_size, self.constraint.tokenizer.vocab_size)
-        out = torch.zeros(vocab_size, dtype=torch.bool)
-        out[:n] = torch.from_numpy(bits[:n].astype(np.bool_))
-        return out.to(device)
+        self.pinned = 0  # committed tokens the grammar fixed (the only token it allowed)
+        self.closed = 0  # committed tokens the closer chose to finish within the budget
 
     def draw(self, z: Tensor, generator: torch.Generator | None, rows: Sequence[int] | None = None
-             ) -> tuple[Tensor, Tensor, Tensor]:
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For each row, left to right: position i drawn from softmax(z[b, i]) restricted to what the grammar allows
         after the tokens drawn before it, then the greedy canvas under the same rule. Returns the draw, the greedy
-        canvas (B, L) and the entropy of each position's masked distribution along the draw (B, L). `z`: the tempered
-        logits (B, L, V), unchanged. The parser is left where it was."""
+        canvas (B, L), the entropy of each position's masked distribution along the draw (B, L), and what the
+        grammar did at each position of the greedy canvas (B, L) int8: FREE, PINNED or CLOSED. `z`: the tempered
+        logits (B, L, V), unchanged. The parser is left where it was.
+
+        A row with a budget (`left`) is kept closable within it: a token after which the closer (`Closer.path`)
+        cannot finish the sentence in the positions the budget has left is replaced by the closer's own next token,
+        so the last canvas ends the sentence whenever the closer could from where the canvas began."""
         started = time.perf_counter()
-        B, L, V = z.shape
+        B, L, _ = z.shape
         draw = torch.full((B, L), self.eos, dtype=torch.long, device=z.device)
         greedy, entropy = draw.clone(), torch.zeros(B, L, dtype=torch.float32, device=z.device)
+        marks = torch.zeros(B, L, dtype=torch.int8, device=z.device)
         for b in range(B) if rows is None else rows:
-            for out, sample in ((draw[b], True), (greedy[b], False)):
-                m, taken = self.matchers[b], 0
-                for i in range(L):
-                    if m.is_stopped():
-                        break
-                    masked = z[b, i].float().masked_fill(~self.allowed(b, V, z.device), -torch.inf)
-                    if sample:
-                        p = torch.softmax(masked, dim=-1)
-                        logp = torch.log_softmax(masked, dim=-1)
-                        entropy[b, i] = -(p * logp.nan_to_num(neginf=0.0)).sum()
-                        t = int(torch.multinomial(p, 1, generator=generator))
-                    else:
-                        t = int(masked.argmax())
-                    if not m.consume_token(t):
-                        raise RuntimeError(f"llguidance refused token {t} that its own mask allowed")
-                    out[i], taken = t, taken + 1
-                m.rollback(taken)
+            self._walk(b, z[b], generator, draw[b], entropy[b], None)
+            self._walk(b, z[b], None, greedy[b], None, marks[b])
         self.seconds += time.perf_counter() - started
-        return draw, greedy, entropy
+        return draw, greedy, entropy, marks
 
-    def commit(self, tokens: Tensor, rows: Sequence[int] | None = None) -> None:
-        """Advance each row's parser over its committed canvas (B, L), up to the grammar's end."""
+    def project(self, canvas: Tensor, z: Tensor, rows: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+        """A sampler's own canvas (B, L) made a valid continuation, left to right: each token is kept where the
+        grammar allows it (and the budget's closer can still finish after it), else replaced by the grammar's argmax
+        of `z` (B, L, V) there. Returns the canvas and what the grammar did (B, L), as `draw`'s greedy canvas; the
+        parser is left where it was. The samplers that commit their own draws (Lite, the committing samplers, the
+        chains) commit this."""
+        started = time.perf_counter()
+        out = torch.full_like(canvas, self.eos)
+        marks = torch.zeros(canvas.shape, dtype=torch.int8, device=canvas.device)
+        for b in range(canvas.shape[0]) if rows is None else rows:
+            self._walk(b, z[b], None, out[b], None, marks[b], proposal=canvas[b].tolist())
+        self.seconds += time.perf_counter() - started
+        return out, marks
+
+    def _walk(self, b: int, z: Tensor, generator: torch.Generator | None, out: Tensor, entropy: Tensor | None,
+              marks: Tensor | None, proposal: list[int] | None = None) -> None:
+        """One row's canvas left to right under the masks: drawn with `generator` (and each masked entropy into
+        `entropy`), else greedy (and what the grammar did into `marks`), or `proposal`'s token where the grammar
+        allows it. The parser is rolled back at the end.
+
+        The draw is exact for the masked distribution q = p / p(allowed) without a full masked softmax per position:
+        the unmasked draw is kept when the grammar allows it, else the position is drawn from q by inverse CDF (the
+        two together give q(t) = p(t) + (1 - p(allowed)) q(t)). Likewise the greedy token is the unmasked argmax when
+        allowed. Each row takes 2L uniforms, used or not, so the random stream does not depend on the grammar's
+        answers."""
+        m, left, closer = self.matchers[b], self.left[b], self.closer
+        L, V = z.shape
+        n = min(V, self.constraint.tokenizer.vocab_size)  # a model's table may be larger than the tokenizer's
+        zf = z.float()
+        drawing = generator is not None or entropy is not None
+        if drawing:
+            logp = torch.log_softmax(zf, dim=-1)
+            p = logp.exp()
+            u = torch.rand(2, L, generator=generator, dtype=torch.float64)
+            # the unmasked draws by inverse CDF (one cumulative sum; torch.multinomial takes longer per row)
+            cdf = p.double().cumsum(-1)
+            first = torch.searchsorted(cdf, (u[0] * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=V - 1).tolist()
+            uniform = u[1].tolist()
+            p_np = p[:, :n].double().numpy()
+            plogp = (p * logp.nan_to_num(neginf=0.0))[:, :n].double().numpy()
+        else:
+            top = zf.argmax(-1).tolist()
+            z_np = zf[:, :n].numpy()
+        path = None  # the closer's tokens from the parser's state (None: no budget, or no way to close within it)
+        if closer is not None and left is not None and left >= 1:  # from the committed state, kept until a commit
+            if b not in self._start_paths:
+                self._start_paths[b] = closer.path(m, left)
+            path = self._start_paths[b]
+        taken = 0
+        for i in range(L):
+            if m.is_stopped():
+                break
+            self._fill(m, self._bits, 0)
+            self.mask_calls += 1
+            allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=n).astype(bool)
+            if left is not None and i >= left and m.is_accepting():  # past the budget, a finished sentence ends
+                t, h = self.eos, 0.0
+            elif drawing:
+                q = np.where(allowed, p_np[i], 0.0)
+                mass = q.sum()
+                if mass <= 1e-300:  # every allowed token underflowed: the masked softmax from the logits
+                    q = np.exp(np.where(allowed, zf[i, :n].double().numpy(), -np.inf) - zf[i, :n][allowed].max())
+                    mass = q.sum()
+                    h = float(np.log(mass) - (q * np.log(np.where(q > 0, q, 1.0))).sum() / mass)
+                else:
+                    h = float(np.log(mass) - plogp[i][allowed].sum() / mass)
+                t = first[i]
+                if t >= n or not allowed[t]:
+                    t = int(np.searchsorted(np.cumsum(q), uniform[i] * mass, side="right"))
+                    t = min(t, n - 1) if allowed[min(t, n - 1)] else int(np.flatnonzero(allowed)[-1])
+            elif proposal is not None and proposal[i] < n and allowed[proposal[i]]:
+                t, h = proposal[i], 0.0
+            else:
+                t = top[i] if top[i] < n and allowed[top[i]] else int(np.where(allowed, z_np[i], -np.inf).argmax())
+                h = 0.0
+            if entropy is not None:
+                entropy[i] = max(h, 0.0)
+            mark = PINNED if marks is not None and np.count_nonzero(allowed) == 1 else FREE
+            if not m.consume_token(t):
+                raise RuntimeError(f"llguidance refused token {t} that its own mask allowed")
+            if closer is not None and left is not None and left - i >= 1:
+                if path is not None and t == path[0]:
+                    path = path[1:]
+                elif path is not None and len(path) < left - i and closer.closes(m, path):
+                    pass  # the same way still ends the sentence after t (most tokens inside a string or a number)
+                else:
+                    after = closer.path(m, left - i - 1)
+                    if after is None and path is not None:  # t leaves no way to close in time: the closer's token
+                        m.rollback(1)
+                        t, path = path[0], path[1:]
+                        m.consume_token(t)
+                        mark = CLOSED
+                    else:
+                        path = after
+            out[i], taken = t, taken + 1
+            if marks is not None:
+                marks[i] = mark
+        m.rollback(taken)
+
+    def commit(self, tokens: Tensor, rows: Sequence[int] | None = None, marks: Tensor | None = None) -> None:
+        """Advance each row's parser over its committed canvas (B, L), up to the grammar's end; `marks` (B, L), what
+        the grammar did there (`draw`), are counted."""
         started = time.perf_counter()
         for b in range(tokens.shape[0]) if rows is None else rows:
             m = self.matchers[b]
-            for t in tokens[b].tolist():
+            for i, t in enumerate(tokens[b].tolist()):
                 if m.is_stopped():
                     break
                 if not m.consume_token(int(t)):
                     raise RuntimeError(f"row {b}: the committed token {t} leaves the grammar ({m.get_error()})")
+                if marks is not None:
+                    self.pinned += int(marks[b, i]) == PINNED
+                    self.closed += int(marks[b, i]) == CLOSED
+            if self.left[b] is not None:
+                self.left[b] = max(0, self.left[b] - tokens.shape[1])
+            self._start_paths.pop(b, None)
         self.seconds += time.perf_counter() - started
 
     def complete(self) -> list[bool]:
@@ -222,4 +406,4 @@ class ConstraintState:
         return [bool(m.is_accepting() or m.is_stopped()) for m in self.matchers]
 
 
-__all__ = ["Constraint", "ConstraintError", "ConstraintState"]
+__all__ = ["CLOSED", "FREE", "PINNED", "Closer", "Constraint", "ConstraintError", "ConstraintState"]

@@ -31,12 +31,17 @@ from dgemma.noise import observation_boost, observation_levels
 from dgemma.request_rules import sliding_prefix
 
 IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
+# the sampling controls (sampling.penalize, truncate), implemented by the readable loop only: at their neutral values
+CONTROLS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def unsupported(config: GenerationConfig) -> list[str]:
     """The settings of `config` this loop does not implement, as "name=value" (empty: it implements `config`). It
-    implements the entropy-bound sampler with transformers' posterior and first self-conditioning input."""
-    return [f"{k}={getattr(config, k)!r}" for k, v in IMPLEMENTED.items() if getattr(config, k) != v]
+    implements the entropy-bound sampler with transformers' posterior and first self-conditioning input, and no
+    sampling control (top_k ... logit_bias)."""
+    neutral = GenerationConfig()
+    controls = [f"{k}={getattr(config, k)!r}" for k in CONTROLS if getattr(config, k) != getattr(neutral, k)]
+    return [f"{k}={getattr(config, k)!r}" for k, v in IMPLEMENTED.items() if getattr(config, k) != v] + controls
 
 
 def check_supported(config: GenerationConfig) -> None:

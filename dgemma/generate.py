@@ -41,6 +41,7 @@ from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
 from dgemma.noise import observation_levels, observe
 from dgemma.request_rules import (
+    check_logit_bias,
     check_seed,
     eos_index,
     new_token_budget,
@@ -76,7 +77,8 @@ class Trace:
             "done": stack("done", np.bool_),
             "active": stack("active", np.bool_),
             "level": stack("level", np.float32),
-        }
+        } | ({"grammar": np.stack([x.grammar.cpu().numpy().astype(np.int8) for x in s])}
+             if s and all(x.grammar is not None for x in s) else {})
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Write path.npz, then path.json, each atomically, where `check_trace_path` allows."""
@@ -133,6 +135,9 @@ class GenerationResult:
     # out first; the output is still a valid prefix)
     constraint_complete: list[bool] | None = None
     constraint_seconds: float | None = None  # wall-clock spent computing the grammar's masks and draws
+    # committed tokens the grammar pinned (the only token it allowed) and that its budget's closer chose, all rows
+    constraint_pinned: int | None = None
+    constraint_closed: int | None = None
 
     def new_tokens(self) -> list[list[int]]:
         """Generated ids per row, up to and including the first EOS, padding removed."""
@@ -149,16 +154,18 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
                    self_conditioning_logits: Tensor | None = None, finished: Tensor | None = None,
                    canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None,
                    trace: bool = False, impl: Impl | None = None,
-                   constraint: ConstraintState | None = None) -> StagedCanvas:
+                   constraint: ConstraintState | None = None, seen: sampling.Seen | None = None) -> StagedCanvas:
     """Denoise one canvas against what the cache holds, without writing it (stage; `model.commit` writes).
 
     `canvas` (B, L) replaces the initial noise (which is still drawn, keeping the random stream aligned);
     `finished` (B,) marks rows whose sequence already ended (they run along but are not counted). `impl` selects
     the model's kernels (default: the model's); this loop is the readable one whatever the kernels. `constraint`: the
-    rows' grammar states (dgemma/constraint.py), which each step's draw and argmax follow."""
+    rows' grammar states (dgemma/constraint.py), which each step's draw and argmax follow; `seen`: what the penalties
+    count (`CanvasSampler`)."""
     sampler = CanvasSampler(model, config, cache.batch_size, generator=generator, canvas=canvas,
                             self_conditioning_logits=self_conditioning_logits, finished=finished,
-                            canvas_index=canvas_index, on_step=on_step, trace=trace, constraint=constraint)
+                            canvas_index=canvas_index, on_step=on_step, trace=trace, constraint=constraint,
+                            seen=seen)
     prefix = sliding_prefix(model.config, config)
     while True:
         x, sc, level = sampler.inputs()
@@ -178,11 +185,16 @@ class CanvasSampler:
                  generator: torch.Generator | None = None, canvas: Tensor | None = None,
                  self_conditioning_logits: Tensor | None = None, finished: Tensor | None = None,
                  canvas_index: int = 0, on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
-                 constraint: ConstraintState | None = None):
+                 constraint: ConstraintState | None = None, seen: sampling.Seen | None = None):
+        """`seen`: the prompt and output so far that the penalties count (`sampling.Seen`; without it, with a penalty
+        set, only the canvas itself is counted)."""
         B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
-        if constraint is not None:
-            check_constrainable(config)
         self.constraint = constraint
+        if config.penalizes and seen is None:
+            seen = sampling.Seen(torch.zeros(B, V, dtype=torch.bool, device=model.device),
+                                 torch.zeros(B, V, device=model.device))
+        self.seen = seen
+        self.marks: Tensor | None = None  # with a constraint: what the grammar did at each committed position
         device = model.device
         self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
         self.time_embedding = model.config.time_embedding
@@ -240,20 +252,29 @@ class CanvasSampler:
             levels = torch.tensor(n / N) if self.ancestral else \
                 observation_levels(sampling.canvas_level(state.clean), state.carried)
             observe(logits, state.x, levels, inplace=True)
+        if config.penalizes:  # the sampling controls (sampling.penalize, truncate): none at their neutral values
+            sampling.penalize(logits, config, self.seen, state.x, state.carried)
         # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
         sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
         self.sc = sc = None
         temp = sampling.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
-        constrained = None
-        if self.constraint is not None:  # left to right under the grammar's masks (dgemma/constraint.py): the draw,
-            # the grammar's argmax and the entropy of what it allows (entropy-bound only: check_constrainable)
+        if config.truncates:
+            sampling.truncate(z, config)
+        constrained = new_draw = confidence = None
+        if self.constraint is not None and not self.ancestral:  # left to right under the grammar's masks
+            # (dgemma/constraint.py): the draw, the grammar's argmax, the entropy of what it allows and what the
+            # grammar did at each position. Entropy-bound reads all four; Lite and the committing samplers draw their
+            # proposals so and read the posterior as it is (their committed canvas is projected: `staged`)
             rows = (active & ~was_done).nonzero().flatten().tolist()
-            new_draw, *constrained = self.constraint.draw(z, generator, rows)
-            confidence = None
-        else:
+            new_draw, greedy, masked_entropy, marks = self.constraint.draw(z, generator, rows)
+            self.marks = marks if sc_done is None else torch.where(was_done[:, None], self.marks, marks)
+            if not (lite or self.committing):
+                constrained = greedy, masked_entropy
+        if constrained is None:
             probs = torch.softmax(z, dim=-1, dtype=torch.float32)
-            new_draw = None if self.ancestral else sampling.draw_tokens(probs, generator)
+            if new_draw is None and not self.ancestral:
+                new_draw = sampling.draw_tokens(probs, generator)
             confidence = probs.amax(-1) if lite and not raw else None
             if self.committing:  # the tempered probability of each drawn token (diffusers' confidence)
                 confidence = probs.gather(-1, new_draw[..., None])[..., 0]
@@ -296,7 +317,8 @@ class CanvasSampler:
             z[was_done] = sc_done.to(z.dtype)
             entropy[was_done] = sampling.token_entropy(z[was_done])
         self.committed = accepted if self.keeps_commits else committed
-        state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
+        state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp,
+                       grammar=self.marks if constrained is not None else None)
         self.draw = new_draw
         self.sc = z.to(self.dtype)  # self-conditioning reads the posterior's logits, in the embedding dtype
         if self.corrector_pass:
@@ -306,19 +328,23 @@ class CanvasSampler:
             self.corrector_pass = 1 if self.correctors else 0
         return (self.remaining == 0 and not self.corrector_pass) or state.all_done()
 
+    def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """`sampling.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`)."""
+        return sampling.token_logprobs(self.sc, tokens, top)
+
     def staged(self) -> StagedCanvas:
         """The finished canvas. Lite and the committing samplers end every position on its best guess: the committed
-        token, else the last draw (seed 003, 4.2 rule 5)."""
-        return self.state.staged(torch.where(self.committed, self.state.x, self.draw) if self.keeps_commits
-                                 else self.state.x)
-
-
-def check_constrainable(config: GenerationConfig) -> None:
-    """A constraint runs with the entropy-bound sampler (the others decide per position in ways a left-to-right
-    mask does not yet follow): GenerationError naming the sampler otherwise."""
-    if config.sampler != "entropy-bound":
-        raise GenerationError(f"a constraint (json_schema, regex, grammar) runs with sampler='entropy-bound', not "
-                              f"{config.sampler!r}")
+        token, else the last draw (seed 003, 4.2 rule 5). With a constraint, a canvas other than entropy-bound's
+        grammar argmax is projected onto the grammar (`ConstraintState.project`): its tokens where they are valid,
+        the grammar's argmax of the last posterior elsewhere."""
+        staged = self.state.staged(torch.where(self.committed, self.state.x, self.draw) if self.keeps_commits
+                                   else self.state.x)
+        if self.constraint is not None:
+            if self.config.sampler != "entropy-bound" or self.config.commit_rule == "sample":
+                rows = (~self.state.finished).nonzero().flatten().tolist()
+                staged.tokens, self.marks = self.constraint.project(staged.tokens, self.sc.float(), rows)
+            staged.grammar = self.marks
+        return staged
 
 
 def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:
@@ -354,15 +380,18 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     "readable" (`denoise_canvas`, on either kernels) or "sync-free" (dgemma/fast_sampler.py: the same decisions,
     other random draws; fast kernels); default "sync-free" with impl="fast", else "readable". Settings the sync-free
     loop does not implement (the Lite sampler, ...) are a GenerationError naming them, never a silent switch of
-    loop; `compile=True` (sync-free only) compiles its denoise step. The model is never modified: calls on different
+    loop; `compile=True` (sync-free only) compiles its denoise step. With a `constraint` the default loop is the
+    readable one (on either kernels: the grammar draws left to right). The model is never modified: calls on different
     caches may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
     cache and sampler buffers larger than the free memory unless `force`; NaN or inf logits raise GenerationError
     naming the canvas and step. `constraint` (dgemma/constraint.py: a JSON schema, regex or grammar): every
     committed canvas keeps each row's output a valid prefix of its language, and the result's
-    `constraint_complete` says which rows finished a sentence of it (readable loop, entropy-bound sampler)."""
+    `constraint_complete` says which rows finished a sentence of it; each row is closed within max_new_tokens
+    where the grammar's closer fits (dgemma/constraint.py). Every sampler: entropy-bound draws under the grammar, the
+    others' committed canvases are projected onto it."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
-    loop = ("sync-free" if impl == "fast" else "readable") if loop is None else loop
+    loop = ("sync-free" if impl == "fast" and constraint is None else "readable") if loop is None else loop
     if loop not in LOOPS:
         raise GenerationError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
     if loop == "sync-free" and impl != "fast":
@@ -376,8 +405,6 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
             raise GenerationError("a constraint runs on the readable loop: pass loop='readable' (the sync-free loop "
                                   "draws every position at once)")
         fast_sampler.check_supported(config)  # before anything is allocated
-    if constraint is not None:
-        check_constrainable(config)
     _check_inputs(model, input_ids, cache, config)
     B, T = input_ids.shape
     L, device = model.config.canvas_length, model.device
@@ -413,7 +440,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     passes = torch.zeros(B, dtype=torch.long, device=device)
     steps_per_canvas, stop_reasons, records = [], [], []
-    grammar = constraint.start(B) if constraint is not None else None
+    grammar = constraint.start(B, max_new_tokens=max_new) if constraint is not None else None
+    seen = sampling.Seen.of(input_ids, model.config.vocab_size, attention_mask) if config.penalizes else None
     for c in range(num_canvases):
         if c > 0:
             previous = sequences[:, -L:]  # the previous canvas, as finalised
@@ -423,9 +451,11 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
         if loop == "sync-free":
             staged = fast_sampler.denoise_canvas(model, cache, config, compile=compile, **kwargs)
         else:
-            staged = denoise_canvas(model, cache, config, impl=impl, constraint=grammar, **kwargs)
+            staged = denoise_canvas(model, cache, config, impl=impl, constraint=grammar, seen=seen, **kwargs)
         if grammar is not None:  # the committed canvas moves the parsers on
-            grammar.commit(staged.tokens, rows=(~finished).nonzero().flatten().tolist())
+            grammar.commit(staged.tokens, rows=(~finished).nonzero().flatten().tolist(), marks=staged.grammar)
+        if seen is not None:  # what the penalties count from the next canvas on
+            seen.add(staged.tokens, rows=~finished)
         passes += staged.passes
         steps_per_canvas.append(staged.steps.tolist())
         stop_reasons.append(["finished" if f else r for f, r in zip(finished.tolist(), staged.stop_reasons,
@@ -447,7 +477,9 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     result = GenerationResult(sequences, T, tokens_per_forward, steps_per_canvas, stop_reasons, cache,
                               eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
                               constraint_complete=None if grammar is None else grammar.complete(),
-                              constraint_seconds=None if grammar is None else grammar.seconds)
+                              constraint_seconds=None if grammar is None else grammar.seconds,
+                              constraint_pinned=None if grammar is None else grammar.pinned,
+                              constraint_closed=None if grammar is None else grammar.closed)
     if trace:
         result.trace = Trace(records, {
             "format": TRACE_FORMAT, "batch_size": B, "prompt_length": T, "canvas_length": L,
@@ -460,7 +492,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
                                                 "corrector_steps", "commit_threshold", "edit_threshold")}
                                                 | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
-                      "(S, B, L); mean_entropy, done, active, level (S, B)",
+                      "(S, B, L); mean_entropy, done, active, level (S, B); with a constraint, grammar (S, B, L): "
+                      "0 free, 1 pinned (the only token the grammar allows), 2 closed (the budget's closer chose it)",
         })
     return result
 
@@ -501,3 +534,4 @@ def _check_inputs(model: DiffusionGemma, input_ids: Tensor, cache: KVCache | Non
     bad = [e for e in config.eos_token_id if e >= V]
     if bad:
         raise ValueError(f"eos_token_id {bad} outside the vocabulary (vocab_size={V})")
+    check_logit_bias(config, V)

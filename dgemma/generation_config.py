@@ -92,6 +92,16 @@ class GenerationConfig:
     # Lite's commit rule (sampling.lite_commit): "scheduled" (the most confident of the seed's candidates, up to
     # ceil(L * k / N) committed after step k) or "seed" (every candidate at once: seed 003).
     lite_commit: str = "scheduled"
+    # Sampling controls on every step's draw (docs/sampling.md, "Sampling controls"), as OpenAI's and vLLM's fields
+    # mean them; their neutral values (the defaults) leave the transformers-identical path untouched. Not part of
+    # generation_config.json (transformers' DiffusionGemma sampler has none of them).
+    top_k: int = 0  # keep each position's k most probable tokens (0: all)
+    top_p: float = 1.0  # keep the smallest set of each position's most probable tokens reaching this probability
+    min_p: float = 0.0  # keep the tokens at least this share of the position's most probable token's probability
+    repetition_penalty: float = 1.0  # > 1: the logits of tokens in the prompt or the output so far, / (or x) it
+    presence_penalty: float = 0.0  # subtracted from the logits of tokens the output holds
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is accepted
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
@@ -136,6 +146,24 @@ class GenerationConfig:
             require(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
         require(is_int(self.stability_steps) and self.stability_steps >= 1, "stability_steps",
                f"must be an int >= 1, got {self.stability_steps!r}")
+        require(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an int >= 0 (0: off), got {self.top_k!r}")
+        require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        require(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            require(-2 <= getattr(self, name) <= 2, name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty or a bias changes the logits (which then need the prompt and output so far)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias))
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top_k, top_p or min_p cuts the tempered distribution."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     @property
     def commit_rule(self) -> str:
@@ -229,6 +257,19 @@ class GenerationConfig:
             if v is not None:
                 d[k] = v
         return d
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (id, bias) pairs, from pairs or a {id: bias} dict (ids may be digit strings, as JSON
+    keys are); each bias a finite number in [-100, 100] (OpenAI's range)."""
+    items = v.items() if isinstance(v, dict) else v
+    try:
+        pairs = [(int(k) if isinstance(k, str) and k.isdigit() else k, b) for k, b in items]
+    except (TypeError, ValueError):
+        pairs = None
+    require(pairs is not None and all(is_int(k) and k >= 0 and is_real(b) and -100 <= b <= 100 for k, b in pairs),
+            "logit_bias", f"must map token ids (ints >= 0) to biases in [-100, 100], got {v!r}")
+    return tuple(sorted(dict(pairs).items()))  # type: ignore[arg-type]
 
 
 SAMPLERS = ("entropy-bound", "lite", "ancestral", "predictor-corrector", "block-refinement", "confidence")

@@ -55,3 +55,10 @@ def eos_index(tokens: Sequence[int], eos: Sequence[int]) -> int:
     (`tokens[:eos_index(...)]` is the text before the EOS)."""
     stop = set(eos)
     return next((j for j, t in enumerate(tokens) if t in stop), len(tokens))
+
+
+def check_logit_bias(config: GenerationConfig, vocab_size: int) -> None:
+    """GenerationError for a logit_bias token id outside the model's vocabulary."""
+    bad = [i for i, _ in config.logit_bias if i >= vocab_size]
+    if bad:
+        raise GenerationError(f"logit_bias: token id(s) {bad[:8]} outside the vocabulary (vocab_size={vocab_size})")

@@ -277,3 +277,84 @@ def ancestral_step(z: Tensor, x: Tensor, level: float, next_level: float) -> Ten
     log_back = torch.where(at_x, math.log(step + (1 - step) / V), math.log((1 - step) / V))  # q(x_s | x_{s'} = j)
     log_mix = torch.logaddexp(math.log(a2) + log_w, math.log((1 - a2) / V) + torch.logsumexp(log_w, -1, keepdim=True))
     return torch.softmax(log_back + log_mix, dim=-1)
+
+
+# --- sampling controls (GenerationConfig.top_k ... logit_bias; docs/sampling.md, "Sampling controls") -------------
+
+@dataclass
+class Seen:
+    """What the penalties count, per row (B, V): the prompt's tokens (for `repetition_penalty`) and how often each
+    token occurs in the output committed so far (all three penalties). `add` counts a committed canvas."""
+
+    prompt: Tensor  # (B, V) bool
+    output: Tensor  # (B, V) float32 counts
+
+    @classmethod
+    def of(cls, prompts: Tensor, vocab_size: int, mask: Tensor | None = None) -> Seen:
+        """From prompts (B, T) (`mask` (B, T): 1 where a token is real, 0 at left padding)."""
+        B = prompts.shape[0]
+        present = torch.ones_like(prompts, dtype=torch.float32) if mask is None else mask.float()
+        seen = torch.zeros(B, vocab_size, device=prompts.device).scatter_add_(1, prompts, present) > 0
+        return cls(seen, torch.zeros(B, vocab_size, device=prompts.device))
+
+    def add(self, tokens: Tensor, rows: Tensor | None = None) -> None:
+        """Count a committed canvas (B, L) of the rows `rows` (B,) bool (default: all)."""
+        ones = torch.ones_like(tokens, dtype=torch.float32)
+        if rows is not None:
+            ones *= rows[:, None].float()
+        self.output.scatter_add_(1, tokens, ones)
+
+
+def penalize(logits: Tensor, config: GenerationConfig, seen: Seen, canvas: Tensor, carried: Tensor) -> None:
+    """The penalties and the bias on one step's logits (B, L, V), in place, as vLLM orders them: repetition, then
+    presence and frequency, then logit_bias. What they count is the output committed so far (`seen`) plus the tokens
+    the step's input canvas (B, L) carries over (`carried` (B, L) bool), each position's own token excepted: a
+    token a canvas has settled on is not pushed off its own position. `repetition_penalty` also counts the prompt:
+    a logit > 0 is divided by it, one < 0 multiplied (CTRL's rule, as transformers and vLLM)."""
+    own = carried.float()
+    counts = seen.output.scatter_add(1, canvas, own)  # (B, V)
+    c_own = counts.gather(1, canvas)  # (B, L): how often each position's own token occurs
+    index = canvas[..., None]
+    if config.repetition_penalty != 1:
+        r = config.repetition_penalty
+        before = logits.gather(2, index)
+        hit = (seen.prompt | (counts > 0))[:, None, :]
+        logits.copy_(torch.where(hit, torch.where(logits > 0, logits / r, logits * r), logits))
+        only_itself = carried & ~seen.prompt.gather(1, canvas) & (c_own - own == 0)
+        logits.scatter_(2, index, torch.where(only_itself[..., None], before, logits.gather(2, index)))
+    if config.presence_penalty or config.frequency_penalty:
+        p, f = config.presence_penalty, config.frequency_penalty
+        logits.sub_((p * (counts > 0).float() + f * counts)[:, None, :])
+        back = f * own + p * ((c_own > 0).float() - (c_own - own > 0).float())  # the position's own occurrence
+        logits.scatter_add_(2, index, back[..., None])
+    if config.logit_bias:
+        ids = torch.tensor([i for i, _ in config.logit_bias], device=logits.device)
+        bias = torch.tensor([b for _, b in config.logit_bias], dtype=logits.dtype, device=logits.device)
+        logits[..., ids] += bias
+
+
+def truncate(z: Tensor, config: GenerationConfig) -> None:
+    """top_k, top_p and min_p on one step's tempered logits (B, L, V), in place: the cut tokens become -inf, so the
+    draw, the argmax, the entropy and the next step's self-conditioning all read the truncated distribution (the
+    most probable token always stays). Ties at the k-th logit are kept, as transformers does."""
+    V = z.shape[-1]
+    if 0 < config.top_k < V:
+        z.masked_fill_(z < z.topk(config.top_k, dim=-1).values[..., -1:], -torch.inf)
+    if config.top_p < 1:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        p = torch.softmax(sorted_z, dim=-1)
+        beyond = p.cumsum(-1) - p >= config.top_p  # the mass before a token already reaches top_p
+        z.masked_fill_(torch.zeros_like(beyond).scatter_(-1, order, beyond), -torch.inf)
+        del sorted_z, order, p, beyond
+    if config.min_p > 0:
+        p = torch.softmax(z, dim=-1)
+        z.masked_fill_(p < config.min_p * p.amax(-1, keepdim=True), -torch.inf)
+
+
+def token_logprobs(z: Tensor, tokens: Tensor, top: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """What a committed token's log-probability is (the server's `logprobs`): log softmax of the posterior the last
+    denoising step read, `z` (B, L, V) (tempered, after the sampling controls), at `tokens` (B, L); and the `top`
+    most probable tokens there, values and ids (B, L, top)."""
+    logp = torch.log_softmax(z.float(), dim=-1)
+    values, ids = logp.topk(top, dim=-1) if top else (logp[..., :0], torch.zeros_like(tokens)[..., None][..., :0])
+    return logp.gather(-1, tokens[..., None])[..., 0], values, ids

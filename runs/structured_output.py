@@ -175,14 +175,35 @@ def cost(args: argparse.Namespace, schemas: list[dict]) -> dict:
             runs[name].append({"tokens": new, "seconds": seconds,
                                "tokens_per_forward": float(out.tokens_per_forward[0]),
                                "grammar_seconds": out.constraint_seconds or 0.0,
-                               "steps": sum(s[0] for s in out.steps_per_canvas)})
+                               "pinned": out.constraint_pinned or 0, "closed": out.constraint_closed or 0,
+                               "complete": bool(out.constraint_complete and out.constraint_complete[0]),
+                               "steps": sum(s[0] for s in out.steps_per_canvas),
+                               "canvases": len(out.steps_per_canvas)})
     out = {}
     for name, rs in runs.items():
         out[name] = {"tokens_per_forward": statistics.mean(r["tokens_per_forward"] for r in rs),
                      "tokens_per_second": sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs),
                      "grammar_share": sum(r["grammar_seconds"] for r in rs) / sum(r["seconds"] for r in rs),
                      "grammar_ms_per_step": 1000 * sum(r["grammar_seconds"] for r in rs) / max(
-                         sum(r["steps"] for r in rs), 1)}
+                         sum(r["steps"] for r in rs), 1),
+                     "steps_per_canvas": sum(r["steps"] for r in rs) / sum(r["canvases"] for r in rs),
+                     # committed tokens the grammar pinned (one token allowed) and its budget's closer chose
+                     "pinned_share": sum(r["pinned"] for r in rs) / max(sum(r["tokens"] for r in rs), 1),
+                     "closed_share": sum(r["closed"] for r in rs) / max(sum(r["tokens"] for r in rs), 1),
+                     "complete": sum(r["complete"] for r in rs) / len(rs)}
+    # Every other sampler under the same constraint (its committed canvas projected onto the grammar)
+    from dgemma.generation_config import SAMPLERS
+
+    out["samplers"] = {}
+    for sampler in SAMPLERS[1:]:
+        valid, tpf = [], []
+        for i, schema in enumerate(schemas[:args.cost_schemas]):
+            c = Constraint.json_schema(schema, tok, eos_token_id=eos)
+            got = generate(model, prompt, seed=i, max_new_tokens=args.max_tokens, max_denoising_steps=args.steps,
+                           constraint=c, loop="readable", sampler=sampler)
+            valid.append(validates(tok.decode(got.new_tokens()[0], skip_special_tokens=True), schema))
+            tpf.append(float(got.tokens_per_forward[0]))
+        out["samplers"][sampler] = {"valid": sum(valid) / len(valid), "tokens_per_forward": statistics.mean(tpf)}
     return out
 
 
@@ -225,12 +246,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(r: dict) -> str:
-    lines = ["| | tokens/forward | tokens/s | grammar share of the time | grammar ms per step |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| | tokens/forward | steps/canvas | tokens/s | grammar share of the time | grammar ms per step | "
+             "pinned | closed |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name in ("without", "with"):
         c = r["cost"][name]
-        lines.append(f"| {name} the constraint | {c['tokens_per_forward']:.2f} | {c['tokens_per_second']:.1f} | "
-                     f"{c['grammar_share']:.1%} | {c['grammar_ms_per_step']:.2f} |")
+        grammar = (f"{c['grammar_share']:.1%} | {c['grammar_ms_per_step']:.2f} | {c['pinned_share']:.1%} | "
+                   f"{c['closed_share']:.1%}") if name == "with" else "– | – | – | –"
+        lines.append(f"| {name} the constraint | {c['tokens_per_forward']:.2f} | {c['steps_per_canvas']:.1f} | "
+                     f"{c['tokens_per_second']:.1f} | {grammar} |")
+    lines += ["", "Other samplers, the same schemas: " + "; ".join(
+        f"{name} {v['valid']:.0%} valid at {v['tokens_per_forward']:.2f} tokens/forward"
+        for name, v in r["cost"]["samplers"].items()) + "."]
     if "schemas" in r:
         rows, calls = r["schemas"], r["tool_calls"]
         share = lambda key: sum(x[key] for x in rows) / len(rows)

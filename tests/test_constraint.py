@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from dgemma import generate, preset
-from dgemma.constraint import Constraint, ConstraintError
+from dgemma.constraint import CLOSED, FREE, PINNED, Constraint, ConstraintError
 from dgemma.data.tokenizer import build_test_tokenizer, load_tokenizer
-from dgemma.generation_config import GenerationError
+from dgemma.generation_config import SAMPLERS, GenerationError
 from dgemma.model import DiffusionGemma
 from dgemma.testing.hf import randomize_
 
@@ -115,7 +116,7 @@ def test_the_masked_draw_is_the_masked_distribution(tok):
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(3)
     for _ in range(3000):
-        draw, greedy, entropy = state.draw(z, g)
+        draw, greedy, entropy, _ = state.draw(z, g)
         counts[[i[0] for i in ids].index(int(draw[0, 0]))] += 1
     want = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
     assert torch.allclose(counts / counts.sum(), want, atol=0.03)
@@ -135,9 +136,79 @@ def test_what_cannot_be_compiled_is_one_error_naming_it(tok, build, message):
         build(tok)
 
 
-def test_the_samplers_and_loops_it_does_not_follow_are_refused(model, tok):
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_every_sampler_keeps_the_grammar_and_closes_within_the_budget(model, tok, sampler):
+    """The random model never ends a free JSON object by itself; the budget's closer ends every row, and a sampler
+    that commits its own canvas (Lite, the committing samplers, the chains) has it projected onto the grammar."""
+    for schema, budget in (({"type": "object"}, 40), (SCHEMAS[3], 48)):
+        c = Constraint.json_schema(schema, tok, eos_token_id=EOS)
+        out = generate(model, _prompt(3), seed=3, max_new_tokens=budget, max_denoising_steps=4, constraint=c,
+                       eos_token_id=EOS, sampler=sampler)
+        assert out.constraint_complete == [True] * 3, [_text(tok, ids) for ids in out.new_tokens()]
+        for ids in out.new_tokens():
+            assert len([t for t in ids if t != EOS]) <= budget  # a grammar that stops by itself needs no EOS
+            jsonschema.validate(json.loads(_text(tok, ids)), schema)
+
+
+GRAMMARS = [
+    ("json", {"type": "object", "properties": {"mail": {"type": "string", "format": "email"},
+                                              "day": {"type": "string", "format": "date"},
+                                              "level": {"enum": ["low", "high"]},
+                                              "xs": {"type": "array", "items": {"type": "number"}, "minItems": 2}},
+              "required": ["mail", "day", "level", "xs"], "additionalProperties": False}),
+    ("json", {"type": "object", "properties": {"a": {"type": "object"}, "b": {"type": "string", "minLength": 5}},
+              "required": ["a", "b"]}),
+    ("regex", "a*b"),
+    ("regex", r"[a-z]{3,6}-[0-9]{2}"),
+    ("lark", 'start: "<call>" %json {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+             ' "</call>"'),
+]
+
+
+@pytest.mark.parametrize("kind, source", GRAMMARS, ids=["formats", "nested+minLength", "a*b", "word-num", "lark"])
+def test_the_closer_finishes_every_kind_of_grammar(tok, kind, source):
+    c = getattr(Constraint, kind if kind != "json" else "json_schema")(source, tok, eos_token_id=EOS)
+    state = c.start(1, max_new_tokens=64)
+    m = state.matchers[0]
+    path = state.closer.path(m, 200)
+    assert path is not None and not m.is_stopped()  # the parser is left where it was
+    assert m.consume_tokens(path) and m.is_stopped()  # with an EOS, or where the grammar stops itself
+    text = _text(tok, path)
+    if kind == "json":
+        jsonschema.validate(json.loads(text), source)
+    elif kind == "regex":
+        assert re.fullmatch(source, text)
+    assert state.closer.path(llguidance.LLMatcher(c.tokenizer, c.grammar), len(path) - 1) is None  # the limit
+
+
+def test_the_trace_marks_what_the_grammar_pinned_and_closed(model, tok):
     c = Constraint.json_object(tok, eos_token_id=EOS)
-    with pytest.raises(GenerationError, match="sampler='entropy-bound', not 'lite'"):
-        generate(model, _prompt(), seed=0, max_new_tokens=16, sampler="lite", constraint=c)
+    out = generate(model, _prompt(2), seed=0, max_new_tokens=40, max_denoising_steps=4, constraint=c,
+                   eos_token_id=EOS, trace=True)
+    marks = out.trace.arrays()["grammar"]
+    assert marks.shape == out.trace.arrays()["argmax"].shape and set(marks.ravel().tolist()) <= {FREE, PINNED, CLOSED}
+    assert (marks == CLOSED).any()  # the random model never closes an object by itself
+    state = c.start(1)
+    for step in out.trace.steps:  # a pinned position is one where the grammar allowed exactly one token
+        if step.canvas != 0:
+            continue
+        m = llguidance.LLMatcher(c.tokenizer, c.grammar)
+        for i, t in enumerate(step.argmax[0].tolist()):
+            if m.is_stopped():
+                break
+            bits = llguidance.numpy.allocate_token_bitmask(1, c.tokenizer.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask(m, bits, 0)
+            one = int(np.unpackbits(bits.view(np.uint8)).sum()) == 1
+            assert (int(step.grammar[0, i]) == PINNED) == one or int(step.grammar[0, i]) == CLOSED
+            assert m.consume_token(t)
+    del state
+
+
+def test_the_fast_kernels_run_the_readable_loop_and_the_sync_free_loop_is_refused(model, tok):
+    c = Constraint.json_object(tok, eos_token_id=EOS)
+    kw = dict(seed=0, max_new_tokens=40, max_denoising_steps=4, constraint=c, eos_token_id=EOS)
+    fast = generate(model, _prompt(), impl="fast", **kw)
+    assert fast.new_tokens() == generate(model, _prompt(), impl="fast", loop="readable", **kw).new_tokens()
+    assert fast.constraint_complete == [True, True]
     with pytest.raises(GenerationError, match="readable loop"):
-        generate(model, _prompt(), seed=0, max_new_tokens=16, impl="fast", constraint=c)
+        generate(model, _prompt(), impl="fast", loop="sync-free", **kw)

@@ -193,8 +193,9 @@ def test_bad_requests_are_refused_with_the_field_named():
         engine.submit([1], config, seed=1.5, on_event=noop)
     with pytest.raises(EngineError, match="max_batch"):
         Engine(model, max_batch=0)
-    engine.submit([1], config, on_event=noop)
-    with pytest.raises(QueueFullError, match="max_queue=1"):
+    engine.submit([1], config, on_event=noop)  # takes the free row at the next step
+    engine.submit([1], config, on_event=noop)  # waits: max_queue=1 beyond the free row
+    with pytest.raises(QueueFullError, match="max_queue=1, 1 free rows"):
         engine.submit([2], config, on_event=noop)
     events = []
     engine.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import dgemma
 from dgemma.data.templates import ChatTemplate
 from dgemma.data.tokenizer import load_tokenizer
 from dgemma.generation_config import GenerationConfig
+from dgemma.serving.api import parse_completion_request
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import Engine
 from tests.helpers import running_server
@@ -134,14 +136,19 @@ def test_completions_n_prompts_and_token_ids(client, tok):
     assert [c.index for c in two.choices] == [0, 1] and two.usage.prompt_tokens == len(ids) + 2
 
 
-def test_stop_strings_cut_the_text_and_end_the_request(client):
+def test_stop_strings_cut_the_text_and_end_the_request(client, engine, tok, base):
     full = client.completions.create(model="tiny", prompt="Once", max_tokens=48, seed=11).choices[0].text
     k = next(k for k in range(len(full) // 2, len(full) - 3) if "\ufffd" not in full[k:k + 3])
     stop = full[k:k + 3]
     expected = full[:full.find(stop)]
     r = client.completions.create(model="tiny", prompt="Once", max_tokens=48, seed=11, stop=[stop, "never-there"])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
-    assert 0 < r.usage.completion_tokens <= 48
+    # usage counts the tokens behind the text returned, not the rest of the canvas the stop string cut
+    ids, _ = engine.complete(parse_completion_request({"prompt": "Once"}, tokenizer=tok, base_config=base,
+                                                      model_name="tiny").prompts[0],
+                             base.replace(max_new_tokens=48), seed=11)
+    k = r.usage.completion_tokens
+    assert tok.decode(ids[:k]).startswith(expected) and not tok.decode(ids[:k - 1]).startswith(expected)
     chunks = list(client.completions.create(model="tiny", prompt="Once", max_tokens=48, seed=11, stop=stop,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
@@ -174,11 +181,11 @@ def test_denoising_stream_extension(client, model):
 @pytest.mark.parametrize("kwargs, param", [
     ({"extra_body": {"bogus": 1}}, "bogus"),
     ({"extra_body": {"entropy_bound": -1}}, "entropy_bound"),
-    ({"top_p": 0.5}, "top_p"),
-    ({"logprobs": True}, "logprobs"),
-    ({"temperature": 0}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"temperature": 5}, "temperature"),
     ({"n": 50}, "n"),
-    ({"max_tokens": 10_000}, "messages"),  # does not fit --max-context (the engine's check)
+    ({"max_tokens": 10_000}, "max_tokens"),  # does not fit --max-context beside the prompt (the engine's check)
 ])
 def test_bad_fields_get_400_naming_them(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -217,6 +224,77 @@ def test_api_key_and_body_size(server):
     assert httpx.post(server + "/v1/completions", content=chunked(), headers=auth).status_code == 413
 
 
+def test_the_default_max_tokens_is_clamped_to_what_fits_and_an_asked_one_is_named(client):
+    """max_context 512, canvases of 16: a 500-token prompt leaves room for one canvas. Without max_tokens the
+    server's default (32) is clamped to it; asking for 32 is a 400 naming max_tokens (not the prompt)."""
+    long = [5] * 500
+    r = client.completions.create(model="tiny", prompt=long, seed=0)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=long, max_tokens=32)
+    error = e.value.response.json()["error"]
+    assert error["param"] == "max_tokens" and "at most 16 new tokens fit" in error["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[5] * 600)
+    assert e.value.response.json()["error"]["param"] == "prompt"
+
+
+def _metric(server: str, name: str) -> float:
+    text = httpx.get(server + "/metrics").text
+    m = re.search(r"^" + re.escape(name) + r'\{model_name="tiny"\} (\S+)$', text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_metrics_count_every_request_with_the_model_name(server, client):
+    """Usage counts streams that did not ask for it; a request a stop string ends still feeds the time to first
+    canvas and tokens-per-step histograms; the latency series (end to end, queue, per canvas) are there."""
+    before = {n: _metric(server, n) for n in ("dgemma_completion_tokens_total", "dgemma_prompt_tokens_total",
+                                              "dgemma_time_to_first_canvas_seconds_count",
+                                              "dgemma_request_tokens_per_step_count",
+                                              "dgemma_e2e_request_latency_seconds_count",
+                                              "dgemma_request_queue_time_seconds_count",
+                                              "dgemma_canvas_seconds_count")}
+    chunks = list(client.completions.create(model="tiny", prompt="The sea", max_tokens=20, seed=2, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    full = client.completions.create(model="tiny", prompt="Once", max_tokens=32, seed=3).choices[0].text
+    stop = next(full[k:k + 2] for k in range(2, len(full) - 2) if "\ufffd" not in full[k:k + 2])
+    cut = client.completions.create(model="tiny", prompt="Once", max_tokens=32, seed=3, stop=stop)
+    assert cut.choices[0].finish_reason == "stop"
+    after = {n: _metric(server, n) for n in before}
+    delta = {n: after[n] - before[n] for n in before}
+    assert delta["dgemma_completion_tokens_total"] == 20 + 32 + cut.usage.completion_tokens
+    assert delta["dgemma_time_to_first_canvas_seconds_count"] == 3
+    assert delta["dgemma_request_tokens_per_step_count"] == 3
+    assert delta["dgemma_e2e_request_latency_seconds_count"] == 3 and delta["dgemma_prompt_tokens_total"] > 0
+    assert delta["dgemma_canvas_seconds_count"] >= 2 + 2 + 1 and delta["dgemma_request_queue_time_seconds_count"] >= 2
+
+
+def test_logprobs_are_the_committed_tokens_under_their_last_posterior(client):
+    """Each returned token's log-probability under the posterior its canvas's last step read, with the most probable
+    alternatives: the entropy-bound sampler commits that posterior's argmax, so each token is its own top
+    alternative; streamed, the same entries arrive with their canvases."""
+    kw = dict(model="tiny", messages=USER, max_tokens=32, seed=4, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 32
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.completions.create(model="tiny", prompt="Once", max_tokens=16, seed=1, logprobs=2)
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 16
+    assert "".join(lp.tokens) == plain.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) <= 2 and max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs,
+                                                                           strict=True))
+    assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, seed=4).choices[0].logprobs \
+        is None
+
+
 def test_eos_ends_with_stop(engine, tok, base):
     every_id_ends = base.replace(eos_token_id=tuple(range(512)))  # the first token of a canvas is an EOS
     with running_server(create_app(engine, tok, "tiny", generation_config=every_id_ends)) as url:
@@ -230,8 +308,9 @@ def test_eos_ends_with_stop(engine, tok, base):
 def test_429_disconnects_cancel_and_the_queue(model, tok, base):
     """On an engine not yet started (so requests wait in its queue, deterministically): a second request over
     max_concurrency=1 gets 429; a client that goes away (mid-stream or mid-wait) frees its place at once and its
-    engine request is cancelled (the engine drops it without running it once started); a full queue gets 429."""
-    engine = Engine(model, max_batch=1, max_context=64, max_queue=2, impl="reference")
+    engine request is cancelled (the engine drops it without running it once started); a full queue (max_queue
+    waiting beyond the free rows) gets 429 with Retry-After; more choices than rows + queue can hold get 400."""
+    engine = Engine(model, max_batch=1, max_context=64, max_queue=1, impl="reference")  # 2 may wait: + 1 free row
     try:
         with running_server(create_app(engine, tok, "tiny", generation_config=base, max_concurrency=1)) as url:
             c = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
@@ -248,7 +327,12 @@ def test_429_disconnects_cancel_and_the_queue(model, tok, base):
             assert engine.stats().queue_length == 2  # both wait, cancelled, for a loop that has not started
             with pytest.raises(openai.RateLimitError) as e:
                 c.completions.create(model="tiny", prompt="Hi", max_tokens=8)
-            assert "queue is full" in e.value.response.json()["error"]["message"]
+            error = e.value.response.json()["error"]
+            assert "queue is full" in error["message"] and error["type"] == "requests"
+            assert e.value.response.headers["retry-after"] == "1"
+            with pytest.raises(openai.BadRequestError) as e:  # more choices than the server can ever hold: 400
+                c.completions.create(model="tiny", prompt="Hi", max_tokens=8, n=3)
+            assert e.value.response.json()["error"]["param"] == "n"
             engine.start()
             wait_for(lambda: engine.stats().requests_cancelled == 2, "the engine to drop the cancelled requests")
             r = c.completions.create(model="tiny", prompt="Hi", max_tokens=8, seed=1)

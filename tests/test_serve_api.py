@@ -7,10 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+import dgemma
 from dgemma.data.templates import (
     BUILTIN_CONVENTIONS,
     CONVENTIONS,
+    THINK,
     ChatTemplate,
     ChatTemplateError,
     OutputParser,
@@ -63,6 +66,22 @@ def test_sampler_fields_and_openai_fields_become_one_config(tok):
     assert chat(tok).submissions[0].config == BASE  # nothing given: the server's defaults, untouched
 
 
+def test_temperature_zero_is_the_lowest_temperature_schedule(tok):
+    """What lm-eval-harness and agents send by default: t_min 0, t_max the smallest the sampler computes, so every
+    draw is its position's argmax (a whole canvas of argmax draws on the random tiny model)."""
+    from dgemma.generation_config import MIN_TEMPERATURE
+
+    cfg = chat(tok, temperature=0).submissions[0].config
+    assert (cfg.t_min, cfg.t_max) == (0.0, MIN_TEMPERATURE)
+    assert chat(tok, temperature=1e-9).submissions[0].config.t_max == MIN_TEMPERATURE  # t_max held at the floor
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    out = dgemma.generate(model, prompt, generation_config=cfg.replace(max_new_tokens=16, max_denoising_steps=2,
+                                                                       eos_token_id=()), seed=0, trace=True)
+    first = out.trace.steps[0]
+    assert bool(first.accepted.all()) and float(first.entropy.max()) < 1e-3  # one-hot posteriors: all accepted
+
+
 def test_completion_prompts_strings_ids_and_choice_order(tok):
     req = completion(tok, prompt=["a", "b"], n=2, seed=10)
     assert req.prompts == [tok.encode("a"), tok.encode("b")]
@@ -78,14 +97,21 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
     ({"max_denoising_steps": 0}, "max_denoising_steps", "positive int"),
     ({"sampler": "greedy"}, "sampler", "sampler: must be one of"),
     ({"t_min": 0.9}, "t_max", "must be > t_min"),
-    ({"top_p": 0.5}, "top_p", "only 1"),
-    ({"logprobs": True}, "logprobs", "not supported"),
-    ({"top_logprobs": 3}, "top_logprobs", "not supported"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
-    ({"temperature": 0}, "temperature", "greedy"),
-    ({"temperature": 3}, "temperature", "(0, 2]"),
-    ({"temperature": 1e-7}, "temperature", "out of range: t_max: must be >="),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_k": -1}, "top_k", ">= 0"),
+    ({"min_p": 2}, "min_p", "[0, 1]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"logprobs": 1}, "logprobs", "true or false"),
+    ({"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "from 0 to 20"),
+    ({"logit_bias": {"5": 1000}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": [5, 1]}, "logit_bias", "must be an object"),
+    ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"temperature": 3}, "temperature", "[0, 2]"),
+    ({"temperature": -0.1}, "temperature", "[0, 2]"),
+    ({"t_max": 3e38, "temperature": 2}, "temperature", "out of range"),
     ({"n": 0}, "n", "from 1 to 8"),
     ({"n": 9}, "n", "from 1 to 8"),
     ({"seed": -1}, "seed", "seed"),
@@ -121,7 +147,8 @@ def test_bad_chat_fields_are_refused_by_name(tok, body, param, words):
 @pytest.mark.parametrize("body, param", [({"prompt": []}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
                                          ({"prompt": [-1]}, "prompt"), ({"echo": True}, "echo"),
                                          ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
-                                         ({"logprobs": 0}, "logprobs"), ({"messages": []}, "messages"),
+                                         ({"logprobs": 6}, "logprobs"), ({"logprobs": True}, "logprobs"),
+                                         ({"messages": []}, "messages"),
                                          ({"prompt": "x", "n": 8, "seed": 2**64}, "seed")])
 def test_bad_completion_fields_are_refused_by_name(tok, body, param):
     assert refused(completion, tok, **body).param == param
@@ -244,3 +271,37 @@ def test_canvas_text_holds_back_partial_utf8_and_stop_prefixes_then_splits(tok):
     choice = _Choice(0, tok.decode, ("STOP",), None)
     sent = "".join(v for i in range(len(ids)) for _, v in choice.on_canvas(ids[i:i + 1]))
     assert choice.stopped and sent == "one two " and choice.finish() == []
+
+
+# --- what newer clients send: template kwargs, reasoning_effort, fields with no effect, an opened thinking span ---
+
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n"
+             "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+             "{% else %}<think>\n{% endif %}{% endif %}"
+             "{% if reasoning_effort %}effort={{ reasoning_effort }}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_prompt_opened_thinking_span_is_parsed(tok):
+    template = ChatTemplate(QWEN_LIKE, origin="test")
+    assert {"enable_thinking", "reasoning_effort"} <= template.variables
+    thinking = chat(tok, template)
+    assert thinking.opened is THINK  # the prompt ends inside <think>: the output begins in it
+    parser = OutputParser(thinking.conventions, start=thinking.opened)
+    pieces = parser.feed("I think</think>The answer") + parser.finish()
+    assert ("reasoning", "I think") in pieces and ("content", "The answer") in pieces
+    plain = chat(tok, template, chat_template_kwargs={"enable_thinking": False})
+    assert plain.opened is None and plain.prompts[0] != thinking.prompts[0]
+    effort = chat(tok, template, reasoning_effort="low")
+    assert "effort=low" in tok.decode(effort.prompts[0]) and effort.ignored == ()
+
+
+def test_fields_with_no_effect_are_accepted_and_named_and_malformed_ones_refused(tok):
+    req = chat(tok, store=False, metadata={"run": "a"}, service_tier="auto", reasoning_effort="high")
+    assert req.ignored == ("store", "metadata", "service_tier", "reasoning_effort")  # the built-in template: unread
+    assert completion(tok, store=True).ignored == ("store",)
+    for body, param in (({"store": "yes"}, "store"), ({"metadata": {"a": 1}}, "metadata"),
+                        ({"reasoning_effort": "max"}, "reasoning_effort"),
+                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+        assert refused(chat, tok, ChatTemplate(QWEN_LIKE, origin="test"), **body).param == param

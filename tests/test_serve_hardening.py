@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -446,3 +447,35 @@ def test_malformed_http_never_gets_a_5xx_and_the_server_goes_on(server, case):
     kind, request = case
     problem = check_answer(server, kind, request)
     assert problem is None, f"{kind}: {request[:300]!r} -> {problem}"
+
+
+def test_ctrl_c_with_a_stream_open_ends_it_with_an_error_event_and_done():
+    """Ctrl-C while a long stream runs: the stream ends at once with OpenAI's error object and [DONE] (no broken
+    chunked read, no traceback), and the server exits 0 without waiting out a graceful timeout."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--preset", "tiny", "--random-init", "--port",
+                             "0", "--max-batch", "1", "--max-context", "2048"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" at ")[1].split()[0].rstrip("/")
+        body = {"prompt": "The sea", "max_tokens": 1024, "max_denoising_steps": 64, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for raw in r.iter_lines():
+                if not raw.startswith("data: "):
+                    continue
+                events.append(raw[len("data: "):])
+                if len(events) == 1:
+                    stopped_at = time.monotonic()
+                    proc.send_signal(signal.SIGINT)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+        assert proc.wait(30) == 0 and time.monotonic() - stopped_at < 5
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

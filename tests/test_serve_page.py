@@ -7,6 +7,7 @@ Skipped only where selenium, chromium or chromedriver are missing (`apt-get inst
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -230,3 +231,23 @@ def engine_counter(server: str, state: str) -> float:
     text = httpx.get(server + "/metrics", timeout=10).text
     line = re.search(r'^dgemma_engine_requests_total\{state="' + re.escape(state) + r'"\} (\S+)$', text, re.M)
     return float(line.group(1))
+
+
+def test_page_json_schema_field_constrains_the_answer_and_shows_the_grammar(server, browser):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"],
+              "additionalProperties": False}
+    open_page(browser, server)
+    fill(browser, prompt="Describe a person.", max_tokens=48, max_denoising_steps=4, seed=3, pace=20,
+         json_schema=json.dumps(schema))
+    browser.find_element(By.ID, "generate").click()
+    assert wait_state(browser, "done", "error") == "done", browser.find_element(By.ID, "error").text
+    committed = browser.execute_script("return document.getElementById('committed').textContent")
+    answer = json.loads(committed)  # the random model writes valid JSON only through the grammar
+    assert set(answer) == {"name", "ok"} and isinstance(answer["ok"], bool)
+    assert re.search(r"grammar: pinned \d+, closed \d+", browser.find_element(By.ID, "stepstats").text)
+    fill(browser, json_schema="{not json")
+    browser.find_element(By.ID, "generate").click()
+    assert wait_state(browser, "done", "error") == "error"
+    assert "response_format" in browser.find_element(By.ID, "error").text

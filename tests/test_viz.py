@@ -164,6 +164,52 @@ def test_player_loads_steps_and_plays_in_headless_chromium(rendered):
     assert f'data-step="{STEPS}"' in played and "data-error" not in played
 
 
+@pytest.fixture(scope="module")
+def constrained_player(tmp_path_factory):
+    """The player of a generation under a JSON grammar with a budget the random model cannot meet by itself (it
+    never closes a free string)."""
+    pytest.importorskip("llguidance")
+    from dgemma.constraint import Constraint
+    from dgemma.data.tokenizer import load_tokenizer
+
+    d = tmp_path_factory.mktemp("constrained")
+    build_test_tokenizer(512, d / "tokenizer.json")
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=1).eval()
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+              "additionalProperties": False}
+    c = Constraint.json_schema(schema, load_tokenizer(d / "tokenizer.json"), eos_token_id=1)
+    prompt = torch.randint(5, 500, (1, 6), generator=torch.Generator().manual_seed(0))
+    result = dgemma.generate(model, prompt, seed=0, max_new_tokens=32, max_denoising_steps=STEPS, trace=True,
+                             constraint=c, eos_token_id=1)
+    result.trace.save(d / "run")
+    assert main(["viz", str(d / "run"), "--out", str(d / "viz"), "--tokenizer", str(d / "tokenizer.json"),
+                 "--canvas", "1"]) == 0
+    return d, result
+
+
+def test_a_constrained_trace_carries_what_the_grammar_did_into_the_player(constrained_player):
+    d, result = constrained_player
+    data = viz.player_data(viz.load_trace(d / "run"))
+    marks = [m for s in data["steps"] for m in s["grammar"][0]]
+    assert set(marks) <= {0, 1, 2} and 2 in marks and 1 in marks  # the closer ended the object within 32 tokens
+    assert result.constraint_complete == [True] and result.constraint_closed >= 1
+    assert marks.count(2) == int((result.trace.arrays()["grammar"] == 2).sum())
+    page = (d / "viz" / "player.html").read_text(encoding="utf-8")
+    assert "grammar: pinned " in page and "closed (the budget" in page
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_the_player_shows_the_grammar_marks_in_headless_chromium(constrained_player):
+    d, _ = constrained_player
+    url = (d / "viz" / "player.html").as_uri()
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000", "--dump-dom",
+           url]
+    opened = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert 'data-ready="1"' in opened and "data-error" not in opened
+    assert re.search(r"grammar: pinned \d+, closed \d+", opened)
+
+
 def test_helpers_lay_out_reading_order_and_find_finalization_steps():
     assert viz.grid_width(256) == 16 and viz.grid_width(16) == 4 and viz.grid_width(32) == 8
     grid = viz.reading_order(np.arange(10.0), 4)

@@ -251,6 +251,21 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
                    help="entropy budget of a denoising step (default: the checkpoint's)")
     p.add_argument("--t-min", type=float, metavar="X", help="final temperature (default: the checkpoint's)")
     p.add_argument("--t-max", type=float, metavar="X", help="initial temperature (default: the checkpoint's)")
+    controls = p.add_argument_group("sampling controls", "on every denoising step's draw (docs/sampling.md, "
+                                    "\"Sampling controls\"); default: off")
+    controls.add_argument("--top-k", type=int, metavar="K", help="keep each position's K most probable tokens")
+    controls.add_argument("--top-p", type=float, metavar="P",
+                          help="keep the fewest most probable tokens of each position that reach probability P")
+    controls.add_argument("--min-p", type=float, metavar="P",
+                          help="keep the tokens at least P times as probable as the position's most probable one")
+    controls.add_argument("--repetition-penalty", type=float, metavar="X",
+                          help="> 1 makes tokens of the prompt and the output so far less likely")
+    controls.add_argument("--presence-penalty", type=float, metavar="X",
+                          help="subtracted from the logits of tokens the output holds ([-2, 2])")
+    controls.add_argument("--frequency-penalty", type=float, metavar="X",
+                          help="subtracted once per occurrence in the output ([-2, 2])")
+    controls.add_argument("--logit-bias", type=_logit_bias, metavar="ID=BIAS[,ID=BIAS]",
+                          help="added to those tokens' logits ([-100, 100])")
     if seed_help is not None:
         p.add_argument("--seed", type=seed, metavar="SEED", help=seed_help)
 
@@ -302,7 +317,24 @@ def overrides(args: argparse.Namespace, gcfg: GenerationConfig) -> dict[str, Any
                           edit_threshold=args.edit_threshold,
                           max_new_tokens=args.max_new_tokens,
                           max_denoising_steps=args.max_denoising_steps, entropy_bound=args.entropy_bound,
-                          t_min=args.t_min, t_max=args.t_max)
+                          t_min=args.t_min, t_max=args.t_max, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          logit_bias=args.logit_bias)
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    """--logit-bias ID=BIAS[,ID=BIAS]: token ids and their biases (GenerationConfig checks the ranges)."""
+    out: dict[int, float] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"give ID=BIAS pairs separated by commas, got {item!r}") from None
+        if not sep:
+            raise argparse.ArgumentTypeError(f"give ID=BIAS pairs separated by commas, got {item!r}")
+    return out
 
 
 def chat_template(args: argparse.Namespace) -> ChatTemplate:

@@ -148,4 +148,8 @@ def run(args: argparse.Namespace) -> int:
     tpf = float(torch.as_tensor(result.tokens_per_forward, dtype=torch.float32).mean())
     print(f"{n} tokens generated for {len(rows)} prompt(s) in {canvases} canvas(es), {tpf:.2f} tokens/forward, "
           f"{wall:.2f} s, {n / max(wall, 1e-9):.1f} tokens/s", file=sys.stderr)
+    if result.constraint_complete is not None:
+        print(f"grammar: {sum(result.constraint_complete)} of {len(rows)} output(s) complete, "
+              f"{result.constraint_pinned} token(s) pinned, {result.constraint_closed} closed within the budget, "
+              f"{result.constraint_seconds:.2f} s of masks", file=sys.stderr)
     return 0

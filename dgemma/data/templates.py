@@ -63,16 +63,28 @@ class ChatTemplate:
         self._compiled = {s: _compile(s, origin) for s in (source, tool_source) if s is not None}
         text = (source or "") + (tool_source or "")
         self.conventions = BUILTIN_CONVENTIONS if source is None else tuple(c for c in CONVENTIONS if c.detect in text)
+        # the variables the template reads that its caller may set (enable_thinking, reasoning_effort, ...)
+        self.variables = frozenset(v for t in self._compiled.values() for v in _undeclared(t)) - self.reserved
+
+    @property
+    def reserved(self) -> frozenset[str]:
+        """The variables `render` sets itself: a caller's template kwargs may not."""
+        return frozenset({"messages", "tools", "add_generation_prompt", "raise_exception", "strftime_now",
+                          *self.special_tokens})
 
     @property
     def builtin(self) -> bool:
         return self.source is None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-               add_generation_prompt: bool = True) -> str:
+               add_generation_prompt: bool = True, kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text of `messages` (with the generation prompt, unless `add_generation_prompt` is False: the
-        conversation as history, which fine-tuning cuts answers from); a template's refusal raises
+        conversation as history, which fine-tuning cuts answers from); `kwargs`: more variables for the template
+        (a request's chat_template_kwargs: enable_thinking, ...), none of `reserved`. A template's refusal raises
         ChatTemplateError."""
+        clash = sorted(set(kwargs or {}) & self.reserved)
+        if clash:
+            raise ChatTemplateError(f"template kwargs may not set {', '.join(clash)} (the renderer sets them)")
         if self.source is None:
             if tools:
                 raise ChatTemplateError("tools need the checkpoint's chat template; dgemma's built-in Gemma template "
@@ -85,8 +97,8 @@ class ChatTemplate:
 
         template = self._compiled[self.tool_source if tools and self.tool_source is not None else self.source]
         try:
-            text = template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
+            text = template.render(**(kwargs or {}), messages=messages, tools=tools or None,
+                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
             text.encode("utf-8")  # a lone surrogate the template wrote ("\ud800") is no text a tokenizer takes
             return text
         except jinja2.TemplateError as e:
@@ -96,9 +108,17 @@ class ChatTemplate:
                                     f"{type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
-               tools: list[dict[str, Any]] | None = None) -> list[int]:
+               tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt token ids: the rendered text with its control tokens as single ids and no second <bos>."""
-        return encode_template(tokenizer, self.render(messages, tools))
+        return encode_template(tokenizer, self.render(messages, tools, kwargs=kwargs))
+
+    def opened(self, prompt: str) -> Convention | None:
+        """The thinking convention whose span the rendered `prompt` leaves open (a template that starts the answer
+        inside `<think>`, say): the output then begins inside it. None where every span is closed."""
+        for c in self.conventions:
+            if c.kind == "reasoning" and prompt.rfind(c.open) > max(prompt.rfind(c.close), -1):
+                return c
+        return None
 
     def continuation(self, history: list[dict[str, Any]], user: str) -> str | None:
         """The text that follows a model answer to `history` when the user answers with `user`: what the template
@@ -147,9 +167,20 @@ def _compile(source: str, origin: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        return env.from_string(source)
+        template = env.from_string(source)
+        template._dgemma_source = source  # for `_undeclared`
+        return template
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"{origin}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+
+
+def _undeclared(template: Any) -> set[str]:
+    """The variables a compiled template reads without setting them."""
+    import jinja2.meta
+
+    env = template.environment
+    source = getattr(template, "_dgemma_source", None)
+    return set(jinja2.meta.find_undeclared_variables(env.parse(source))) if source is not None else set()
 
 
 def load_chat_template(*dirs: Path | None) -> ChatTemplate:
@@ -228,11 +259,13 @@ class OutputParser:
     body does not parse is returned as content, markers included); `finish()` flushes what is left (an unclosed
     thinking span as reasoning, an unclosed call as content)."""
 
-    def __init__(self, conventions: tuple[Convention, ...]):
+    def __init__(self, conventions: tuple[Convention, ...], start: Convention | None = None):
+        """`start`: the span the output begins inside (the prompt opened it: `ChatTemplate.opened`)."""
         self.conventions = conventions
-        self.mode: Convention | None = None
+        self.mode: Convention | None = start
         self.buf = ""
-        self.skip_newline = False  # Gemma writes "<|channel>thought\n": the newline is part of the marker
+        # Gemma writes "<|channel>thought\n": the newline is part of the marker
+        self.skip_newline = start is GEMMA_THOUGHT
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text

@@ -117,6 +117,8 @@ def load_trace(path: str | Path) -> TraceData:
         a = arrays[name]
         if a.ndim != ndim or a.shape != S_B_L[:ndim] or (ndim == 1 and len(a) != S):
             raise EvalError(f"{npz}: array {name!r} has shape {a.shape}, inconsistent with argmax {S_B_L}")
+    if "grammar" in arrays and arrays["grammar"].shape != S_B_L:  # a constrained generation's (optional)
+        raise EvalError(f"{npz}: array 'grammar' has shape {arrays['grammar'].shape}, inconsistent with argmax {S_B_L}")
     if S == 0:
         raise EvalError(f"{npz}: the trace has no steps")
     for name in ("input_canvas", "argmax"):
@@ -418,8 +420,9 @@ def step_changes(arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def player_data(trace: TraceData, tokenizer: Any = None) -> dict[str, Any]:
-    """What the player embeds: per step the ids, acceptance, what the step changed (`step_changes`), noise level and
-    entropy of every row, the text of every id, and the trace's summary (its sampler settings)."""
+    """What the player embeds: per step the ids, acceptance, what the step changed (`step_changes`), noise level,
+    entropy and (with a constraint) what the grammar did (pinned, closed) of every row, the text of every id, and the
+    trace's summary (its sampler settings)."""
     a = trace.arrays
     changes = step_changes(a)
     level = a.get("level")
@@ -429,7 +432,8 @@ def player_data(trace: TraceData, tokenizer: Any = None) -> dict[str, Any]:
               "level": None if level is None else np.round(level[s].astype(np.float64), 4).tolist(),
               "entropy": np.round(a["entropy"][s].astype(np.float64), 3).tolist(),
               "mean_entropy": np.round(a["mean_entropy"][s].astype(np.float64), 4).tolist(),
-              "active": a["active"][s].astype(bool).tolist()} for s in range(len(a["canvas"]))]
+              "active": a["active"][s].astype(bool).tolist(),
+              "grammar": a["grammar"][s].tolist() if "grammar" in a else None} for s in range(len(a["canvas"]))]
     ids = np.concatenate([a["argmax"].ravel(), a["input_canvas"].ravel()])
     return {"format": TRACE_FORMAT, "canvas_length": trace.canvas_length, "grid_width": grid_width(trace.canvas_length),
             "batch_size": trace.batch_size, "canvases": trace.canvases(),

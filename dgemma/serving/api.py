@@ -18,25 +18,33 @@ from typing import Any
 
 from dgemma.config import ConfigError, is_int, is_real
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention, tool_call_grammar
-from dgemma.data.tokenizer import Tokenizer
-from dgemma.generation_config import SEED_MAX, GenerationConfig, is_seed, offset_seed
+from dgemma.data.tokenizer import Tokenizer, encode_template
+from dgemma.generation_config import MIN_TEMPERATURE, SEED_MAX, GenerationConfig, is_seed, offset_seed
 
+# Fields newer SDKs and frameworks send that change nothing a model computes: accepted, checked for their type, and
+# logged once per request as ignored (docs/serving.md)
+IGNORED = ("store", "metadata", "service_tier")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 # dgemma's sampler settings a request may set (docs/sampling.md); the others (special tokens, max_length, truncate)
 # belong to the model or to the server.
 SAMPLER_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "sampler", "stability_threshold",
                   "confidence_threshold", "commit", "stop_rule", "sliding_prefix", "posterior",
                   "initial_self_conditioning", "adaptive", "stability_steps", "time_level", "lite_commit",
-                  "corrector_steps", "commit_threshold", "edit_threshold")
+                  "corrector_steps", "commit_threshold", "edit_threshold", "top_k", "min_p", "repetition_penalty")
+# OpenAI's sampling fields, each the GenerationConfig field of its name (the sampling controls, docs/sampling.md)
+OPENAI_CONTROLS = ("top_p", "presence_penalty", "frequency_penalty", "logit_bias")
 COMMON_FIELDS = ("model", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "temperature", "top_p",
-                 "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user")
+                 "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user", *IGNORED)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-               "response_format")
+               "response_format", "chat_template_kwargs", "reasoning_effort")
 COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 MAX_STOP = 4
 MAX_CHOICES = 64  # engine requests one HTTP request may make (prompts x n)
 MAX_TEMPERATURE = 2.0
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5  # the completions endpoint's logprobs, as OpenAI
 MAX_JSON_DEPTH = 64  # objects and lists nested in a request body (a tool's JSON schema needs a dozen)
 MAX_INT_DIGITS = 64  # digits of a JSON integer (a seed has at most 19; Python refuses to convert over 4,300)
 DEFAULT_MAX_DENOISING_STEPS = 1024
@@ -56,6 +64,15 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait: a canvas of the models served here takes well under that
+
+
+def rate_limited(message: str) -> APIError:
+    """The 429 of a full server: OpenAI's rate-limit error object and a Retry-After header."""
+    return APIError(message, status=429, code="rate_limit_exceeded", type="requests",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -111,6 +128,12 @@ class GenerationRequest:
     stop: tuple[str, ...]
     conventions: tuple[Convention, ...]  # how to split the output (chat with a template that marks spans)
     constraint: Any = None  # dgemma.constraint.Constraint of response_format json_object / json_schema, or None
+    # the request's own max_tokens field ("max_tokens" or "max_completion_tokens"), None where it gave none (the
+    # server's default is then clamped to what fits beside the prompt)
+    max_tokens_field: str | None = None
+    ignored: tuple[str, ...] = ()  # fields given that change nothing here (IGNORED, an unread reasoning_effort)
+    opened: Convention | None = None  # the thinking span the prompt leaves open: the output begins inside it
+    logprobs: int | None = None  # None: no logprobs; k: each token's log-probability and k alternatives
 
 
 class _Refused:
@@ -190,11 +213,9 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     tools = _tools(body)
     forced = tool_constraint(body, tools, template, tokenizer, base_config)
     # parallel_tool_calls=false is kept only where the grammar keeps it (a forced call)
-    for name, neutral in (("top_logprobs", (None, 0)),) + (() if forced else (("parallel_tool_calls", (None, True)),)):
-        _neutral(body, name, neutral)
-    if body.get("logprobs") not in (None, False):
-        raise APIError(f"logprobs: not supported (a diffusion sampler has no per-token log-probability of its "
-                       f"output), got {body['logprobs']!r}", param="logprobs")
+    if not forced:
+        _neutral(body, "parallel_tool_calls", (None, True))
+    logprobs = _chat_logprobs(body)
     constraint = response_constraint(body.get("response_format"), tokenizer, base_config)
     if constraint is not None and forced is not None:
         raise APIError("give response_format or a forced tool_choice, not both (the output is one or the other)",
@@ -204,10 +225,14 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
         raise APIError("give one of max_tokens and max_completion_tokens, not both", param="max_completion_tokens")
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     messages = _messages(body.get("messages"))
+    kwargs, ignored = _template_kwargs(body, template)
     try:
-        prompt = template.encode(tokenizer, messages, tools)
+        text = template.render(messages, tools, kwargs=kwargs)
     except ChatTemplateError as e:
-        raise APIError(str(e), param="tools" if tools and template.builtin else "messages") from None
+        param = "chat_template_kwargs" if "template kwargs" in str(e) else \
+            "tools" if tools and template.builtin else "messages"
+        raise APIError(str(e), param=param) from None
+    prompt = encode_template(tokenizer, text)
     if not prompt:
         raise APIError("messages: the chat template rendered an empty prompt", param="messages")
     conventions = template.conventions
@@ -216,8 +241,44 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     if constraint is not None:  # the output is the JSON itself: no thinking or tool-call spans to split out
         conventions = ()
     constraint = constraint or forced  # a forced call: the tool-call spans are the output, parsed as always
-    return dataclasses.replace(_request("chat", body, [prompt], base_config, model_name, limits, canvas_length,
-                                        max_tokens_field, conventions), constraint=constraint)
+    opened = template.opened(text) if conventions and constraint is None else None
+    request = _request("chat", body, [prompt], base_config, model_name, limits, canvas_length, max_tokens_field,
+                       conventions)
+    return dataclasses.replace(request, constraint=constraint, opened=opened, ignored=request.ignored + ignored,
+                               logprobs=logprobs)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (true/false) and `top_logprobs` (0 to MAX_TOP_LOGPROBS, with logprobs true) as the number of
+    alternatives per token, None for none."""
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise APIError(f"logprobs: must be true or false, got {json.dumps(on)}", param="logprobs")
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise APIError(f"top_logprobs: must be an int from 0 to {MAX_TOP_LOGPROBS}, got {json.dumps(top)}",
+                       param="top_logprobs")
+    if top and not on:
+        raise APIError("top_logprobs: needs logprobs: true", param="top_logprobs")
+    return (top or 0) if on else None
+
+
+def _template_kwargs(body: dict[str, Any], template: ChatTemplate) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The variables a chat request gives its template: `chat_template_kwargs` (an object: enable_thinking, ...)
+    and `reasoning_effort` where the template reads it (as vLLM passes it), and the fields that change nothing."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise APIError(f"chat_template_kwargs: must be an object, got {json.dumps(kwargs)}",
+                       param="chat_template_kwargs")
+    kwargs = dict(kwargs or {})
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return kwargs, ()
+    if effort not in REASONING_EFFORTS:
+        raise APIError(f"reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}",
+                       param="reasoning_effort")
+    if "reasoning_effort" not in template.variables:
+        return kwargs, ("reasoning_effort",)
+    return {"reasoning_effort": effort, **kwargs}, ()
 
 
 def response_constraint(fmt: Any, tokenizer: Tokenizer, base: GenerationConfig) -> Any:
@@ -265,11 +326,14 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
     _check_fields(body, COMMON_FIELDS + COMPLETION_FIELDS)
     for name, neutral in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, ""))):
         _neutral(body, name, neutral)
-    if body.get("logprobs") is not None:
-        raise APIError(f"logprobs: not supported (a diffusion sampler has no per-token log-probability of its "
-                       f"output), got {body['logprobs']!r}", param="logprobs")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not is_int(logprobs) or isinstance(logprobs, bool)
+                                 or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+        raise APIError(f"logprobs: must be an int from 0 to {MAX_COMPLETION_LOGPROBS} (the alternatives per token), "
+                       f"got {json.dumps(logprobs)}", param="logprobs")
     prompts = _prompts(body.get("prompt"), tokenizer)
-    return _request("completion", body, prompts, base_config, model_name, limits, canvas_length, "max_tokens", ())
+    return dataclasses.replace(_request("completion", body, prompts, base_config, model_name, limits, canvas_length,
+                                        "max_tokens", ()), logprobs=logprobs)
 
 
 def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: GenerationConfig, model_name: str,
@@ -281,16 +345,10 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
                        status=404, code="model_not_found")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError(f"user: must be a string, got {body['user']!r}", param="user")
-    top_p = body.get("top_p")
-    if top_p is not None and (not is_real(top_p) or top_p != 1):
-        raise APIError(f"top_p: only 1 is supported (the sampler draws from the whole tempered distribution), "
-                       f"got {top_p!r}", param="top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) is not None and (not is_real(body[name]) or body[name] != 0):
-            raise APIError(f"{name}: only 0 is supported (the sampler has no penalties), got {body[name]!r}",
-                           param=name)
-    if body.get("logit_bias") not in (None, {}):
-        raise APIError(f"logit_bias: not supported, got {body['logit_bias']!r}", param="logit_bias")
+    ignored = _ignored(body)
+    if body.get("logit_bias") is not None and not isinstance(body["logit_bias"], dict):
+        raise APIError(f"logit_bias: must be an object of token id -> bias, got {json.dumps(body['logit_bias'])}",
+                       param="logit_bias")
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not is_int(n) or not 1 <= n <= limits.max_n:
@@ -320,12 +378,32 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
                    for p in range(len(prompts)) for i in range(n)]
     return GenerationRequest(kind=kind, prompts=prompts, submissions=submissions, stream=bool(stream),
                              include_usage=include_usage, include_denoising=include_denoising,
-                             stop=_stop(body.get("stop")), conventions=conventions)
+                             stop=_stop(body.get("stop")), conventions=conventions,
+                             max_tokens_field=max_tokens_field if body.get(max_tokens_field) is not None else None,
+                             ignored=ignored)
+
+
+def _ignored(body: dict[str, Any]) -> tuple[str, ...]:
+    """The IGNORED fields a request gives (each checked for its type: a malformed one is still a 400)."""
+    checks = {"store": (lambda v: isinstance(v, bool), "true or false"),
+              "metadata": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                           "an object of strings"),
+              "service_tier": (lambda v: isinstance(v, str), "a string")}
+    given = []
+    for name in IGNORED:
+        v = body.get(name)
+        if v is None:
+            continue
+        ok, what = checks[name]
+        if not ok(v):
+            raise APIError(f"{name}: must be {what}, got {json.dumps(v)}", param=name)
+        given.append(name)
+    return tuple(given)
 
 
 def _config(body: dict[str, Any], base: GenerationConfig, max_tokens_field: str) -> GenerationConfig:
     """The request's GenerationConfig: the sampler fields, max_tokens, then temperature's scaling of the schedule."""
-    changes = {k: body[k] for k in SAMPLER_FIELDS if body.get(k) is not None}
+    changes = {k: body[k] for k in (*SAMPLER_FIELDS, *OPENAI_CONTROLS) if body.get(k) is not None}
     max_tokens = body.get(max_tokens_field)
     if max_tokens is not None:
         if not is_int(max_tokens) or max_tokens < 1:
@@ -335,18 +413,24 @@ def _config(body: dict[str, Any], base: GenerationConfig, max_tokens_field: str)
     temperature = body.get("temperature")
     if temperature is not None:
         if not is_real(temperature) or not math.isfinite(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
-            raise APIError(f"temperature: must be a number in (0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+            raise APIError(f"temperature: must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
                            param="temperature")
-        if temperature == 0:
-            raise APIError("temperature: 0 (greedy) has no equivalent here: a diffusion canvas starts from random "
-                           "tokens; use a small temperature, and `seed` for reproducible text", param="temperature")
         if temperature != 1:
             try:
-                config = config.replace(t_min=config.t_min * temperature, t_max=config.t_max * temperature)
+                config = scaled_schedule(config, temperature)
             except ConfigError as e:
                 raise APIError(f"temperature: {temperature!r} scales the schedule (t_min={config.t_min!r}, "
                                f"t_max={config.t_max!r}) out of range: {e}", param="temperature") from None
     return config
+
+
+def scaled_schedule(config: GenerationConfig, temperature: float) -> GenerationConfig:
+    """`temperature`'s rule: the sampler's schedule (t_min, t_max) times `temperature`, t_max held at the smallest
+    temperature the sampler computes (MIN_TEMPERATURE). So 0, which clients send for greedy decoding, is the
+    lowest-temperature schedule: every draw is its position's argmax (the text still depends on the canvas's initial
+    noise, that is on `seed`)."""
+    return config.replace(t_min=config.t_min * temperature,
+                          t_max=max(config.t_max * temperature, MIN_TEMPERATURE))
 
 
 def _replace(config: GenerationConfig, changes: dict[str, Any], max_tokens_field: str) -> GenerationConfig:
@@ -355,7 +439,8 @@ def _replace(config: GenerationConfig, changes: dict[str, Any], max_tokens_field
     except (ConfigError, TypeError) as e:
         message = str(e)
         field = message.split(":", 1)[0]
-        param = max_tokens_field if field == "max_new_tokens" else field if field in SAMPLER_FIELDS else None
+        param = max_tokens_field if field == "max_new_tokens" else \
+            field if field in (*SAMPLER_FIELDS, *OPENAI_CONTROLS) else None
         if field == "max_new_tokens":
             message = max_tokens_field + message[len(field):]
         raise APIError(message, param=param) from None

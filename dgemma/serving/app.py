@@ -51,6 +51,7 @@ from dgemma.serving.api import (
     parse_chat_request,
     parse_completion_request,
     parse_json,
+    rate_limited,
 )
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
 from dgemma.serving.guards import HostCheck, check_api_key, read_body, require_json
@@ -165,7 +166,8 @@ class _State:
         self.config, self.api_key, self.limits, self.body_timeout = config, api_key, limits, body_timeout
         self.max_request_bytes, self.max_concurrency = max_request_bytes, max_concurrency
         self.in_flight, self.created = 0, int(time.time())
-        self.metrics = Metrics(engine, lambda: self.in_flight)
+        self.stopping = False  # set on Ctrl-C / SIGTERM (`serve`): open requests end at once with an error
+        self.metrics = Metrics(engine, lambda: self.in_flight, model_name)
         self._pieces: dict[int, str] = {}
         self._special = tokenizer.special_tokens()
 
@@ -191,11 +193,12 @@ class _State:
         body = await run_in_threadpool(parse_json, await read_body(request, self.max_request_bytes,
                                                                    self.body_timeout))
         if self.in_flight >= self.max_concurrency:
-            raise APIError(f"too many requests in flight ({self.max_concurrency}, --max-concurrency); retry later",
-                           status=429, code="rate_limit_exceeded")
+            raise rate_limited(f"too many requests in flight ({self.max_concurrency}, --max-concurrency); retry later")
         self.in_flight += 1
         try:
             req = await run_in_threadpool(self._parse, kind, body)
+            if req.ignored:
+                log.warning("ignored request field(s) with no effect here: %s", ", ".join(req.ignored))
             run = _Run(self, req, request)
             run.submit()
         except BaseException:
@@ -205,6 +208,8 @@ class _State:
             return _EventStream(run.stream(), on_close=partial(self._release, run))
         try:
             return JSONResponse(await run.complete())
+        except ClientGone:  # nobody reads it; the metrics count it as nginx's "client closed request", not 200
+            return Response(status_code=499)
         finally:
             self._release(run)
 
@@ -265,8 +270,15 @@ class _Choice:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.calls_sent = 0
+        self.submitted_at = 0.0  # for the metrics: submission, canvases seen, denoising steps spent
+        self.canvases = self.steps = 0
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # (id, logprob, top) per token
+        self.logprobs_sent = 0
 
-    def on_canvas(self, tokens: list[int]) -> list[tuple[str, Any]]:
+    def on_canvas(self, tokens: list[int], logprobs: list[float] | None = None,
+                  top: list[list[tuple[int, float]]] | None = None) -> list[tuple[str, Any]]:
+        if logprobs is not None:
+            self.logprobs += list(zip(tokens, logprobs, top or [[] for _ in tokens], strict=True))
         self.ids += tokens
         self.completion_tokens += len(tokens)
         return self._advance(self.decode(self.ids).rstrip("\ufffd"), final=False)
@@ -274,6 +286,20 @@ class _Choice:
     def finish(self) -> list[tuple[str, Any]]:
         """The rest of the text once the engine is done with this choice (nothing more can follow)."""
         return self._advance(self.decode(self.ids), final=True) + self.close()
+
+    def returned_tokens(self) -> int:
+        """The tokens behind the text returned: every committed one, or where a stop string cut the text, the
+        fewest whose text reaches the cut (usage counts what the client got, not the rest of the canvas)."""
+        if not self.stopped:
+            return self.completion_tokens
+        lo, hi = 0, len(self.ids)
+        while lo < hi:  # the text of a prefix of ids grows with it
+            mid = (lo + hi) // 2
+            if len(self.decode(self.ids[:mid]).rstrip("\ufffd")) >= self.sent:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def close(self) -> list[tuple[str, Any]]:
         """What the parser still holds (an unclosed span), once no more text will come."""
@@ -317,24 +343,39 @@ class _Run:
         keep = tuple(m for c in req.conventions for m in (c.open, c.close))
         keep += (GEMMA_QUOTE,) if GEMMA_TOOL_CALL in req.conventions else ()
         decode = state.decoder(keep)
-        self.choices = [_Choice(s.index, decode, req.stop, OutputParser(req.conventions) if req.conventions else None)
+        self.choices = [_Choice(s.index, decode, req.stop,
+                                OutputParser(req.conventions, start=req.opened) if req.conventions else None)
                         for s in req.submissions]
         self.prompt_tokens = sum(len(p) for p in req.prompts)
+        self.started = time.perf_counter()
+        self.counted = False  # usage and latency go to the metrics once, however the run ends
 
     def submit(self) -> None:
+        engine = self.state.engine
+        most = engine.max_batch + engine.max_queue
+        if len(self.req.submissions) > most:  # a 429 could never succeed: what the server can hold at once
+            raise APIError(f"n: this request makes {len(self.req.submissions)} choices (n x prompts); this server "
+                           f"holds at most {most} at once (--max-batch {engine.max_batch} + --max-queue "
+                           f"{engine.max_queue})", param="n")
         for sub, choice in zip(self.req.submissions, self.choices, strict=True):
+            prompt, config = self.req.prompts[sub.prompt], sub.config
+            room = engine.room(len(prompt))
+            if self.req.max_tokens_field is None and 0 < room < config.max_new_tokens:
+                config = config.replace(max_new_tokens=room)  # the server's default, clamped to what fits
+            choice.submitted_at = time.perf_counter()
             try:
-                choice.handle = self.state.engine.submit(
-                    self.req.prompts[sub.prompt], sub.config, seed=sub.seed,
+                choice.handle = engine.submit(
+                    prompt, config, seed=sub.seed,
                     on_event=partial(self._on_event, sub.index), stream_steps=self.req.include_denoising,
-                    constraint=self.req.constraint)
+                    constraint=self.req.constraint, logprobs=self.req.logprobs)
             except QueueFullError as e:
                 self.cancel()
-                raise APIError(f"the engine queue is full ({e}); retry later", status=429,
-                               code="rate_limit_exceeded") from None
+                raise rate_limited(f"the engine queue is full ({e}); retry later") from None
             except EngineError as e:
                 self.cancel()
-                raise APIError(str(e), param="messages" if self.req.kind == "chat" else "prompt") from None
+                prompt_field = "messages" if self.req.kind == "chat" else "prompt"
+                too_many = room > 0 and config.max_new_tokens > room and self.req.max_tokens_field is not None
+                raise APIError(str(e), param=self.req.max_tokens_field if too_many else prompt_field) from None
 
     def _on_event(self, index: int, event: Any) -> None:
         """Called on the engine thread: hand the event to the event loop (never raises)."""
@@ -348,6 +389,9 @@ class _Run:
 
     async def _next(self) -> tuple[int, Any]:
         while True:
+            if self.state.stopping:  # a stream ends with this error event and [DONE], not a broken chunked read
+                raise APIError("the server is shutting down; the request was cancelled", status=503,
+                               type="server_error", code="server_shutting_down")
             try:
                 return await asyncio.wait_for(self.queue.get(), timeout=POLL_S)
             except TimeoutError:
@@ -364,15 +408,22 @@ class _Run:
                 if choice.done:
                     continue
                 pieces: list[tuple[str, Any]] = []
+                metrics = self.state.metrics
                 if isinstance(event, CanvasEvent):
-                    self.state.metrics.canvas_steps.observe(event.steps)
-                    pieces = choice.on_canvas(list(event.tokens))
+                    metrics.canvas_steps.observe(event.steps)
+                    metrics.canvas_seconds.observe(event.seconds)
+                    if choice.canvases == 0:
+                        metrics.ttfc.observe(time.perf_counter() - choice.submitted_at)
+                    choice.canvases, choice.steps = choice.canvases + 1, choice.steps + event.steps
+                    pieces = choice.on_canvas(list(event.tokens), event.logprobs, event.top_logprobs)
                     if choice.stopped:  # a stop string: this choice is finished, its row leaves the batch
                         choice.handle.cancel()
                         pieces += choice.close()
                         choice.done, choice.finish_reason = True, "stop"
+                        choice.completion_tokens = choice.returned_tokens()
                 elif isinstance(event, DoneEvent):
-                    self.state.metrics.done(event)
+                    if event.seconds_in_queue is not None:
+                        metrics.queue_time.observe(event.seconds_in_queue)
                     if event.finish_reason not in ("stop", "length"):
                         raise APIError(f"generation failed: {event.error or event.finish_reason}", status=500,
                                        type="server_error")
@@ -381,30 +432,38 @@ class _Run:
                     choice.completion_tokens = event.completion_tokens
                 if choice.done and choice.parsed.tool_calls and choice.finish_reason == "stop":
                     choice.finish_reason = "tool_calls"
+                if choice.done and choice.steps:
+                    metrics.tokens_per_step.observe(choice.completion_tokens / choice.steps)
                 yield choice, event, pieces
         finally:
             self.cancel()
             for c in self.choices:
                 c.done = True
+            self._count()
+
+    def _count(self) -> None:
+        """Usage and end-to-end latency into the metrics, once, for every request (streamed or not, with or without
+        include_usage, ended by a stop string, an EOS, the budget or the client leaving)."""
+        if not self.counted:
+            self.counted = True
+            self.state.metrics.usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
+            self.state.metrics.e2e.observe(time.perf_counter() - self.started)
 
     def usage(self) -> dict[str, int]:
         completion = sum(c.completion_tokens for c in self.choices)
-        self.state.metrics.usage(self.prompt_tokens, completion)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
     async def complete(self) -> dict[str, Any]:
         """The whole response (non-streaming)."""
-        try:
-            async for _ in self.events():
-                pass
-        except ClientGone:
-            return {}
+        async for _ in self.events():  # ClientGone: the caller answers 499
+            pass
         choices = []
         for c in self.choices:
             if self.req.kind == "completion":
                 choices.append({"index": c.index, "text": c.parsed.content if c.parser else c.text[:c.sent],
-                                "logprobs": None, "finish_reason": c.finish_reason})
+                                "logprobs": self._logprobs(c.logprobs[:c.returned_tokens()]),
+                                "finish_reason": c.finish_reason})
                 continue
             p = c.parsed if c.parser is not None else ParsedOutput(content=c.text[:c.sent])
             message: dict[str, Any] = {"role": "assistant", "content": p.content or (None if p.tool_calls else "")}
@@ -412,7 +471,8 @@ class _Run:
                 message["reasoning_content"] = p.reasoning
             if p.tool_calls:
                 message["tool_calls"] = p.tool_calls
-            choices.append({"index": c.index, "message": message, "logprobs": None,
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c.logprobs[:c.returned_tokens()]),
                             "finish_reason": c.finish_reason})
         return {"id": self.id, "object": self.object.removesuffix(".chunk"), "created": self.created,
                 "model": self.state.model_name, "choices": choices, "usage": self.usage()}
@@ -429,6 +489,11 @@ class _Run:
                     yield self._chunk([], denoising=self._denoising(choice, event))
                     continue
                 deltas = [self._delta(choice, d) for d in self._piece_deltas(choice, pieces)]
+                if self.req.logprobs is not None and isinstance(event, CanvasEvent):  # this canvas's tokens, once
+                    got = choice.logprobs[choice.logprobs_sent:choice.returned_tokens()]
+                    choice.logprobs_sent += len(got)
+                    deltas = deltas or [self._delta(choice, {} if self.req.kind == "chat" else "")]
+                    deltas[0]["logprobs"] = self._logprobs(got)
                 if deltas:
                     yield self._chunk(deltas)
                 if choice.done:
@@ -441,6 +506,24 @@ class _Run:
         except APIError as e:
             yield _sse(e.body())
         yield "data: [DONE]\n\n"
+
+    def _logprobs(self, tokens: list[tuple[int, float, list[tuple[int, float]]]]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object of `tokens` (id, log-probability, alternatives): chat's `content` entries, or the
+        completions endpoint's parallel lists; None where the request asked for none."""
+        if self.req.logprobs is None:
+            return None
+        piece = self.state.piece
+        if self.req.kind == "chat":
+            entry = lambda t, lp: {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode("utf-8"))}
+            return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]}
+                                for t, lp, top in tokens], "refusal": None}
+        offsets, at = [], 0
+        for t, _, _ in tokens:
+            offsets.append(at)
+            at += len(piece(t))
+        return {"tokens": [piece(t) for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens],
+                "top_logprobs": [{piece(a): alp for a, alp in top} for _, _, top in tokens] if self.req.logprobs
+                else None, "text_offset": offsets}
 
     def _piece_deltas(self, choice: _Choice, pieces: list[tuple[str, Any]]) -> list[Any]:
         if self.req.kind == "completion":
@@ -464,7 +547,7 @@ class _Run:
                 "token_ids": list(e.argmax), "tokens": [self.state.piece(t) for t in e.argmax],
                 "accepted": [bool(a) for a in e.accepted],
                 "entropy": [round(float(h), 4) if math.isfinite(h) else None for h in e.entropy],
-                "text": choice.text}
+                "text": choice.text} | ({} if e.grammar is None else {"grammar": list(e.grammar)})
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created,
@@ -483,7 +566,8 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
           announce: Callable[[str], None] = print) -> None:
     """Run `app` on uvicorn at host:port until Ctrl-C (or SIGTERM); `announce` gets the URL once the port listens
     (port 0: a free one), so a client may connect the moment it reads the URL: connections made before uvicorn's
-    loop runs wait in the listen backlog instead of being refused."""
+    loop runs wait in the listen backlog instead of being refused. At the signal, open requests end within a poll
+    (POLL_S) with a 503 error, a stream with an error event and [DONE]."""
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -498,7 +582,13 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         announce(f"http://{shown}:{bound}/")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
-        server.run(sockets=[sock])
+        state = app.state.dgemma
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:  # tell the app at the first Ctrl-C or SIGTERM
+                state.stopping = True
+                super().handle_exit(sig, frame)
+
+        Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:
         sock.close()

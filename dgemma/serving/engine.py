@@ -38,12 +38,13 @@ import torch
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import StepInfo
 from dgemma.constraint import Constraint, ConstraintState
-from dgemma.generate import CanvasSampler, check_constrainable
+from dgemma.generate import CanvasSampler
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
-from dgemma.request_rules import check_seed, eos_index, new_token_budget, sliding_prefix
+from dgemma.request_rules import check_logit_bias, check_seed, eos_index, new_token_budget, sliding_prefix
+from dgemma.sampling import Seen
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class StepEvent:
     argmax: list[int]  # (L,) the model's current prediction for the canvas
     accepted: list[bool]  # (L,) positions the sampler kept this step
     entropy: list[float]  # (L,) nats
+    grammar: list[int] | None = None  # (L,) with a constraint: 0 free, 1 pinned, 2 closed (dgemma/constraint.py)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,11 @@ class CanvasEvent:
     canvas: int
     tokens: list[int]  # new output tokens: cut before the first EOS and at max_new_tokens (EOS excluded)
     steps: int  # denoising steps this canvas took
+    seconds: float = 0.0  # from the canvas's first denoising step to its end (the engine's time, batched)
+    # with `logprobs`: each token's log-probability under the posterior the canvas's last step read, and the most
+    # probable tokens there as (id, log-probability) (sampling.token_logprobs)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,7 @@ class DoneEvent:
     denoising_steps: int  # denoising passes spent on this request
     seconds_to_first_canvas: float | None
     error: str | None = None
+    seconds_in_queue: float | None = None  # from submission to a row (None: never admitted)
 
 
 Event = StepEvent | CanvasEvent | DoneEvent
@@ -130,9 +138,13 @@ class Request:
     sampler: CanvasSampler | None = None
     generator: torch.Generator | None = None
     constraint: ConstraintState | None = None  # the request's grammar state, at the end of what it committed
+    seen: Seen | None = None  # what its penalties count: its prompt and output so far (with a penalty set)
+    logprobs: int | None = None  # None: no log-probabilities; k: each token's and its k most probable alternatives
     emitted: int = 0
     passes: int = 0
     first_canvas_s: float | None = None
+    queue_s: float | None = None  # submission to admission
+    canvas_started_at: float = 0.0
     done: bool = False
     engine: Engine | None = field(default=None, repr=False)
 
@@ -203,12 +215,22 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def room(self, prompt_length: int) -> int:
+        """The most new tokens a request of `prompt_length` may ask for (whole canvases; 0: the prompt does not
+        fit): every canvas but the last is committed within `max_context`, and all of them fit the model's
+        positions."""
+        L, positions = self.canvas_length, self.model.config.max_position_embeddings
+        if prompt_length > self.max_context or prompt_length > positions:
+            return 0
+        return max(0, min((self.max_context - prompt_length) // L * L + L, (positions - prompt_length) // L * L))
+
     def submit(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
                on_event: Callable[[Event], None], stream_steps: bool = False,
-               constraint: Constraint | None = None) -> Request:
+               constraint: Constraint | None = None, logprobs: int | None = None) -> Request:
         """Queue a request for whole canvases after `prompt_ids`; its events go to `on_event`, called from the engine
         thread, in order: StepEvents (with `stream_steps`) and CanvasEvents, then one DoneEvent. `constraint`
-        (dgemma/constraint.py): a grammar every committed canvas keeps the output a valid prefix of. Raises
+        (dgemma/constraint.py): a grammar every committed canvas keeps the output a valid prefix of. `logprobs`:
+        the CanvasEvents carry each token's log-probability and this many alternatives (CanvasEvent.logprobs). Raises
         EngineError for a request that cannot run, QueueFullError when the queue is full."""
         prompt = self._check_prompt(prompt_ids)
         if not isinstance(config, GenerationConfig):
@@ -216,25 +238,25 @@ class Engine:
         try:
             seed = secrets.randbits(63) if seed is None else check_seed(seed)
             max_new = new_token_budget(config, len(prompt))
-            if constraint is not None:
-                check_constrainable(config)
+            check_logit_bias(config, self.model.config.vocab_size)
         except GenerationError as e:
             raise EngineError(str(e)) from None
-        L = self.canvas_length
-        canvases = math.ceil(max_new / L)
-        committed = len(prompt) + (canvases - 1) * L  # the last canvas is never committed
-        if committed > self.max_context or len(prompt) + canvases * L > self.model.config.max_position_embeddings:
-            room = (self.max_context - len(prompt)) // L * L + L if len(prompt) <= self.max_context else 0
-            raise EngineError(f"{len(prompt)} prompt tokens + max_new_tokens={max_new} ({canvases} canvases of {L}) "
-                              f"exceed the context of {self.max_context} tokens per request"
+        room = self.room(len(prompt))
+        if max_new > room:
+            L = self.canvas_length
+            raise EngineError(f"{len(prompt)} prompt tokens + max_new_tokens={max_new} ({math.ceil(max_new / L)} "
+                              f"canvases of {L}) exceed the context of {self.max_context} tokens per request"
                               + (f"; at most {room} new tokens fit" if room > 0 else ""))
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is closed")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue})")
+            free = self.max_batch - len(self._active)  # rows the waiting requests take at the next step
+            if len(self._waiting) >= self.max_queue + free:
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}, "
+                                     f"{max(free, 0)} free rows)")
             request = Request(self._next_id, prompt, config, seed, on_event, stream_steps, max_new, engine=self,
-                              constraint=None if constraint is None else constraint.start(1))
+                              constraint=None if constraint is None else constraint.start(1, max_new),
+                              logprobs=logprobs)
             self._next_id += 1
             self._waiting.append(request)
             self._counts["requests_submitted"] += 1
@@ -302,8 +324,11 @@ class Engine:
                 self._finish(r, "cancelled")
                 continue
             r.slot = free.pop(0)
+            r.queue_s = time.perf_counter() - r.submitted_at
             self._active[r.slot] = r
             r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
+            if r.config.penalizes:
+                r.seen = Seen.of(torch.tensor([r.prompt], device=self.model.device), self.model.config.vocab_size)
             self._commit(r, r.prompt)
             self._start_canvas(r)
         rows = [r for r in self._active.values() if r.sampler is not None]
@@ -326,9 +351,10 @@ class Engine:
         return view
 
     def _start_canvas(self, r: Request) -> None:
+        r.canvas_started_at = time.perf_counter()
         on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
         r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
-                                  on_step=on_step, constraint=r.constraint)
+                                  on_step=on_step, constraint=r.constraint, seen=r.seen)
 
     def _denoise_step(self, rows: list[Request]) -> None:
         """One batched pass over `rows` (one sliding-prefix rule), each at its own length, then each row's sampler
@@ -377,10 +403,13 @@ class Engine:
     def _end_canvas(self, r: Request) -> list[int] | None:
         """Emit a finished canvas; end the request or return the tokens to commit before its next canvas."""
         staged = r.sampler.staged()  # type: ignore[union-attr]
+        scores = None if r.logprobs is None else r.sampler.logprobs(staged.tokens, r.logprobs)  # type: ignore
         r.sampler = None
         tokens = staged.tokens[0].tolist()
         if r.constraint is not None:  # the committed canvas moves the grammar on
-            r.constraint.commit(staged.tokens)
+            r.constraint.commit(staged.tokens, marks=staged.grammar)
+        if r.seen is not None:
+            r.seen.add(staged.tokens)
         cut = eos_index(tokens, r.config.eos_token_id)
         room = r.max_new - r.emitted
         out = tokens[:min(cut, room)]
@@ -388,9 +417,14 @@ class Engine:
         if r.first_canvas_s is None:
             r.first_canvas_s = time.perf_counter() - r.submitted_at
         self._count("generated_tokens", len(out))
-        self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0])))
-        if cut < len(tokens) and cut < room:
-            self._finish(r, "stop")
+        logprobs = top = None
+        if scores is not None:
+            chosen, values, ids = (x[0, :len(out)].tolist() for x in scores)
+            logprobs, top = chosen, [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0]), time.perf_counter() - r.canvas_started_at,
+                                  logprobs, top))
+        if (cut < len(tokens) and cut < room) or (r.constraint is not None and r.constraint.complete()[0]):
+            self._finish(r, "stop")  # an EOS within the budget, or the grammar's sentence is complete
         elif r.emitted >= r.max_new:
             self._finish(r, "length")
         elif not r.cancelled:
@@ -399,7 +433,8 @@ class Engine:
 
     def _on_step(self, r: Request, info: StepInfo) -> None:
         self._emit(r, StepEvent(info.canvas, info.step, info.num_steps, info.argmax[0].tolist(),
-                                info.accepted[0].tolist(), info.entropy[0].tolist()))
+                                info.accepted[0].tolist(), info.entropy[0].tolist(),
+                                None if info.grammar is None else info.grammar[0].tolist()))
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         if r.done:
@@ -411,7 +446,7 @@ class Engine:
         completion = r.emitted + (reason == "stop")
         key = {"cancelled": "requests_cancelled", "error": "requests_failed"}.get(reason, "requests_finished")
         self._count(key)
-        self._emit(r, DoneEvent(reason, len(r.prompt), completion, r.passes, r.first_canvas_s, error))
+        self._emit(r, DoneEvent(reason, len(r.prompt), completion, r.passes, r.first_canvas_s, error, r.queue_s))
 
     def _emit(self, r: Request, event: Event) -> None:
         try:

@@ -10,37 +10,44 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from dgemma.serving.engine import DoneEvent
-
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/")
 
 
-class Metrics:
-    """The app's Prometheus registry: HTTP counters, per-request histograms fed from the engine's events, and the
-    engine's own counters and gauges, read from `engine.stats()` at each scrape."""
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-    def __init__(self, engine: Any, in_flight: Callable[[], int]):
+
+class Metrics:
+    """The app's Prometheus registry: HTTP counters, per-request series labelled with the served `model_name` (as
+    vLLM's, so dashboards built for it carry over), fed as each request's canvases and end arrive, and the engine's
+    own counters and gauges, read from `engine.stats()` at each scrape."""
+
+    def __init__(self, engine: Any, in_flight: Callable[[], int], model_name: str):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("dgemma_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.requests = Counter("dgemma_http_requests", "HTTP requests answered (499: the client left first)",
+                                ["endpoint", "status"], registry=r)
         Gauge("dgemma_http_requests_in_flight", "generation requests being answered", registry=r
               ).set_function(in_flight)
-        self.canvas_steps = Histogram("dgemma_canvas_denoising_steps", "denoising steps per finished canvas",
-                                      buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128), registry=r)
-        self.tokens_per_step = Histogram("dgemma_request_tokens_per_step",
-                                         "a request's completion tokens / its denoising steps",
-                                         buckets=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.ttfc = Histogram("dgemma_time_to_first_canvas_seconds", "submission to the first finished canvas",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
-        self.prompt_tokens = Counter("dgemma_prompt_tokens", "prompt tokens of answered requests", registry=r)
-        self.completion_tokens = Counter("dgemma_completion_tokens", "completion tokens of answered requests",
-                                         registry=r)
+        per_request = lambda kind, name, doc, **kw: kind(name, doc, ["model_name"], registry=r, **kw).labels(
+            model_name)
+        self.canvas_steps = per_request(Histogram, "dgemma_canvas_denoising_steps",
+                                        "denoising steps per finished canvas",
+                                        buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128))
+        self.canvas_seconds = per_request(Histogram, "dgemma_canvas_seconds",
+                                          "a canvas's first denoising step to its end, in the engine",
+                                          buckets=LATENCY_BUCKETS)
+        self.tokens_per_step = per_request(Histogram, "dgemma_request_tokens_per_step",
+                                           "a choice's completion tokens / its denoising steps",
+                                           buckets=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
+        self.ttfc = per_request(Histogram, "dgemma_time_to_first_canvas_seconds",
+                                "submission to the first finished canvas", buckets=LATENCY_BUCKETS)
+        self.queue_time = per_request(Histogram, "dgemma_request_queue_time_seconds",
+                                      "submission to a row of the engine", buckets=LATENCY_BUCKETS)
+        self.e2e = per_request(Histogram, "dgemma_e2e_request_latency_seconds",
+                               "a generation request's body parsed to its last choice done", buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = per_request(Counter, "dgemma_prompt_tokens", "prompt tokens of answered requests")
+        self.completion_tokens = per_request(Counter, "dgemma_completion_tokens",
+                                             "completion tokens of answered requests (the tokens returned)")
         r.register(_EngineCollector(engine))
-
-    def done(self, event: DoneEvent) -> None:
-        if event.seconds_to_first_canvas is not None:
-            self.ttfc.observe(event.seconds_to_first_canvas)
-        if event.denoising_steps:
-            self.tokens_per_step.observe(event.completion_tokens / event.denoising_steps)
 
     def usage(self, prompt: int, completion: int) -> None:
         self.prompt_tokens.inc(prompt)
