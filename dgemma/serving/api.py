@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma.config import ConfigError, is_int, is_real
-from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention, tool_call_grammar
+from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.generation_config import MIN_TEMPERATURE, SEED_MAX, GenerationConfig, is_seed, offset_seed
+from dgemma.serving.errors import APIError, as_list, short
+from dgemma.serving.formats import response_constraint, tool_constraint, tools_of
 
 # Fields newer SDKs and frameworks send that change nothing a model computes: accepted, checked for their type, and
 # logged once per request as ignored (docs/serving.md)
@@ -51,34 +53,6 @@ DEFAULT_MAX_DENOISING_STEPS = 1024
 DEFAULT_MAX_REQUEST_STEPS = 65536
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class APIError(Exception):
-    """A request the server refuses: the HTTP status and OpenAI's error object."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
-        self.headers = headers  # of the response (`Connection: close` where the rest of the request is not read)
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait: a canvas of the models served here takes well under that
-
-
-def rate_limited(message: str) -> APIError:
-    """The 429 of a full server: OpenAI's rate-limit error object and a Retry-After header."""
-    return APIError(message, status=429, code="rate_limit_exceeded", type="requests",
-                    headers={"Retry-After": str(RETRY_AFTER_S)})
-
-
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -210,7 +184,7 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     """POST /v1/chat/completions: messages rendered with `template`. `limits` caps the work asked; the total
     (`max_request_steps`) is checked when `canvas_length` (the model's) is given."""
     _check_fields(body, COMMON_FIELDS + CHAT_FIELDS)
-    tools = _tools(body)
+    tools = tools_of(body)
     forced = tool_constraint(body, tools, template, tokenizer, base_config)
     # parallel_tool_calls=false is kept only where the grammar keeps it (a forced call)
     if not forced:
@@ -279,44 +253,6 @@ def _template_kwargs(body: dict[str, Any], template: ChatTemplate) -> tuple[dict
     if "reasoning_effort" not in template.variables:
         return kwargs, ("reasoning_effort",)
     return {"reasoning_effort": effort, **kwargs}, ()
-
-
-def response_constraint(fmt: Any, tokenizer: Tokenizer, base: GenerationConfig) -> Any:
-    """The Constraint of a chat request's response_format (dgemma/constraint.py): None for none or
-    {"type": "text"}; {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name",
-    "schema", "strict", "description"}}: JSON valid against the schema (always strictly: the grammar admits nothing
-    else). A schema the grammar engine cannot compile is a 400 naming it."""
-    if fmt is None or fmt == {"type": "text"}:
-        return None
-    where = "response_format"
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise APIError(f"{where}: must be {{'type': 'text'}}, {{'type': 'json_object'}} or {{'type': 'json_schema', "
-                       f"'json_schema': {{...}}}}, got {fmt!r}", param=where)
-    extra = sorted(set(fmt) - {"type", "json_schema"})
-    if extra or (fmt["type"] != "json_schema" and "json_schema" in fmt):
-        raise APIError(f"{where}: unknown field(s) {', '.join(extra or ['json_schema'])} for type "
-                       f"{fmt['type']!r}", param=where)
-    from dgemma.constraint import Constraint, ConstraintError
-
-    common = {"eos_token_id": base.eos_token_id}
-    try:
-        if fmt["type"] == "json_object":
-            return Constraint.json_object(tokenizer, **common)
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise APIError(f"{where}.json_schema: must be an object with a 'schema' object, got {spec!r}",
-                           param=where)
-        unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
-        if unknown:
-            raise APIError(f"{where}.json_schema: unknown field(s) {', '.join(unknown)}", param=where)
-        if not isinstance(spec.get("name"), str) or not spec["name"]:
-            raise APIError(f"{where}.json_schema.name: must be a non-empty string, got {spec.get('name')!r}",
-                           param=where)
-        if spec.get("strict") not in (None, True, False):
-            raise APIError(f"{where}.json_schema.strict: must be true or false, got {spec['strict']!r}", param=where)
-        return Constraint.json_schema(spec.get("schema", {}), tokenizer, **common)
-    except ConstraintError as e:
-        raise APIError(f"{where}: {e}", param=where) from None
 
 
 def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base_config: GenerationConfig,
@@ -504,7 +440,7 @@ def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
         rows = prompt
     else:
         raise APIError("prompt: must be a string, a list of strings, a non-empty list of token ids (ints >= 0) or a "
-                       f"list of such lists, got {_short(prompt)}", param="prompt")
+                       f"list of such lists, got {short(prompt)}", param="prompt")
     out = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in rows]
     for i, p in enumerate(out):
         if not p:
@@ -516,12 +452,12 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     """The messages as the chat template reads them: content as one string, `developer` as `system`, tool-call
     arguments as objects (transformers' convention)."""
     if not isinstance(messages, list) or not messages:
-        raise APIError(f"messages: must be a non-empty list of messages, got {_short(messages)}", param="messages")
+        raise APIError(f"messages: must be a non-empty list of messages, got {short(messages)}", param="messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise APIError(f"{where}: must be an object, got {_short(m)}", param="messages")
+            raise APIError(f"{where}: must be an object, got {short(m)}", param="messages")
         unknown = sorted(set(m) - set(MESSAGE_KEYS))
         if unknown:
             raise APIError(f"{where}: unsupported key(s) {', '.join(unknown)}", param="messages")
@@ -533,13 +469,13 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         for key in ("name", "tool_call_id", "reasoning_content"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str):
-                    raise APIError(f"{where}.{key}: must be a string, got {_short(m[key])}", param="messages")
+                    raise APIError(f"{where}.{key}: must be a string, got {short(m[key])}", param="messages")
                 msg[key] = m[key]
         if m.get("tool_calls") is not None:
             if role != "assistant":
                 raise APIError(f"{where}: only assistant messages carry tool_calls", param="messages")
             msg["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in
-                                 enumerate(_list(m["tool_calls"], f"{where}.tool_calls"))]
+                                 enumerate(as_list(m["tool_calls"], f"{where}.tool_calls"))]
         if msg["content"] is None and not msg.get("tool_calls"):
             raise APIError(f"{where}.content: required (null only for an assistant message with tool_calls)",
                            param="messages")
@@ -552,7 +488,7 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 def _content(content: Any, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
-    parts = _list(content, f"{where}.content")
+    parts = as_list(content, f"{where}.content")
     texts = []
     for j, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -574,67 +510,3 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     if not isinstance(args, dict):
         raise APIError(f"{where}.function.arguments: must be a JSON object", param="messages")
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
-
-
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none", "required") and not _named_choice(choice):
-        raise APIError(f"tool_choice: must be 'auto', 'none', 'required' or {{'type': 'function', 'function': "
-                       f"{{'name': NAME}}}}, got {choice!r}", param="tool_choice")
-    tools = body.get("tools")
-    if tools is None:
-        return None
-    for j, tool in enumerate(_list(tools, "tools")):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("parameters", {}), dict):
-            raise APIError(f"tools[{j}]: must be {{'type': 'function', 'function': {{'name', 'description', "
-                           "'parameters': {...}}}}", param="tools")
-    return None if choice == "none" or not tools else tools
-
-
-def _named_choice(choice: Any) -> bool:
-    return isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "function"} \
-        and isinstance(choice["function"], dict) and set(choice["function"]) == {"name"} \
-        and isinstance(choice["function"]["name"], str)
-
-
-def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, template: ChatTemplate,
-                    tokenizer: Tokenizer, base: GenerationConfig) -> Any:
-    """The Constraint of tool_choice "required" (one or more calls, one if parallel_tool_calls is false) or a named
-    function (one call to it): the template's tool-call syntax as a grammar (templates.tool_call_grammar) with each
-    function's parameters as its arguments' JSON Schema. None for "auto" and "none"."""
-    choice = body.get("tool_choice")
-    if choice not in ("required",) and not _named_choice(choice):
-        return None
-    if not tools:
-        raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
-    convention = next((c for c in template.conventions if c.kind == "tool"), None)
-    if convention is None:
-        raise APIError("tool_choice: the chat template marks no tool-call syntax to force (a template that writes "
-                       "<|tool_call> or <tool_call> spans does)", param="tool_choice")
-    if _named_choice(choice):
-        name = choice["function"]["name"]
-        tools = [t for t in tools if t["function"]["name"] == name]
-        if not tools:
-            raise APIError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
-    from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError
-
-    specials = {text: i for i, text in tokenizer.special_tokens().items()}
-    parallel = choice == "required" and body.get("parallel_tool_calls") is not False
-    grammar = tool_call_grammar(convention, tools, parallel=parallel, special_ids=specials, json_layout=JSON_LAYOUT)
-    try:
-        return Constraint.lark(grammar, tokenizer, eos_token_id=base.eos_token_id)
-    except ConstraintError as e:
-        raise APIError(f"tools: {e}", param="tools") from None
-
-
-def _list(v: Any, where: str) -> list[Any]:
-    if not isinstance(v, list):
-        raise APIError(f"{where}: must be a list, got {_short(v)}", param=where.split("[")[0].split(".")[0])
-    return v
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v) if not isinstance(v, bytes) else repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."

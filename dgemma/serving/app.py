@@ -44,16 +44,14 @@ from dgemma.data.tokenizer import Tokenizer
 from dgemma.generation_config import GenerationConfig
 from dgemma.serving.api import (
     DEFAULT_BODY_TIMEOUT,
-    APIError,
     GenerationRequest,
     Limits,
-    error_body,
     parse_chat_request,
     parse_completion_request,
     parse_json,
-    rate_limited,
 )
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
+from dgemma.serving.errors import APIError, error_body, rate_limited
 from dgemma.serving.guards import HostCheck, check_api_key, read_body, require_json
 from dgemma.serving.metrics import CountRequests, Metrics
 

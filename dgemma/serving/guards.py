@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from dgemma.serving.api import APIError, error_body
+from dgemma.serving.errors import APIError, error_body
 
 LOOPBACK = "loopback"  # an allowed-hosts entry: localhost, 127.0.0.0/8 and ::1, any port
 ANY_HOST = "*"
