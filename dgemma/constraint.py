@@ -233,14 +233,11 @@ class Closer:
         return closes
 
 
-_CLOSERS: weakref.WeakKeyDictionary[Any, Closer] = weakref.WeakKeyDictionary()
-
-
+@functools.lru_cache(maxsize=8)
 def _closer_of(tokenizer: Any) -> Closer:
-    try:
-        return _CLOSERS.setdefault(tokenizer, Closer(tokenizer)) if tokenizer not in _CLOSERS else _CLOSERS[tokenizer]
-    except TypeError:  # no weak reference to an llguidance tokenizer: build one per state
-        return Closer(tokenizer)
+    """The Closer of an llguidance tokenizer (hashed by identity; kept with it, as a server builds one constraint per
+    request and reading a large vocabulary's token lengths takes a while)."""
+    return Closer(tokenizer)
 
 
 class ConstraintState:
