@@ -76,8 +76,8 @@ class Constraint:
                     eos_token_id: Sequence[int] | int | None = None) -> Constraint:
         text = schema if isinstance(schema, str) else json.dumps(schema)
         try:
-            json.loads(text)
-            grammar = _llguidance().LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
+            strict = json.dumps(_calendar_dates(json.loads(text)))
+            grammar = _llguidance().LLMatcher.grammar_from_json_schema(strict, defaults=JSON_LAYOUT)
         except json.JSONDecodeError as e:
             raise ConstraintError(f"json_schema: not JSON ({e})") from None
         except ValueError as e:
@@ -115,6 +115,27 @@ class Constraint:
         llg = _llguidance()
         return ConstraintState(self, [llg.LLMatcher(self.tokenizer, self.grammar) for _ in range(batch_size)],
                                max_new_tokens)
+
+
+# A calendar date of years 0001-9999 (leap days included), what validators accept as a JSON Schema "date" (Python's
+# date.fromisoformat, which jsonschema's FormatChecker uses); llguidance's own "date" also takes 0000 and 02-31.
+_YEAR = r"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+DATE_PATTERN = (rf"^(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+                rf"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)$")
+
+
+def _calendar_dates(schema: Any) -> Any:
+    """`schema` with each string `"format": "date"` (without its own pattern) as DATE_PATTERN."""
+    if isinstance(schema, list):
+        return [_calendar_dates(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _calendar_dates(v) for k, v in schema.items()}
+    if out.get("format") == "date" and "pattern" not in out:
+        del out["format"]
+        out["pattern"] = DATE_PATTERN
+    return out
 
 
 def _tokenizer_json(tokenizer: Any) -> str:

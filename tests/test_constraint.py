@@ -212,3 +212,35 @@ def test_the_fast_kernels_run_the_readable_loop_and_the_sync_free_loop_is_refuse
     assert fast.constraint_complete == [True, True]
     with pytest.raises(GenerationError, match="readable loop"):
         generate(model, _prompt(), impl="fast", loop="sync-free", **kw)
+
+
+def test_a_date_is_a_calendar_date_as_validators_read_it(tok):
+    """llguidance's "date" format takes 0000-00-00 and 02-31; a schema's date is compiled as DATE_PATTERN, which
+    holds exactly the dates Python's date.fromisoformat (jsonschema's FormatChecker) accepts."""
+    import datetime
+
+    from dgemma.constraint import DATE_PATTERN
+
+    rx = re.compile(DATE_PATTERN)
+    for y in [*range(0, 12), *range(396, 404), *range(1896, 1904), *range(1996, 2005), 9999]:
+        for mo in range(14):
+            for d in range(33):
+                text = f"{y:04d}-{mo:02d}-{d:02d}"
+                try:
+                    valid = bool(datetime.date.fromisoformat(text))
+                except ValueError:
+                    valid = False
+                assert valid == bool(rx.match(text)), text
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]}
+    c = Constraint.json_schema(schema, tok, eos_token_id=EOS)
+    state = c.start(1, max_new_tokens=64)
+    closed = json.loads(_text(tok, state.closer.path(state.matchers[0], 100)))
+    jsonschema.validate(closed, schema, format_checker=jsonschema.FormatChecker())
+    m = llguidance.LLMatcher(c.tokenizer, c.grammar)
+    assert m.consume_tokens(tok.encode('{"d": "2024-02-2', add_special_tokens=False))
+    assert m.validate_tokens(tok.encode('9"}', add_special_tokens=False)) == len(tok.encode('9"}',
+                                                                                         add_special_tokens=False))
+    m = llguidance.LLMatcher(c.tokenizer, c.grammar)
+    assert m.consume_tokens(tok.encode('{"d": "2023-02-2', add_special_tokens=False))
+    assert m.validate_tokens(tok.encode('9"}', add_special_tokens=False)) < len(tok.encode('9"}',
+                                                                                         add_special_tokens=False))
