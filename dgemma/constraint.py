@@ -76,7 +76,7 @@ class Constraint:
                     eos_token_id: Sequence[int] | int | None = None) -> Constraint:
         text = schema if isinstance(schema, str) else json.dumps(schema)
         try:
-            strict = json.dumps(_calendar_dates(json.loads(text)))
+            strict = json.dumps(calendar_dates(json.loads(text)))
             grammar = _llguidance().LLMatcher.grammar_from_json_schema(strict, defaults=JSON_LAYOUT)
         except json.JSONDecodeError as e:
             raise ConstraintError(f"json_schema: not JSON ({e})") from None
@@ -125,13 +125,13 @@ DATE_PATTERN = (rf"^(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|
                 rf"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)$")
 
 
-def _calendar_dates(schema: Any) -> Any:
+def calendar_dates(schema: Any) -> Any:
     """`schema` with each string `"format": "date"` (without its own pattern) as DATE_PATTERN."""
     if isinstance(schema, list):
-        return [_calendar_dates(x) for x in schema]
+        return [calendar_dates(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _calendar_dates(v) for k, v in schema.items()}
+    out = {k: calendar_dates(v) for k, v in schema.items()}
     if out.get("format") == "date" and "pattern" not in out:
         del out["format"]
         out["pattern"] = DATE_PATTERN
@@ -424,4 +424,5 @@ class ConstraintState:
         return [bool(m.is_accepting() or m.is_stopped()) for m in self.matchers]
 
 
-__all__ = ["CLOSED", "FREE", "PINNED", "Closer", "Constraint", "ConstraintError", "ConstraintState"]
+__all__ = ["CLOSED", "DATE_PATTERN", "FREE", "PINNED", "Closer", "Constraint", "ConstraintError", "ConstraintState",
+           "calendar_dates"]

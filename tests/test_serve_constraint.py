@@ -147,3 +147,17 @@ def test_a_named_function_is_the_one_call(tool_client):
     r = tool_client.chat.completions.create(model="tiny", messages=USER, max_tokens=160, seed=4, tools=TOOLS,
                                             tool_choice="required", parallel_tool_calls=False)
     assert len(_calls(r.choices[0])) == 1
+
+
+def test_a_forced_calls_dates_are_calendar_dates(tok_path):
+    """The tool-call grammar compiles each function's dates as the response_format path does (DATE_PATTERN)."""
+    from dgemma.data.templates import ChatTemplate
+    from dgemma.serving.formats import tool_constraint
+    from tests.test_serve_api import GEMMA_LIKE
+
+    schema = {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "book", "parameters": schema}}]
+    c = tool_constraint({"tool_choice": "required"}, tools, ChatTemplate(GEMMA_LIKE, origin="test"),
+                        load_tokenizer(tok_path), GenerationConfig(eos_token_id=(1,)))
+    assert "0[1-9]|[12][0-9]|3[01]" in c.grammar and '"format"' not in c.grammar

@@ -93,8 +93,9 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise APIError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
-    from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError
+    from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError, calendar_dates
 
+    tools = calendar_dates(tools)  # each function's dates as validators read them, as for response_format
     specials = {text: i for i, text in tokenizer.special_tokens().items()}
     parallel = choice == "required" and body.get("parallel_tool_calls") is not False
     grammar = tool_call_grammar(convention, tools, parallel=parallel, special_ids=specials, json_layout=JSON_LAYOUT)
