@@ -181,20 +181,23 @@ def static_denoise_masks(is_token: Tensor, end: Tensor, num_new: int, slots: Ten
 # The same rules over one sequence that holds several canvases: a canvas sees the clean canvases before it (its
 # sliding layers the last `window - 1` of their tokens) and itself bidirectionally; clean tokens attend causally.
 
-def clean_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None
-                        ) -> dict[str, Tensor]:
-    """Masks (1, 1, 2T, 2T) over [clean ; noisy] for both layer types (True = may attend)."""
-    T = length
-    idx = torch.arange(2 * T, device=device)
-    pos, noisy = idx % T, idx >= T
-    block = pos // canvas_length
+def clean_context_masks(length: int, canvas_length: int, window: int, device: torch.device | None = None, *,
+                        context: int = 0) -> dict[str, Tensor]:
+    """Masks (1, 1, P + 2T, P + 2T) over [clean ; noisy] for both layer types (True = may attend): the clean stream
+    is P = `context` committed tokens then the T canvas tokens, the noisy stream the T canvas tokens again; canvases
+    start right after the context (the last one may be shorter), as they do when a prompt is committed first."""
+    P, T = context, length
+    idx = torch.arange(P + 2 * T, device=device)
+    noisy = idx >= P + T
+    pos = torch.where(noisy, idx - T, idx)
+    block = (pos - P).clamp(min=0) // canvas_length
     q_pos, k_pos = pos[:, None], pos[None, :]
     q_noisy, k_noisy = noisy[:, None], noisy[None, :]
+    start = P + block[:, None] * canvas_length
     causal = ~q_noisy & ~k_noisy & (k_pos <= q_pos)  # the encoder role: clean attends causally to clean
-    prefix = q_noisy & ~k_noisy & (k_pos < block[:, None] * canvas_length)  # a canvas sees clean canvases before it
+    prefix = q_noisy & ~k_noisy & (k_pos < start)  # a canvas sees the context and the clean canvases before it
     own = q_noisy & k_noisy & (block[:, None] == block[None, :])  # ...and itself, bidirectionally
     full = causal | prefix | own
-    start = block[:, None] * canvas_length
     sliding = (causal & (q_pos - k_pos < window)) | (prefix & (k_pos >= start - (window - 1))) | own
     return {FULL: full[None, None], SLIDING: sliding[None, None]}
 

@@ -134,6 +134,99 @@ def _static_hidden(model: DiffusionGemma, keys: list[Tensor], values: list[Tenso
     return model.final_hidden(hidden, soft)
 
 
+class FastSampler:
+    """The sync-free loop's state and step for one canvas of B rows, the twin of `generate.CanvasSampler`:
+    `inputs()` is what the next denoising pass reads (the canvas, the self-conditioning soft embedding (B, L, D) or
+    None, the noise level), `step(final)` applies the sampler to that pass's final hidden state (B, L, D) without a
+    host read, `check()` is the host read (an error for non-finite logits; whether every row stopped).
+    `denoise_canvas` drives one over a batch; the serving engine drives one per request (B = 1), each with its own
+    generator, sharing one `workspace` (dgemma/serving/engine.py)."""
+
+    def __init__(self, model: DiffusionGemma, config: GenerationConfig, batch_size: int, *,
+                 generator: torch.Generator | None = None, canvas: Tensor | None = None,
+                 finished: Tensor | None = None, canvas_index: int = 0,
+                 on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
+                 head: Callable[[Tensor, Tensor | None], Tensor] | None = None, draw: kernels.Draw | None = None,
+                 chunk_rows: int | None = None, workspace: kernels.Workspace | None = None):
+        check_supported(config)
+        B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
+        device = model.device
+        self.model, self.config, self.generator, self.vocab_size = model, config, generator, V
+        self.state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas,
+                                       finished=finished, canvas_index=canvas_index, on_step=on_step, trace=trace)
+        self.weight = model.embed_tokens.weight
+        # the one pass over the vocabulary (kernels.one_pass_head_and_sample) where it applies: the model's own fp32
+        # tied head, inverse-CDF draws, every row in one chunk; else the row-chunked passes (head_and_sample)
+        self.one_pass = head is None and self.weight.dtype == torch.float32 and (draw or "cdf") == "cdf" and \
+            device.type == "cpu"
+        if head is None:
+            self.softcap = model.config.final_logit_softcapping
+            head = lambda rows, out: kernels.logits_into(rows, self.weight, self.softcap, out)
+        self.head = head
+        self.draw = draw or ("race" if device.type == "cuda" else "cdf")
+        self.chunk_rows = min(B * L, chunk_rows or kernels.default_chunk_rows(V, device))
+        self.workspace = workspace or kernels.Workspace(self.chunk_rows, V, device)
+        self.scale = model.config.hidden_size**0.5
+        self.soft: Tensor | None = None
+        self.entropy = torch.zeros(B, L, device=device)
+        self.finite = torch.ones((), dtype=torch.bool, device=device)  # all entropies so far finite (NaN/inf logits
+        N = config.max_denoising_steps  # make NaN)
+        self.first_bad = torch.full((), N + 1, dtype=torch.long, device=device)  # the first step that was not
+        self.remaining = N
+
+    def inputs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Begin a step: the pass's canvas (B, L), soft embedding (B, L, D) or None, and noise level (B,) for a
+        time-embedding model (None without one)."""
+        self._begun = self.state.begin_step()
+        return self.state.x, self.soft, self.state.level if self.model.config.time_embedding else None
+
+    def step(self, final: Tensor) -> None:
+        """The sampler on the pass's final hidden state (B, L, D): head, draw, accept, renoise, stop rule; no host
+        read."""
+        state, config, generator, V = self.state, self.config, self.generator, self.vocab_size
+        was_done, active = self._begun
+        n, N = self.remaining, config.max_denoising_steps
+        device = final.device
+        temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
+        observed = None
+        if self.model.config.observed_likelihood:  # the readable loop's `observe`, inside the chunked head
+            levels = observation_levels(sampling.canvas_level(state.clean), state.carried)
+            observed = (state.x, observation_boost(levels, V))
+        if self.one_pass and observed is None and final.shape[0] * final.shape[1] <= self.chunk_rows:
+            out = kernels.one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=generator,
+                                                   embed_scale=self.scale if n > 1 else None,
+                                                   workspace=self.workspace)
+        else:
+            out = kernels.head_and_sample(final, self.head, temp, generator=generator, draw=self.draw,
+                                          embed=self.weight if n > 1 else None, embed_scale=self.scale,
+                                          chunk_rows=self.chunk_rows, workspace=self.workspace, observed=observed)
+        ok = torch.isfinite(out.entropy).all()  # a device tensor: no host read here
+        self.first_bad = torch.where(self.finite & ~ok, N - n + 1, self.first_bad)
+        self.finite = self.finite & ok
+        accepted = sampling.accept_by_entropy(out.entropy, config.entropy_bound)
+        new_x = sampling.renoise(out.draw, accepted, V, generator)
+        keep = was_done[:, None]  # rows that already stopped keep everything (the readable loop's freeze)
+        new_argmax = torch.where(keep, state.argmax, out.argmax)
+        new_x = torch.where(keep, state.x, new_x)
+        self.entropy = torch.where(keep, self.entropy, out.entropy)
+        if out.soft is not None:
+            self.soft = out.soft if self.soft is None else torch.where(keep[..., None], self.soft, out.soft)
+        state.end_step(was_done, active, new_x, new_argmax, accepted, self.entropy, temp)
+        self.remaining -= 1
+
+    def check(self) -> bool:
+        """The host read: GenerationError if a step so far had non-finite logits; whether the canvas is finished
+        (every row stopped, or no step left)."""
+        if not bool(self.finite):
+            raise GenerationError(f"non-finite logits at canvas {self.state.canvas_index}, step {int(self.first_bad)}: "
+                                  "the model's weights or activations hold NaN or inf (check the checkpoint; try "
+                                  "float32)")
+        return self.remaining == 0 or self.state.all_done()
+
+    def staged(self) -> StagedCanvas:
+        return self.state.staged(self.state.x)
+
+
 @torch.no_grad()
 def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConfig, *,
                    generator: torch.Generator | None = None, canvas: Tensor | None = None,
@@ -149,54 +242,15 @@ def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConf
     (default: every step on CPU, where a read costs nothing; every 4 on CUDA; steps run after the whole batch stopped
     are discarded, so the per-row step counts are the readable loop's); `chunk_rows`: rows of (rows, V) logits per
     chunk."""
-    check_supported(config)
-    B, L, V = cache.batch_size, model.config.canvas_length, model.config.vocab_size
-    device = model.device
-    state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas, finished=finished,
-                              canvas_index=canvas_index, on_step=on_step, trace=trace)
+    sampler = FastSampler(model, config, cache.batch_size, generator=generator, canvas=canvas, finished=finished,
+                          canvas_index=canvas_index, on_step=on_step, trace=trace, head=head, draw=draw,
+                          chunk_rows=chunk_rows)
     if step is None:
         step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix(model.config, config), compile=compile)
-    weight = model.embed_tokens.weight
-    if head is None:
-        softcap = model.config.final_logit_softcapping
-        head = lambda rows, out: kernels.logits_into(rows, weight, softcap, out)
-    draw = draw or ("race" if device.type == "cuda" else "cdf")
-    sync_every = sync_every or (1 if device.type == "cpu" else 4)
-    chunk_rows = min(B * L, chunk_rows or kernels.default_chunk_rows(V, device))
-    workspace = kernels.Workspace(chunk_rows, V, device)
+    sync_every = sync_every or (1 if model.device.type == "cpu" else 4)
     N = config.max_denoising_steps
-    scale = model.config.hidden_size**0.5
-    soft = None
-    entropy = torch.zeros(B, L, device=device)
-    finite = torch.ones((), dtype=torch.bool, device=device)  # all entropies so far finite (NaN/inf logits make NaN)
-    first_bad = torch.full((), N + 1, dtype=torch.long, device=device)  # the first step that was not: read on error
-    for i, n in enumerate(range(N, 0, -1)):  # n = steps remaining
-        was_done, active = state.begin_step()
-        final = step(state.x, soft, state.level if model.config.time_embedding else None)
-        temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
-        observed = None
-        if model.config.observed_likelihood:  # the readable loop's `observe`, inside the chunked head
-            levels = observation_levels(sampling.canvas_level(state.clean), state.carried)
-            observed = (state.x, observation_boost(levels, V))
-        out = kernels.head_and_sample(final, head, temp, generator=generator, draw=draw,
-                                      embed=weight if n > 1 else None, embed_scale=scale, chunk_rows=chunk_rows,
-                                      workspace=workspace, observed=observed)
-        ok = torch.isfinite(out.entropy).all()  # a device tensor: no host read here
-        first_bad = torch.where(finite & ~ok, i + 1, first_bad)
-        finite = finite & ok
-        accepted = sampling.accept_by_entropy(out.entropy, config.entropy_bound)
-        new_x = sampling.renoise(out.draw, accepted, V, generator)
-        keep = was_done[:, None]  # rows that already stopped keep everything (the readable loop's freeze)
-        new_argmax = torch.where(keep, state.argmax, out.argmax)
-        new_x = torch.where(keep, state.x, new_x)
-        entropy = torch.where(keep, entropy, out.entropy)
-        if out.soft is not None:
-            soft = out.soft if soft is None else torch.where(keep[..., None], soft, out.soft)
-        state.end_step(was_done, active, new_x, new_argmax, accepted, entropy, temp)
-        if (i + 1) % sync_every == 0 or n == 1:  # the only host reads in the loop
-            if not bool(finite):
-                raise GenerationError(f"non-finite logits at canvas {canvas_index}, step {int(first_bad)}: the model's "
-                                      "weights or activations hold NaN or inf (check the checkpoint; try float32)")
-            if state.all_done():
-                break
-    return state.staged(state.x)
+    for i in range(N):
+        sampler.step(step(*sampler.inputs()))
+        if ((i + 1) % sync_every == 0 or i == N - 1) and sampler.check():  # the only host reads in the loop
+            break
+    return sampler.staged()

@@ -6,6 +6,7 @@ readable twin computes, and tests/test_kernels.py pins the two together.
     logits_into                       DiffusionGemma.logits
     tempered_stats, draw_cdf,         sampling.token_entropy, torch.argmax, sampling.draw_tokens (multinomial) and
       draw_race, head_and_sample      DiffusionGemma.soft_embedding, fused and row-chunked
+    one_pass_head_and_sample          the same, in one pass over the vocabulary (online softmax, block by block)
 
 The attention kernels and masks live in dgemma/attention.py; the fast sampler loop that uses the sampling kernels
 in dgemma/fast_sampler.py. The kernels agree with their twins to rounding (1e-4 on fp32 logits), not bit for bit,
@@ -282,3 +283,78 @@ def head_and_sample(final: Tensor, head: Callable[[Tensor, Tensor | None], Tenso
 def default_chunk_rows(vocab_size: int, device: torch.device) -> int:
     budget = CUDA_CHUNK_BYTES if device.type == "cuda" else CPU_CHUNK_BYTES
     return max(1, budget // (4 * vocab_size))
+
+
+# --- one pass over the vocabulary -----------------------------------------------------------------------------------
+
+VOCAB_BLOCK = 1024  # columns of the head per block: two (rows, block) fp32 tiles stay in a core's L2 cache
+
+
+@torch.no_grad()
+def one_pass_head_and_sample(final: Tensor, weight: Tensor, softcap: float | None, temperature: Tensor, *,
+                             generator: torch.Generator | None = None, embed_scale: float | None = None,
+                             block: int = VOCAB_BLOCK, workspace: Workspace | None = None) -> StepDraws:
+    """`head_and_sample` for an fp32 tied head in one pass over the vocabulary (online softmax): block by block of
+    `block` tokens, the head's matmul, softcap and temperature, the block's maximum and its index, its exponentials
+    (written once, over the logits), their sum, sum(e * d) for the entropy and their product with the block's
+    embeddings for the next self-conditioning input; the blocks are then combined with each block's factor
+    exp(m_block - m): the maximum and argmax (the first maximal index, as torch.argmax), the entropy
+    H = log S - sum(e * d) / S, the soft embedding (p @ E * embed_scale, None without `embed_scale`) and one draw
+    per row by inverse CDF over the block masses, then inside the chosen block over its stored exponentials (the
+    two levels of `draw_cdf`, one uniform per row from `generator`). The (rows, V) logits are never read again after
+    their block: every elementwise pass runs on a block while it is in cache. `workspace` (at least rows x V): its
+    buffers hold the exponentials and one block's scratch (allocated if None). Agrees with `head_and_sample` to
+    rounding: a block's exponentials are floored at exp(-70) of the block's maximum rather than of the row's."""
+    B, L, D = final.shape
+    R, V = B * L, weight.shape[0]
+    device = final.device
+    rows = final.reshape(R, D)
+    workspace = workspace or Workspace(R, V, device)
+    buf = workspace.logits[:R]
+    nb = -(-V // block)
+    m = torch.empty(R, nb, device=device)
+    first = torch.empty(R, nb, dtype=torch.long, device=device)
+    s = torch.empty(R, nb, device=device)
+    ed = torch.empty(R, nb, device=device)
+    soft = None if embed_scale is None else torch.zeros(R, D, device=device)
+    run_max = torch.full((R, 1), -torch.inf, device=device)
+    e = workspace.probs.view(-1)[:R * min(block, V)].view(R, -1)  # one block's exponentials
+    uniforms = torch.rand(R, generator=generator, device=device, dtype=torch.float64)
+    for j, lo in enumerate(range(0, V, block)):
+        hi = min(V, lo + block)
+        z = buf[:, lo:hi]
+        torch.mm(rows, weight[lo:hi].t(), out=z)
+        if softcap is not None:
+            z.mul_(2.0 / softcap).sigmoid_().mul_(2.0 * softcap).sub_(softcap)
+        z.div_(temperature)
+        top, at = z.max(-1, keepdim=True)
+        m[:, j:j + 1], first[:, j:j + 1] = top, at + lo
+        d = z.sub_(top).clamp_(min=SHIFTED_LOGIT_FLOOR)
+        eb = torch.exp(d, out=e[:, :hi - lo])
+        s[:, j] = eb.sum(-1)
+        ed[:, j] = d.mul_(eb).sum(-1)
+        z.copy_(eb)  # the block's exponentials, for the draw
+        if soft is not None:  # sum of p @ E in units of exp(the running maximum): rescale, add this block's e @ E
+            new_max = torch.maximum(run_max, top)
+            soft.mul_(torch.exp(run_max - new_max)).add_(torch.mm(eb, weight[lo:hi]).mul_(torch.exp(top - new_max)))
+            run_max = new_max
+    # combine the blocks
+    M, jm = m.max(-1, keepdim=True)  # the first block holding the row's maximum
+    c = torch.exp(m - M)  # (R, nb) each block's factor
+    masses = s * c
+    S = masses.sum(-1, keepdim=True)
+    entropy = S.log().squeeze(-1) - (c * (ed + s * (m - M))).sum(-1) / S.squeeze(-1)
+    argmax = first.gather(1, jm).squeeze(-1)
+    cum = masses.to(torch.float64).cumsum(-1)
+    target = uniforms[:, None] * cum[:, -1:]
+    b = torch.searchsorted(cum, target, right=True).clamp_(max=nb - 1)  # (R, 1)
+    rest = (target - torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), 0.0)) / c.gather(1, b).to(torch.float64)
+    ids = b * block + torch.arange(block, device=device)
+    inner = torch.where(ids < V, buf.gather(1, ids.clamp(max=V - 1)), 0.0).to(torch.float64).cumsum(-1)
+    rest = torch.minimum(rest, inner[:, -1:] * (1 - 2**-40))
+    j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)
+    draw = (b * block + j).squeeze(-1).clamp_(max=V - 1)
+    out_soft = None
+    if soft is not None:  # the running maximum is now M
+        out_soft = soft.div_(S).to(weight.dtype).mul_(torch.tensor(embed_scale).to(weight.dtype)).view(B, L, D)
+    return StepDraws(draw.view(B, L), argmax.view(B, L), entropy.view(B, L), out_soft)

@@ -230,12 +230,11 @@ def load_adapter(model: DiffusionGemma, path: str | os.PathLike[str]) -> Any:
     return config
 
 
-def read_weights(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The LoRA tensors of the adapter in `path`, by `model`'s parameter names (`model` has the adapter attached).
-    A file that does not fit the model (another geometry, missing or extra keys, encoder and decoder copies that
-    differ) raises AdapterError naming the file, the key and the shapes."""
-    expected = {k.replace(".default.", "."): k for k in model.state_dict() if ".lora_A." in k or ".lora_B." in k}
-    shapes = dict(model.state_dict().items())
+def read_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of the adapter file in `path` by dgemma's names without peft's adapter name
+    (`layers.3.self_attn.q_proj.lora_A.weight`): the decoder copies, once each encoder copy is checked to equal its
+    decoder copy. AdapterError naming the file and the key for an unreadable file, a key outside the decoder and
+    encoder paths, or copies that differ. Which keys a model needs, and their shapes, `read_weights` checks."""
     file = Path(path) / WEIGHTS
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -256,6 +255,17 @@ def read_weights(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[st
             if name not in found or not torch.equal(found[name], t):
                 raise AdapterError(f"{file}: {key!r} differs from its decoder copy {PREFIX + DECODER + name!r}: "
                                    "dgemma's encoder and decoder share one set of weights, so one LoRA")
+    return found
+
+
+def read_weights(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of the adapter in `path`, by `model`'s parameter names (`model` has the adapter attached).
+    A file that does not fit the model (another geometry, missing or extra keys, encoder and decoder copies that
+    differ) raises AdapterError naming the file, the key and the shapes."""
+    expected = {k.replace(".default.", "."): k for k in model.state_dict() if ".lora_A." in k or ".lora_B." in k}
+    shapes = dict(model.state_dict().items())
+    file = Path(path) / WEIGHTS
+    found = read_tensors(path)
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     wrong = [f"{PREFIX + DECODER + k} has shape {tuple(found[k].shape)} but this model needs "
              f"{tuple(shapes[expected[k]].shape)}" for k in sorted(set(found) & set(expected))

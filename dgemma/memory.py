@@ -20,17 +20,19 @@ RUNTIME_BYTES = 256 * 2**20  # allocator slack, the interpreter, small temporari
 
 def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = False, batch_size: int = 0,
                   cache_length: int = 0, prompt_length: int = 0, quantize: str | None = None,
-                  offload_experts: bool = False) -> dict[str, int]:
+                  offload_experts: bool = False, prefix_tokens: int = 0) -> dict[str, int]:
     """Bytes by part (costs.py's accounting, nothing is built): the weights in `dtype` (or `quantize`d; without the
     experts if they are offloaded), a KVCache of
     `cache_length` slots for `batch_size` rows (every layer is preallocated at full length), the sampler's
     (batch, canvas, vocab) buffers (fp32 logits and probabilities, the self-conditioning logits, the entropy's
-    temporary), and the prefill's attention scores for a `prompt_length`-token prompt."""
+    temporary), the prefill's attention scores for a `prompt_length`-token prompt, and a serving prefix cache of
+    `prefix_tokens` slots."""
     nbytes = torch.empty((), dtype=dtype).element_size()
     B, L, V = batch_size, config.canvas_length, config.vocab_size
     w = costs.weight_bytes(config, nbytes, quantize)
     parts = {"weights": w["total"] - (w["experts"] if offload_experts else 0) if weights else 0,
              "kv_cache": B * cache_length * costs.kv_cache_bytes_per_token(config, nbytes),
+             "prefix_cache": prefix_tokens * costs.kv_cache_bytes_per_token(config, nbytes),
              "sampler": B * L * V * (3 * 4 + nbytes),
              "activations": 2 * B * config.num_attention_heads * prompt_length * max(prompt_length, L) * 4,
              "runtime": RUNTIME_BYTES}
@@ -39,11 +41,13 @@ def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = Fa
 
 def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                  weights: bool = False, batch_size: int = 0, cache_length: int = 0, prompt_length: int = 0,
-                 force: bool = False, quantize: str | None = None, offload_experts: bool = False) -> dict[str, int]:
+                 force: bool = False, quantize: str | None = None, offload_experts: bool = False,
+                 prefix_tokens: int = 0) -> dict[str, int]:
     """The memory pre-flight: refuse (MemoryPreflightError, with the numbers) when `memory_needed` exceeds what
     `system.available_memory` says is free (RAM, or free device memory on CUDA), unless `force`. Returns the parts."""
     parts = memory_needed(config, dtype, weights=weights, batch_size=batch_size, cache_length=cache_length,
-                          prompt_length=prompt_length, quantize=quantize, offload_experts=offload_experts)
+                          prompt_length=prompt_length, quantize=quantize, offload_experts=offload_experts,
+                          prefix_tokens=prefix_tokens)
     device = torch.device(device)
     free = available_memory(device) if device.type in ("cpu", "cuda") else None
     need = sum(parts.values())

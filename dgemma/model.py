@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dgemma import attention, checkpoint, kernels
+from dgemma.adapter_rows import AdapterRows, LayerRows, project
 from dgemma.attention import Impl, Mask, Past, check_impl
 from dgemma.config import ModelConfig, RopeConfig
 from dgemma.generation_config import GenerationConfig
@@ -114,19 +115,19 @@ class Attention(nn.Module):
         self.v_norm = RMSNorm(Dh, config.rms_norm_eps, with_scale=False)  # Gemma: weightless V norm
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Past | list[Past], mask: Mask | list[Mask],
-                impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
+                impl: Impl, lora: LayerRows | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x: (B, S, D); past: the visible cached keys and values (B, K, T0, Dh), or None, or one such per row
-        (`attention.attend`). Returns the output (B, S, D) and this pass's new k, v (B, K, S, Dh), which `commit`
-        writes to the cache."""
+        (`attention.attend`); `lora`: the rows' LoRA deltas (dgemma/adapter_rows.py). Returns the output (B, S, D)
+        and this pass's new k, v (B, K, S, Dh), which `commit` writes to the cache."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, -1, self.head_dim)
+        q = project("q_proj", self.q_proj, x, lora).view(B, S, -1, self.head_dim)
         q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)  # (B, H, S, Dh)
-        k = self.k_proj(x).view(B, S, -1, self.head_dim)
-        v = self.v_proj(x).view(B, S, -1, self.head_dim) if self.v_proj is not None else k
+        k = project("k_proj", self.k_proj, x, lora).view(B, S, -1, self.head_dim)
+        v = project("v_proj", self.v_proj, x, lora).view(B, S, -1, self.head_dim) if self.v_proj is not None else k
         k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)  # (B, K, S, Dh): normed, then rotated
         v = self.v_norm(v).transpose(1, 2)  # (B, K, S, Dh): normed, never rotated
         out = attention.attend(q, k, v, past, mask, impl).reshape(B, S, -1)  # fast: SDPA
-        return self.o_proj(out), k, v
+        return project("o_proj", self.o_proj, out, lora), k, v
 
 
 # --- feed-forward: a dense MLP beside routed experts --------------------------------------------------------------
@@ -231,10 +232,10 @@ class Block(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Past | list[Past], mask: Mask | list[Mask],
-                scalar: Tensor, impl: Impl) -> tuple[Tensor, Tensor, Tensor]:
+                scalar: Tensor, impl: Impl, lora: LayerRows | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """`scalar`: `encoder_layer_scalar` (commit), `layer_scalar` (denoise), or a per-token mix (1, S, 1) when
-        one training sequence holds both roles."""
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past, mask, impl)
+        one training sequence holds both roles. `lora`: the rows' LoRA deltas (dgemma/adapter_rows.py)."""
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, past, mask, impl, lora)
         x = x + self.post_attention_layernorm(attn)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.is_moe:
@@ -246,6 +247,7 @@ class Block(nn.Module):
                 moe = self.experts.per_row(normed, weights, experts, x.shape[1], impl)  # with the other rows'
             else:
                 moe = self.experts(normed, weights, experts, impl)
+            moe = moe if lora is None else lora.experts(self.experts, normed, weights, experts, moe, x.shape[1])
             moe = moe.reshape(x.shape)
             h = h + self.post_feedforward_layernorm_2(moe)
         x = x + self.post_feedforward_layernorm(h)
@@ -405,12 +407,13 @@ class DiffusionGemma(nn.Module):
         return {kind: rope_cos_sin(inv.to(positions.device), positions, dtype) for kind, inv in self.inv_freq.items()}
 
     def run_layers(self, x: Tensor, positions: Tensor, role: Role | Tensor, masks: dict[str, Mask], impl: Impl, *,
-                   past: PastKV | None = None, write: Callable[[int, Tensor, Tensor], None] | None = None) -> Tensor:
+                   past: PastKV | None = None, write: Callable[[int, Tensor, Tensor], None] | None = None,
+                   adapters: AdapterRows | None = None) -> Tensor:
         """The one loop over the layers, which every pass runs: x (B, S, D) at integer `positions` (B or 1, S).
         `role` picks the layer scalars: "encoder" (commit), "decoder" (denoise), or a (1, S, 1) bool tensor, True
         for decoder tokens, when one training sequence holds both roles. `masks[layer_type]`: who attends to whom
         (dgemma/attention.py). `past(i)`: layer i's visible cached keys and values (None: no cache); `write(i, k,
-        v)`: stores layer i's new keys and values (commit)."""
+        v)`: stores layer i's new keys and values (commit). `adapters`: each row's LoRA adapter (None: the base)."""
         cos_sin = self.rope(positions, x.dtype)
         for i, block in enumerate(self.layers):
             kind = self.config.layer_types[i]
@@ -418,25 +421,26 @@ class DiffusionGemma(nn.Module):
                 scalar = torch.where(role, block.layer_scalar, block.encoder_layer_scalar)
             else:
                 scalar = block.encoder_layer_scalar if role == "encoder" else block.layer_scalar
-            x, k, v = block(x, *cos_sin[kind], past(i) if past is not None else None, masks[kind], scalar, impl)
+            x, k, v = block(x, *cos_sin[kind], past(i) if past is not None else None, masks[kind], scalar, impl,
+                            adapters.layer(i) if adapters is not None else None)
             if write is not None:
                 write(i, k, v)
         return x
 
     def sequence_hidden(self, tokens: Tensor, positions: Tensor, masks: dict[str, Tensor], *, num_clean: int,
-                        soft: Tensor | None = None, t: Tensor | None = None, impl: Impl | None = None) -> Tensor:
+                        soft: Tensor | None = None, t: Tensor | None = None, impl: Impl | None = None,
+                        adapters: AdapterRows | None = None) -> Tensor:
         """The training forward: one pass over a whole sequence (B, S) without a cache. Tokens [0, num_clean) run in
-        the encoder role (what `commit` does: plain embedding, encoder layer scalars); the rest are canvas tokens
-        in the decoder role (self-conditioning on `soft` (B, S - num_clean, D), post-norm, decoder scalars).
-        `masks[layer_type]` (B or 1, 1, S, S) bool says who attends to whom (dgemma/train/diffusion.py builds them);
-        `t` (B, S): noise levels in [0, 1] for a time-embedding model. Returns the final hidden states (B, S, D),
-        what the head reads (`final_hidden`); differentiable."""
+        the encoder role (as `commit`: plain embedding, encoder scalars); the rest are canvas tokens in the decoder
+        role (self-conditioning on `soft` (B, S - num_clean, D), post-norm, decoder scalars). `masks[layer_type]`
+        (B or 1, 1, S, S) bool: who attends to whom (the bounds build them); `t` (B, S): noise levels for a
+        time-embedding model; `adapters`: each row's LoRA adapter. Returns the final hidden states (B, S, D)."""
         S = tokens.shape[1]
         x = self.embed(tokens, t)
         if num_clean < S:
             x = torch.cat([x[:, :num_clean], self.self_conditioning(x[:, num_clean:], soft)], dim=1)
         is_canvas = (torch.arange(S, device=x.device) >= num_clean)[None, :, None]  # (1, S, 1)
-        x = self.norm(self.run_layers(x, positions, is_canvas, masks, self._impl(impl)))
+        x = self.norm(self.run_layers(x, positions, is_canvas, masks, self._impl(impl), adapters=adapters))
         if soft is not None and num_clean < S:
             x = torch.cat([x[:, :num_clean], self.self_conditioning.output(x[:, num_clean:], soft)], dim=1)
         return x
@@ -448,16 +452,16 @@ class DiffusionGemma(nn.Module):
         return impl
 
     @torch.no_grad()
-    def commit(self, input_ids: Tensor, cache: KVCache | Sequence[KVCache], *, start: int | None = None,
-               attention_mask: Tensor | None = None, impl: Impl | None = None) -> None:
+    def commit(self, input_ids: Tensor, cache: KVCache | Sequence[KVCache], *, adapters: AdapterRows | None = None,
+               start: int | None = None, attention_mask: Tensor | None = None, impl: Impl | None = None) -> None:
         """Causal encoder pass over `input_ids` (B, S): writes their K/V to the cache at `start` (default: the end of
         what is committed). Committing at an earlier `start` overwrites that span and discards everything after it.
-        `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to. `impl`
-        (default: the model's): "reference" or "fast" kernels. `cache` may also be a list of B one-row caches, as
-        for `denoise`: each row appends at its own committed length, computing what it would alone."""
+        `attention_mask` (B, S), 1 = token, 0 = left padding; padded positions are never attended to. `impl` (default:
+        the model's): "reference" or "fast" kernels. `cache` may also be a list of B one-row caches, as for `denoise`:
+        each row appends at its own length, as it would alone. `adapters`: each row's LoRA (dgemma/adapters.py)."""
         rows = one_row_caches(cache, input_ids, "input_ids")
         if rows is None:
-            self._encode(input_ids, cache, start, attention_mask, self._impl(impl))  # type: ignore[arg-type]
+            self._encode(input_ids, cache, start, attention_mask, self._impl(impl), adapters)  # type: ignore[arg-type]
             return
         if start is not None or attention_mask is not None:
             raise ValueError("a commit over one-row caches appends at each row's end: no start or attention_mask")
@@ -477,7 +481,7 @@ class DiffusionGemma(nn.Module):
         device = input_ids.device
         positions = torch.tensor(starts, device=device)[:, None] + torch.arange(S, device=device)
         self.run_layers(self.embed(input_ids), positions, "encoder", {k: [m[k] for m in row_masks] for k in seen},
-                        impl, write=write,
+                        impl, write=write, adapters=adapters,
                         past=lambda i: [c.visible(i, p, seen[kinds[i]]) for c, p in zip(rows, starts, strict=True)])
         for c, p in zip(rows, starts, strict=True):
             c.finish_write(p + S)
@@ -491,7 +495,7 @@ class DiffusionGemma(nn.Module):
         return self.logits(self.final_hidden(hidden))
 
     def _encode(self, input_ids: Tensor, cache: KVCache, start: int | None, attention_mask: Tensor | None,
-                impl: Impl) -> Tensor:
+                impl: Impl, adapters: AdapterRows | None = None) -> Tensor:
         check_token_ids(input_ids, self.config.vocab_size)
         start = cache.prepare_write(input_ids, start, attention_mask)
         B, S = input_ids.shape
@@ -503,12 +507,12 @@ class DiffusionGemma(nn.Module):
         positions = torch.arange(start, start + S, device=input_ids.device)[None]
         hidden = self.run_layers(self.embed(input_ids), positions, "encoder", masks, impl,
                                  past=lambda i: cache.visible(i, start, seen[kinds[i]]),
-                                 write=lambda i, k, v: cache.write(i, start, k, v))
+                                 write=lambda i, k, v: cache.write(i, start, k, v), adapters=adapters)
         cache.finish_write(start + S)
         return hidden
 
     @torch.no_grad()
-    def denoise(self, canvas: Tensor, cache: KVCache | Sequence[KVCache], *,
+    def denoise(self, canvas: Tensor, cache: KVCache | Sequence[KVCache], *, adapters: AdapterRows | None = None,
                 self_conditioning_logits: Tensor | None = None, self_conditioning_mask: Tensor | None = None,
                 sliding_prefix: int | None = None, t: Tensor | float | None = None, impl: Impl | None = None) -> Tensor:
         """Bidirectional decoder pass over `canvas` (B, L) against everything committed; returns fp32 logits
@@ -521,7 +525,7 @@ class DiffusionGemma(nn.Module):
         `t`: the canvas's noise level in [0, 1], a float or (B,), for a time-embedding model. `cache` may also be a
         list of B one-row caches, each at its own committed length (continuous batching: `KVCache.rows` views of a
         pool); each row then computes what it would in a batch of its own. `impl` (default: the model's):
-        "reference" or "fast" kernels."""
+        "reference" or "fast" kernels. `adapters`: each row's LoRA adapter or the base, as for `commit`."""
         check_token_ids(canvas, self.config.vocab_size, "canvas")
         soft = None
         if self_conditioning_logits is not None:
@@ -531,12 +535,12 @@ class DiffusionGemma(nn.Module):
                                  f"expected {expected}")
             soft = self.soft_embedding(self_conditioning_logits, self_conditioning_mask)
         return self.logits(self.denoise_hidden(canvas, cache, soft=soft, sliding_prefix=sliding_prefix, t=t,
-                                               impl=impl))
+                                               impl=impl, adapters=adapters))
 
     @torch.no_grad()
     def denoise_hidden(self, canvas: Tensor, cache: KVCache | Sequence[KVCache], *, soft: Tensor | None = None,
                        sliding_prefix: int | None = None, t: Tensor | float | None = None,
-                       impl: Impl | None = None) -> Tensor:
+                       impl: Impl | None = None, adapters: AdapterRows | None = None) -> Tensor:
         """`denoise` up to the final hidden state (B, L, D) that the head reads, with the self-conditioning signal
         given as the soft embedding (B, L, D) (`soft_embedding`), or None."""
         rows = one_row_caches(cache, canvas, "canvas")
@@ -551,13 +555,13 @@ class DiffusionGemma(nn.Module):
         if rows is None:
             end = cache.length  # type: ignore[union-attr]
             masks = attention.denoise_masks(cache, end, L, seen, impl)  # type: ignore[arg-type]
-            hidden = self.run_layers(x, end + offsets[None], "decoder", masks, impl,
+            hidden = self.run_layers(x, end + offsets[None], "decoder", masks, impl, adapters=adapters,
                                      past=lambda i: cache.visible(i, end, seen[kinds[i]]))  # type: ignore[union-attr]
         else:  # one row per cache, each at its own length: the masks and cached keys of each row's lone pass
             row_masks = [attention.denoise_masks(c, c.length, L, seen, impl) for c in rows]
             masks = {kind: [m[kind] for m in row_masks] for kind in seen}
             positions = torch.tensor([c.length for c in rows], device=x.device)[:, None] + offsets
-            hidden = self.run_layers(x, positions, "decoder", masks, impl,
+            hidden = self.run_layers(x, positions, "decoder", masks, impl, adapters=adapters,
                                      past=lambda i: [c.visible(i, c.length, seen[kinds[i]]) for c in rows])
         return self.final_hidden(hidden, soft)
 

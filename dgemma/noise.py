@@ -1,10 +1,11 @@
-"""The noise schedule of uniform-state diffusion and what the model's posterior takes from it, shared by training
-(dgemma/train/diffusion.py), the bounds (dgemma/train/nelbo.py) and the samplers (dgemma/generate.py,
+"""The noise schedule of uniform-state diffusion, its forward process and what the model's posterior takes from it,
+shared by training (dgemma/train/diffusion.py), the bounds (dgemma/likelihood.py) and the samplers (dgemma/generate.py,
 dgemma/fast_sampler.py).
 
     alpha(s) = cos^2(pi/2 * s)       probability that a token is still clean at level s in [0, 1] (1: clean, 0: noise);
                                      the discrete chain's step t of T is the level t / T
-    q(x_s | x0)                      keep x0 with probability alpha(s), else a uniform draw (any of the V, x0 included)
+    q(x_s | x0)                      keep x0 with probability alpha(s), else a uniform draw (any of the V, x0 included):
+                                     `corrupt`, `q_sample` on the grid
 
 `observe` is the model option `observed_likelihood` (dgemma/config.py): the posterior over a token's clean value is
 the network's prediction times the likelihood of what the token holds at level s, q(x_s^l | x0^l = k) = alpha [k =
@@ -17,6 +18,7 @@ instead of having to be learned.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,3 +62,39 @@ def observation_levels(canvas_level: Tensor, carried: Tensor) -> Tensor:
     known to be noise; the sampler knows which are, and its posterior takes that in, so it does not copy noise that a
     canvas-wide level would make it favour (docs/sampling.md)."""
     return torch.where(carried, canvas_level.to(torch.float32)[:, None], 1.0)
+
+
+# --- the forward process q(x_s | x0), canvas by canvas ----------------------------------------------------------
+
+def alpha_bar(t: Tensor, num_steps: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Probability that a token is still clean at noise level t (cosine schedule), computed in float64 and returned
+    in `dtype`: float32 for corruption, float64 for the NELBO (dgemma/likelihood.py), whose logs need it near t = 0."""
+    return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).to(dtype)
+
+
+
+def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_size: int,
+             generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None) -> Tensor:
+    """Corrupt x0 (B, S) with per-canvas levels t (B, S / canvas_length) in one step of q(x_t | x0). With
+    `batch_rows` (first, total), x0 is rows [first, first + B) of a batch of `total`: the draws are made for the
+    whole batch and these rows kept, so they do not depend on how the batch is split (distributed training)."""
+    return corrupt(x0, alpha_bar(t, num_steps), canvas_length, vocab_size, generator, batch_rows)
+
+
+def corrupt(x0: Tensor, keep: Tensor, canvas_length: int, vocab_size: int, generator: torch.Generator | None = None,
+            batch_rows: tuple[int, int] | None = None) -> Tensor:
+    """q(x_s | x0) with each canvas's keep probability `keep` (B, S / canvas_length), float32: `q_sample` on the
+    grid, `alpha(level)` in continuous time; the same draws either way."""
+    keep_prob = keep.float().repeat_interleave(canvas_length, dim=1)  # (B, S)
+    keep = draw_rows(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
+    noise = draw_rows(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
+    return torch.where(keep, x0, noise)
+
+
+def draw_rows(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[int, int] | None,
+          generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """sample(shape) for rows [first, first + shape[0]) of a draw over `total` rows (batch_rows = (first, total))."""
+    if batch_rows is None:
+        return sample(shape, generator=generator, device=device)
+    first, total = batch_rows
+    return sample((total, *shape[1:]), generator=generator, device=device)[first:first + shape[0]]

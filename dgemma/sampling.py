@@ -263,7 +263,7 @@ def stop_rows(config: GenerationConfig, state: StopState, argmax: Tensor, input_
 def ancestral_step(z: Tensor, x: Tensor, level: float, next_level: float) -> Tensor:
     """The ancestral chain's step (B, L, V) probabilities of x_{s'} given x_s = `x` (B, L) for s = `level` >
     s' = `next_level`, from the posterior logits `z` (B, L, V) of p(x0 | x_s): the mixture sum_k p(k | x_s)
-    q(x_{s'} | x_s, x0 = k), the reverse model whose NELBO dgemma/train/nelbo.py computes. With w_k = p_k / q(x_s | k)
+    q(x_{s'} | x_s, x0 = k), the reverse model whose NELBO dgemma/likelihood.py computes. With w_k = p_k / q(x_s | k)
     and S = sum_k w_k, p(x_{s'} = j | x_s) is proportional to q(x_s | x_{s'} = j) (alpha' w_j + (1 - alpha') / V S);
     at s' = 0 it is p(x0 | x_s). O(V) per position, in float32 logs."""
     V = z.shape[-1]

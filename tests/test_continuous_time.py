@@ -1,4 +1,4 @@
-"""Continuous time: the continuous-time NELBO (`diffusion.continuous_kl`, `nelbo.window_nelbo_continuous`) against
+"""Continuous time: the continuous-time NELBO (`likelihood.continuous_kl`, `likelihood.window_nelbo_continuous`) against
 exact enumeration on the solvable toy of tests/test_evaluate.py (V = 3 tokens, canvases of 2), and training on
 continuous levels."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import dgemma
-from dgemma.train.diffusion import alpha, alpha_rate, continuous_kl, reverse_kl, sample_levels, training_loss
-from dgemma.train.nelbo import clean_context_posterior, window_nelbo_continuous
+from dgemma.likelihood import clean_context_posterior, continuous_kl, reverse_kl, window_nelbo_continuous
+from dgemma.noise import alpha, alpha_rate
+from dgemma.train.diffusion import sample_levels, training_loss
 from tests import test_evaluate
 from tests.helpers import random_ids
 from tests.test_evaluate import (

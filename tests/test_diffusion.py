@@ -11,15 +11,8 @@ import torch
 from dgemma import DiffusionGemma, init_weights, preset
 from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.config import FULL, SLIDING
-from dgemma.train.diffusion import (
-    OBJECTIVES,
-    alpha_bar,
-    chunked_soft_embedding,
-    q_sample,
-    sample_canvas_t,
-    training_loss,
-    x0_cross_entropy,
-)
+from dgemma.noise import alpha_bar, q_sample
+from dgemma.train.diffusion import OBJECTIVES, chunked_soft_embedding, sample_canvas_t, training_loss, x0_cross_entropy
 from tests.helpers import random_ids
 
 CFG = preset("tiny")  # canvas 16, window 8, vocab 512
@@ -213,7 +206,7 @@ def test_stratified_levels_cover_the_range_and_stay_uniform():
 def test_elbo_loss_is_the_nelbo_estimate_of_the_same_logits(model):
     """loss_weighting="elbo" is T x the reverse-step KL of dgemma/train/nelbo.py at each canvas's level, from the same
     forward; chunked and unchunked agree, and the gradient is finite."""
-    from dgemma.train.diffusion import reverse_kl
+    from dgemma.likelihood import reverse_kl
 
     x0 = random_ids(V, 2, 4 * L, seed=5)
     g = lambda: torch.Generator().manual_seed(11)

@@ -166,6 +166,9 @@ TINY_ARGS: dict[str, list[str]] = {
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 "
     "--offload-experts": ["--max-denoising-steps", "3"],
     "python runs/bench_serve.py": ["--quick"],
+    "python runs/bench_prefix_cache.py --threads 1 --repeats 3": ["--quick"],
+    "python runs/bench_multi_lora.py --threads 1 --repeats 3": ["--quick"],
+    "python runs/profile_train_step.py --preset cpu-small --threads 1": ["--preset", "tiny", "--steps", "1"],
     "python runs/structured_output.py --model runs/out/cpu-small/diffusion": ["--smoke", "--out", "out"],
     "dgemma generate --preset tiny --random-init --tokenizer tok --prompt \"A person:\" --json-schema "
     "examples/person.schema.json --seed 0 --max-new-tokens 64": ["--max-denoising-steps", "3"],

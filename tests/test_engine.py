@@ -263,3 +263,26 @@ def test_row_views_share_the_pool():
     assert pool.keys[0][1, :, :3].abs().sum() > 0 and pool.keys[0][0].abs().sum() == 0
     with pytest.raises(ValueError, match="outside a cache of batch size 3"):
         pool.rows(2, 4)
+
+
+def test_with_the_fast_kernels_fast_and_readable_rows_batch_together_and_stay_batch_invariant():
+    """impl="fast": an entropy-bound request without a grammar or logprobs runs on the fast sampler
+    (fast_sampler.FastSampler: the fused head and inverse-CDF draw, on its own row), the others on the readable one;
+    in one batch each gives what it gives alone."""
+    model = random_model("tiny")
+    V = model.config.vocab_size
+    base = dgemma.GenerationConfig.for_model(model.config).replace(max_denoising_steps=4, eos_token_id=())
+    configs = [base, base.replace(sampler="lite"), base.replace(top_k=20), base, base.replace(entropy_bound=2.0)]
+    jobs = [(random_ids(V, 4 + 5 * i, seed=i).tolist(), c.replace(max_new_tokens=16 + 8 * i), 70 + i)
+            for i, c in enumerate(configs)]
+    with Engine(model, max_batch=1, max_context=128, impl="fast") as engine:
+        alone = [engine.complete(p, c, seed=s) for p, c, s in jobs]
+        kinds = [engine._fast(engine.submit(p, c, seed=s, on_event=lambda e: None)) for p, c, s in jobs]
+    assert kinds == [True, False, False, True, True]
+    with Engine(model, max_batch=5, max_context=128, impl="fast") as engine:
+        crowd = run_concurrently(engine, jobs)
+        assert engine.stats().denoise_rows > engine.stats().denoise_forwards
+    assert [t for t, _ in crowd] == [t for t, _ in alone]
+    with Engine(model, max_batch=5, max_context=128, impl="fast") as engine:  # logprobs: the readable sampler
+        request = engine.submit(*jobs[0][:2], seed=1, logprobs=2, on_event=lambda e: None)
+        assert not engine._fast(request)

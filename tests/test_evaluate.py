@@ -33,16 +33,9 @@ from dgemma.eval.judging import prompt_dependence, retokenize
 from dgemma.eval.viz import renoise_counts
 from dgemma.generate import TRACE_FORMAT
 from dgemma.generation_config import GenerationConfig
+from dgemma.likelihood import clean_context_posterior, prior_kl, reverse_kl, stratified_t, window_nelbo
 from dgemma.model import DiffusionGemma
-from dgemma.train.nelbo import (
-    EvalError,
-    clean_context_posterior,
-    estimate,
-    prior_kl,
-    reverse_kl,
-    stratified_t,
-    window_nelbo,
-)
+from dgemma.train.nelbo import EvalError, estimate
 
 # --- an exactly solvable case: V = 3 tokens, canvases of 2, a known correlated data distribution --------------------
 

@@ -80,9 +80,9 @@ def test_the_process_group_timeout_is_read_when_asked(monkeypatch):
 
 
 def test_the_nelbo_is_an_evaluation_function_not_a_training_objective(model):
+    from dgemma.likelihood import clean_context_posterior, nelbo_per_window, window_nelbo
     from dgemma.train.distributed import LossModule
     from dgemma.train.loop import batch_loss
-    from dgemma.train.nelbo import clean_context_posterior, nelbo_per_window, window_nelbo
 
     x0 = random_ids(500, 2, 32, seed=4)
     with pytest.raises(ValueError, match=r"unknown objective 'nelbo'"):

@@ -152,6 +152,46 @@ def test_head_and_sample_matches_reference_and_ignores_chunking():
         assert torch.equal(other.draw, results[0].draw)
 
 
+@pytest.mark.parametrize("block", [64, 100, 1024])  # many blocks, a short last block, one block
+def test_one_pass_over_the_vocabulary_matches_head_and_sample(block):
+    """The online-softmax kernel against the row-chunked one it replaces on the fast path: the same argmax, the
+    entropy and the soft embedding to rounding, and the same draw from the same uniform wherever both land inside
+    the same token's interval (all of them here)."""
+    model = random_model("tiny")
+    B, L, V, D = 3, 16, model.config.vocab_size, model.config.hidden_size
+    weight = model.embed_tokens.weight
+    final = torch.randn(B, L, D, generator=torch.Generator().manual_seed(18)) * 2
+    temp = sampling.temperature(5, 12, 0.4, 0.8)
+    z = model.logits(final).div_(temp)
+    head = lambda rows, o: kernels.logits_into(rows, weight, 30.0, o)
+    chunked = kernels.head_and_sample(final, head, temp, generator=torch.Generator().manual_seed(19), embed=weight,
+                                      embed_scale=D**0.5)
+    one = kernels.one_pass_head_and_sample(final, weight, 30.0, temp, generator=torch.Generator().manual_seed(19),
+                                           embed_scale=D**0.5, block=block,
+                                           workspace=kernels.Workspace(B * L, V, torch.device("cpu")))
+    assert torch.equal(one.argmax, z.argmax(-1)) and torch.equal(one.argmax, chunked.argmax)
+    torch.testing.assert_close(one.entropy, sampling.token_entropy(z), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one.soft, model.soft_embedding(z), atol=1e-4, rtol=1e-5)
+    assert torch.equal(one.draw, chunked.draw)
+    last = kernels.one_pass_head_and_sample(final, weight, 30.0, temp, block=block)  # the last step: no soft input
+    assert last.soft is None and torch.equal(last.argmax, one.argmax)
+
+
+def test_one_pass_draws_follow_the_distribution():
+    """Both levels of the one-pass draw (a block by its mass, a token inside it) over many rows of one
+    distribution, with zero-probability tokens in blocks of their own and beside likely ones."""
+    V, D, R = 10, 10, 40_000
+    p = torch.tensor([0.3, 0.0, 0.05, 0.15, 0.0, 0.2, 0.1, 0.1, 0.1, 0.0])
+    weight = torch.eye(V, D)  # row i of the hidden state is the logit of token i
+    logits = torch.where(p > 0, p.log(), torch.tensor(-1e4))
+    final = logits.expand(R, V).reshape(1, R, V).contiguous()
+    out = kernels.one_pass_head_and_sample(final, weight, None, torch.tensor(1.0), block=4,
+                                           generator=torch.Generator().manual_seed(20))
+    freq = torch.bincount(out.draw.flatten(), minlength=V).float() / R
+    assert (freq - p).abs().max() < 0.01  # ~5 standard errors
+    assert freq[p == 0].sum() == 0
+
+
 def test_bench_cli_smoke(capsys):
     """`dgemma bench --json` at fixed steps: every per-implementation figure its module docstring documents is there
     and finite, the counts are what 2 canvases x 2 fixed steps imply, and each derived figure is the one its own

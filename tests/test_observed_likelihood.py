@@ -16,9 +16,8 @@ from dgemma import kernels, sampling
 from dgemma.config import ConfigError, ModelConfig
 from dgemma.generate import denoise_canvas, generate
 from dgemma.generation_config import GenerationConfig
+from dgemma.likelihood import clean_context_posterior, posterior_logits
 from dgemma.noise import MAX_BOOST, alpha, observation_boost, observation_levels, observe
-from dgemma.train.diffusion import posterior_logits
-from dgemma.train.nelbo import clean_context_posterior
 from tests import test_evaluate
 from tests.helpers import random_ids
 

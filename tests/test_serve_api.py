@@ -249,14 +249,14 @@ def test_canvas_text_holds_back_partial_utf8_and_stop_prefixes_then_splits(tok):
     """The app's per-choice text bookkeeping on real token ids arriving canvas by canvas: what it sends never
     contains a half UTF-8 character or a stop string's beginning that the next canvas completes, and the split
     into content, reasoning and tool calls is the whole text's."""
-    from dgemma.serving.app import _Choice
+    from dgemma.serving.choice import Choice
 
     text = 'café <think>plan é</think>Done. <tool_call>{"name": "f", "arguments": {"x": "ü"}}</tool_call> fin'
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
     whole = parse_output(text, CONVENTIONS)
     for size in (1, 2, 3, 5):
-        choice = _Choice(0, tok.decode, ("STOP",), OutputParser(CONVENTIONS))
+        choice = Choice(0, tok.decode, ("STOP",), OutputParser(CONVENTIONS))
         pieces = []
         for i in range(0, len(ids), size):
             new = choice.on_canvas(ids[i:i + size])
@@ -268,7 +268,7 @@ def test_canvas_text_holds_back_partial_utf8_and_stop_prefixes_then_splits(tok):
         assert got == {"content": whole.content, "reasoning": whole.reasoning}
         assert [c["function"] for _, c in pieces if _ == "tool_call"] == [c["function"] for c in whole.tool_calls]
     ids = tok.encode("one two STOP three", add_special_tokens=False)
-    choice = _Choice(0, tok.decode, ("STOP",), None)
+    choice = Choice(0, tok.decode, ("STOP",), None)
     sent = "".join(v for i in range(len(ids)) for _, v in choice.on_canvas(ids[i:i + 1]))
     assert choice.stopped and sent == "one two " and choice.finish() == []
 

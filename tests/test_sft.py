@@ -22,8 +22,9 @@ from dgemma import cli
 from dgemma.data.sft import ChatData, ChatDataError, Example, build_examples, collate, pack, sft_masks
 from dgemma.data.templates import ChatTemplate
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer, encode_template
+from dgemma.noise import q_sample
 from dgemma.train.config import TrainConfig
-from dgemma.train.diffusion import q_sample, sample_canvas_t, sft_loss
+from dgemma.train.diffusion import sample_canvas_t, sft_loss
 from dgemma.train.loop import train
 
 from .helpers import random_model

@@ -23,6 +23,7 @@ from dgemma.cli.common import (
 )
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
+from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
 
@@ -42,11 +43,20 @@ def register(subparsers: Any) -> None:
                    help="comma-separated Host names answered besides localhost (`*`: any); without --api-key on a "
                         "loopback address only localhost, 127.x.x.x and [::1] are answered (DNS rebinding)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the directory or preset)")
+    p.add_argument("--lora", action="append", default=[], type=_lora_pair, metavar="NAME=DIR",
+                   help="also serve the LoRA adapter in DIR (an adapter of this base model) as model NAME, on the "
+                        "same weights and in the same batches (repeatable; docs/serving.md)")
     p.add_argument("--max-batch", type=int, default=16, metavar="N", help="requests denoised together (default 16)")
     p.add_argument("--max-context", type=int, default=2048, metavar="N",
                    help="KV-cache slots per request: prompt + whole canvases (default 2048)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests waiting for a slot before 429 (default 256)")
+    p.add_argument("--prefix-cache", type=int, metavar="TOKENS",
+                   help="prompt tokens of K/V kept across requests, so a shared system prompt or the earlier turns "
+                        "of a chat are not prefilled again (default 4 x --max-context; 0: off)")
+    p.add_argument("--prefix-block", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
+                   help=f"tokens per prefix-cache block; prompts are prefilled in blocks of this size when the cache "
+                        f"is on (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--max-concurrency", type=int, default=256, metavar="N",
                    help="HTTP generation requests in flight before 429 (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, metavar="N",
@@ -76,9 +86,14 @@ def run(args: argparse.Namespace) -> int:
     from dgemma.serving.guards import allowed_hosts, check_api_key
 
     for name in ("max_batch", "max_context", "max_queue", "max_concurrency", "max_request_bytes", "max_n",
-                 "limit_denoising_steps", "max_request_steps"):
+                 "limit_denoising_steps", "max_request_steps", "prefix_block"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prefix_cache is None:
+        args.prefix_cache = 4 * args.max_context
+    if args.prefix_cache != 0 and args.prefix_cache < args.prefix_block:
+        raise UsageError(f"--prefix-cache must be 0 (off) or at least one block of --prefix-block "
+                         f"{args.prefix_block} tokens, got {args.prefix_cache}")
     if not 0 < args.body_timeout < float("inf"):
         raise UsageError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
     check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
@@ -94,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
     config = gcfg.replace(**overrides(args, gcfg))
     template = chat_template(args)
     name = args.model_name or (Path(args.model).resolve().name if args.model is not None else args.preset)
+    adapters = _adapters(model, name, args.lora)
     engine = Engine(model, max_batch=args.max_batch, max_context=args.max_context, max_queue=args.max_queue,
-                    impl=args.impl, force=args.force).start()
+                    impl=args.impl, force=args.force, prefix_cache=args.prefix_cache,
+                    prefix_block=args.prefix_block, adapters=adapters).start()
     try:
         limits = Limits(max_n=args.max_n, max_denoising_steps=args.limit_denoising_steps,
                         max_request_steps=args.max_request_steps)
@@ -111,6 +128,43 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _lora_pair(text: str) -> tuple[str, str]:
+    """--lora NAME=DIR as (NAME, DIR)."""
+    name, eq, path = text.partition("=")
+    if not eq or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"give NAME=DIR (the model name clients send, an adapter directory), got "
+                                         f"{text!r}")
+    return name.strip(), path.strip()
+
+
+def _adapters(model: Any, served: str, pairs: list[tuple[str, str]]) -> Any:
+    """The AdapterSet of the --lora adapters (None without any): names unique and other than the served model's,
+    each directory an adapter of this base (AdapterError naming the file otherwise)."""
+    if not pairs:
+        return None
+    from dgemma.adapters import AdapterError, AdapterSet
+
+    names = [n for n, _ in pairs]
+    for n in names:
+        if n == served:
+            raise UsageError(f"--lora {n}=...: {n!r} is the served model's name (--model-name); give the adapter "
+                             "another")
+        if names.count(n) > 1:
+            raise UsageError(f"--lora {n}=...: the name {n!r} is given {names.count(n)} times; each adapter needs "
+                             "its own")
+    for n, path in pairs:
+        if not Path(path).is_dir():
+            raise UsageError(f"--lora {n}={path}: not a directory (a LoRA adapter directory, as `dgemma finetune` "
+                             "writes)")
+    adapters = AdapterSet(model)
+    for n, path in pairs:
+        try:
+            adapters.add(n, path)
+        except AdapterError as e:
+            raise UsageError(f"--lora {n}={path}: {e}") from None
+    return adapters
 
 
 def _names(text: str) -> tuple[str, ...]:

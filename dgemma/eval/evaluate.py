@@ -5,7 +5,7 @@ Likelihood (nats per token, with bits per byte beside them), each a loop over th
     x0 cross-entropy     the training objective at t ~ U{1..T}, without self-conditioning (seed 003 section 7).
                          Not a likelihood: it is what the model is trained on, reported as the seed reports it.
     NELBO                an upper bound on the held-out NLL, canvas by canvas given the clean prefix; the maths
-                         (reverse KLs, stratified t, the posteriors) is dgemma/train/nelbo.py.
+                         (reverse KLs, stratified t, the posteriors) is dgemma/likelihood.py.
     AR cross-entropy     next-token loss of an autoregressive run (objective 'ar') on the same held-out tokens.
 
 Cost, speed and sample quality: the frontier (dgemma/eval/frontier.py: the decode runs of dgemma/eval/decoding.py,
@@ -39,20 +39,17 @@ from dgemma.eval.frontier import decode_frontier, frontier_points
 from dgemma.eval.judging import Z95, judge_description
 from dgemma.generate import Trace
 from dgemma.generation_config import GenerationConfig
-from dgemma.model import DiffusionGemma
-from dgemma.train.nelbo import (
+from dgemma.likelihood import (
     LEVEL_BINS,
-    EvalError,
     Posterior,
-    ar_token_nll,
     clean_context_posterior,
-    estimate,
     posterior_of,
     prior_kl,
     window_nelbo,
     window_nelbo_continuous,
-    x0_ce_per_canvas,
 )
+from dgemma.model import DiffusionGemma
+from dgemma.train.nelbo import EvalError, ar_token_nll, estimate, x0_ce_per_canvas
 
 REPORT_FORMAT = "dgemma-eval-1"
 PARITY_TOLERANCE = 0.05  # seed 003's verdict: held-out NLL within +5% of the AR baseline's

@@ -39,7 +39,13 @@ COMMON_FIELDS = ("model", "max_tokens", "stop", "seed", "n", "stream", "stream_o
                  "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user", *IGNORED)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                "response_format", "chat_template_kwargs", "reasoning_effort")
-COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix")
+# echo: true with max_tokens: 0 scores the prompt (its NELBO per token, docs/serving.md) and reads these two
+SCORING_FIELDS = ("nelbo_steps", "nelbo_samples")
+COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix", *SCORING_FIELDS)
+DEFAULT_NELBO_STEPS = 16  # T of the scoring bound: training's default T (docs/training.md)
+MAX_NELBO_STEPS = 4096
+DEFAULT_NELBO_SAMPLES = 4  # t samples per canvas of the scoring bound
+MAX_NELBO_SAMPLES = 64
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 MAX_STOP = 4
@@ -108,6 +114,18 @@ class GenerationRequest:
     ignored: tuple[str, ...] = ()  # fields given that change nothing here (IGNORED, an unread reasoning_effort)
     opened: Convention | None = None  # the thinking span the prompt leaves open: the output begins inside it
     logprobs: int | None = None  # None: no logprobs; k: each token's log-probability and k alternatives
+    scoring: Scoring | None = None  # echo + max_tokens 0: score the prompts, generate nothing
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What an echo + max_tokens 0 request asks: each prompt's NELBO per token (`likelihood.score_continuation` with
+    an empty context), at T = `num_steps` (None: the continuous-time bound), `num_t_samples` stratified t per canvas,
+    Monte Carlo seed `seed`."""
+
+    num_steps: int | None
+    num_t_samples: int
+    seed: int
 
 
 class _Refused:
@@ -260,16 +278,62 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
                              ) -> GenerationRequest:
     """POST /v1/completions: a prompt string, strings, token ids or token-id lists (`limits` as for chat)."""
     _check_fields(body, COMMON_FIELDS + COMPLETION_FIELDS)
-    for name, neutral in (("echo", (None, False)), ("best_of", (None, 1)), ("suffix", (None, ""))):
+    for name, neutral in (("best_of", (None, 1)), ("suffix", (None, ""))):
         _neutral(body, name, neutral)
+    scoring = _scoring(body)
     logprobs = body.get("logprobs")
     if logprobs is not None and (not is_int(logprobs) or isinstance(logprobs, bool)
                                  or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
         raise APIError(f"logprobs: must be an int from 0 to {MAX_COMPLETION_LOGPROBS} (the alternatives per token), "
                        f"got {json.dumps(logprobs)}", param="logprobs")
     prompts = _prompts(body.get("prompt"), tokenizer)
+    if scoring is not None:  # nothing is generated: the generation fields are checked, max_tokens is not a budget
+        body = {k: v for k, v in body.items() if k != "max_tokens"}
+        canvas_length = None
     return dataclasses.replace(_request("completion", body, prompts, base_config, model_name, limits, canvas_length,
-                                        "max_tokens", ()), logprobs=logprobs)
+                                        "max_tokens", ()), logprobs=logprobs, scoring=scoring)
+
+
+def _scoring(body: dict[str, Any]) -> Scoring | None:
+    """`echo`'s rule: true with max_tokens 0 scores the prompt (one response, n 1, one seed for every prompt); true
+    with anything else is refused (echoing the prompt before generated text is not supported); the scoring fields
+    only with it."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise APIError(f"echo: must be true or false, got {json.dumps(echo)}", param="echo")
+    if not echo:
+        for name in SCORING_FIELDS:
+            if body.get(name) is not None:
+                raise APIError(f"{name}: only with echo: true and max_tokens: 0 (scoring the prompt)", param=name)
+        return None
+    max_tokens = body.get("max_tokens")
+    if not (is_int(max_tokens) and not isinstance(max_tokens, bool) and max_tokens == 0):
+        raise APIError("echo: true is supported only with max_tokens: 0, which scores the prompt (its NELBO per token; "
+                       "docs/serving.md); echoing the prompt before generated text is not (nor lm-eval's max_tokens "
+                       "1, whose greediness check needs alternatives a bound does not have), got max_tokens "
+                       f"{json.dumps(max_tokens)}", param="echo")
+    if body.get("stream"):
+        raise APIError("stream: scoring (echo with max_tokens 0) answers in one JSON response; send stream: false",
+                       param="stream")
+    if body.get("n") not in (None, 1):
+        raise APIError(f"n: scoring (echo with max_tokens 0) has one result per prompt; n must be 1, got "
+                       f"{json.dumps(body.get('n'))}", param="n")
+    steps = body.get("nelbo_steps")
+    if steps is None:
+        steps = DEFAULT_NELBO_STEPS
+    elif steps == "continuous":
+        steps = None
+    elif not (is_int(steps) and not isinstance(steps, bool) and 1 <= steps <= MAX_NELBO_STEPS):
+        raise APIError(f"nelbo_steps: must be an int from 1 to {MAX_NELBO_STEPS} (T of the discrete bound) or "
+                       f'"continuous", got {json.dumps(steps)}', param="nelbo_steps")
+    samples = body.get("nelbo_samples", DEFAULT_NELBO_SAMPLES)
+    most = MAX_NELBO_SAMPLES if steps is None else min(MAX_NELBO_SAMPLES, steps)
+    if not (is_int(samples) and not isinstance(samples, bool) and 1 <= samples <= most):
+        raise APIError(f"nelbo_samples: must be an int from 1 to {most} (t samples per canvas"
+                       f"{'' if steps is None else ', at most nelbo_steps'}), got {json.dumps(samples)}",
+                       param="nelbo_samples")
+    seed = body.get("seed")
+    return Scoring(steps, samples, seed if is_seed(seed) else 0)  # a bad seed: refused by `_request`
 
 
 def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: GenerationConfig, model_name: str,

@@ -38,7 +38,6 @@ from dgemma.data.templates import (
     ChatTemplate,
     OutputParser,
     ParsedOutput,
-    partial_suffix,
 )
 from dgemma.data.tokenizer import Tokenizer
 from dgemma.generation_config import GenerationConfig
@@ -50,10 +49,12 @@ from dgemma.serving.api import (
     parse_completion_request,
     parse_json,
 )
+from dgemma.serving.choice import Choice
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
 from dgemma.serving.errors import APIError, error_body, rate_limited
 from dgemma.serving.guards import HostCheck, check_api_key, read_body, require_json
 from dgemma.serving.metrics import CountRequests, Metrics
+from dgemma.serving.scoring import ScoringRun
 
 log = logging.getLogger("dgemma.serve")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -76,8 +77,9 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
     engine's model's); `template` the chat template (default: dgemma's Gemma template); `api_key`, when given, is
     required as `Authorization: Bearer KEY` on /v1/*; `limits` caps the work of one request (default: `Limits()`),
     `body_timeout` the seconds its body may take to arrive; `allowed_hosts` (`guards.allowed_hosts`), when given,
-    are the only Host names answered. Raises ValueError for a setting that cannot work (an empty key, a default
-    config over `limits`)."""
+    are the only Host names answered. The engine's LoRA adapters (`Engine(adapters=)`) are each served as a model
+    of their own (a request names one in `model`). Raises ValueError for a setting that cannot work (an empty key,
+    a default config over `limits`)."""
     check_api_key(api_key)
     if not body_timeout > 0:
         raise ValueError(f"--body-timeout: must be > 0 seconds, got {body_timeout!r}")
@@ -133,15 +135,15 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         state.authorize(request)
-        return {"object": "list", "data": [state.model_card()]}
+        return {"object": "list", "data": [state.model_card(m) for m in (model_name, *state.adapters)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         state.authorize(request)
-        if model_id != model_name:
-            raise APIError(f"model {model_id!r} does not exist; this server serves {model_name!r}", param="model",
+        if model_id != model_name and model_id not in state.adapters:
+            raise APIError(f"model {model_id!r} does not exist; this server serves {state.served()}", param="model",
                            status=404, code="model_not_found")
-        return state.model_card()
+        return state.model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -179,8 +181,29 @@ class _State:
             raise APIError("missing or wrong API key: send `Authorization: Bearer KEY`", status=401,
                            code="invalid_api_key")
 
-    def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dgemma"}
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters served beside the model, by name (the engine's)."""
+        return () if self.engine.adapters is None else self.engine.adapters.names
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        """/v1/models' entry of the model or of an adapter, whose `parent` is the model (as vLLM lists them)."""
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "dgemma"}
+        return card if name == self.model_name else card | {"parent": self.model_name}
+
+    def served(self) -> str:
+        return ", ".join(repr(m) for m in (self.model_name, *self.adapters))
+
+    def adapter_of(self, body: dict[str, Any]) -> str | None:
+        """The adapter a request names in `model` (None: the model itself); 404 naming what is served for an
+        unknown name (a non-string `model` is the request parser's to refuse)."""
+        model = body.get("model")
+        if model in self.adapters:
+            return model
+        if self.adapters and isinstance(model, str) and model != self.model_name:
+            raise APIError(f"model {model!r} does not exist; this server serves {self.served()}", param="model",
+                           status=404, code="model_not_found")
+        return None
 
     async def respond(self, request: Request, kind: str) -> Response:
         """Answer a generation request. It counts against --max-concurrency only once its body has arrived and
@@ -197,8 +220,10 @@ class _State:
             req = await run_in_threadpool(self._parse, kind, body)
             if req.ignored:
                 log.warning("ignored request field(s) with no effect here: %s", ", ".join(req.ignored))
-            run = _Run(self, req, request)
+            adapter = self.adapter_of(body)
+            run = (_Run if req.scoring is None else ScoringRun)(self, req, request, adapter)
             run.submit()
+            self.metrics.admitted(adapter)
         except BaseException:
             self.in_flight -= 1
             raise
@@ -212,7 +237,8 @@ class _State:
             self._release(run)
 
     def _parse(self, kind: str, body: dict[str, Any]) -> GenerationRequest:
-        common = {"tokenizer": self.tokenizer, "base_config": self.config, "model_name": self.model_name,
+        common = {"tokenizer": self.tokenizer, "base_config": self.config,
+                  "model_name": self.adapter_of(body) or self.model_name,
                   "limits": self.limits, "canvas_length": self.engine.model.config.canvas_length}
         if kind == "chat":
             return parse_chat_request(body, template=self.template, **common)
@@ -254,85 +280,14 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
-class _Choice:
-    """One choice's text: committed ids -> decoded text, held back while it may end in an incomplete UTF-8 sequence
-    or the beginning of a stop string, cut at the first stop string, then split by the output parser."""
-
-    def __init__(self, index: int, decode: Callable[[list[int]], str], stop: tuple[str, ...], parser: Any):
-        self.index, self.decode, self.stop, self.parser = index, decode, stop, parser
-        self.ids: list[int] = []
-        self.text, self.sent = "", 0
-        self.parsed = ParsedOutput()
-        self.handle: Any = None
-        self.done, self.stopped = False, False
-        self.finish_reason: str | None = None
-        self.completion_tokens = 0
-        self.calls_sent = 0
-        self.submitted_at = 0.0  # for the metrics: submission, canvases seen, denoising steps spent
-        self.canvases = self.steps = 0
-        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # (id, logprob, top) per token
-        self.logprobs_sent = 0
-
-    def on_canvas(self, tokens: list[int], logprobs: list[float] | None = None,
-                  top: list[list[tuple[int, float]]] | None = None) -> list[tuple[str, Any]]:
-        if logprobs is not None:
-            self.logprobs += list(zip(tokens, logprobs, top or [[] for _ in tokens], strict=True))
-        self.ids += tokens
-        self.completion_tokens += len(tokens)
-        return self._advance(self.decode(self.ids).rstrip("\ufffd"), final=False)
-
-    def finish(self) -> list[tuple[str, Any]]:
-        """The rest of the text once the engine is done with this choice (nothing more can follow)."""
-        return self._advance(self.decode(self.ids), final=True) + self.close()
-
-    def returned_tokens(self) -> int:
-        """The tokens behind the text returned: every committed one, or where a stop string cut the text, the
-        fewest whose text reaches the cut (usage counts what the client got, not the rest of the canvas)."""
-        if not self.stopped:
-            return self.completion_tokens
-        lo, hi = 0, len(self.ids)
-        while lo < hi:  # the text of a prefix of ids grows with it
-            mid = (lo + hi) // 2
-            if len(self.decode(self.ids[:mid]).rstrip("\ufffd")) >= self.sent:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    def close(self) -> list[tuple[str, Any]]:
-        """What the parser still holds (an unclosed span), once no more text will come."""
-        if self.parser is None:
-            return []
-        tail = self.parser.finish()
-        self.parsed.add(tail)
-        return tail
-
-    def _advance(self, text: str, final: bool) -> list[tuple[str, Any]]:
-        if self.stopped:
-            return []
-        self.text = text
-        hits = [i for s in self.stop if (i := text.find(s, self.sent)) >= 0]
-        if hits:
-            end, self.stopped = min(hits), True
-        elif final:
-            end = len(text)
-        else:
-            end = len(text) - partial_suffix(text, self.stop)
-        new = text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        if self.parser is None:
-            return [("content", new)] if new else []
-        pieces = self.parser.feed(new)
-        self.parsed.add(pieces)
-        return pieces
-
-
 class _Run:
     """One HTTP generation request: its engine submissions, their events (bridged from the engine thread to this
     event loop), and the response built from them, whole or as server-sent events."""
 
-    def __init__(self, state: _State, req: GenerationRequest, request: Request):
+    def __init__(self, state: _State, req: GenerationRequest, request: Request, adapter: str | None = None):
         self.state, self.req, self.request = state, req, request
+        self.adapter = adapter  # the LoRA adapter the request names (None: the model itself)
+        self.model = adapter or state.model_name  # what the response says served it
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
@@ -341,7 +296,7 @@ class _Run:
         keep = tuple(m for c in req.conventions for m in (c.open, c.close))
         keep += (GEMMA_QUOTE,) if GEMMA_TOOL_CALL in req.conventions else ()
         decode = state.decoder(keep)
-        self.choices = [_Choice(s.index, decode, req.stop,
+        self.choices = [Choice(s.index, decode, req.stop,
                                 OutputParser(req.conventions, start=req.opened) if req.conventions else None)
                         for s in req.submissions]
         self.prompt_tokens = sum(len(p) for p in req.prompts)
@@ -365,7 +320,8 @@ class _Run:
                 choice.handle = engine.submit(
                     prompt, config, seed=sub.seed,
                     on_event=partial(self._on_event, sub.index), stream_steps=self.req.include_denoising,
-                    constraint=self.req.constraint, logprobs=self.req.logprobs)
+                    constraint=self.req.constraint, logprobs=self.req.logprobs,
+                    **({"adapter": self.adapter} if self.adapter is not None else {}))
             except QueueFullError as e:
                 self.cancel()
                 raise rate_limited(f"the engine queue is full ({e}); retry later") from None
@@ -396,7 +352,7 @@ class _Run:
                 if await self.request.is_disconnected():
                     raise ClientGone from None
 
-    async def events(self) -> AsyncIterator[tuple[_Choice, Any, list[tuple[str, Any]]]]:
+    async def events(self) -> AsyncIterator[tuple[Choice, Any, list[tuple[str, Any]]]]:
         """(choice, event, new pieces of text) until every choice is done; cancels what is left on the way out
         (a disconnect, a stop string, an error)."""
         try:
@@ -447,10 +403,17 @@ class _Run:
             self.state.metrics.usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
             self.state.metrics.e2e.observe(time.perf_counter() - self.started)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: the prompt tokens the prefix cache served (a
+        prompt's n choices count it once, with the fewest any of them reused)."""
         completion = sum(c.completion_tokens for c in self.choices)
+        cached: dict[int, int] = {}
+        for sub, c in zip(self.req.submissions, self.choices, strict=True):
+            reused = c.handle.cached if c.handle is not None else 0  # set by the engine before its first event
+            cached[sub.prompt] = min(cached.get(sub.prompt, reused), reused)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     async def complete(self) -> dict[str, Any]:
         """The whole response (non-streaming)."""
@@ -473,7 +436,7 @@ class _Run:
                             "logprobs": self._logprobs(c.logprobs[:c.returned_tokens()]),
                             "finish_reason": c.finish_reason})
         return {"id": self.id, "object": self.object.removesuffix(".chunk"), "created": self.created,
-                "model": self.state.model_name, "choices": choices, "usage": self.usage()}
+                "model": self.model, "choices": choices, "usage": self.usage()}
 
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: role chunks (chat), text per canvas, denoising steps (on request), finish chunks,
@@ -523,7 +486,7 @@ class _Run:
                 "top_logprobs": [{piece(a): alp for a, alp in top} for _, _, top in tokens] if self.req.logprobs
                 else None, "text_offset": offsets}
 
-    def _piece_deltas(self, choice: _Choice, pieces: list[tuple[str, Any]]) -> list[Any]:
+    def _piece_deltas(self, choice: Choice, pieces: list[tuple[str, Any]]) -> list[Any]:
         if self.req.kind == "completion":
             return ["".join(text for _, text in pieces)] if pieces else []
         out: list[Any] = []
@@ -535,12 +498,12 @@ class _Run:
                 out.append({"reasoning_content" if kind == "reasoning" else "content": value})
         return out
 
-    def _delta(self, choice: _Choice, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
+    def _delta(self, choice: Choice, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
         if self.req.kind == "completion":
             return {"index": choice.index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
         return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def _denoising(self, choice: _Choice, e: StepEvent) -> dict[str, Any]:
+    def _denoising(self, choice: Choice, e: StepEvent) -> dict[str, Any]:
         return {"choice": choice.index, "canvas": e.canvas, "step": e.step, "num_steps": e.num_steps,
                 "token_ids": list(e.argmax), "tokens": [self.state.piece(t) for t in e.argmax],
                 "accepted": [bool(a) for a in e.accepted],
@@ -549,7 +512,7 @@ class _Run:
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created,
-                                 "model": self.state.model_name, "choices": choices}
+                                 "model": self.model, "choices": choices}
         if self.req.include_usage:
             chunk["usage"] = None
         chunk.update(extra)

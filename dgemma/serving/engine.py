@@ -19,6 +19,11 @@ is served; with the reference kernels they equal `generate(..., impl="reference"
 The canvases that finish at the same step are committed in one batched pass over their rows' views of the pool
 (`KVCache.rows`); a prompt is prefilled on its own when its request is admitted, so a long prompt holds the other rows
 for one prefill.
+
+With `prefix_cache` (a number of tokens; dgemma/serving/prefix_cache.py) the K/V of prompt blocks outlive their
+request: a prompt whose leading blocks were prefilled before gets them copied into its row and prefills only the rest.
+Prompts are then prefilled in block-aligned chunks, which is what makes a request's tokens the same whether its prefix
+came from the cache or not (without it, a prompt is prefilled whole, exactly as `generate` does).
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dgemma import fast_sampler, kernels
+from dgemma.adapters import AdapterRows, AdapterSet
 from dgemma.attention import Impl, check_impl
 from dgemma.canvas import StepInfo
 from dgemma.constraint import Constraint, ConstraintState
+from dgemma.fast_sampler import FastSampler
 from dgemma.generate import CanvasSampler
 from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
@@ -45,6 +53,7 @@ from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
 from dgemma.request_rules import check_logit_bias, check_seed, eos_index, new_token_budget, sliding_prefix
 from dgemma.sampling import Seen
+from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +104,7 @@ class DoneEvent:
     seconds_to_first_canvas: float | None
     error: str | None = None
     seconds_in_queue: float | None = None  # from submission to a row (None: never admitted)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 Event = StepEvent | CanvasEvent | DoneEvent
@@ -116,6 +126,11 @@ class EngineStats:
     commits: int  # commit passes (prefills and finished canvases)
     generated_tokens: int  # output tokens delivered
     busy_seconds: float  # time the loop spent computing
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (0 without one)
+    prefix_hits: int = 0  # of those, served from it
+    prefix_blocks: int = 0  # blocks it holds now
+    prefix_capacity: int = 0  # blocks it can hold
+    prefix_evictions: int = 0
 
 
 @dataclass(eq=False)
@@ -134,12 +149,14 @@ class Request:
     # The engine thread's state.
     slot: int = -1
     length: int = 0  # committed tokens in the row
+    cached: int = 0  # prompt tokens copied from the prefix cache
     canvas: int = 0  # index of the canvas being denoised
     sampler: CanvasSampler | None = None
     generator: torch.Generator | None = None
     constraint: ConstraintState | None = None  # the request's grammar state, at the end of what it committed
     seen: Seen | None = None  # what its penalties count: its prompt and output so far (with a penalty set)
     logprobs: int | None = None  # None: no log-probabilities; k: each token's and its k most probable alternatives
+    adapter: str | None = None  # the LoRA adapter it runs on (None: the model itself)
     emitted: int = 0
     passes: int = 0
     first_canvas_s: float | None = None
@@ -161,21 +178,37 @@ class Request:
 class Engine:
     """Serves requests on `model` from one background thread (`start()`; `close()` stops it). `max_batch` rows of
     `max_context` committed tokens each are preallocated (the memory pre-flight refuses a pool larger than free memory
-    unless `force`); `max_queue` requests may wait for a row. `impl`: the kernels (default: the model's)."""
+    unless `force`); `max_queue` requests may wait for a row. `impl`: the kernels (default: the model's).
+    `prefix_cache`: tokens of prompt K/V kept across requests (0: none; rounded down to whole blocks of
+    `prefix_block` tokens). `adapters` (dgemma/adapters.py:AdapterSet): LoRA adapters of `model` a request may name
+    (`submit(adapter=)`); rows with different adapters, and none, share each batched pass."""
 
     def __init__(self, model: DiffusionGemma, *, max_batch: int = 16, max_context: int = 4096, max_queue: int = 256,
-                 impl: Impl | None = None, force: bool = False):
-        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_queue", max_queue)):
+                 impl: Impl | None = None, force: bool = False, prefix_cache: int = 0,
+                 prefix_block: int = DEFAULT_BLOCK_SIZE, adapters: AdapterSet | None = None):
+        for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_queue", max_queue),
+                            ("prefix_block", prefix_block)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0:
+            raise EngineError(f"prefix_cache must be an int >= 0 (tokens; 0: none), got {prefix_cache!r}")
+        if 0 < prefix_cache < prefix_block:
+            raise EngineError(f"prefix_cache={prefix_cache} tokens hold no block of prefix_block={prefix_block}; "
+                              "give at least one block, or 0 for none")
         self.model, self.impl = model, model.impl if impl is None else impl
         check_impl(self.impl)
         cfg = model.config
         self.canvas_length = cfg.canvas_length
         self.max_context = min(max_context, cfg.max_position_embeddings)
         self.max_batch, self.max_queue = max_batch, max_queue
-        check_memory(cfg, model.dtype, model.device, batch_size=max_batch, cache_length=self.max_context, force=force)
+        if adapters is not None and adapters.model is not model:
+            raise EngineError("adapters: an AdapterSet of another model; build it on the engine's model")
+        self.adapters = adapters
+        check_memory(cfg, model.dtype, model.device, batch_size=max_batch, cache_length=self.max_context,
+                     prefix_tokens=prefix_cache // prefix_block * prefix_block, force=force)
         self.pool = model.new_cache(max_batch, self.max_context)
+        self.prefix = None if prefix_cache == 0 else PrefixCache(
+            cfg, prefix_cache // prefix_block, block_size=prefix_block, dtype=model.dtype, device=model.device)
         self._views = [self.pool.rows(i, i + 1) for i in range(max_batch)]  # one-row caches, made once
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -187,6 +220,7 @@ class Engine:
                                       "requests_failed", "denoise_forwards", "denoise_rows", "commits",
                                       "generated_tokens"), 0)
         self._busy = 0.0
+        self._buffers: kernels.Workspace | None = None
 
     # --- the public side (any thread) ---------------------------------------------------------------------------
 
@@ -226,13 +260,18 @@ class Engine:
 
     def submit(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
                on_event: Callable[[Event], None], stream_steps: bool = False,
-               constraint: Constraint | None = None, logprobs: int | None = None) -> Request:
+               constraint: Constraint | None = None, logprobs: int | None = None,
+               adapter: str | None = None) -> Request:
         """Queue a request for whole canvases after `prompt_ids`; its events go to `on_event`, called from the engine
         thread, in order: StepEvents (with `stream_steps`) and CanvasEvents, then one DoneEvent. `constraint`
         (dgemma/constraint.py): a grammar every committed canvas keeps the output a valid prefix of. `logprobs`:
-        the CanvasEvents carry each token's log-probability and this many alternatives (CanvasEvent.logprobs). Raises
-        EngineError for a request that cannot run, QueueFullError when the queue is full."""
+        the CanvasEvents carry each token's log-probability and this many alternatives (CanvasEvent.logprobs).
+        `adapter`: the name of one of the engine's LoRA `adapters` to run the request on (None: the model itself).
+        Raises EngineError for a request that cannot run, QueueFullError when the queue is full."""
         prompt = self._check_prompt(prompt_ids)
+        if adapter is not None and (self.adapters is None or adapter not in self.adapters):
+            have = ", ".join(repr(n) for n in self.adapters.names) if self.adapters else "none"
+            raise EngineError(f"adapter: no adapter named {adapter!r} (loaded: {have})")
         if not isinstance(config, GenerationConfig):
             raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
         try:
@@ -256,7 +295,7 @@ class Engine:
                                      f"{max(free, 0)} free rows)")
             request = Request(self._next_id, prompt, config, seed, on_event, stream_steps, max_new, engine=self,
                               constraint=None if constraint is None else constraint.start(1, max_new),
-                              logprobs=logprobs)
+                              logprobs=logprobs, adapter=adapter)
             self._next_id += 1
             self._waiting.append(request)
             self._counts["requests_submitted"] += 1
@@ -285,8 +324,9 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
+            prefix = {} if self.prefix is None else {f"prefix_{k}": v for k, v in vars(self.prefix.stats()).items()}
             return EngineStats(queue_length=len(self._waiting), active=len(self._active), max_batch=self.max_batch,
-                               busy_seconds=self._busy, **self._counts)
+                               busy_seconds=self._busy, **self._counts, **prefix)
 
     # --- the loop (the engine thread) ---------------------------------------------------------------------------
 
@@ -314,6 +354,7 @@ class Engine:
             with self._lock:
                 self._busy += time.perf_counter() - started
 
+    @torch.no_grad()
     def _iteration(self, admitted: list[Request]) -> None:
         for r in list(self._active.values()):
             if r.cancelled:
@@ -329,7 +370,7 @@ class Engine:
             r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
             if r.config.penalizes:
                 r.seen = Seen.of(torch.tensor([r.prompt], device=self.model.device), self.model.config.vocab_size)
-            self._commit(r, r.prompt)
+            self._prefill(r)
             self._start_canvas(r)
         rows = [r for r in self._active.values() if r.sampler is not None]
         by_prefix: dict[str, list[Request]] = {}
@@ -338,9 +379,28 @@ class Engine:
         for group in by_prefix.values():
             self._denoise_step(group)
 
+    def _prefill(self, r: Request) -> None:
+        """Commit the prompt into the request's row: whole, or with a prefix cache, its cached leading blocks copied
+        and the rest committed block by block (dgemma/serving/prefix_cache.py), then its new blocks stored."""
+        if self.prefix is None:
+            self._commit(r, r.prompt)
+            return
+        namespace = r.adapter or ""  # K/V an adapter computed are its own
+        with self._lock:  # stats() reads the prefix cache's counters
+            r.cached = r.length = self.prefix.load(r.prompt, self._view(r), namespace)
+        for a, b in self.prefix.chunks(r.length, len(r.prompt)):
+            self._commit(r, r.prompt[a:b])
+        with self._lock:
+            self.prefix.save(r.prompt, self._view(r), namespace)
+
+    def _adapters(self, rows: list[Request]) -> AdapterRows | None:
+        """Which adapter each of `rows` runs (None: no row runs one)."""
+        return None if self.adapters is None else self.adapters.rows([r.adapter for r in rows])
+
     def _commit(self, r: Request, tokens: list[int]) -> None:
         view = self._view(r)
-        self.model.commit(torch.tensor([tokens], device=self.model.device), view, impl=self.impl)
+        self.model.commit(torch.tensor([tokens], device=self.model.device), view, impl=self.impl,
+                          adapters=self._adapters([r]))
         r.length = view.length
         self._count("commits")
 
@@ -353,36 +413,59 @@ class Engine:
     def _start_canvas(self, r: Request) -> None:
         r.canvas_started_at = time.perf_counter()
         on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
-        r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
-                                  on_step=on_step, constraint=r.constraint, seen=r.seen)
+        if self._fast(r):
+            r.sampler = FastSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
+                                    on_step=on_step, workspace=self._workspace())
+        else:
+            r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
+                                      on_step=on_step, constraint=r.constraint, seen=r.seen)
+
+    def _fast(self, r: Request) -> bool:
+        """Whether the request's canvases run on the fast sampler (with the fast kernels, for the settings it
+        implements, without a grammar or log-probabilities) rather than the readable one."""
+        return self.impl == "fast" and r.constraint is None and r.logprobs is None and \
+            not fast_sampler.unsupported(r.config)
+
+    def _workspace(self) -> kernels.Workspace:
+        """The fast samplers' (rows, V) buffers, one pair for the engine: the rows' steps run one after another."""
+        if self._buffers is None:
+            V, device = self.model.config.vocab_size, self.model.device
+            rows = min(self.canvas_length, kernels.default_chunk_rows(V, device))
+            self._buffers = kernels.Workspace(rows, V, device)
+        return self._buffers
 
     def _denoise_step(self, rows: list[Request]) -> None:
         """One batched pass over `rows` (one sliding-prefix rule), each at its own length, then each row's sampler
-        step."""
+        step on its own row of the pass: the head and the self-conditioning input are computed per row, as a
+        request alone computes them (`generate`), so no row's numbers depend on the others'."""
+        model, device = self.model, self.model.device
         inputs = [r.sampler.inputs() for r in rows]  # type: ignore[union-attr]
-        device = self.model.device
         x = torch.cat([canvas for canvas, _, _ in inputs])
-        sc = mask = level = None
-        if any(s is not None for _, s, _ in inputs):
-            V = self.model.config.vocab_size
-            blank = torch.zeros(1, self.canvas_length, V, dtype=self.model.dtype, device=device)
-            sc = torch.cat([s if s is not None else blank for _, s, _ in inputs])
-            mask = torch.tensor([s is not None for _, s, _ in inputs], device=device)
-        if self.model.config.time_embedding:
+        soft = level = None
+        if any(s is not None for _, s, _ in inputs):  # the fast sampler hands over the soft embedding itself
+            D = model.config.hidden_size
+            zero = torch.zeros(1, self.canvas_length, D, dtype=model.dtype, device=device)  # = no signal, exactly
+            soft = torch.cat([zero if s is None else s if isinstance(r.sampler, FastSampler) else
+                              model.soft_embedding(s) for (_, s, _), r in zip(inputs, rows, strict=True)])
+        if model.config.time_embedding:
             level = torch.cat([t for _, _, t in inputs])  # each row's own level (B,)
         del inputs
         caches = [self._view(r) for r in rows]
-        prefix = sliding_prefix(self.model.config, rows[0].config)
-        logits = self.model.denoise(x, caches, self_conditioning_logits=sc, self_conditioning_mask=mask,
-                                    sliding_prefix=prefix, t=level, impl=self.impl)
-        del sc
+        prefix = sliding_prefix(model.config, rows[0].config)
+        final = model.denoise_hidden(x, caches, soft=soft, sliding_prefix=prefix, t=level, impl=self.impl,
+                                     adapters=self._adapters(rows))
+        del soft
         self._count("denoise_forwards")
         self._count("denoise_rows", len(rows))
         going_on: list[tuple[Request, list[int]]] = []
         for i, r in enumerate(rows):
             r.passes += 1
             try:
-                finished = r.sampler.step(logits[i:i + 1])  # type: ignore[union-attr]
+                if isinstance(r.sampler, FastSampler):
+                    r.sampler.step(final[i:i + 1])
+                    finished = r.sampler.check()
+                else:
+                    finished = r.sampler.step(model.logits(final[i:i + 1]))  # type: ignore[union-attr]
             except ValueError as e:  # GenerationError: non-finite logits in this row
                 self._finish(r, "error", error=str(e))
                 continue
@@ -393,7 +476,7 @@ class Engine:
         if going_on:  # one batched commit of the canvases that finished at this step, each at its row's end
             views = [self._view(r) for r, _ in going_on]
             ids = torch.tensor([tokens for _, tokens in going_on], device=device)
-            self.model.commit(ids, views, impl=self.impl)
+            self.model.commit(ids, views, impl=self.impl, adapters=self._adapters([r for r, _ in going_on]))
             self._count("commits")
             for (r, _), view in zip(going_on, views, strict=True):
                 r.length = view.length
@@ -446,7 +529,8 @@ class Engine:
         completion = r.emitted + (reason == "stop")
         key = {"cancelled": "requests_cancelled", "error": "requests_failed"}.get(reason, "requests_finished")
         self._count(key)
-        self._emit(r, DoneEvent(reason, len(r.prompt), completion, r.passes, r.first_canvas_s, error, r.queue_s))
+        self._emit(r, DoneEvent(reason, len(r.prompt), completion, r.passes, r.first_canvas_s, error, r.queue_s,
+                                r.cached))
 
     def _emit(self, r: Request, event: Event) -> None:
         try:

@@ -47,7 +47,14 @@ class Metrics:
         self.prompt_tokens = per_request(Counter, "dgemma_prompt_tokens", "prompt tokens of answered requests")
         self.completion_tokens = per_request(Counter, "dgemma_completion_tokens",
                                              "completion tokens of answered requests (the tokens returned)")
+        self.adapter_requests = Counter("dgemma_lora_requests", "generation requests admitted, by the LoRA adapter "
+                                        "they run on (adapter=\"\": the model itself)", ["model_name", "adapter"],
+                                        registry=r)
+        self.model_name = model_name
         r.register(_EngineCollector(engine))
+
+    def admitted(self, adapter: str | None) -> None:
+        self.adapter_requests.labels(self.model_name, adapter or "").inc()
 
     def usage(self, prompt: int, completion: int) -> None:
         self.prompt_tokens.inc(prompt)
@@ -76,6 +83,17 @@ class _EngineCollector:
                                  ("generated_tokens", "output tokens delivered", s.generated_tokens),
                                  ("engine_busy_seconds", "time the engine loop spent computing", s.busy_seconds)):
             yield CounterMetricFamily(f"dgemma_{name}", doc, value=value)
+        for name, doc, value in (("prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  s.prefix_queries),
+                                 ("prefix_cache_hits", "prompt tokens served from the prefix cache", s.prefix_hits),
+                                 ("prefix_cache_evictions", "prefix-cache blocks evicted", s.prefix_evictions)):
+            yield CounterMetricFamily(f"dgemma_{name}", doc, value=value)
+        adapters = self.engine.adapters
+        yield GaugeMetricFamily("dgemma_lora_adapters_loaded", "LoRA adapters served beside the model",
+                                value=0 if adapters is None else len(adapters))
+        for name, doc, value in (("prefix_cache_blocks", "prefix-cache blocks held", s.prefix_blocks),
+                                 ("prefix_cache_capacity", "prefix-cache blocks it can hold", s.prefix_capacity)):
+            yield GaugeMetricFamily(f"dgemma_{name}", doc, value=value)
         requests = CounterMetricFamily("dgemma_engine_requests", "engine requests by state", labels=["state"])
         for label, value in (("submitted", s.requests_submitted), ("finished", s.requests_finished),
                              ("cancelled", s.requests_cancelled), ("failed", s.requests_failed)):

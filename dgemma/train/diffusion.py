@@ -1,4 +1,5 @@
-"""The training side of uniform-state block diffusion (seed 003): forward process and losses (the masks of each
+"""The training side of uniform-state block diffusion (seed 003): the noise levels of a batch and the losses (the
+forward process: dgemma/noise.py; the bound's KLs and the posterior: dgemma/likelihood.py; the masks of each
 objective: dgemma/attention.py).
 
 Forward process (D3PM, uniform state). A clean canvas x0 at noise level s in [0, 1] is corrupted in one shot:
@@ -29,7 +30,6 @@ keys including itself; a canvas sees the last `sliding_window - 1` tokens before
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,8 +40,9 @@ from torch.utils.checkpoint import checkpoint
 
 from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.data.sft import ChatBatch, sft_masks
+from dgemma.likelihood import continuous_kl, posterior_logits, reverse_kl
 from dgemma.model import DiffusionGemma
-from dgemma.noise import alpha, alpha_rate, observe
+from dgemma.noise import alpha, corrupt, draw_rows, q_sample
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
@@ -51,12 +52,6 @@ LOSS_WEIGHTING = ("x0", "elbo")  # how the levels' losses are weighted
 
 
 # --- forward process ------------------------------------------------------------------------------------------
-
-def alpha_bar(t: Tensor, num_steps: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Probability that a token is still clean at noise level t (cosine schedule), computed in float64 and returned
-    in `dtype`: float32 for corruption, float64 for the NELBO (dgemma/train/nelbo.py), whose logs need it near t = 0."""
-    return torch.cos(math.pi / 2 * t.double() / num_steps).pow(2).to(dtype)
-
 
 def sample_levels(batch: int, num_canvases: int, generator: torch.Generator | None = None,
                   device: torch.device | None = None, *, stratified: bool = False) -> Tensor:
@@ -89,121 +84,6 @@ def sample_canvas_t(batch: int, num_canvases: int, num_steps: int, generator: to
     return torch.ceil(u * num_steps).long().clamp_(1, num_steps).view(shape)
 
 
-def q_sample(x0: Tensor, t: Tensor, num_steps: int, canvas_length: int, vocab_size: int,
-             generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None) -> Tensor:
-    """Corrupt x0 (B, S) with per-canvas levels t (B, S / canvas_length) in one step of q(x_t | x0). With
-    `batch_rows` (first, total), x0 is rows [first, first + B) of a batch of `total`: the draws are made for the
-    whole batch and these rows kept, so they do not depend on how the batch is split (distributed training)."""
-    return corrupt(x0, alpha_bar(t, num_steps), canvas_length, vocab_size, generator, batch_rows)
-
-
-def corrupt(x0: Tensor, keep: Tensor, canvas_length: int, vocab_size: int, generator: torch.Generator | None = None,
-            batch_rows: tuple[int, int] | None = None) -> Tensor:
-    """q(x_s | x0) with each canvas's keep probability `keep` (B, S / canvas_length), float32: `q_sample` on the
-    grid, `alpha(level)` in continuous time; the same draws either way."""
-    keep_prob = keep.float().repeat_interleave(canvas_length, dim=1)  # (B, S)
-    keep = draw_rows(torch.rand, x0.shape, batch_rows, generator, x0.device) < keep_prob
-    noise = draw_rows(lambda *a, **k: torch.randint(0, vocab_size, *a, **k), x0.shape, batch_rows, generator, x0.device)
-    return torch.where(keep, x0, noise)
-
-
-def draw_rows(sample: Any, shape: torch.Size | tuple[int, ...], batch_rows: tuple[int, int] | None,
-          generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """sample(shape) for rows [first, first + shape[0]) of a draw over `total` rows (batch_rows = (first, total))."""
-    if batch_rows is None:
-        return sample(shape, generator=generator, device=device)
-    first, total = batch_rows
-    return sample((total, *shape[1:]), generator=generator, device=device)[first:first + shape[0]]
-
-
-# --- the reverse-step KL of the NELBO (docs/evaluation.md section 1.3) --------------------------------------------
-
-KL_CHUNK_ROWS = 256  # rows of (rows, V) float64 temporaries in `reverse_kl`
-
-
-def prior_kl(num_steps: int, vocab_size: int) -> float:
-    """KL(q(x_T | x0) || uniform) per token: q keeps x0 with alpha_bar(T) (~1e-33 for the cosine schedule)."""
-    ab = float(alpha_bar(torch.tensor(float(num_steps)), num_steps, torch.float64))
-    V = vocab_size
-    c = (1 - ab) / V
-    return (ab + c) * math.log(V * (ab + c)) + (V - 1) * c * math.log(V * c) if c > 0 else math.log(V)
-
-
-def reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int,
-               chunk_rows: int = KL_CHUNK_ROWS) -> Tensor:
-    """Per-token KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) of the x0-parameterised reverse step, in nats, float64.
-
-    logits (N, V): the model's p(x0' | x_t); x0, xt, t (N,) with t in 1..T. p(x_{t-1} | x_t) = sum_x0'
-    q(x_{t-1} | x_t, x0') p(x0' | x_t). At t = 1 this is -log p(x0 | x_1), the reconstruction term. The common
-    factor q(x_t | x_{t-1}) of both distributions cancels in the log-ratio (docs/evaluation.md, equation 6)."""
-    out = torch.empty(x0.shape[0], dtype=torch.float64, device=logits.device)
-    for lo in range(0, x0.shape[0], chunk_rows):
-        sl = slice(lo, lo + chunk_rows)
-        out[sl] = _reverse_kl(logits[sl], x0[sl], xt[sl], t[sl], num_steps)
-    return out
-
-
-def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int) -> Tensor:
-    V = logits.shape[-1]
-    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
-    ab_t = alpha_bar(t, num_steps, torch.float64)[:, None]
-    ab_s = alpha_bar(t - 1, num_steps, torch.float64)[:, None]  # s = t - 1
-    alpha = ab_t / ab_s  # the one-step keep probability from t-1 to t
-    at_k = F.one_hot(xt, V).bool()  # j == x_t
-    at_i = F.one_hot(x0, V).bool()  # j == x0
-    Z = (1 - ab_t) / V + ab_t * at_k  # (N, V): q(x_t | x0 = j) for every j
-    log_w = logp - Z.log()  # p(j | x_t) / q(x_t | j)
-    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
-    prior_s = ab_s * at_i + (1 - ab_s) / V  # q(x_{t-1} = j | x0)
-    # p(x_{t-1} = j | x_t) / q(x_t | x_{t-1} = j) = ab_s * w_j + (1 - ab_s) / V * S
-    log_den = torch.logaddexp(ab_s.log() + log_w, ((1 - ab_s) / V).log() + log_S)
-    q = (alpha * at_k + (1 - alpha) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
-    q = q / q.sum(-1, keepdim=True)  # the sum is q(x_t | x0) = Z[x0]
-    log_ratio = prior_s.log() - Z.gather(1, x0[:, None]).log() - log_den
-    return torch.where(q > 0, q * log_ratio, torch.zeros_like(q)).sum(-1)  # 0 log 0 = 0 (t = 1: q is one-hot)
-
-
-
-def continuous_kl(logits: Tensor, x0: Tensor, xt: Tensor, level: Tensor, chunk_rows: int = KL_CHUNK_ROWS) -> Tensor:
-    """Per-token integrand of the continuous-time NELBO at level s (N,) in (0, 1], float64 nats per unit of s: its
-    mean over s ~ U(0, 1] (and x_s ~ q) is the limit T -> infinity of the sum over t of `reverse_kl`, the bound of
-    the continuous-time chain (docs/evaluation.md section 1.3). For the same x0-parameterised reverse model (the
-    mixture sum_x0' q(x_{s-ds} | x_s, x0') p(x0' | x_s)), the step's KL is, to first order in ds, ds times the
-    generalized KL between the true and the model's reverse jump rates out of i = x_s:
-
-        (beta / V) * sum_{j != i} [ r'_j - r_j + r_j log(r_j / r'_j) ],     beta = -alpha'/alpha, c = (1 - alpha) / V
-        r_j  = (alpha [j == x0] + c) / (alpha [i == x0] + c)                 the true rate, over beta / V
-        r'_j = alpha w_j + c sum_k w_k,   w_k = p(k | x_s) / q(x_s | x0 = k)  the model's
-
-    O(V) per token, one forward per sampled s. It is finite only for a model that becomes certain of a token that
-    looks clean as s -> 0 (1 - p(x_s | x_s) = o(s)): a model without a time input cannot, and its bound grows
-    without limit with T (docs/training.md). UDLM (arXiv 2412.10193) and Duo (arXiv 2506.10892) write the same
-    limit for the plug-in model q(x_{s-ds} | x_s, x0 = p); this is the mixture's, the model `reverse_kl` bounds."""
-    out = torch.empty(x0.shape[0], dtype=torch.float64, device=logits.device)
-    for lo in range(0, x0.shape[0], chunk_rows):
-        sl = slice(lo, lo + chunk_rows)
-        out[sl] = _continuous_kl(logits[sl], x0[sl], xt[sl], level[sl])
-    return out
-
-
-def _continuous_kl(logits: Tensor, x0: Tensor, xt: Tensor, level: Tensor) -> Tensor:
-    V = logits.shape[-1]
-    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
-    a = alpha(level, torch.float64)[:, None]
-    c = (1 - a) / V
-    at_i = F.one_hot(xt, V).bool()  # j == x_s
-    log_a, log_c, log_ac = a.log(), c.log(), (a + c).log()
-    log_w = logp - torch.where(at_i, log_ac, log_c)  # w_k = p(k | x_s) / q(x_s | k)
-    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
-    log_model = torch.logaddexp(log_a + log_w, log_c + log_S)  # log r'_j
-    clean = (xt == x0)[:, None]
-    log_true = torch.where(F.one_hot(x0, V).bool(), log_ac, log_c) - torch.where(clean, log_ac, log_c)  # log r_j
-    r = log_true.exp()
-    term = log_model.exp() - r + r * (log_true - log_model)
-    return alpha_rate(level) / V * term.masked_fill(at_i, 0.0).sum(-1)
-
-
-
 # --- losses -----------------------------------------------------------------------------------------------------
 
 def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chunk_rows: int | None = 1024,
@@ -225,19 +105,6 @@ def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chun
         sl = slice(lo, lo + chunk_rows)
         total = total + checkpoint(chunk_loss, final[sl], targets[sl], *[o[sl] for o in obs], use_reentrant=False)
     return total / final.shape[0]
-
-
-def posterior_logits(model: DiffusionGemma, hidden: Tensor, tokens: Tensor | None = None,
-                     level: Tensor | None = None) -> Tensor:
-    """The logits of p(x0 | x_s) on final hidden states (..., D): the head's, and for a model with
-    `observed_likelihood` plus each position's observation `tokens` at its `level` (dgemma/noise.py:observe; both
-    required then). The one place training and the bounds turn hidden states into the posterior."""
-    logits = model.logits(hidden)
-    if not model.config.observed_likelihood:
-        return logits
-    if tokens is None or level is None:
-        raise ValueError("a model with observed_likelihood needs each position's x_s and level for its posterior")
-    return observe(logits, tokens, level)
 
 
 @torch.no_grad()

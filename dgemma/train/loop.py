@@ -60,13 +60,14 @@ from dgemma.data.shards import TokenDataset, check_token_range, sha256_file, ver
 from dgemma.data.templates import load_chat_template
 from dgemma.data.tokenizer import check_vocab, load_tokenizer
 from dgemma.generation_config import GenerationConfig
+from dgemma.likelihood import nelbo_per_window
 from dgemma.loading import init_weights, load_model
 from dgemma.model import DiffusionGemma
 from dgemma.train import distributed, run_dir
 from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate
 from dgemma.train.diffusion import LossOutput, sft_loss, training_loss
 from dgemma.train.distributed import Dist, checkpoint_world_size, load_into, resolve_device, shared
-from dgemma.train.nelbo import nelbo_per_window, window_cross_entropy
+from dgemma.train.nelbo import window_cross_entropy
 from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.train.run_dir import NonFiniteError
 
@@ -127,7 +128,7 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
 
         val_loss, val_loss_se     the objective's loss (the x0 cross-entropy of a diffusion run: seed 003's held-out
                                   measure; the next-token cross-entropy of an AR run), its SE across micro-batches
-        val_nelbo, val_nelbo_se   diffusion runs with nelbo_steps > 0: the NELBO (dgemma/train/nelbo.py) at
+        val_nelbo, val_nelbo_se   diffusion runs with nelbo_steps > 0: the NELBO (dgemma/likelihood.py) at
                                   T = nelbo_steps (default: the training T of a discrete-time run) with
                                   eval_t_samples stratified t per canvas, an upper bound on the held-out NLL that
                                   compares with the AR run's val_loss; SE across windows

@@ -1,0 +1,149 @@
+"""Many LoRA adapters on one base model, chosen per batch row: `AdapterSet` loads peft adapter directories (the
+`dgemma finetune` format, dgemma/lora.py) for a base model without touching its weights, and stacks their factors
+per adapted weight; `AdapterSet.rows(names)` says which adapter each row of one pass runs:
+
+    adapters = AdapterSet(model, {"support": "runs/support-lora", "legal": "runs/legal-lora"})
+    rows = adapters.rows(["support", None, "legal", "support"])     # None: the base model for that row
+    model.commit(ids, caches, adapters=rows)
+    logits = model.denoise(canvas, caches, adapters=rows)
+
+Each adapter is read with peft's own reading of its config (its scale alpha / r, or alpha / sqrt(r) with
+`use_rslora`, and its `rank_pattern` / `alpha_pattern`): peft wraps a model built on the meta device (no memory), and
+the file's tensors are checked against that model's (`lora.read_weights`: the key, the file and the shapes of
+anything that does not fit). The deltas are computed per row (dgemma/adapter_rows.py); a row without an adapter
+computes exactly what the base does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dgemma import lora
+from dgemma.adapter_rows import AdapterRows, Factors
+from dgemma.lora import AdapterError
+from dgemma.model import DiffusionGemma
+
+Pair = tuple[Tensor, Tensor]  # one adapter's (A, B) of one weight, the scale folded into B
+
+__all__ = ["AdapterError", "AdapterRows", "AdapterSet", "read_factors"]
+
+
+def read_factors(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[tuple[int, str], Pair]:
+    """The LoRA factors of the adapter directory `path` for `model`, by (layer, weight): a projection's A (r, in)
+    and B (out, r), an expert parameter's A (E, r, in) and B (E, out, r), B times peft's scale, in the model's dtype
+    and device. AdapterError naming the file, key and shapes for an adapter that does not fit the model."""
+    from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterError(f"{path}: not a directory; a LoRA adapter is a directory with {lora.CONFIG} and "
+                           f"{lora.WEIGHTS}")
+    config = lora.read_config(path)
+    with torch.device("meta"):
+        meta = DiffusionGemma(model.config)
+    lora._check_rank(meta, config, path / lora.CONFIG)
+    if config.target_parameters and (model.quantization or model.offloaded):
+        raise AdapterError(f"{path / lora.CONFIG}: field 'target_parameters' = {config.target_parameters!r}: an "
+                           "adapter on the routed experts needs plain expert weights, not quantized or offloaded ones")
+    lora.attach(meta, config)
+    tensors = lora.read_weights(meta, path)
+    factors = {}
+    for name, module in meta.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        A, B = (tensors[f"{name}.lora_{x}.default.weight"] for x in "AB")
+        layer = int(name.split(".")[1])  # layers.<i>.self_attn.q_proj, layers.<i>.experts(.base_layer)
+        if isinstance(module, ParamWrapper):  # peft's layout of a 3-D (E, out, in) parameter's factors
+            E = module.num_experts
+            target = "experts." + module.parameter_name
+            A, B = A.reshape(E, -1, A.shape[-1]), B.reshape(B.shape[0], -1, E).permute(2, 0, 1)
+        else:
+            target = name.rsplit(".", 1)[1]
+        scaled = B.to(torch.float32) * module.scaling["default"]
+        factors[(layer, target)] = (A.to(model.dtype).to(model.device).contiguous(),
+                                    scaled.to(model.dtype).to(model.device).contiguous())
+    return factors
+
+
+class AdapterSet:
+    """Named LoRA adapters of one base `model`, stacked for per-row passes (`rows`). `adapters`: name -> adapter
+    directory (or (name, directory) pairs), loaded in order; `add` and `remove` change the set between passes."""
+
+    def __init__(self, model: DiffusionGemma, adapters: Mapping[str, str | os.PathLike[str]] |
+                 Iterable[tuple[str, str | os.PathLike[str]]] = ()):
+        self.model = model
+        self._factors: dict[str, dict[tuple[int, str], Pair]] = {}
+        self._paths: dict[str, Path] = {}
+        self._stacks: dict[tuple[int, str], Factors] = {}
+        for name, path in adapters.items() if isinstance(adapters, Mapping) else adapters:
+            self.add(name, path)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The adapters' names, in the order of their index in `AdapterRows`."""
+        return tuple(self._factors)
+
+    def path(self, name: str) -> Path:
+        return self._paths[self._known(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._factors
+
+    def __len__(self) -> int:
+        return len(self._factors)
+
+    def add(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the adapter in directory `path` under `name` (a non-empty string not already in the set)."""
+        if not isinstance(name, str) or not name.strip():
+            raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
+        if name in self._factors:
+            raise AdapterError(f"adapter name {name!r} is already taken (by {self._paths[name]}); give {path} "
+                               "another name")
+        factors = read_factors(self.model, path)
+        self._factors[name], self._paths[name] = factors, Path(path)
+        self._stacks = self._stack()
+
+    def remove(self, name: str) -> None:
+        """Drop adapter `name`; rows built before (`rows`) keep the factors they were built with."""
+        self._known(name)
+        del self._factors[name], self._paths[name]
+        self._stacks = self._stack()
+
+    def rows(self, names: Sequence[str | None]) -> AdapterRows | None:
+        """Which adapter each row of a pass runs, by name (None: the base model); None when no row has one, which
+        makes the pass the base model's own."""
+        if all(n is None for n in names):
+            return None
+        order = {n: i for i, n in enumerate(self._factors)}
+        return AdapterRows(self._stacks, [-1 if n is None else order[self._known(n)] for n in names])
+
+    def _known(self, name: str) -> str:
+        if name not in self._factors:
+            have = ", ".join(repr(n) for n in self._factors) or "none"
+            raise AdapterError(f"no adapter named {name!r} (loaded: {have})")
+        return name
+
+    def _stack(self) -> dict[tuple[int, str], Factors]:
+        """Each adapted weight's factors over all adapters (`Factors`): zero-padded to the largest rank, zeros for
+        an adapter that leaves the weight alone."""
+        stacks = {}
+        per_adapter = list(self._factors.values())
+        for key in sorted({k for f in per_adapter for k in f}):
+            pairs = [f.get(key) for f in per_adapter]
+            A0, B0 = next(p for p in pairs if p is not None)
+            r = max(p[0].shape[-2] for p in pairs if p is not None)
+            n = len(pairs)
+            A = A0.new_zeros(n, *A0.shape[:-2], r, A0.shape[-1])
+            B = B0.new_zeros(n, *B0.shape[:-1], r)
+            for a, p in enumerate(pairs):
+                if p is not None:
+                    A[a, ..., :p[0].shape[-2], :] = p[0]
+                    B[a, ..., :p[1].shape[-1]] = p[1]
+            stacks[key] = Factors(A, B, tuple(p is not None for p in pairs))
+        return stacks

@@ -1,0 +1,156 @@
+"""Where a training step spends its time, and what the optimizer and loss settings change: the profile behind
+docs/benchmarks.md, "Training step".
+
+    python runs/profile_train_step.py --preset cpu-small --threads 1          # the cpu-small training shape
+    python runs/profile_train_step.py --preset lite-380m --batch-size 1 --threads 1 --steps 3   # lite-380m's layers
+
+1. A profile (torch.profiler, self CPU time) of `--steps` clean-context steps with self-conditioning 0.5 (the
+   training default) after a warm-up step, by op and by kind: matmuls, attention, the chunked cross-entropy, the
+   optimizer, elementwise and the rest. MFU = model FLOPs (`dgemma bench`'s count) / time / this machine's measured
+   fp32 matmul peak.
+2. Variants timed against each other, interleaved step by step on copies of one model with the same data and draws:
+   AdamW `foreach` (the default off CUDA) against `fused=True`, and the cross-entropy's row chunk (`chunk_rows`).
+   Medians of the timed steps.
+
+Random token windows (a step's cost does not depend on the text); one process; run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import dgemma  # noqa: E402
+from dgemma import attention  # noqa: E402
+from dgemma.eval.bench import measure_matmul_peak, training_flops  # noqa: E402
+from dgemma.train.config import train_preset  # noqa: E402
+from dgemma.train.diffusion import training_loss  # noqa: E402
+
+KINDS = (("matmul", ("mm", "bmm", "addmm", "linear", "grouped_mm", "matmul", "baddbmm")),
+         ("attention", ("scaled_dot_product", "flash_attention", "_softmax", "softmax")),
+         ("cross-entropy", ("cross_entropy", "log_softmax", "nll_loss", "logsumexp")),
+         ("optimizer", ("adam", "_foreach", "fused_adamw", "lerp", "addcdiv", "addcmul")),
+         ("gather / scatter / copy", ("index", "gather", "scatter", "copy_", "cat", "clone", "to", "contiguous")),
+         ("elementwise", ("mul", "add", "sub", "div", "gelu", "tanh", "sigmoid", "exp", "rsqrt", "pow", "mean",
+                          "sum", "where", "neg", "sqrt", "clamp", "fill", "zero")))
+
+
+def kind_of(op: str) -> str:
+    name = op.removeprefix("aten::")
+    for kind, words in KINDS:
+        if any(w in name for w in words):
+            return kind
+    return "other"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="cpu-small", help="training preset (its model, batch and window)")
+    p.add_argument("--batch-size", type=int, help="windows per step (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="window length (default: the preset's)")
+    p.add_argument("--steps", type=int, default=6, help="profiled steps, and timed steps per variant")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--json", type=Path, help="write the results here")
+    return p.parse_args(argv)
+
+
+def step(model, opt, data, cfg, g, chunk_rows) -> float:
+    start = time.perf_counter()
+    out = training_loss(model, data, objective="clean-context", num_steps=cfg.num_steps,
+                        self_conditioning_prob=cfg.self_conditioning_prob, chunk_rows=chunk_rows, generator=g)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def optimizer(model, cfg, fused: bool) -> torch.optim.AdamW:
+    """`train.loop.make_optimizer`'s groups, with foreach (the default off CUDA) or the fused kernel."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused, foreach=not fused)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = train_preset(args.preset)
+    B, S = args.batch_size or cfg.batch_size, args.seq_len or cfg.seq_len
+    mc = cfg.model_config
+    base = dgemma.init_weights(dgemma.DiffusionGemma(mc), seed=0).train()
+    data = torch.randint(0, mc.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    peak = measure_matmul_peak("cpu", torch.float32)
+    masks = attention.clean_context_masks(S, mc.canvas_length, mc.sliding_window)
+
+    # 1. the profile
+    model, g = copy.deepcopy(base), torch.Generator().manual_seed(0)
+    opt = optimizer(model, cfg, fused=False)
+    step(model, opt, data, cfg, g, cfg.chunk_rows)  # warm-up: allocations, AdamW state
+    seconds, flops = [], 0.0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            seconds.append(step(model, opt, data, cfg, g, cfg.chunk_rows))
+    for sc in (False, True):  # the expected FLOPs of a step: the self-conditioning pre-pass on a share p of them
+        share = cfg.self_conditioning_prob if sc else 1 - cfg.self_conditioning_prob
+        flops += share * training_flops(mc, B, S, "clean-context", sc, masks)
+    by_op: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        by_op[e.key] += e.self_cpu_time_total / 1e6 / args.steps
+    by_kind: dict[str, float] = defaultdict(float)
+    for op, s in by_op.items():
+        by_kind[kind_of(op)] += s
+    total = sum(by_op.values())
+    mean = statistics.mean(seconds)
+    print(f"{args.preset}: batch {B} x {S}, clean-context, self-conditioning {cfg.self_conditioning_prob:g}, "
+          f"{args.threads} thread(s), load {os.getloadavg()[0]:.2f}")
+    print(f"step {1000 * mean:.0f} ms (profiled), {B * S / mean:,.0f} tokens/s, model FLOPs {flops / 1e9:.1f} G, "
+          f"peak {peak / 1e9:.0f} GFLOP/s, MFU {100 * flops / mean / peak:.1f}%")
+    print("\n| kind | ms / step | share |\n|---|---:|---:|")
+    for kind, s in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"| {kind} | {1000 * s:.1f} | {100 * s / total:.0f}% |")
+    print("\n| op (self CPU) | ms / step | share |\n|---|---:|---:|")
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:15]
+    for op, s in top:
+        print(f"| `{op}` | {1000 * s:.1f} | {100 * s / total:.0f}% |")
+
+    # 2. the variants, interleaved
+    chunks = sorted({cfg.chunk_rows, 256, 4096})
+    variants = {"AdamW foreach": (False, cfg.chunk_rows), "AdamW fused": (True, cfg.chunk_rows),
+                **{f"AdamW fused, CE chunk {c}": (True, c) for c in chunks if c != cfg.chunk_rows}}
+    runs = {}
+    for name, (fused, chunk) in variants.items():
+        m = copy.deepcopy(base)
+        runs[name] = (m, optimizer(m, cfg, fused), torch.Generator().manual_seed(0), chunk, [])
+    for i in range(args.steps + 1):
+        for name in (list(runs) if i % 2 == 0 else list(reversed(runs))):
+            m, o, gen, chunk, times = runs[name]
+            t = step(m, o, data, cfg, gen, chunk)
+            if i:
+                times.append(t)
+    print("\n| variant | ms / step (median) | tokens/s | vs foreach |\n|---|---:|---:|---:|")
+    med = {name: statistics.median(r[4]) for name, r in runs.items()}
+    for name, s in med.items():
+        print(f"| {name} | {1000 * s:.0f} | {B * S / s:,.0f} | {med['AdamW foreach'] / s:.2f}x |")
+    if args.json:
+        args.json.write_text(json.dumps({"preset": args.preset, "batch": B, "seq_len": S, "threads": args.threads,
+                                         "step_s": mean, "mfu": flops / mean / peak, "peak_flops": peak,
+                                         "by_kind_s": by_kind, "top_ops_s": dict(top), "variants_s": med},
+                                        indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

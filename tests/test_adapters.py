@@ -1,0 +1,235 @@
+"""Many LoRA adapters on one base model (dgemma/adapters.py, dgemma/adapter_rows.py): in one commit / denoise pass
+each row runs its own adapter or the base; an adapted row computes what the adapter merged into the base
+(`lora.merge`) computes on that row alone, to rounding; over one-row caches (the engine's continuous batching) a row
+without an adapter is bit-identical to the same pass without adapters and to the base on that row alone; an
+adapter that does not fit is refused with one error naming the file, the key and the value."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from dgemma import lora
+from dgemma.adapters import AdapterError, AdapterSet
+from tests.helpers import random_ids, random_model
+
+pytest.importorskip("peft")
+
+NAMES = ["a", None, "b", "a"]  # the rows' adapters; None: the base
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-4}  # fp32 logits (|x| <= 30): W x + B (A x) against (W + B A) x
+
+
+@pytest.fixture(scope="module")
+def base():
+    return random_model("tiny", seed=5)
+
+
+def write_adapter(base, path, targets: str, rank: int, seed: int):
+    """An adapter on `targets` written by `lora.save_adapter` with random A and B (B starts at zero: no delta), and
+    the base with it merged in (`lora.merge` on a copy)."""
+    model = copy.deepcopy(base)
+    config = lora.lora_config(rank, 2.0 * rank + 1, targets)
+    lora.attach(model, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    lora.save_adapter(model, config, path)
+    return lora.merge(model).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    """Adapter "a" on attention (rank 4), "b" on attention and the routed experts (rank 2: the stack pads it)."""
+    root = tmp_path_factory.mktemp("adapters")
+    merged = {"a": write_adapter(base, root / "a", "attention", 4, seed=1),
+              "b": write_adapter(base, root / "b", "attention+experts", 2, seed=2), None: base}
+    return AdapterSet(base, {"a": root / "a", "b": root / "b"}), merged, root
+
+
+def run(model, ids, canvas, impl: str, rows: bool, adapters=None) -> list[torch.Tensor]:
+    """Commit `ids`, denoise `canvas`, commit it, denoise it reversed: both denoise logits. `rows`: over one-row
+    caches of a pool (the engine's continuous batching) rather than one batched cache."""
+    B = ids.shape[0]
+    if rows:
+        pool = model.new_cache(B, 48)
+        cache = [pool.rows(i, i + 1) for i in range(B)]
+    else:
+        cache = model.new_cache(B, 48)
+    model.commit(ids, cache, adapters=adapters, impl=impl)
+    first = model.denoise(canvas, cache, adapters=adapters, impl=impl)
+    model.commit(canvas, cache, adapters=adapters, impl=impl)
+    return [first, model.denoise(canvas.flip(1), cache, adapters=adapters, impl=impl)]
+
+
+def inputs(base) -> tuple[torch.Tensor, torch.Tensor]:
+    V, L = base.config.vocab_size, base.config.canvas_length
+    return random_ids(V, len(NAMES), 11, seed=3), random_ids(V, len(NAMES), L, seed=4)
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["batched-cache", "one-row-caches"])
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_each_row_computes_its_merged_adapter_and_base_rows_are_untouched(base, adapters, impl, rows):
+    adapter_set, merged, _ = adapters
+    ids, canvas = inputs(base)
+    got = run(base, ids, canvas, impl, rows, adapter_set.rows(NAMES))
+    plain = run(base, ids, canvas, impl, rows)
+    for r, name in enumerate(NAMES):
+        alone = run(merged[name], ids[r:r + 1], canvas[r:r + 1], impl, rows)
+        for g, p, a in zip(got, plain, alone, strict=True):
+            torch.testing.assert_close(g[r], a[0], **TOLERANCE)
+            if name is None and rows:  # no zero delta added: exactly the pass without adapters, and the base alone
+                assert torch.equal(g[r], p[r]) and torch.equal(g[r], a[0])
+            elif name is None:  # one batched cache: the routed experts share matmuls across rows, as without adapters
+                torch.testing.assert_close(g[r], p[r], **TOLERANCE)
+            else:
+                assert float((g[r] - p[r]).abs().max()) > 0.05  # the adapter does something
+
+
+def test_no_adapter_on_any_row_is_the_base_pass(adapters):
+    adapter_set, _, _ = adapters
+    assert adapter_set.rows([None, None]) is None
+
+
+def test_remove_and_add_between_passes(base, adapters, tmp_path):
+    adapter_set, merged, root = adapters
+    adapter_set = AdapterSet(base, {"a": root / "a", "b": root / "b"})
+    ids, canvas = inputs(base)
+    before = adapter_set.rows(["a"])
+    adapter_set.remove("a")
+    assert adapter_set.names == ("b",)
+    with pytest.raises(AdapterError, match=r"no adapter named 'a' \(loaded: 'b'\)"):
+        adapter_set.rows(["a"])
+    kept = run(base, ids[:1], canvas[:1], "fast", True, before)  # rows built before keep their factors
+    torch.testing.assert_close(kept[0], run(merged["a"], ids[:1], canvas[:1], "fast", True)[0], **TOLERANCE)
+    adapter_set.add("a2", root / "a")
+    got = run(base, ids[2:], canvas[2:], "fast", True, adapter_set.rows(["b", "a2"]))
+    for r, name in enumerate(["b", "a"]):
+        torch.testing.assert_close(got[0][r], run(merged[name], ids[2 + r:3 + r], canvas[2 + r:3 + r], "fast",
+                                                  True)[0][0], **TOLERANCE)
+
+
+def test_adapters_that_cannot_be_used_are_refused(base, adapters, tmp_path):
+    adapter_set, _, root = adapters
+    with pytest.raises(AdapterError, match=r"adapter name 'a' is already taken \(by .*a\)"):
+        adapter_set.add("a", root / "b")
+    with pytest.raises(AdapterError, match="adapter name must be a non-empty string"):
+        adapter_set.add("", root / "b")
+    with pytest.raises(AdapterError, match=r"nowhere: not a directory"):
+        adapter_set.add("c", tmp_path / "nowhere")
+    assert adapter_set.names == ("a", "b")  # nothing refused was added
+
+    other = random_model("k8-of-16")  # another geometry: the file's shapes do not fit
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors: does not fit this model.*has shape"):
+        AdapterSet(other, {"a": root / "a"})
+
+    broken = tmp_path / "broken"
+    write_adapter(base, broken, "attention", 4, seed=3)
+    (broken / lora.WEIGHTS).unlink()
+    with pytest.raises(AdapterError, match=r"adapter_model\.safetensors: not a readable safetensors file"):
+        AdapterSet(base, {"x": broken})
+
+    wide = tmp_path / "wide"
+    write_adapter(base, wide, "attention", 4, seed=3)
+    config = json.loads((wide / lora.CONFIG).read_text())
+    (wide / lora.CONFIG).write_text(json.dumps(config | {"r": 1000}))
+    with pytest.raises(AdapterError, match=r"adapter_config\.json: field 'r' = 1000 is larger than"):
+        AdapterSet(base, {"x": wide})
+
+    (wide / lora.CONFIG).write_text(json.dumps(config | {"use_dora": True}))
+    with pytest.raises(AdapterError, match=r"field 'use_dora' = True: dgemma reads plain LoRA adapters only"):
+        AdapterSet(base, {"x": wide})
+
+    with pytest.raises(ValueError, match="adapters: 4 rows given for a batch of 2"):
+        run(base, *(t[:2] for t in inputs(base)), "fast", True, adapter_set.rows(NAMES))
+
+
+def test_through_the_openai_client_each_adapter_is_a_model_and_rows_batch_together(base, adapters):
+    """`model` picks the adapter; requests on "a", "b" and the base run in the same batches, and each gives the
+    tokens the adapter's merged checkpoint gives on an engine of its own (reference kernels, the same seed); echo
+    scoring on an adapter is the merged checkpoint's bound."""
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    import threading
+
+    from dgemma.data.tokenizer import build_test_tokenizer
+    from dgemma.generation_config import GenerationConfig
+    from dgemma.likelihood import score_continuation
+    from dgemma.serving.app import create_app
+    from dgemma.serving.engine import Engine
+    from tests.helpers import running_server
+
+    adapter_set, merged, _ = adapters
+    tok = build_test_tokenizer(512)
+    config = GenerationConfig.for_model(base.config).replace(max_new_tokens=16, max_denoising_steps=3,
+                                                             eos_token_id=())
+    asks = [("a", 0), ("tiny", 1), ("b", 2), ("a", 3), ("b", 4), ("tiny", 5)]
+    with Engine(base, max_batch=6, max_context=64, impl="reference", adapters=adapter_set,
+                prefix_cache=128, prefix_block=16) as engine, \
+            running_server(create_app(engine, tok, "tiny", generation_config=config)) as url:
+        listed = httpx.get(url + "/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in listed] == [("tiny", None), ("a", "tiny"), ("b", "tiny")]
+        assert httpx.get(url + "/v1/models/b").json()["parent"] == "tiny"
+        wrong = httpx.post(url + "/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 4})
+        assert wrong.status_code == 404
+        assert wrong.json()["error"]["message"] == "model 'c' does not exist; this server serves 'tiny', 'a', 'b'"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        out: dict[int, object] = {}
+
+        def ask(i: int, model: str, seed: int) -> None:
+            out[i] = client.completions.create(model=model, prompt="The sea and the sky", max_tokens=16, seed=seed)
+
+        threads = [threading.Thread(target=ask, args=(i, m, s)) for i, (m, s) in enumerate(asks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = engine.stats()
+        scored = client.completions.create(model="a", prompt="The sea and the sky", max_tokens=0, echo=True,
+                                           logprobs=0).choices[0].logprobs.token_logprobs
+        metrics = httpx.get(url + "/metrics").text
+    for adapter, n in (("a", 3), ("b", 2), ("", 2)):  # two generations each, and the scoring request on "a"
+        assert f'dgemma_lora_requests_total{{adapter="{adapter}",model_name="tiny"}} {n}.0' in metrics
+    assert "dgemma_lora_adapters_loaded 2.0" in metrics
+    assert stats.denoise_rows > stats.denoise_forwards  # rows of different adapters shared passes
+    prompt = tok.encode("The sea and the sky")
+    on_merged = score_continuation(merged["a"], [], prompt, num_steps=16, num_t_samples=4)
+    on_base = score_continuation(base, [], prompt, num_steps=16, num_t_samples=4)
+    assert scored == pytest.approx([-x for x in on_merged.tolist()], rel=1e-4, abs=1e-4)  # echo scoring: adapter "a"
+    assert scored != pytest.approx([-x for x in on_base.tolist()], rel=1e-3)
+    for i, (name, seed) in enumerate(asks):
+        assert out[i].model == name
+        with Engine(merged[None if name == "tiny" else name], max_batch=1, max_context=64,
+                    impl="reference") as alone:
+            tokens, _ = alone.complete(prompt, config, seed=seed)
+        assert out[i].choices[0].text == tok.decode(tokens, skip_special_tokens=True), name
+    texts = {out[i].choices[0].text for i in range(len(asks))}
+    assert len(texts) == len(asks)  # each adapter (and the base) writes its own text
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--lora", "a"], "argument --lora: give NAME=DIR"),
+    (["--lora", "=dir"], "argument --lora: give NAME=DIR"),
+    (["--lora", "tiny=DIR"], "--lora tiny=...: 'tiny' is the served model's name"),
+    (["--lora", "x=A", "--lora", "x=B"], "--lora x=...: the name 'x' is given 2 times"),
+    (["--lora", "x=/nowhere"], "--lora x=/nowhere: not a directory"),
+    (["--lora", "x=DIR"], "--lora x=.: adapter_config.json: field 'peft_type' must be \"LORA\""),  # not an adapter
+])
+def test_serve_refuses_bad_lora_flags_in_one_line(flags, error, capsys, tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    from dgemma import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / lora.CONFIG).write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    argv = ["serve", "--preset", "tiny", "--random-init", "--model-name", "tiny",
+            *[f.replace("DIR", ".") for f in flags]]
+    try:
+        status = cli.main(argv)
+    except SystemExit as e:  # argparse's own refusal of the flag's shape
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and error in err and "Traceback" not in err
