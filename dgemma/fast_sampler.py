@@ -180,36 +180,49 @@ class FastSampler:
         self._begun = self.state.begin_step()
         return self.state.x, self.soft, self.state.level if self.model.config.time_embedding else None
 
+    def temperature(self) -> Tensor:
+        """This step's temperature (0-d, on the device)."""
+        N = self.config.max_denoising_steps
+        return sampling.temperature(self.remaining, N, self.config.t_min, self.config.t_max, self.model.device)
+
+    def batchable(self, rows: int) -> bool:
+        """Whether a step of `rows` canvas rows runs the one pass over the vocabulary (`step_together` takes such
+        samplers' rows in one call)."""
+        return self.one_pass and not self.model.config.observed_likelihood and rows <= self.chunk_rows
+
     def step(self, final: Tensor) -> None:
         """The sampler on the pass's final hidden state (B, L, D): head, draw, accept, renoise, stop rule; no host
         read."""
-        state, config, generator, V = self.state, self.config, self.generator, self.vocab_size
-        was_done, active = self._begun
-        n, N = self.remaining, config.max_denoising_steps
-        device = final.device
-        temp = sampling.temperature(n, N, config.t_min, config.t_max, device)
+        state, V, n = self.state, self.vocab_size, self.remaining
+        temp = self.temperature()
         observed = None
         if self.model.config.observed_likelihood:  # the readable loop's `observe`, inside the chunked head
             levels = observation_levels(sampling.canvas_level(state.clean), state.carried)
             observed = (state.x, observation_boost(levels, V))
-        if self.one_pass and observed is None and final.shape[0] * final.shape[1] <= self.chunk_rows:
-            out = kernels.one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=generator,
+        if self.batchable(final.shape[0] * final.shape[1]):
+            out = kernels.one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=self.generator,
                                                    embed_scale=self.scale if n > 1 else None,
                                                    workspace=self.workspace)
         else:
-            out = kernels.head_and_sample(final, self.head, temp, generator=generator, draw=self.draw,
+            out = kernels.head_and_sample(final, self.head, temp, generator=self.generator, draw=self.draw,
                                           embed=self.weight if n > 1 else None, embed_scale=self.scale,
                                           chunk_rows=self.chunk_rows, workspace=self.workspace, observed=observed)
+        self.apply(out, temp)
+
+    def apply(self, out: kernels.StepDraws, temp: Tensor) -> None:
+        """The rest of a step given its draws: accept by entropy, renoise, freeze the rows that stopped, stop rule."""
+        state, config, V, N = self.state, self.config, self.vocab_size, self.config.max_denoising_steps
+        was_done, active = self._begun
         ok = torch.isfinite(out.entropy).all()  # a device tensor: no host read here
-        self.first_bad = torch.where(self.finite & ~ok, N - n + 1, self.first_bad)
+        self.first_bad = torch.where(self.finite & ~ok, N - self.remaining + 1, self.first_bad)
         self.finite = self.finite & ok
         accepted = sampling.accept_by_entropy(out.entropy, config.entropy_bound)
-        new_x = sampling.renoise(out.draw, accepted, V, generator)
+        new_x = sampling.renoise(out.draw, accepted, V, self.generator)
         keep = was_done[:, None]  # rows that already stopped keep everything (the readable loop's freeze)
         new_argmax = torch.where(keep, state.argmax, out.argmax)
         new_x = torch.where(keep, state.x, new_x)
         self.entropy = torch.where(keep, self.entropy, out.entropy)
-        if out.soft is not None:
+        if out.soft is not None and self.remaining > 1:
             self.soft = out.soft if self.soft is None else torch.where(keep[..., None], self.soft, out.soft)
         state.end_step(was_done, active, new_x, new_argmax, accepted, self.entropy, temp)
         self.remaining -= 1
@@ -225,6 +238,24 @@ class FastSampler:
 
     def staged(self) -> StagedCanvas:
         return self.state.staged(self.state.x)
+
+
+@torch.no_grad()
+def step_together(samplers: list[FastSampler], final: Tensor) -> None:
+    """`sampler.step(final[i:i + 1])` for each of `samplers` (one-row samplers of one model, all `batchable`), with
+    one head pass over all their rows: each row keeps its own temperature and its own generator (its uniforms are
+    drawn from it first, its renoising after, as in `step`), and the one pass computes every row as it would alone,
+    so a row's draws do not depend on the others (the serving engine's batch invariance, tests/test_engine.py)."""
+    first, L = samplers[0], final.shape[1]
+    temps = [s.temperature() for s in samplers]
+    uniforms = torch.cat([torch.rand(L, generator=s.generator, device=final.device, dtype=torch.float64)
+                          for s in samplers])
+    temperature = torch.stack(temps).repeat_interleave(L)[:, None]  # (rows, 1)
+    out = kernels.one_pass_head_and_sample(final, first.weight, first.softcap, temperature, uniforms=uniforms,
+                                           embed_scale=first.scale)
+    for i, (s, temp) in enumerate(zip(samplers, temps, strict=True)):
+        s.apply(kernels.StepDraws(out.draw[i:i + 1], out.argmax[i:i + 1], out.entropy[i:i + 1],
+                                  None if out.soft is None else out.soft[i:i + 1]), temp)
 
 
 @torch.no_grad()

@@ -292,8 +292,9 @@ VOCAB_BLOCK = 1024  # columns of the head per block: two (rows, block) fp32 tile
 
 @torch.no_grad()
 def one_pass_head_and_sample(final: Tensor, weight: Tensor, softcap: float | None, temperature: Tensor, *,
-                             generator: torch.Generator | None = None, embed_scale: float | None = None,
-                             block: int = VOCAB_BLOCK, workspace: Workspace | None = None) -> StepDraws:
+                             generator: torch.Generator | None = None, uniforms: Tensor | None = None,
+                             embed_scale: float | None = None, block: int = VOCAB_BLOCK,
+                             workspace: Workspace | None = None) -> StepDraws:
     """`head_and_sample` for an fp32 tied head in one pass over the vocabulary (online softmax): block by block of
     `block` tokens, the head's matmul, softcap and temperature, the block's maximum and its index, its exponentials
     (written once, over the logits), their sum, sum(e * d) for the entropy and their product with the block's
@@ -301,8 +302,9 @@ def one_pass_head_and_sample(final: Tensor, weight: Tensor, softcap: float | Non
     exp(m_block - m): the maximum and argmax (the first maximal index, as torch.argmax), the entropy
     H = log S - sum(e * d) / S, the soft embedding (p @ E * embed_scale, None without `embed_scale`) and one draw
     per row by inverse CDF over the block masses, then inside the chosen block over its stored exponentials (the
-    two levels of `draw_cdf`, one uniform per row from `generator`). The (rows, V) logits are never read again after
-    their block: every elementwise pass runs on a block while it is in cache. `workspace` (at least rows x V): its
+    two levels of `draw_cdf`, one uniform per row from `generator`, or `uniforms` (rows,) fp64 when given).
+    `temperature`: 0-d, or (rows, 1) for one per row. The (rows, V) logits are never read again after their block:
+    every elementwise pass runs on a block while it is in cache. `workspace` (at least rows x V): its
     buffers hold the exponentials and one block's scratch (allocated if None). Agrees with `head_and_sample` to
     rounding: a block's exponentials are floored at exp(-70) of the block's maximum rather than of the row's."""
     B, L, D = final.shape
@@ -319,7 +321,8 @@ def one_pass_head_and_sample(final: Tensor, weight: Tensor, softcap: float | Non
     soft = None if embed_scale is None else torch.zeros(R, D, device=device)
     run_max = torch.full((R, 1), -torch.inf, device=device)
     e = workspace.probs.view(-1)[:R * min(block, V)].view(R, -1)  # one block's exponentials
-    uniforms = torch.rand(R, generator=generator, device=device, dtype=torch.float64)
+    if uniforms is None:
+        uniforms = torch.rand(R, generator=generator, device=device, dtype=torch.float64)
     for j, lo in enumerate(range(0, V, block)):
         hi = min(V, lo + block)
         z = buf[:, lo:hi]

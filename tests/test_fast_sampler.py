@@ -281,3 +281,35 @@ def test_cuda_graph_denoise_step_matches_denoise():
     for _ in range(3):  # capture, then replays
         got = model.logits(step(canvas).clone())
     assert (got - model.denoise(canvas, cache)).abs().max() <= TOL
+
+
+def test_samplers_stepped_together_take_the_steps_they_take_alone():
+    """`step_together` (the serving engine's fast rows): one head pass over several one-row samplers, each with its
+    own temperature (they are at different steps) and generator, gives each exactly what its own `step` gives."""
+    model = random_model("tiny")
+    L, D = model.config.canvas_length, model.config.hidden_size
+    configs = [GenerationConfig(max_denoising_steps=n, entropy_bound=b) for n, b in ((4, 0.5), (6, 2.0), (3, 0.1))]
+
+    def samplers():
+        return [fast_sampler.FastSampler(model, c, 1, generator=torch.Generator().manual_seed(i))
+                for i, c in enumerate(configs)]
+
+    alone, together = samplers(), samplers()
+    for s in together[1:]:  # start the others a step in, so the rows sit at different temperatures
+        s.inputs()
+        s.step(torch.randn(1, L, D, generator=torch.Generator().manual_seed(5)))
+    for s in alone[1:]:
+        s.inputs()
+        s.step(torch.randn(1, L, D, generator=torch.Generator().manual_seed(5)))
+    for step in range(2):
+        final = torch.randn(3, L, D, generator=torch.Generator().manual_seed(10 + step)) * 2
+        for s in (*alone, *together):
+            s.inputs()
+        for i, s in enumerate(alone):
+            s.step(final[i:i + 1])
+        assert all(s.batchable(L) for s in together)
+        fast_sampler.step_together(together, final)
+        for a, b in zip(alone, together, strict=True):
+            assert torch.equal(a.state.x, b.state.x) and torch.equal(a.state.argmax, b.state.argmax)
+            assert torch.equal(a.entropy, b.entropy) and a.remaining == b.remaining
+            assert (a.soft is None) == (b.soft is None) and (a.soft is None or torch.equal(a.soft, b.soft))
