@@ -9,8 +9,9 @@ docs/benchmarks.md, "Training step".
    optimizer, elementwise and the rest. MFU = model FLOPs (`dgemma bench`'s count) / time / this machine's measured
    fp32 matmul peak.
 2. Variants timed against each other, interleaved step by step on copies of one model with the same data and draws:
-   AdamW `foreach` (the default off CUDA) against `fused=True`, and the cross-entropy's row chunk (`chunk_rows`).
-   Medians of the timed steps.
+   the fused head loss (dgemma/train/head_loss.py, the default with the fast kernels) against the readable chunk
+   loss it replaced (`train.diffusion.fusable` switched off for that variant), AdamW `foreach` (the default off
+   CUDA) against `fused=True`, and the cross-entropy's row chunk (`chunk_rows`). Medians of the timed steps.
 
 Random token windows (a step's cost does not depend on the text); one process; run it on a quiet machine.
 """
@@ -35,9 +36,11 @@ sys.path.insert(0, str(ROOT))
 import dgemma  # noqa: E402
 from dgemma import attention  # noqa: E402
 from dgemma.eval.bench import measure_matmul_peak, training_flops  # noqa: E402
+from dgemma.train import diffusion  # noqa: E402
 from dgemma.train.config import train_preset  # noqa: E402
 from dgemma.train.diffusion import training_loss  # noqa: E402
 
+FUSABLE = diffusion.fusable
 KINDS = (("matmul", ("mm", "bmm", "addmm", "linear", "grouped_mm", "matmul", "baddbmm")),
          ("cross-entropy and softcap", ("cross_entropy", "log_softmax", "nll_loss", "logsumexp", "tanh")),
          ("attention", ("scaled_dot_product", "flash_attention", "_softmax", "softmax")),
@@ -66,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def step(model, opt, data, cfg, g, chunk_rows) -> float:
+def step(model, opt, data, cfg, g, chunk_rows, fused_loss: bool = True) -> float:
+    diffusion.fusable = FUSABLE if fused_loss else (lambda model, final: False)
     start = time.perf_counter()
     out = training_loss(model, data, objective="clean-context", num_steps=cfg.num_steps,
                         self_conditioning_prob=cfg.self_conditioning_prob, chunk_rows=chunk_rows, generator=g)
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = train_preset(args.preset)
     B, S = args.batch_size or cfg.batch_size, args.seq_len or cfg.seq_len
     mc = cfg.model_config
-    base = dgemma.init_weights(dgemma.DiffusionGemma(mc), seed=0).train()
+    base = dgemma.init_weights(dgemma.DiffusionGemma(mc, impl=cfg.impl), seed=0).train()
     data = torch.randint(0, mc.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     peak = measure_matmul_peak("cpu", torch.float32)
     masks = attention.clean_context_masks(S, mc.canvas_length, mc.sliding_window)
@@ -128,23 +132,27 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. the variants, interleaved
     chunks = sorted({cfg.chunk_rows, 256, 4096})
-    variants = {"AdamW foreach": (False, cfg.chunk_rows), "AdamW fused": (True, cfg.chunk_rows),
-                **{f"AdamW fused, CE chunk {c}": (True, c) for c in chunks if c != cfg.chunk_rows}}
+    before = "readable head loss, AdamW foreach (before)"
+    default = "fused head loss, AdamW foreach (the default)"
+    variants = {before: (False, cfg.chunk_rows, False), default: (False, cfg.chunk_rows, True),
+                "fused head loss, AdamW fused": (True, cfg.chunk_rows, True),
+                **{f"fused head loss, CE chunk {c}": (False, c, True) for c in chunks if c != cfg.chunk_rows}}
     runs = {}
-    for name, (fused, chunk) in variants.items():
+    for name, (fused, chunk, fused_loss) in variants.items():
         m = copy.deepcopy(base)
-        runs[name] = (m, optimizer(m, cfg, fused), torch.Generator().manual_seed(0), chunk, [])
+        runs[name] = (m, optimizer(m, cfg, fused), torch.Generator().manual_seed(0), chunk, fused_loss, [])
     for i in range(args.steps + 1):
         for name in (list(runs) if i % 2 == 0 else list(reversed(runs))):
-            m, o, gen, chunk, times = runs[name]
-            t = step(m, o, data, cfg, gen, chunk)
+            m, o, gen, chunk, fused_loss, times = runs[name]
+            t = step(m, o, data, cfg, gen, chunk, fused_loss)
             if i:
                 times.append(t)
-    print("\n| variant | ms / step (median) | tokens/s | vs foreach |\n|---|---:|---:|---:|")
-    med = {name: statistics.median(r[4]) for name, r in runs.items()}
+    diffusion.fusable = FUSABLE
+    print("\n| variant | ms / step (median) | tokens/s | vs before |\n|---|---:|---:|---:|")
+    med = {name: statistics.median(r[5]) for name, r in runs.items()}
     for name, s in med.items():
-        print(f"| {name} | {1000 * s:.0f} | {B * S / s:,.0f} | {med['AdamW foreach'] / s:.2f}x |")
-    mfu = flops / med["AdamW foreach"] / peak
+        print(f"| {name} | {1000 * s:.0f} | {B * S / s:,.0f} | {med[before] / s:.2f}x |")
+    mfu = flops / med[default] / peak
     print(f"\nMFU (the default, timed without the profiler): {100 * mfu:.1f}% of the measured peak")
     if args.json:
         args.json.write_text(json.dumps({"preset": args.preset, "batch": B, "seq_len": S, "threads": args.threads,

@@ -42,7 +42,8 @@ from dgemma.attention import causal_masks, clean_context_masks, noisy_context_ma
 from dgemma.data.sft import ChatBatch, sft_masks
 from dgemma.likelihood import continuous_kl, posterior_logits, reverse_kl
 from dgemma.model import DiffusionGemma
-from dgemma.noise import alpha, corrupt, draw_rows, q_sample
+from dgemma.noise import alpha, corrupt, draw_rows, observation_boost, q_sample
+from dgemma.train.head_loss import fused_head_loss
 
 Objective = Literal["clean-context", "noisy-context", "ar"]
 OBJECTIVES = ("clean-context", "noisy-context", "ar")
@@ -93,10 +94,17 @@ def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chun
 
     With `chunk_rows`, rows go through the head a chunk at a time under activation checkpointing, so at most
     (chunk_rows, V) fp32 logits are alive, forward or backward, instead of (N, V); the per-row math is the
-    eager loss's (chunk_rows=None), so loss and gradients agree to rounding."""
+    eager loss's (chunk_rows=None), so loss and gradients agree to rounding. With the fast kernels (`fusable`) the
+    fused head loss (dgemma/train/head_loss.py) computes the same loss and gradients chunk by chunk, without the
+    checkpoint's second forward."""
     def chunk_loss(h: Tensor, y: Tensor, *obs: Tensor) -> Tensor:
         return F.cross_entropy(posterior_logits(model, h, *obs) if obs else model.logits(h), y, reduction="sum")
 
+    if fusable(model, final):  # the same loss with the gradient computed chunk by chunk (train/head_loss.py)
+        tokens, boost = (None, None) if observed is None or not model.config.observed_likelihood else \
+            (observed[0], observation_boost(observed[1].expand(observed[0].shape), model.config.vocab_size))
+        return fused_head_loss(final, model.embed_tokens.weight, targets, model.config.final_logit_softcapping,
+                               chunk_rows, tokens, boost) / final.shape[0]
     obs = () if observed is None else observed
     if chunk_rows is None or final.shape[0] <= chunk_rows:
         return chunk_loss(final, targets, *obs) / final.shape[0]
@@ -105,6 +113,14 @@ def x0_cross_entropy(model: DiffusionGemma, final: Tensor, targets: Tensor, chun
         sl = slice(lo, lo + chunk_rows)
         total = total + checkpoint(chunk_loss, final[sl], targets[sl], *[o[sl] for o in obs], use_reentrant=False)
     return total / final.shape[0]
+
+
+def fusable(model: DiffusionGemma, final: Tensor) -> bool:
+    """Whether `x0_cross_entropy` runs the fused head loss: the fast kernels (`impl="fast"`, training's default), an
+    fp32 head outside autocast, a plain (not sharded) weight. Else the readable chunk loss runs."""
+    weight = model.embed_tokens.weight
+    return model.impl == "fast" and weight.dtype == final.dtype == torch.float32 and torch.is_grad_enabled() and \
+        not torch.is_autocast_enabled(final.device.type) and type(weight.data) is torch.Tensor
 
 
 @torch.no_grad()
