@@ -68,7 +68,7 @@ def write_adapters(model: dgemma.DiffusionGemma, root: Path, n: int, rank: int, 
         config = lora.lora_config(rank, 2.0 * rank, targets)
         lora.attach(copy_, config)
         g = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
+        with torch.no_grad():  # B too (peft starts it at zero: no delta)
             for name, p in copy_.named_parameters():
                 if ".lora_" in name:
                     p.copy_(0.02 * torch.randn(p.shape, generator=g))

@@ -78,3 +78,19 @@ def running_server(app):
             sock.close()
 
     return serving()
+
+
+def randomize_adapter_(model: torch.nn.Module, rank: int, alpha: float, targets: str, *, seed: int = 0,
+                       scale: float = 0.1, base: str | None = None) -> object:
+    """Attach a LoRA of `rank` / `alpha` on `targets` (a key of `lora.TARGETS`) to `model` in place and fill every
+    factor with `scale` x N(0, 1) from `seed`; returns its peft LoraConfig (for `lora.save_adapter`)."""
+    from dgemma import lora
+
+    config = lora.lora_config(rank, alpha, targets, base)
+    lora.attach(model, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    return config

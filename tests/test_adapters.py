@@ -14,7 +14,7 @@ import torch
 
 from dgemma import lora
 from dgemma.adapters import AdapterError, AdapterSet
-from tests.helpers import random_ids, random_model
+from tests.helpers import random_ids, random_model, randomize_adapter_
 
 pytest.importorskip("peft")
 
@@ -31,13 +31,7 @@ def write_adapter(base, path, targets: str, rank: int, seed: int):
     """An adapter on `targets` written by `lora.save_adapter` with random A and B (B starts at zero: no delta), and
     the base with it merged in (`lora.merge` on a copy)."""
     model = copy.deepcopy(base)
-    config = lora.lora_config(rank, 2.0 * rank + 1, targets)
-    lora.attach(model, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    config = randomize_adapter_(model, rank, 2.0 * rank + 1, targets, seed=seed)
     lora.save_adapter(model, config, path)
     return lora.merge(model).eval()
 

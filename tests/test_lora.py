@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 import dgemma
 from dgemma import cli, lora
 from dgemma.testing.hf import build_hf_checkpoint, hf_logits, load_hf_model
+from tests.helpers import randomize_adapter_
 
 peft = pytest.importorskip("peft")
 
@@ -31,14 +32,7 @@ def base(tmp_path_factory):
 def adapted(base, targets: str, seed: int = 0) -> tuple[dgemma.DiffusionGemma, object]:
     """The base with a LoRA on `targets` whose A and B are both random (B starts at zero: it would hide the delta)."""
     model = dgemma.load_model(base, dtype=torch.float32)
-    config = lora.lora_config(4, 8, targets, str(base))
-    lora.attach(model, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model, config
+    return model, randomize_adapter_(model, 4, 8, targets, seed=seed, base=str(base))
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
