@@ -17,6 +17,7 @@ computes exactly what the base does.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -73,59 +74,76 @@ def read_factors(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[tu
 
 class AdapterSet:
     """Named LoRA adapters of one base `model`, stacked for per-row passes (`rows`). `adapters`: name -> adapter
-    directory (or (name, directory) pairs), loaded in order; `add` and `remove` change the set between passes."""
+    directory (or (name, directory) pairs), loaded in order. `add` and `remove` may run on any thread while passes
+    run on another: a pass's `rows` reads one consistent snapshot of the set (swapped whole on a change), and an
+    adapter's file is read before the set is locked."""
 
     def __init__(self, model: DiffusionGemma, adapters: Mapping[str, str | os.PathLike[str]] |
                  Iterable[tuple[str, str | os.PathLike[str]]] = ()):
         self.model = model
         self._factors: dict[str, dict[tuple[int, str], Pair]] = {}
         self._paths: dict[str, Path] = {}
-        self._stacks: dict[tuple[int, str], Factors] = {}
+        self._lock = threading.Lock()
+        self._snapshot: tuple[dict[str, int], dict[tuple[int, str], Factors]] = ({}, {})  # name -> index, stacks
         for name, path in adapters.items() if isinstance(adapters, Mapping) else adapters:
             self.add(name, path)
 
     @property
     def names(self) -> tuple[str, ...]:
         """The adapters' names, in the order of their index in `AdapterRows`."""
-        return tuple(self._factors)
+        return tuple(self._snapshot[0])
 
     def path(self, name: str) -> Path:
         return self._paths[self._known(name)]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._factors
+        return name in self._snapshot[0]
 
     def __len__(self) -> int:
-        return len(self._factors)
+        return len(self._snapshot[0])
 
     def add(self, name: str, path: str | os.PathLike[str]) -> None:
         """Load the adapter in directory `path` under `name` (a non-empty string not already in the set)."""
         if not isinstance(name, str) or not name.strip():
             raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
-        if name in self._factors:
-            raise AdapterError(f"adapter name {name!r} is already taken (by {self._paths[name]}); give {path} "
-                               "another name")
-        factors = read_factors(self.model, path)
-        self._factors[name], self._paths[name] = factors, Path(path)
-        self._stacks = self._stack()
+        self._free(name, path)
+        factors = read_factors(self.model, path)  # the slow part, outside the lock
+        with self._lock:
+            self._free(name, path)
+            self._factors[name], self._paths[name] = factors, Path(path)
+            self._publish()
 
     def remove(self, name: str) -> None:
         """Drop adapter `name`; rows built before (`rows`) keep the factors they were built with."""
-        self._known(name)
-        del self._factors[name], self._paths[name]
-        self._stacks = self._stack()
+        with self._lock:
+            self._known(name)
+            del self._factors[name], self._paths[name]
+            self._publish()
+
+    def _free(self, name: str, path: str | os.PathLike[str]) -> None:
+        if name in self._factors:
+            raise AdapterError(f"adapter name {name!r} is already taken (by {self._paths[name]}); give {path} "
+                               "another name")
+
+    def _publish(self) -> None:
+        """A new snapshot of the set for `rows` (one assignment: a reader sees the old one or the new one)."""
+        self._snapshot = ({n: i for i, n in enumerate(self._factors)}, self._stack())
 
     def rows(self, names: Sequence[str | None]) -> AdapterRows | None:
         """Which adapter each row of a pass runs, by name (None: the base model); None when no row has one, which
         makes the pass the base model's own."""
         if all(n is None for n in names):
             return None
-        order = {n: i for i, n in enumerate(self._factors)}
-        return AdapterRows(self._stacks, [-1 if n is None else order[self._known(n)] for n in names])
+        order, stacks = self._snapshot
+        for n in names:
+            if n is not None and n not in order:
+                self._known(n, order)
+        return AdapterRows(stacks, [-1 if n is None else order[n] for n in names])
 
-    def _known(self, name: str) -> str:
-        if name not in self._factors:
-            have = ", ".join(repr(n) for n in self._factors) or "none"
+    def _known(self, name: str, names: Iterable[str] | None = None) -> str:
+        names = self._factors if names is None else names
+        if name not in names:
+            have = ", ".join(repr(n) for n in names) or "none"
             raise AdapterError(f"no adapter named {name!r} (loaded: {have})")
         return name
 

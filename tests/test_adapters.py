@@ -227,3 +227,68 @@ def test_serve_refuses_bad_lora_flags_in_one_line(flags, error, capsys, tmp_path
         status = e.code
     err = capsys.readouterr().err
     assert status == 2 and error in err and "Traceback" not in err
+
+
+def test_adapters_load_and_unload_while_the_server_runs(base, adapters):
+    """--allow-runtime-lora: vLLM's routes load an adapter (then served, listed, and computing what its merged
+    checkpoint computes) and unload it (then a 404); bad bodies and unknown names get OpenAI errors naming the field;
+    without the flag the routes do not exist."""
+    httpx = pytest.importorskip("httpx")
+    from dgemma.data.tokenizer import build_test_tokenizer
+    from dgemma.generation_config import GenerationConfig
+    from dgemma.serving.app import create_app
+    from dgemma.serving.engine import Engine
+    from tests.helpers import running_server
+
+    _, merged, root = adapters
+    tok = build_test_tokenizer(512)
+    config = GenerationConfig.for_model(base.config).replace(max_new_tokens=16, max_denoising_steps=3,
+                                                             eos_token_id=())
+    ask = {"prompt": "The sea", "max_tokens": 16, "seed": 4}
+    with Engine(base, max_batch=2, max_context=64, impl="reference", prefix_cache=128, prefix_block=16) as engine, \
+            running_server(create_app(engine, tok, "tiny", generation_config=config,
+                                      allow_runtime_lora=True)) as url:
+        post = lambda route, body: httpx.post(url + route, json=body, timeout=60)
+        assert post("/v1/completions", {**ask, "model": "a"}).status_code == 404
+        loaded = post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(root / "a")})
+        assert loaded.status_code == 200 and loaded.json()["status"] == "loaded"
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["tiny", "a"]
+        text = post("/v1/completions", {**ask, "model": "a"}).json()["choices"][0]["text"]
+        for body, status, param in (({"lora_name": "a", "lora_path": str(root / "b")}, 400, "lora_name"),  # taken
+                                    ({"lora_name": "c", "lora_path": str(root / "nowhere")}, 400, "lora_path"),
+                                    ({"lora_name": "tiny", "lora_path": str(root / "a")}, 400, "lora_name"),
+                                    ({"lora_name": "", "lora_path": str(root / "a")}, 400, "lora_name"),
+                                    ({"lora_name": "c", "lora_path": str(root / "a"), "x": 1}, 400, "x")):
+            r = post("/v1/load_lora_adapter", body)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), body
+        assert post("/v1/unload_lora_adapter", {"lora_name": "a"}).json()["status"] == "unloaded"
+        assert post("/v1/unload_lora_adapter", {"lora_name": "a"}).status_code == 404
+        assert post("/v1/completions", {**ask, "model": "a"}).status_code == 404
+    with Engine(merged["a"], max_batch=1, max_context=64, impl="reference") as alone:
+        tokens, _ = alone.complete(tok.encode("The sea"), config, seed=4)
+    assert text == tok.decode(tokens, skip_special_tokens=True)
+    with Engine(base, max_batch=1, max_context=64) as engine, \
+            running_server(create_app(engine, tok, "tiny", generation_config=config)) as url:
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(root / "a")})
+        assert r.status_code == 404 and "error" in r.json()
+
+
+def test_an_adapter_in_use_is_not_unloaded(base, adapters):
+    """Unloading waits for the requests that use the adapter: refused while one waits (the engine is not started
+    here, so the request stays queued), done once it has gone; an unknown name is refused naming what is loaded."""
+    from dgemma.generation_config import GenerationConfig
+    from dgemma.serving.engine import Engine, EngineError
+
+    _, _, root = adapters
+    engine = Engine(base, max_batch=1, max_context=64)
+    with pytest.raises(EngineError, match=r"lora_name: no adapter named 'x' \(loaded: none\)"):
+        engine.unload_adapter("x")
+    engine.load_adapter("a", str(root / "a"))
+    config = GenerationConfig.for_model(base.config).replace(max_new_tokens=16)
+    request = engine.submit([1, 2], config, on_event=lambda e: None, adapter="a")
+    with pytest.raises(EngineError, match=r"adapter 'a' is in use by 1 request\(s\)"):
+        engine.unload_adapter("a")
+    engine.close()  # the waiting request is cancelled
+    assert request.done
+    engine.unload_adapter("a")
+    assert engine.adapters.names == ()

@@ -46,6 +46,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--lora", action="append", default=[], type=_lora_pair, metavar="NAME=DIR",
                    help="also serve the LoRA adapter in DIR (an adapter of this base model) as model NAME, on the "
                         "same weights and in the same batches (repeatable; docs/serving.md)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes): clients may then "
+                        "load adapters from directories on this machine while it serves")
     p.add_argument("--max-batch", type=int, default=16, metavar="N", help="requests denoised together (default 16)")
     p.add_argument("--max-context", type=int, default=2048, metavar="N",
                    help="KV-cache slots per request: prompt + whole canvases (default 2048)")
@@ -119,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, tok, name, template=template, generation_config=config, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes, max_concurrency=args.max_concurrency,
                          limits=limits, body_timeout=args.body_timeout,
-                         allowed_hosts=allowed_hosts(args.host, args.api_key, args.allowed_hosts))
+                         allowed_hosts=allowed_hosts(args.host, args.api_key, args.allowed_hosts),
+                         allow_runtime_lora=args.allow_runtime_lora)
         announce = lambda url: print(f"dgemma serve: {name} at {url} (OpenAI API at {url}v1; Ctrl-C stops)",
                                      flush=True)
         serve(app, args.host, args.port, announce=announce)

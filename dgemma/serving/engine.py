@@ -289,6 +289,8 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is closed")
+            if adapter is not None and (self.adapters is None or adapter not in self.adapters):
+                raise EngineError(f"adapter: no adapter named {adapter!r}; it was unloaded")
             free = self.max_batch - len(self._active)  # rows the waiting requests take at the next step
             if len(self._waiting) >= self.max_queue + free:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}, "
@@ -321,6 +323,30 @@ class Engine:
             request.cancel()
             raise TimeoutError(f"request {request.id} did not finish within {timeout} s")
         return tokens, done[0]
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter in directory `path` as `name` from the next pass on (any thread; its file is read
+        before the engine is held). AdapterError naming the file, key or value for an adapter that does not fit."""
+        with self._lock:
+            if self.adapters is None:
+                self.adapters = AdapterSet(self.model)
+            adapters = self.adapters
+        adapters.add(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` and forget its prefix-cache blocks. Refused (EngineError) while a request
+        waiting or running uses it: those end first."""
+        with self._lock:
+            if self.adapters is None or name not in self.adapters:
+                have = ", ".join(repr(n) for n in self.adapters.names) if self.adapters else "none"
+                raise EngineError(f"lora_name: no adapter named {name!r} (loaded: {have})")
+            users = sum(r.adapter == name for r in (*self._waiting, *self._active.values()))
+            if users:
+                raise EngineError(f"lora_name: adapter {name!r} is in use by {users} request(s); unload it once they "
+                                  "end")
+            self.adapters.remove(name)
+            if self.prefix is not None:
+                self.prefix.drop(name)
 
     def stats(self) -> EngineStats:
         with self._lock:
