@@ -6,12 +6,15 @@ preallocated KV cache.
         drop cancelled rows                               their slots are free at once
         admit waiting requests into free rows             prefill: commit(prompt) into the row
         one batched denoising pass over every active row  each row at its own committed length (`denoise(x, rows)`)
-        each row's own sampler step                       generate.CanvasSampler with B = 1 and its own generator
+        each row's own sampler step                       with B = 1 and its own generator: fast_sampler.FastSampler
+                                                          (the fast rows' heads in one call) or generate.CanvasSampler
         rows whose canvas finished: emit its tokens, then end (EOS, max_new_tokens) or commit it and start the next
 
 Requests join and leave between denoising steps, so N concurrent requests cost about one batched pass per step, not
 N. Each request draws from its own generator (seeded by its `seed`) with the same draws, in the same order, as
-`dgemma.generate(prompt, seed=seed)` of that request alone: the readable sampler runs per row on that row's logits.
+`dgemma.generate(prompt, seed=seed)` of that request alone: with the reference kernels the readable sampler runs per
+row on that row's logits; with the fast kernels a request the fast sampler implements runs its step
+(`_fast`), the others the readable one.
 The batched pass computes each row exactly as a batch of its own (attention per row over its own cache view; the
 routed experts per row, or in whole row blocks with the fast kernels), so a request's tokens never depend on who else
 is served; with the reference kernels they equal `generate(..., impl="reference")`'s (tests/test_engine.py).
@@ -462,8 +465,9 @@ class Engine:
 
     def _denoise_step(self, rows: list[Request]) -> None:
         """One batched pass over `rows` (one sliding-prefix rule), each at its own length, then each row's sampler
-        step on its own row of the pass: the head and the self-conditioning input are computed per row, as a
-        request alone computes them (`generate`), so no row's numbers depend on the others'."""
+        step on its own row of the pass: the head and the self-conditioning input of a row are what the request
+        alone computes (per row, or for the fast rows in one row-wise call), so no row's numbers depend on the
+        others'."""
         model, device = self.model, self.model.device
         inputs = [r.sampler.inputs() for r in rows]  # type: ignore[union-attr]
         x = torch.cat([canvas for canvas, _, _ in inputs])
