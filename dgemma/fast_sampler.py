@@ -169,9 +169,10 @@ class FastSampler:
         self.scale = model.config.hidden_size**0.5
         self.soft: Tensor | None = None
         self.entropy = torch.zeros(B, L, device=device)
-        self.finite = torch.ones((), dtype=torch.bool, device=device)  # all entropies so far finite (NaN/inf logits
-        N = config.max_denoising_steps  # make NaN)
-        self.first_bad = torch.full((), N + 1, dtype=torch.long, device=device)  # the first step that was not
+        N = config.max_denoising_steps
+        # whether every entropy so far was finite (NaN or inf logits make it NaN), and the first step whose was not
+        self.finite = torch.ones((), dtype=torch.bool, device=device)
+        self.first_bad = torch.full((), N + 1, dtype=torch.long, device=device)
         self.remaining = N
 
     def inputs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:

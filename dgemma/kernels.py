@@ -200,12 +200,21 @@ def draw_cdf(probs: Tensor, uniforms: Tensor, block: int = 1024) -> Tensor:
     masses = [probs[:, :whole].view(R, -1, block).sum(-1)] if whole else []
     if whole < V:
         masses.append(probs[:, whole:].sum(-1, keepdim=True))
-    cum = torch.cat(masses, 1).to(torch.float64).cumsum(-1)  # (R, blocks)
+    return _inverse_cdf(torch.cat(masses, 1).to(torch.float64).cumsum(-1), uniforms, probs, block)
+
+
+def _inverse_cdf(cum: Tensor, uniforms: Tensor, values: Tensor, block: int, scale: Tensor | None = None) -> Tensor:
+    """The two levels of `draw_cdf` given `cum` (R, blocks) fp64, the running sums of the block masses: a block by
+    `uniforms` (R,), then a token by the running sum of `values` (R, V) inside it, which hold the block's masses
+    divided by `scale` (R, blocks) where given (`one_pass_head_and_sample`'s exponentials)."""
+    V = values.shape[1]
     target = uniforms.to(torch.float64)[:, None] * cum[:, -1:]
     b = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # (R, 1)
     rest = target - torch.where(b > 0, cum.gather(1, (b - 1).clamp_(min=0)), 0.0)
-    ids = b * block + torch.arange(block, device=probs.device)  # (R, block)
-    inner = torch.where(ids < V, probs.gather(1, ids.clamp(max=V - 1)), 0.0).to(torch.float64).cumsum(-1)
+    if scale is not None:
+        rest = rest / scale.gather(1, b).to(torch.float64)
+    ids = b * block + torch.arange(block, device=values.device)  # (R, block)
+    inner = torch.where(ids < V, values.gather(1, ids.clamp(max=V - 1)), 0.0).to(torch.float64).cumsum(-1)
     rest = torch.minimum(rest, inner[:, -1:] * (1 - 2**-40))  # rounding never steps past the block's last token
     j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)
     return (b * block + j).squeeze(-1).clamp_(max=V - 1)
@@ -326,9 +335,7 @@ def one_pass_head_and_sample(final: Tensor, weight: Tensor, softcap: float | Non
     for j, lo in enumerate(range(0, V, block)):
         hi = min(V, lo + block)
         z = buf[:, lo:hi]
-        torch.mm(rows, weight[lo:hi].t(), out=z)
-        if softcap is not None:
-            z.mul_(2.0 / softcap).sigmoid_().mul_(2.0 * softcap).sub_(softcap)
+        logits_into(rows, weight[lo:hi], softcap, z)
         z.div_(temperature)
         top, at = z.max(-1, keepdim=True)
         m[:, j:j + 1], first[:, j:j + 1] = top, at + lo
@@ -348,15 +355,7 @@ def one_pass_head_and_sample(final: Tensor, weight: Tensor, softcap: float | Non
     S = masses.sum(-1, keepdim=True)
     entropy = S.log().squeeze(-1) - (c * (ed + s * (m - M))).sum(-1) / S.squeeze(-1)
     argmax = first.gather(1, jm).squeeze(-1)
-    cum = masses.to(torch.float64).cumsum(-1)
-    target = uniforms[:, None] * cum[:, -1:]
-    b = torch.searchsorted(cum, target, right=True).clamp_(max=nb - 1)  # (R, 1)
-    rest = (target - torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), 0.0)) / c.gather(1, b).to(torch.float64)
-    ids = b * block + torch.arange(block, device=device)
-    inner = torch.where(ids < V, buf.gather(1, ids.clamp(max=V - 1)), 0.0).to(torch.float64).cumsum(-1)
-    rest = torch.minimum(rest, inner[:, -1:] * (1 - 2**-40))
-    j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)
-    draw = (b * block + j).squeeze(-1).clamp_(max=V - 1)
+    draw = _inverse_cdf(masses.to(torch.float64).cumsum(-1), uniforms, buf, block, scale=c)
     out_soft = None
     if soft is not None:  # the running maximum is now M
         out_soft = soft.div_(S).to(weight.dtype).mul_(torch.tensor(embed_scale).to(weight.dtype)).view(B, L, D)

@@ -272,9 +272,6 @@ class Engine:
         `adapter`: the name of one of the engine's LoRA `adapters` to run the request on (None: the model itself).
         Raises EngineError for a request that cannot run, QueueFullError when the queue is full."""
         prompt = self._check_prompt(prompt_ids)
-        if adapter is not None and (self.adapters is None or adapter not in self.adapters):
-            have = ", ".join(repr(n) for n in self.adapters.names) if self.adapters else "none"
-            raise EngineError(f"adapter: no adapter named {adapter!r} (loaded: {have})")
         if not isinstance(config, GenerationConfig):
             raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
         try:
@@ -292,8 +289,8 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineError("the engine is closed")
-            if adapter is not None and (self.adapters is None or adapter not in self.adapters):
-                raise EngineError(f"adapter: no adapter named {adapter!r}; it was unloaded")
+            if adapter is not None:  # under the lock: an unload cannot slip in before the request is queued
+                self._check_adapter(adapter, "adapter")
             free = self.max_batch - len(self._active)  # rows the waiting requests take at the next step
             if len(self._waiting) >= self.max_queue + free:
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue={self.max_queue}, "
@@ -340,9 +337,7 @@ class Engine:
         """Stop serving adapter `name` and forget its prefix-cache blocks. Refused (EngineError) while a request
         waiting or running uses it: those end first."""
         with self._lock:
-            if self.adapters is None or name not in self.adapters:
-                have = ", ".join(repr(n) for n in self.adapters.names) if self.adapters else "none"
-                raise EngineError(f"lora_name: no adapter named {name!r} (loaded: {have})")
+            self._check_adapter(name, "lora_name")
             users = sum(r.adapter == name for r in (*self._waiting, *self._active.values()))
             if users:
                 raise EngineError(f"lora_name: adapter {name!r} is in use by {users} request(s); unload it once they "
@@ -350,6 +345,12 @@ class Engine:
             self.adapters.remove(name)
             if self.prefix is not None:
                 self.prefix.drop(name)
+
+    def _check_adapter(self, name: str, field: str) -> None:
+        """EngineError naming `field` unless `name` is one of the adapters served now."""
+        if self.adapters is None or name not in self.adapters:
+            have = ", ".join(repr(n) for n in self.adapters.names) if self.adapters else "none"
+            raise EngineError(f"{field}: no adapter named {name!r} (loaded: {have})")
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -63,10 +63,6 @@ class PrefixCache:
         self._free = list(range(capacity - 1, -1, -1))
         self._queries = self._hits = self._evictions = 0
 
-    @property
-    def num_bytes(self) -> int:
-        return self.store.num_bytes
-
     def stats(self) -> PrefixStats:
         return PrefixStats(self._queries, self._hits, len(self._slot), self.capacity, self._evictions)
 
@@ -97,17 +93,16 @@ class PrefixCache:
                 break
             hit.append(d)
         self._touch(hit)
-        B = self.block_size
+        n = len(hit) * self.block_size
         if hit:
             slots = torch.tensor([self._slot[d] for d in hit], device=self.store.is_token.device)
-            n = len(hit) * B
             for dst, src in ((row.keys, self.store.keys), (row.values, self.store.values)):
                 for r, s in zip(dst, src, strict=True):  # (blocks, K, B, Dh) -> (1, K, blocks * B, Dh)
                     r[:, :, :n] = s[slots].transpose(0, 1).reshape(1, s.shape[1], n, s.shape[3])
-            row.is_token[:, :len(hit) * B] = True
-            row.length = len(hit) * B
-        self._hits += len(hit) * B
-        return len(hit) * B
+            row.is_token[:, :n] = True
+            row.length = n
+        self._hits += n
+        return n
 
     def save(self, tokens: Sequence[int], row: KVCache, namespace: str = "") -> int:
         """Store the whole blocks of `tokens` that `row` holds (committed from slot 0 in `chunks`) and the cache
