@@ -168,3 +168,18 @@ def test_through_the_openai_client_a_shared_system_prompt_is_reused_and_counted(
     assert value("dgemma_prefix_cache_hits_total") == cached
     assert value("dgemma_prefix_cache_queries_total") == first.usage.prompt_tokens + second.usage.prompt_tokens
     assert 0 < value("dgemma_prefix_cache_blocks") <= value("dgemma_prefix_cache_capacity") == 1024 // 16
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--prefix-cache", "100"], "--prefix-cache must be 0 (off) or at least one block of --prefix-block 256 tokens, "
+                                "got 100"),
+    (["--prefix-cache", "-5"], "--prefix-cache must be 0 (off) or at least one block"),
+    (["--prefix-block", "0"], "--prefix-block must be >= 1, got 0"),
+])
+def test_serve_refuses_bad_prefix_cache_flags_in_one_line(flags, error, capsys):
+    pytest.importorskip("fastapi")
+    from dgemma import cli
+
+    assert cli.main(["serve", "--preset", "tiny", "--random-init", *flags]) == 2
+    err = capsys.readouterr().err
+    assert error in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
