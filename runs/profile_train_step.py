@@ -2,7 +2,8 @@
 docs/benchmarks.md, "Training step".
 
     python runs/profile_train_step.py --preset cpu-small --threads 1          # the cpu-small training shape
-    python runs/profile_train_step.py --preset lite-380m --batch-size 1 --threads 1 --steps 3   # lite-380m's layers
+    python runs/profile_train_step.py --preset lite-380m --batch-size 1 --threads 1 --steps 3 --no-variants
+    python runs/profile_train_step.py --preset cpu-small --threads 1 --compile-blocks          # + compiled blocks
 
 1. A profile (torch.profiler, self CPU time) of `--steps` clean-context steps with self-conditioning 0.5 (the
    training default) after a warm-up step, by op and by kind: matmuls, attention, the chunked cross-entropy, the
@@ -11,7 +12,8 @@ docs/benchmarks.md, "Training step".
 2. Variants timed against each other, interleaved step by step on copies of one model with the same data and draws:
    the fused head loss (dgemma/train/head_loss.py, the default with the fast kernels) against the readable chunk
    loss it replaced (`train.diffusion.fusable` switched off for that variant), AdamW `foreach` (the default off
-   CUDA) against `fused=True`, and the cross-entropy's row chunk (`chunk_rows`). Medians of the timed steps.
+   CUDA) against `fused=True`, the cross-entropy's row chunk (`chunk_rows`) and, with --compile-blocks, each block
+   under torch.compile as `dgemma train` runs it on CUDA. Medians of the timed steps.
 
 Random token windows (a step's cost does not depend on the text); one process; run it on a quiet machine.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -34,10 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dgemma  # noqa: E402
-from dgemma import attention  # noqa: E402
+from dgemma import attention, kernels  # noqa: E402
 from dgemma.eval.bench import measure_matmul_peak, training_flops  # noqa: E402
 from dgemma.train import diffusion  # noqa: E402
-from dgemma.train.config import train_preset  # noqa: E402
+from dgemma.train.config import TrainConfig, train_preset  # noqa: E402
 from dgemma.train.diffusion import training_loss  # noqa: E402
 
 FUSABLE = diffusion.fusable
@@ -66,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="profiled steps, and timed steps per variant")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--no-variants", action="store_true",
+                   help="the profile only (each variant holds its own model and AdamW state: lite-380m's five copies "
+                        "need ~25 GB)")
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="also time each block under torch.compile (inductor; CUDA's training default) on this device")
     return p.parse_args(argv)
 
 
@@ -86,6 +94,45 @@ def optimizer(model, cfg, fused: bool) -> torch.optim.AdamW:
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused, foreach=not fused)
+
+
+def time_variants(args: argparse.Namespace, cfg: TrainConfig, base: dgemma.DiffusionGemma, data: torch.Tensor, B: int,
+                  S: int) -> dict[str, float]:
+    """Each variant's median step (seconds) on its own copy of `base`, interleaved step by step."""
+    chunks = sorted({cfg.chunk_rows, 256, 4096})
+    before = "readable head loss, AdamW foreach (before)"
+    default = "fused head loss, AdamW foreach (the default)"
+    variants = {before: (False, cfg.chunk_rows, False, False), default: (False, cfg.chunk_rows, True, False),
+                "fused head loss, AdamW fused": (True, cfg.chunk_rows, True, False),
+                **{f"fused head loss, CE chunk {c}": (False, c, True, False) for c in chunks if c != cfg.chunk_rows}}
+    if args.compile_blocks:
+        variants["fused head loss, each block torch.compile'd (inductor)"] = (False, cfg.chunk_rows, True, True)
+    runs = {}
+    for name, (fused, chunk, fused_loss, compiled) in variants.items():
+        m = copy.deepcopy(base)
+        if compiled:  # what `dgemma train` does on CUDA (train/distributed.py: wrap), here on the CPU
+            kernels.register_expert_loop_op()
+            for block in m.layers:
+                block.compile()
+            start = time.perf_counter()
+            for sc in (0.0, 1.0):  # both graphs: the self-conditioning pre-pass runs without gradients
+                step(m, optimizer(copy.deepcopy(m), cfg, False), data, dataclasses.replace(
+                    cfg, self_conditioning_prob=sc), torch.Generator().manual_seed(0), chunk)
+            m.zero_grad(set_to_none=True)  # the warm-up's optimizer held a copy: only the gradients stayed behind
+            print(f"compiling the blocks: {time.perf_counter() - start:.0f} s", flush=True)
+        runs[name] = (m, optimizer(m, cfg, fused), torch.Generator().manual_seed(0), chunk, fused_loss, [])
+    for i in range(args.steps + 1):
+        for name in (list(runs) if i % 2 == 0 else list(reversed(runs))):
+            m, o, gen, chunk, fused_loss, times = runs[name]
+            t = step(m, o, data, cfg, gen, chunk, fused_loss)
+            if i:
+                times.append(t)
+    diffusion.fusable = FUSABLE
+    print("\n| variant | ms / step (median) | tokens/s | vs before |\n|---|---:|---:|---:|")
+    med = {name: statistics.median(r[5]) for name, r in runs.items()}
+    for name, s in med.items():
+        print(f"| {name} | {1000 * s:.0f} | {B * S / s:,.0f} | {med[before] / s:.2f}x |")
+    return med
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,29 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| `{op}` | {1000 * s:.1f} | {100 * s / total:.0f}% |")
 
     # 2. the variants, interleaved
-    chunks = sorted({cfg.chunk_rows, 256, 4096})
-    before = "readable head loss, AdamW foreach (before)"
+    med = {} if args.no_variants else time_variants(args, cfg, base, data, B, S)
     default = "fused head loss, AdamW foreach (the default)"
-    variants = {before: (False, cfg.chunk_rows, False), default: (False, cfg.chunk_rows, True),
-                "fused head loss, AdamW fused": (True, cfg.chunk_rows, True),
-                **{f"fused head loss, CE chunk {c}": (False, c, True) for c in chunks if c != cfg.chunk_rows}}
-    runs = {}
-    for name, (fused, chunk, fused_loss) in variants.items():
-        m = copy.deepcopy(base)
-        runs[name] = (m, optimizer(m, cfg, fused), torch.Generator().manual_seed(0), chunk, fused_loss, [])
-    for i in range(args.steps + 1):
-        for name in (list(runs) if i % 2 == 0 else list(reversed(runs))):
-            m, o, gen, chunk, fused_loss, times = runs[name]
-            t = step(m, o, data, cfg, gen, chunk, fused_loss)
-            if i:
-                times.append(t)
-    diffusion.fusable = FUSABLE
-    print("\n| variant | ms / step (median) | tokens/s | vs before |\n|---|---:|---:|---:|")
-    med = {name: statistics.median(r[5]) for name, r in runs.items()}
-    for name, s in med.items():
-        print(f"| {name} | {1000 * s:.0f} | {B * S / s:,.0f} | {med[before] / s:.2f}x |")
-    mfu = flops / med[default] / peak
-    print(f"\nMFU (the default, timed without the profiler): {100 * mfu:.1f}% of the measured peak")
+    mfu = flops / med.get(default, mean) / peak
+    timed = "timed without the profiler" if med else "under the profiler"
+    print(f"\nMFU (the default, {timed}): {100 * mfu:.1f}% of the measured peak")
     if args.json:
         args.json.write_text(json.dumps({"preset": args.preset, "batch": B, "seq_len": S, "threads": args.threads,
                                          "profiled_step_s": mean, "mfu": mfu, "peak_flops": peak,

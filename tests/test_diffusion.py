@@ -240,3 +240,35 @@ def test_recipe_switches_are_checked():
         training_loss(m, x0, t_sampling="sobol")
     with pytest.raises(ValueError, match="loss_weighting"):
         training_loss(m, x0, loss_weighting="snr")
+
+
+def test_blocks_compiled_for_training_run_the_experts_in_both_passes():
+    """`dgemma train`'s per-block torch.compile (train/distributed.py: wrap) with a MoE model and the fast kernels:
+    the self-conditioning pre-pass (no gradients) takes the experts as one opaque op, the training pass breaks the
+    graph at the expert loop's host read, and both agree with eager. Traced by aot_eager (seconds, not minutes);
+    inductor's code generation is what runs/profile_train_step.py --compile-blocks times."""
+    from dgemma import kernels
+
+    eager = init_weights(DiffusionGemma(CFG, impl="fast"), seed=5, std=0.2).train()
+    assert CFG.num_experts and eager.layers[0].is_moe
+    compiled = init_weights(DiffusionGemma(CFG, impl="fast"), seed=5, std=0.2).train()
+    kernels.register_expert_loop_op()
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    for block in compiled.layers:
+        block.compile(backend="aot_eager")
+    x0 = random_ids(V, 2, 3 * L, seed=6)
+    results = []
+    for m in (eager, compiled):
+        out = training_loss(m, x0, self_conditioning_prob=1.0, generator=torch.Generator().manual_seed(7))
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad for p in m.parameters()]))
+    assert counts["stats"]["unique_graphs"] >= 2 * len(compiled.layers)  # each block: pre-pass and training graphs
+    assert not any("expert_loop" in str(reason) or "AttributeError" in str(reason)
+                   for reason in counts["graph_break"]), dict(counts["graph_break"])
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgemma import fsio, quiet
+from dgemma import fsio, kernels, quiet
 from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
 from dgemma.config import ConfigError, ModelConfig, read_json
 from dgemma.generation_config import GenerationConfig
@@ -245,6 +245,7 @@ class Dist:
         elif fill_from is not None:
             raise ValueError("fill_from is for FSDP with several ranks (each rank fills its own shards)")
         if compile:
+            kernels.register_expert_loop_op()  # the self-conditioning pre-pass's experts (no gradients): one op
             for block in model.layers:  # per block; corruption, masks and the loss stay eager (seed 003, section 5)
                 block.compile()
         if self.world_size > 1 and parallel == "ddp":
