@@ -2,9 +2,10 @@
 
 Times, on a random model of a preset (default bench-small, fp32, batch 1, the bench's prompt length): the layers
 (`fast_sampler.DenoiseStep`, final norm included), one vocabulary matmul (the tied head over the canvas), the fused
-sampler pass (`kernels.head_and_sample`: head, temperature, stats, draw, next soft embedding), and the two ways to
+sampler pass (`kernels.head_and_sample`: head, temperature, stats, draw, next soft embedding), the two ways to
 draw one token per position: `torch.multinomial` (the readable path and transformers) against the two-level
-inverse-CDF draw (`kernels.draw_cdf`). Medians over --repeats, printed as one JSON object. Run it on a quiet machine.
+inverse-CDF draw (`kernels.draw_cdf`), and the layers by part (attention, dense MLP, router, routed experts, norms;
+forward hooks). Medians over --repeats (the parts: means), printed as one JSON object. Run it on a quiet machine.
 
     python runs/profile_fast_step.py --preset bench-small
 """
@@ -68,7 +69,44 @@ def main() -> None:
             "ms_multinomial": median_ms(lambda: torch.multinomial(probs, 1, generator=g), args.repeats),
             "ms_draw_cdf": median_ms(lambda: kernels.draw_cdf(probs, uniforms), args.repeats),
         }
+        result["ms_layers_by_part"] = layers_by_part(model, lambda: step(canvas), args.repeats)
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))
+
+
+PARTS = {"self_attn": "attention (projections, norms, rope, SDPA)", "mlp": "dense MLP", "router": "router",
+         "experts": "routed experts", "input_layernorm": "block norms", "post_attention_layernorm": "block norms",
+         "pre_feedforward_layernorm": "block norms", "post_feedforward_layernorm": "block norms",
+         "pre_feedforward_layernorm_2": "block norms", "post_feedforward_layernorm_1": "block norms",
+         "post_feedforward_layernorm_2": "block norms"}
+
+
+def layers_by_part(model: DiffusionGemma, run, repeats: int) -> dict[str, float]:
+    """Mean ms per step in each part of the blocks, timed by forward hooks (which add a little to each part); "rest"
+    is the step's time outside them (embedding, self-conditioning, masks, residual adds, final norm)."""
+    spent: dict[str, float] = {}
+    started: dict[str, float] = {}
+    handles = []
+    for name, module in model.layers.named_modules():
+        part = PARTS.get(name.rsplit(".", 1)[-1])
+        if part is None:
+            continue
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: started.__setitem__(
+            name, time.perf_counter())))
+        handles.append(module.register_forward_hook(lambda m, a, o, name=name, part=part: spent.__setitem__(
+            part, spent.get(part, 0.0) + time.perf_counter() - started[name])))
+    try:
+        run()
+        spent.clear()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        total = time.perf_counter() - start
+    finally:
+        for h in handles:
+            h.remove()
+    parts = {part: 1000 * s / repeats for part, s in sorted(spent.items(), key=lambda kv: -kv[1])}
+    rest = 1000 * total / repeats - sum(parts.values())
+    return {**{k: round(v, 2) for k, v in parts.items()}, "rest": round(rest, 2)}
 
 
 if __name__ == "__main__":

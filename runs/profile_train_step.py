@@ -2,7 +2,7 @@
 docs/benchmarks.md, "Training step".
 
     python runs/profile_train_step.py --preset cpu-small --threads 1          # the cpu-small training shape
-    python runs/profile_train_step.py --preset lite-380m --batch-size 1 --threads 1 --steps 3 --no-variants
+    python runs/profile_train_step.py --preset lite-380m --batch-size 1 --seq-len 1024 --steps 3 --no-variants
     python runs/profile_train_step.py --preset cpu-small --threads 1 --compile-blocks          # + compiled blocks
 
 1. A profile (torch.profiler, self CPU time) of `--steps` clean-context steps with self-conditioning 0.5 (the
@@ -12,8 +12,9 @@ docs/benchmarks.md, "Training step".
 2. Variants timed against each other, interleaved step by step on copies of one model with the same data and draws:
    the fused head loss (dgemma/train/head_loss.py, the default with the fast kernels) against the readable chunk
    loss it replaced (`train.diffusion.fusable` switched off for that variant), AdamW `foreach` (the default off
-   CUDA) against `fused=True`, the cross-entropy's row chunk (`chunk_rows`) and, with --compile-blocks, each block
-   under torch.compile as `dgemma train` runs it on CUDA. Medians of the timed steps.
+   CUDA) against `fused=True`, the cross-entropy's row chunk (`chunk_rows`), for a MoE model the experts' gather
+   before 31e24f1 (advanced indexing) and, with --compile-blocks, each block under torch.compile as `dgemma train`
+   runs it on CUDA. Medians of the timed steps.
 
 Random token windows (a step's cost does not depend on the text); one process; run it on a quiet machine.
 """
@@ -32,6 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,6 +53,29 @@ KINDS = (("matmul", ("mm", "bmm", "addmm", "linear", "grouped_mm", "matmul", "ba
          ("gather / scatter / copy", ("index", "gather", "scatter", "copy_", "cat", "clone", "to", "contiguous")),
          ("elementwise", ("mul", "add", "sub", "div", "gelu", "tanh", "sigmoid", "exp", "rsqrt", "pow", "mean",
                           "sum", "where", "neg", "sqrt", "clamp", "fill", "zero")))
+
+
+MOE_EXPERTS = kernels.moe_experts
+INDEXED = "fused head loss, experts gathered by indexing (before 31e24f1)"
+
+
+def indexed_moe_experts(x, weights, experts, gate_up_proj, down_proj, *, backend="auto"):
+    """`kernels.moe_experts` before 31e24f1: the sorted rows gathered by advanced indexing (in training its backward
+    is an indexed scatter-add) and slot order restored by `index_copy_`."""
+    N, k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = flat.new_zeros(gate_up_proj.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
+    xs = x[order // k]
+    if kernels._grouped_mm_available(x, gate_up_proj, down_proj):  # the pre-pass, without gradients
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = kernels._grouped_mm(xs, gate_up_proj, offsets).chunk(2, dim=-1)
+        y = kernels._grouped_mm((F.gelu(gate, approximate="tanh") * up).contiguous(), down_proj, offsets)
+    else:
+        y = kernels._expert_loop(xs, counts, gate_up_proj, down_proj)
+    weighted = y.float() * weights.reshape(-1)[order, None]
+    slots = torch.empty_like(weighted).index_copy_(0, order, weighted)
+    return slots.view(N, k, -1).sum(1).to(x.dtype)
 
 
 def kind_of(op: str) -> str:
@@ -105,6 +130,9 @@ def time_variants(args: argparse.Namespace, cfg: TrainConfig, base: dgemma.Diffu
     variants = {before: (False, cfg.chunk_rows, False, False), default: (False, cfg.chunk_rows, True, False),
                 "fused head loss, AdamW fused": (True, cfg.chunk_rows, True, False),
                 **{f"fused head loss, CE chunk {c}": (False, c, True, False) for c in chunks if c != cfg.chunk_rows}}
+    moe = cfg.model_config.is_moe
+    if moe:
+        variants[INDEXED] = (False, cfg.chunk_rows, True, False)
     if args.compile_blocks:
         variants["fused head loss, each block torch.compile'd (inductor)"] = (False, cfg.chunk_rows, True, True)
     runs = {}
@@ -124,7 +152,9 @@ def time_variants(args: argparse.Namespace, cfg: TrainConfig, base: dgemma.Diffu
     for i in range(args.steps + 1):
         for name in (list(runs) if i % 2 == 0 else list(reversed(runs))):
             m, o, gen, chunk, fused_loss, times = runs[name]
+            kernels.moe_experts = indexed_moe_experts if name == INDEXED and moe else MOE_EXPERTS
             t = step(m, o, data, cfg, gen, chunk, fused_loss)
+            kernels.moe_experts = MOE_EXPERTS
             if i:
                 times.append(t)
     diffusion.fusable = FUSABLE

@@ -4,6 +4,8 @@ reversing the order every other round, so drift on a shared machine hits all of 
 
     layers (DenoiseStep, final norm included), per variant:
       fp32 experts=loop / grouped           the sorted-expert dispatch's backends (kernels.moe_experts)
+      fp32 experts=grouped, (E, D, 2Ie)     grouped, the expert weights stored transposed (same shapes, the other
+                                            strides: the grouped matmul reads them without a transpose)
       bf16                                  the whole model in bfloat16 (AMX / AVX512-BF16 where the CPU has them)
       int8                                  weight-only int8 (dgemma/quantize.py)
       offload (warm)                        experts memory-mapped from a file, pages in the page cache
@@ -52,6 +54,11 @@ def main() -> None:
     base = randomize_(DiffusionGemma(cfg), 0).eval()
     tmp = Path(tempfile.mkdtemp(prefix="dgemma-variants-"))
     models = {"fp32": base, "bf16": copy.deepcopy(base).to(torch.bfloat16)}
+    if cfg.is_moe:
+        models["fp32 transposed experts"] = copy.deepcopy(base)
+        for block in models["fp32 transposed experts"].layers:
+            for w in (block.experts.gate_up_proj, block.experts.down_proj):
+                w.data = w.data.transpose(1, 2).contiguous().transpose(1, 2)
     models["int8"] = quantize.quantize_model(copy.deepcopy(base), "int8")
     if cfg.is_moe:
         models["offload"] = offload.offload_experts(copy.deepcopy(base), tmp / "experts.safetensors")
@@ -105,6 +112,7 @@ def main() -> None:
                 "head+sampler fp32": head("fp32"), "head+sampler bf16": head("bf16"),
                 "head+sampler fp32, previous tempered_stats": with_stats(head("fp32"), previous_stats)}
     if cfg.is_moe:
+        variants["layers fp32 experts=grouped, (E, D, 2Ie)"] = layers("fp32 transposed experts", "grouped")
         variants |= {"layers offload (warm)": layers("offload"), "layers offload (cold)": layers("offload", evict=True)}
     if not cfg.is_moe:
         variants = {k: v for k, v in variants.items() if "experts=" not in k or k.endswith("loop")}

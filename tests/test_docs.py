@@ -169,6 +169,10 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/bench_prefix_cache.py --threads 1 --repeats 3": ["--quick"],
     "python runs/bench_multi_lora.py --threads 1 --repeats 3": ["--quick"],
     "python runs/profile_train_step.py --preset cpu-small --threads 1": ["--preset", "tiny", "--steps", "1"],
+    "python runs/profile_train_step.py --preset cpu-small --threads 1 --steps 20 --compile-blocks":
+        ["--preset", "tiny", "--steps", "1"],
+    "python runs/profile_train_step.py --preset lite-380m --batch-size 1 --seq-len 1024 --steps 3 --no-variants":
+        ["--preset", "tiny", "--seq-len", "32", "--steps", "1"],
     "python runs/structured_output.py --model runs/out/cpu-small/diffusion": ["--smoke", "--out", "out"],
     "dgemma generate --preset tiny --random-init --tokenizer tok --prompt \"A person:\" --json-schema "
     "examples/person.schema.json --seed 0 --max-new-tokens 64": ["--max-denoising-steps", "3"],

@@ -177,6 +177,21 @@ def test_one_pass_over_the_vocabulary_matches_head_and_sample(block):
     assert last.soft is None and torch.equal(last.argmax, one.argmax)
 
 
+@pytest.mark.parametrize("block", [4, 5, 16])
+def test_one_pass_argmax_is_the_first_maximal_index(block):
+    """Tied maxima inside a block and across blocks: the one-pass kernel returns torch.argmax's first index."""
+    V = 13
+    weight = torch.eye(V)  # row i of the hidden state is the logit of token i
+    rows = torch.zeros(4, V)
+    rows[0, [3, 7, 11]] = 2.0  # ties in different blocks (block 4: blocks 0, 1, 2)
+    rows[1, [8, 9]] = 1.5  # ties inside one block
+    rows[2, 12] = 3.0  # the last, short block
+    rows[3] = -1.0  # all equal: token 0
+    out = kernels.one_pass_head_and_sample(rows[None], weight, None, torch.tensor(0.7), block=block,
+                                           generator=torch.Generator().manual_seed(0))
+    assert out.argmax.flatten().tolist() == rows.argmax(-1).tolist() == [3, 8, 12, 0]
+
+
 def test_one_pass_draws_follow_the_distribution():
     """Both levels of the one-pass draw (a block by its mass, a token inside it) over many rows of one
     distribution, with zero-probability tokens in blocks of their own and beside likely ones."""
