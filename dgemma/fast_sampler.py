@@ -246,17 +246,26 @@ def step_together(samplers: list[FastSampler], final: Tensor) -> None:
     """`sampler.step(final[i:i + 1])` for each of `samplers` (one-row samplers of one model, all `batchable`), with
     one head pass over all their rows: each row keeps its own temperature and its own generator (its uniforms are
     drawn from it first, its renoising after, as in `step`), and the one pass computes every row as it would alone,
-    so a row's draws do not depend on the others (the serving engine's batch invariance, tests/test_engine.py)."""
+    so a row's draws do not depend on the others (the serving engine's batch invariance, tests/test_engine.py).
+    The rows go through in groups that fit the first sampler's workspace (the engine gives all its samplers one), so
+    no step allocates (rows, V) buffers; the self-conditioning product is left out when no row of a group needs it
+    (every row at its last step)."""
     first, L = samplers[0], final.shape[1]
-    temps = [s.temperature() for s in samplers]
-    uniforms = torch.cat([torch.rand(L, generator=s.generator, device=final.device, dtype=torch.float64)
-                          for s in samplers])
-    temperature = torch.stack(temps).repeat_interleave(L)[:, None]  # (rows, 1)
-    out = kernels.one_pass_head_and_sample(final, first.weight, first.softcap, temperature, uniforms=uniforms,
-                                           embed_scale=first.scale)
-    for i, (s, temp) in enumerate(zip(samplers, temps, strict=True)):
-        s.apply(kernels.StepDraws(out.draw[i:i + 1], out.argmax[i:i + 1], out.entropy[i:i + 1],
-                                  None if out.soft is None else out.soft[i:i + 1]), temp)
+    per_pass = max(1, first.workspace.logits.shape[0] // L)
+    for lo in range(0, len(samplers), per_pass):
+        group, rows = samplers[lo:lo + per_pass], final[lo:lo + per_pass]
+        temps = [s.temperature() for s in group]
+        uniforms = torch.cat([torch.rand(L, generator=s.generator, device=final.device, dtype=torch.float64)
+                              for s in group])
+        temperature = torch.stack(temps).repeat_interleave(L)[:, None]  # (rows, 1)
+        soft = any(s.remaining > 1 for s in group)
+        fits = first.workspace.logits.shape[0] >= L * len(group)
+        out = kernels.one_pass_head_and_sample(rows, first.weight, first.softcap, temperature, uniforms=uniforms,
+                                               embed_scale=first.scale if soft else None,
+                                               workspace=first.workspace if fits else None)
+        for i, (s, temp) in enumerate(zip(group, temps, strict=True)):
+            s.apply(kernels.StepDraws(out.draw[i:i + 1], out.argmax[i:i + 1], out.entropy[i:i + 1],
+                                      None if out.soft is None else out.soft[i:i + 1]), temp)
 
 
 @torch.no_grad()

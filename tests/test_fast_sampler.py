@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dgemma import fast_sampler
+from dgemma import fast_sampler, kernels
 from dgemma.config import FULL, SLIDING, preset
 from dgemma.generate import denoise_canvas, generate
 from dgemma.generation_config import GenerationConfig
@@ -283,18 +283,21 @@ def test_cuda_graph_denoise_step_matches_denoise():
     assert (got - model.denoise(canvas, cache)).abs().max() <= TOL
 
 
-def test_samplers_stepped_together_take_the_steps_they_take_alone():
+@pytest.mark.parametrize("per_pass", [3, 2, 1])
+def test_samplers_stepped_together_take_the_steps_they_take_alone(per_pass):
     """`step_together` (the serving engine's fast rows): one head pass over several one-row samplers, each with its
-    own temperature (they are at different steps) and generator, gives each exactly what its own `step` gives."""
+    own temperature (they are at different steps) and generator, gives each exactly what its own `step` gives,
+    whether the shared workspace takes all the rows in one pass or in groups (`per_pass` canvases)."""
     model = random_model("tiny")
-    L, D = model.config.canvas_length, model.config.hidden_size
+    L, D, V = model.config.canvas_length, model.config.hidden_size, model.config.vocab_size
     configs = [GenerationConfig(max_denoising_steps=n, entropy_bound=b) for n, b in ((4, 0.5), (6, 2.0), (3, 0.1))]
 
-    def samplers():
-        return [fast_sampler.FastSampler(model, c, 1, generator=torch.Generator().manual_seed(i))
+    def samplers(workspace=None):
+        return [fast_sampler.FastSampler(model, c, 1, generator=torch.Generator().manual_seed(i), workspace=workspace)
                 for i, c in enumerate(configs)]
 
-    alone, together = samplers(), samplers()
+    workspace = kernels.Workspace(per_pass * L, V, torch.device("cpu"))
+    alone, together = samplers(), samplers(workspace)
     for s in together[1:]:  # start the others a step in, so the rows sit at different temperatures
         s.inputs()
         s.step(torch.randn(1, L, D, generator=torch.Generator().manual_seed(5)))
@@ -308,7 +311,10 @@ def test_samplers_stepped_together_take_the_steps_they_take_alone():
         for i, s in enumerate(alone):
             s.step(final[i:i + 1])
         assert all(s.batchable(L) for s in together)
-        fast_sampler.step_together(together, final)
+        existing = {t.untyped_storage().data_ptr() for t in (workspace.logits, workspace.probs, *model.parameters())}
+        with LiveVocabTensors(V, existing) as mode:
+            fast_sampler.step_together(together, final)
+        assert mode.peak == 0  # every pass in the shared workspace: no (rows, V) buffer of its own
         for a, b in zip(alone, together, strict=True):
             assert torch.equal(a.state.x, b.state.x) and torch.equal(a.state.argmax, b.state.argmax)
             assert torch.equal(a.entropy, b.entropy) and a.remaining == b.remaining
