@@ -133,16 +133,18 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
     flat = experts.reshape(-1)  # slot s = token * k + j
     order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept inside a group
     counts = flat.new_zeros(E).scatter_add_(0, flat, torch.ones_like(flat))  # a bincount of static length E
-    xs = x.index_select(0, order // k)  # (N*k, D) in expert order (index_select: ~10x x[order // k] on a CPU)
+    xs = x.index_select(0, order // k)  # (N*k, D) in expert order (faster than x[order // k], also backward)
     if backend == "grouped" or (backend == "auto" and _grouped_mm_available(x, gate_up_proj, down_proj)):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         gate, up = _grouped_mm(xs, gate_up_proj, offsets).chunk(2, dim=-1)
         y = _grouped_mm((F.gelu(gate, approximate="tanh") * up).contiguous(), down_proj, offsets)
     elif backend == "padded":
         y = _padded_expert_loop(xs, counts, gate_up_proj, down_proj)
-    elif torch.compiler.is_compiling() and not torch.is_grad_enabled():  # the loop's sizes are data: the tracer
-        y = torch.ops.dgemma.expert_loop(xs, counts, gate_up_proj, down_proj)  # sees one opaque op (inference;
-    else:  # registered by register_expert_loop_op). Training under a block's torch.compile: a graph break here
+    # Traced without gradients (the compiled static step, a compiled block's self-conditioning pre-pass), the loop,
+    # whose sizes are data, is one opaque op (register_expert_loop_op); traced for training, it breaks the graph.
+    elif torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        y = torch.ops.dgemma.expert_loop(xs, counts, gate_up_proj, down_proj)
+    else:
         y = _expert_loop(xs, counts, gate_up_proj, down_proj)
     unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     slots = y.index_select(0, unsort).view(N, k, -1)  # back to slot order (a gather: no scatter of rows)
