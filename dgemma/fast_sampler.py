@@ -157,8 +157,7 @@ class FastSampler:
         self.weight = model.embed_tokens.weight
         # the one pass over the vocabulary (kernels.one_pass_head_and_sample) where it applies: the model's own fp32
         # tied head, inverse-CDF draws, every row in one chunk; else the row-chunked passes (head_and_sample)
-        self.one_pass = head is None and self.weight.dtype == torch.float32 and (draw or "cdf") == "cdf" and \
-            device.type == "cpu"
+        self.one_pass = head is None and (draw or "cdf") == "cdf" and one_pass_applies(model)
         if head is None:
             self.softcap = model.config.final_logit_softcapping
             head = lambda rows, out: kernels.logits_into(rows, self.weight, self.softcap, out)
@@ -242,6 +241,13 @@ class FastSampler:
 
 
 @torch.no_grad()
+def one_pass_applies(model: DiffusionGemma) -> bool:
+    """Whether the fast sampler's head runs the one pass over the vocabulary (`kernels.one_pass_head_and_sample`)
+    for `model` with its own head and inverse-CDF draws: an fp32 tied head on a CPU. Only such samplers can be
+    stepped together (`step_together`)."""
+    return model.embed_tokens.weight.dtype == torch.float32 and model.device.type == "cpu"
+
+
 def step_together(samplers: list[FastSampler], final: Tensor) -> None:
     """`sampler.step(final[i:i + 1])` for each of `samplers` (one-row samplers of one model, all `batchable`), with
     one head pass over all their rows: each row keeps its own temperature and its own generator (its uniforms are

@@ -286,3 +286,14 @@ def test_with_the_fast_kernels_fast_and_readable_rows_batch_together_and_stay_ba
     with Engine(model, max_batch=5, max_context=128, impl="fast") as engine:  # logprobs: the readable sampler
         request = engine.submit(*jobs[0][:2], seed=1, logprobs=2, on_event=lambda e: None)
         assert not engine._fast(request)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fast_samplers_workspace_holds_the_rows_that_are_stepped_together(dtype):
+    """The engine's one (rows, V) workspace: room for every row of a batch where the fast rows' heads run together
+    (the one pass over the vocabulary: an fp32 head on a CPU), one canvas where each row's head runs alone."""
+    model = random_model("tiny").to(dtype)
+    L = model.config.canvas_length
+    with Engine(model, max_batch=3, max_context=128, impl="fast") as engine:
+        rows = engine._workspace().logits.shape[0]
+    assert rows == (3 * L if dtype == torch.float32 else L)

@@ -457,11 +457,13 @@ class Engine:
             not fast_sampler.unsupported(r.config)
 
     def _workspace(self) -> kernels.Workspace:
-        """The fast samplers' (rows, V) buffers, one pair for the engine, reused by every step: a row's own step and
-        `step_together`'s passes over several rows (as many canvases as fit, up to `max_batch`) run one at a time."""
+        """The fast samplers' (rows, V) buffers, one pair for the engine, reused by every step: a row's own step and,
+        where samplers are stepped together, those passes over several rows (as many canvases as fit, up to
+        `max_batch`) run one at a time."""
         if self._buffers is None:
             V, device = self.model.config.vocab_size, self.model.device
-            rows = min(self.max_batch * self.canvas_length, kernels.default_chunk_rows(V, device))
+            canvases = self.max_batch if fast_sampler.one_pass_applies(self.model) else 1
+            rows = min(canvases * self.canvas_length, kernels.default_chunk_rows(V, device))
             self._buffers = kernels.Workspace(rows, V, device)
         return self._buffers
 
