@@ -240,7 +240,6 @@ class FastSampler:
         return self.state.staged(self.state.x)
 
 
-@torch.no_grad()
 def one_pass_applies(model: DiffusionGemma) -> bool:
     """Whether the fast sampler's head runs the one pass over the vocabulary (`kernels.one_pass_head_and_sample`)
     for `model` with its own head and inverse-CDF draws: an fp32 tied head on a CPU. Only such samplers can be
@@ -248,6 +247,7 @@ def one_pass_applies(model: DiffusionGemma) -> bool:
     return model.embed_tokens.weight.dtype == torch.float32 and model.device.type == "cpu"
 
 
+@torch.no_grad()
 def step_together(samplers: list[FastSampler], final: Tensor) -> None:
     """`sampler.step(final[i:i + 1])` for each of `samplers` (one-row samplers of one model, all `batchable`), with
     one head pass over all their rows: each row keeps its own temperature and its own generator (its uniforms are
