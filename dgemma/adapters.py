@@ -135,10 +135,7 @@ class AdapterSet:
         if all(n is None for n in names):
             return None
         order, stacks = self._snapshot
-        for n in names:
-            if n is not None and n not in order:
-                self._known(n, order)
-        return AdapterRows(stacks, [-1 if n is None else order[n] for n in names])
+        return AdapterRows(stacks, [-1 if n is None else order[self._known(n, order)] for n in names])
 
     def _known(self, name: str, names: Iterable[str] | None = None) -> str:
         names = self._factors if names is None else names
