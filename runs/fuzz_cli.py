@@ -39,12 +39,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MEMORY_LIMIT = 6 * 2**30  # bytes of address space per case: a runaway allocation is killed, not the machine
-NUMBERS = ["nan", "inf", "-inf", "-1", "0", "1e308", "4e38", "-4e38", "1e-320", "18446744073709551616",
+NUMBERS = ["nan", "inf", "-inf", "-1", "0", "1e308", "4e38", "-4e38", "1e-320", "5e-324", "1e-300", "0.01", "1",
+           "18446744073709551615", "18446744073709551616",
            "99999999999999999999999999999999", "1000000000", "abc", "", "0x10", "1_0", " 3", "1e3", "-0"]
 TEXT = ["", " ", "\t", "x" * 5000, "../../etc", "-", "--", "nan", "\u202e", "\U0001f600", "bpe:1000000000",
-        "bpe:-1", "bpe:0", "bpe:", "default:nope", "a,b,,c", "1,,2", "2,3,-1", "999999999", "ids:1,2"]
+        "bpe:-1", "bpe:0", "bpe:", "default:nope", "a,b,,c", "1,,2", "2,3,-1", "999999999", "ids:1,2",
+        # regular expressions (--regex): empty, an empty language past llguidance's limits, unclosed, catastrophic
+        "^(x{1000}){1000}$", "(unclosed", "(a*)*b", "[^\\s\\S]", "1=-100,2=1e999"]
 PATH_KINDS = ["fifo", "dev_zero", "dev_null", "dev_full", "dir", "symlink_victim", "missing_parent", "foreign",
-              "checkpoint", "run", "data", "file", "empty_file", "binary_file", "dangling_symlink", "self_loop"]
+              "checkpoint", "run", "data", "file", "empty_file", "binary_file", "dangling_symlink", "self_loop",
+              "hostile_schema", "hostile_grammar", "hostile_template"]
+# JSON Schemas and Lark grammars a grammar engine must fail on honestly (--json-schema, --grammar): an empty language,
+# sizes past llguidance's limits, a keyword it cannot enforce
+HOSTILE_SCHEMAS = [{"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+                   {"const": "x" * 30000}, {"anyOf": [{"const": f"v{i}"} for i in range(3000)]},
+                   {"type": "array", "prefixItems": [{"type": "integer"}] * 500}, [], "not a schema",
+                   {"type": "object", "additionalProperties": {"type": "object"}, "minProperties": 3}]
+HOSTILE_GRAMMARS = ['start: start "a"', "start: ", 'start: "a"{1000}' * 3, "%import nothing", "\x00"]
+# chat templates a checkpoint may carry (--model of generate/chat): huge output, an error, endless recursion
+HOSTILE_TEMPLATES = ["{{ 'x' * 100000000 }}", "{{ raise_exception('no') }}", "{% macro m() %}{{ m() }}{% endmacro %}"
+                     "{{ m() }}", "{% for i in range(10**9) %}x{% endfor %}", "{{ messages[0].content.__class__ }}"]
 
 
 @dataclass
@@ -148,6 +162,13 @@ def hostile_path(kind: str, case_dir: Path, w: World) -> str:
         p.write_bytes(bytes(range(256)) * 64)
     elif kind == "missing_parent":
         return str(case_dir / "no" / "such" / "dir" / "x")
+    elif kind == "hostile_schema":
+        p.write_text(json.dumps(random.Random(str(p)).choice(HOSTILE_SCHEMAS)))
+    elif kind == "hostile_grammar":
+        p.write_text(random.Random(str(p)).choice(HOSTILE_GRAMMARS))
+    elif kind == "hostile_template":  # a copy of the checkpoint whose chat template is hostile
+        shutil.copytree(w.ckpt, p)
+        (p / "chat_template.jinja").write_text(random.Random(str(p)).choice(HOSTILE_TEMPLATES))
     else:
         return {"dev_zero": "/dev/zero", "dev_null": "/dev/null", "dev_full": "/dev/full",
                 "checkpoint": str(w.ckpt), "run": str(w.run), "data": str(w.data)}[kind]
@@ -159,6 +180,9 @@ def base_commands(w: World, out: Path) -> dict[str, list[str]]:
     ck, small = str(w.ckpt), ["--max-denoising-steps", "2", "--max-new-tokens", "16", "--seed", "0"]
     return {
         "generate": ["generate", "--model", ck, "--prompt", "the king", *small],
+        # the grammars beside the sampling controls (temperature 0, top-k 1, ...: the mutations pick those flags)
+        "generate grammar": ["generate", "--model", ck, "--prompt", "the king", "--json-object", *small],
+        "generate chat": ["generate", "--model", ck, "--prompt", "the king", "--chat", *small],
         "chat": ["chat", "--model", ck, *small],
         "inspect": ["inspect", ck],
         "data prepare": ["data", "prepare", "--out", str(out), "--corpus", str(w.corpus), "--tokenizer", "bpe:300",
@@ -185,8 +209,10 @@ def flags(command: str) -> dict[str, str]:
     from dgemma.cli import build_parser
     parser = build_parser()
     for name in command.split():
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = sub.choices[name]
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or name not in subs[0].choices:  # a variant of the command before it ("generate grammar")
+            break
+        parser = subs[0].choices[name]
     kinds = {}
     for a in parser._actions:
         if not a.option_strings or a.dest in {"help"}:
