@@ -11,6 +11,7 @@ engine ends the request with finish_reason "length" (docs/serving.md, "Structure
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -18,16 +19,22 @@ import torch
 
 GRAMMAR_STEP_SECONDS = 2.0  # the grammar work one denoising step of one request may take
 GRAMMAR_THREADS = 2  # worker threads (the masks are mostly Python between llguidance calls)
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def _step(sampler: Any, constraint: Any, logits: Any) -> Any:
+def _step(sampler: Any, constraint: Any, logits: Any, rid: int) -> Any:
     """One sampler step (on a worker); the staged canvas, with the grammar advanced over it, if it finished."""
-    if not sampler.step(logits):
-        return None
-    staged = sampler.staged()
-    constraint.commit(staged.tokens, marks=staged.grammar)
-    return staged
+    failed = constraint.failed[0]
+    try:
+        if not sampler.step(logits):
+            return None
+        staged = sampler.staged()
+        constraint.commit(staged.tokens, marks=staged.grammar)
+        return staged
+    finally:
+        if failed is None and constraint.failed[0] not in (None, "cancelled"):
+            log.warning("request %d: %s; it ends with finish_reason length", rid, constraint.failed[0])
 
 
 class GrammarSteps:
@@ -44,7 +51,7 @@ class GrammarSteps:
     def submit(self, r: Any, logits: Any) -> None:
         """Run request `r`'s sampler step on `logits` on a worker, under the step budget and its cancel flag."""
         r.constraint.step_seconds, r.constraint.cancelled = self.step_seconds, r._cancelled.is_set
-        future = self._pool.submit(_step, r.sampler, r.constraint, logits)
+        future = self._pool.submit(_step, r.sampler, r.constraint, logits, r.id)
         self._running[r.id] = (r, future)
         future.add_done_callback(lambda _: self._wake())
 
@@ -69,4 +76,7 @@ class GrammarSteps:
         return out
 
     def close(self) -> None:
+        """Stop: the steps running stop at their next position (their requests are cancelled), the queued never run."""
+        for r, _ in list(self._running.values()):
+            r._cancelled.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
