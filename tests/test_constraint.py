@@ -320,3 +320,21 @@ def test_the_cli_refuses_a_grammar_with_no_honest_output_in_one_line(tmp_path, c
                      "--max-new-tokens", "16", flag, value])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and re.fullmatch(f"dgemma generate: error: {words}.*", err[0]), err
+
+
+@pytest.mark.integration  # about 10 s: llguidance's Earley rows grow with every token until it gives up
+def test_the_cli_reports_a_grammar_that_failed_mid_way_as_incomplete_and_exits_1(tmp_path, capsys, tok_path):
+    """A grammar whose Earley rows outgrow llguidance's limit after about 19 tokens (EOS held off by logit_bias): the
+    output is the prefix it had, the summary says it is not complete, and one error line says why (it used to read
+    "1 of 1 output(s) complete" with exit 0)."""
+    from dgemma import cli
+
+    (tmp_path / "g.lark").write_text('start: s\ns: ' + " | ".join(" ".join(["s"] * j) for j in range(16, 1, -1))
+                                     + ' | "a"\n')
+    code = cli.main(["generate", "--preset", "tiny", "--random-init", "--tokenizer", str(tok_path), "--prompt", "Hi",
+                     "--grammar", str(tmp_path / "g.lark"), "--max-new-tokens", "32", "--max-denoising-steps", "2",
+                     "--logit-bias", "1=-100,4=-100", "--seed", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-2].startswith("grammar: 0 of 1 output(s) complete"), err
+    assert re.fullmatch(r"dgemma generate: error: --grammar: the grammar failed for 1 of 1 output\(s\), which are "
+                        r"incomplete \(output 1: the grammar engine gave up: .*Current row has .*\)", err[-1]), err
