@@ -17,11 +17,14 @@ greedily under the same masks) is valid by construction. Only the committed canv
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
+import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +37,18 @@ from torch import Tensor
 # no other whitespace (OpenAI's compact layout). With free whitespace, a model unsure what comes next may fill a
 # canvas with newlines.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# What one grammar may cost (docs/sampling.md, "Structured output"): the characters of its source (a schema's JSON
+# text, a pattern, a Lark grammar), the tokens of the dry run that compiling makes (the closer's path from the start:
+# an llguidance error on it refuses the grammar up front) and the seconds that run may take. llguidance's own
+# per-step limits (lexer fuel, Earley items) stay at their defaults; their errors end a row (`ConstraintState.failed`).
+MAX_GRAMMAR_CHARS = 65536
+PROBE_TOKENS = 32
+COMPILE_SECONDS = 10.0
 
 
 class ConstraintError(ValueError):
-    """A constraint that cannot be built: llguidance missing, or a schema, pattern or grammar it cannot compile (the
-    message names which, and why)."""
+    """A constraint that cannot be built: llguidance missing, or a schema, pattern or grammar it cannot compile, too
+    large, with an empty language, or one llguidance gives up on at its start (the message names which, and why)."""
 
 
 def _llguidance() -> Any:
@@ -58,25 +68,47 @@ class Constraint:
     source: str
     grammar: str
     tokenizer: Any  # llguidance.LLTokenizer
+    # the parser at the start, checked when compiled; `start` copies it (None: `start` makes new ones)
+    matcher: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def _build(cls, kind: str, source: str, grammar: str, tokenizer: Any,
                eos_token_id: Sequence[int] | int | None) -> Constraint:
-        llg = _llguidance()
+        """Compile and check: llguidance's validation, then a parser at the start whose first mask must allow
+        something (or the empty output) and on which the closer's dry run of up to PROBE_TOKENS tokens
+        (COMPILE_SECONDS at most) must not make llguidance give up (a recursion it cannot expand, a lexer too
+        large, ...): such a grammar is refused here, before any generation."""
+        llg, started = _llguidance(), time.perf_counter()
+        what = f"the {kind.replace('_', ' ')}"
         eos = tuple([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []))
         tok = _ll_tokenizer_of(tokenizer, eos)
-        is_error, problems = llg.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+        is_error, problems = llg.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=_limits())
         if is_error:
-            why = " ".join((problems[0] if problems else "invalid").split())  # llguidance's message, on one line
-            raise ConstraintError(f"cannot compile the {kind.replace('_', ' ')}: {why}")
-        return cls(kind, source, grammar, tok)
+            raise ConstraintError(f"cannot compile {what}: {_one_line(problems[0] if problems else 'invalid')}")
+        m = _matcher(tok, grammar)
+        bits = llg.numpy.allocate_token_bitmask(1, tok.vocab_size)
+        if not m.is_error():
+            llg.numpy.fill_next_token_bitmask(m, bits, 0)
+        if m.is_error():
+            raise ConstraintError(f"the grammar engine cannot start {what}: {_one_line(m.get_error())}")
+        if not bits.any() and not m.is_accepting():
+            raise ConstraintError(f"{what} allows no output at all (its language is empty)")
+        _closer_of(tok).path(m, PROBE_TOKENS, deadline=started + COMPILE_SECONDS)
+        if m.is_error():
+            raise ConstraintError(f"the grammar engine gives up on {what} within its first {PROBE_TOKENS} tokens: "
+                                  f"{_one_line(m.get_error())}")
+        if time.perf_counter() > started + COMPILE_SECONDS:
+            raise ConstraintError(f"{what} took over {COMPILE_SECONDS:g} s to compile (the limit); simplify it")
+        return cls(kind, source, grammar, tok, m)
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str, tokenizer: Any, *,
                     eos_token_id: Sequence[int] | int | None = None) -> Constraint:
-        text = schema if isinstance(schema, str) else json.dumps(schema)
+        text = _sized("json schema", schema if isinstance(schema, str) else json.dumps(schema))
         try:
-            strict = json.dumps(calendar_dates(json.loads(text)))
+            loaded = json.loads(text)
+            distinct_keys(loaded)
+            strict = json.dumps(calendar_dates(loaded))
             grammar = _llguidance().LLMatcher.grammar_from_json_schema(strict, defaults=JSON_LAYOUT)
         except json.JSONDecodeError as e:
             raise ConstraintError(f"json_schema: not JSON ({e})") from None
@@ -89,11 +121,13 @@ class Constraint:
                     eos_token_id: Sequence[int] | int | None = None) -> Constraint:
         """Any JSON object (OpenAI's response_format json_object)."""
         c = cls.json_schema({"type": "object"}, tokenizer, eos_token_id=eos_token_id)
-        return Constraint("json_object", "", c.grammar, c.tokenizer)
+        return dataclasses.replace(c, kind="json_object", source="")
 
     @classmethod
     def regex(cls, pattern: str, tokenizer: Any, *,
               eos_token_id: Sequence[int] | int | None = None) -> Constraint:
+        if not _sized("regex", pattern):
+            raise ConstraintError("regex: the pattern is empty (it would allow only the empty output); give a pattern")
         try:
             grammar = _llguidance().LLMatcher.grammar_from_regex(pattern)
         except ValueError as e:
@@ -104,17 +138,57 @@ class Constraint:
     def lark(cls, grammar: str, tokenizer: Any, *,
              eos_token_id: Sequence[int] | int | None = None) -> Constraint:
         try:
-            text = _llguidance().LLMatcher.grammar_from_lark(grammar)
+            text = _llguidance().LLMatcher.grammar_from_lark(_sized("lark grammar", grammar))
         except ValueError as e:
             raise ConstraintError(f"lark: {e}") from None
         return cls._build("lark", grammar, text, tokenizer, eos_token_id)
 
     def start(self, batch_size: int, max_new_tokens: int | None = None) -> ConstraintState:
-        """One parser state per row. With `max_new_tokens`, every row's output is closed within that many tokens
-        where the grammar allows it (`ConstraintState.draw`)."""
-        llg = _llguidance()
-        return ConstraintState(self, [llg.LLMatcher(self.tokenizer, self.grammar) for _ in range(batch_size)],
+        """One parser state per row (copies of the checked one: no grammar work here). With `max_new_tokens`, every
+        row's output is closed within that many tokens where the grammar allows it (`ConstraintState.draw`)."""
+        return ConstraintState(self, [self.matcher.deep_copy() if self.matcher is not None else
+                                      _matcher(self.tokenizer, self.grammar) for _ in range(batch_size)],
                                max_new_tokens)
+
+
+def _limits() -> Any:
+    """llguidance's parser limits, at its defaults, with short errors (no parser state dumped into a message)."""
+    return _llguidance().LLParserLimits(verbose_errors=False)
+
+
+def _matcher(tokenizer: Any, grammar: str) -> Any:
+    return _llguidance().LLMatcher(tokenizer, grammar, limits=_limits(), log_level=0)
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message on one line, without its trailer (`<non-verbose/>`, a state dump)."""
+    return " ".join(message.split("<")[0].split()) or "invalid"
+
+
+def _sized(what: str, text: str) -> str:
+    """`text`, or a ConstraintError if it is over MAX_GRAMMAR_CHARS."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"the {what} is {len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,} are compiled")
+    return text
+
+
+def distinct_keys(schema: Any, where: str = "") -> None:
+    """Refuse an object schema whose `minProperties` its `required` keys do not cover: llguidance does not keep
+    the keys of additional properties distinct, so it would meet the count with repeated keys (`{"": {}, "": {}}`),
+    which a JSON reader collapses into fewer properties than asked."""
+    if isinstance(schema, list):
+        for i, x in enumerate(schema):
+            distinct_keys(x, f"{where}[{i}]")
+    elif isinstance(schema, dict):
+        least, required = schema.get("minProperties"), schema.get("required")
+        named = len(set(required)) if isinstance(required, list) else 0
+        if isinstance(least, int) and not isinstance(least, bool) and least > named:
+            raise ConstraintError(f"{where.lstrip('.') or 'the schema'}: minProperties {least} is more than its "
+                                  f"{named} required key(s); the grammar engine cannot keep further keys distinct, "
+                                  "so list them in properties and required instead")
+        for k, v in schema.items():
+            if k not in ("const", "enum", "default", "examples"):  # values, not schemas
+                distinct_keys(v, f"{where}.{k}")
 
 
 # A calendar date of years 0001-9999 (leap days included), what validators accept as a JSON Schema "date" (Python's
@@ -201,15 +275,24 @@ class Closer:
         # Shortest first: a special token (a tool-call marker, say) only when nothing else is allowed.
         self.by_length = np.argsort(np.where(special | (lengths == 0), 1 << 20, lengths), kind="stable")
         llg = _llguidance()
-        self._bits = llg.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+        self._local = threading.local()  # a mask buffer per thread: one Closer serves every request's rows
+        self._vocab_size = tokenizer.vocab_size
         self._fill = llg.numpy.fill_next_token_bitmask
 
-    def path(self, m: Any, limit: int) -> list[int] | None:
+    @property
+    def _bits(self) -> Any:
+        bits = getattr(self._local, "bits", None)
+        if bits is None:
+            bits = self._local.bits = _llguidance().numpy.allocate_token_bitmask(1, self._vocab_size)
+        return bits
+
+    def path(self, m: Any, limit: int, deadline: float = math.inf) -> list[int] | None:
         """The closer's tokens from `m`'s state to the grammar's stop, EOS included (empty where it has stopped), or
-        None if that takes more than `limit` tokens. The parser is left where it was."""
+        None if that takes more than `limit` tokens, runs past `deadline` (time.perf_counter) or makes llguidance
+        give up (`m.is_error()` then says so). The parser is left where it was."""
         tokens: list[int] = []
-        while not m.is_stopped():
-            if len(tokens) >= limit:
+        while not m.is_stopped() or m.is_error():
+            if len(tokens) >= limit or m.is_error() or time.perf_counter() > deadline:
                 m.rollback(len(tokens))
                 return None
             t = self.eos if m.is_accepting() else self._next(m, tokens[-1] if tokens else None)
@@ -263,7 +346,12 @@ def _closer_of(tokenizer: Any) -> Closer:
 
 class ConstraintState:
     """One parser state per row, at the end of what the rows have committed, and the tokens each row may still
-    write (`left`, None: unbounded)."""
+    write (`left`, None: unbounded).
+
+    A row whose grammar work fails is ended honestly rather than passed off as complete: where llguidance gives up
+    (its error state: too many Earley items, a lexer too large, a token it refuses), no token is allowed, one `draw`
+    or `project` call runs past `step_seconds`, or `cancelled()` says so, the row's `failed` holds why, the rest of
+    its canvases are EOS, its parser is no longer advanced, and `complete()` is False for it."""
 
     def __init__(self, constraint: Constraint, matchers: list[Any], max_new_tokens: int | None = None):
         self.constraint, self.matchers = constraint, matchers
@@ -278,6 +366,30 @@ class ConstraintState:
         self.seconds = 0.0  # wall-clock spent in `draw` and `commit`: the constraint's cost
         self.pinned = 0  # committed tokens the grammar fixed (the only token it allowed)
         self.closed = 0  # committed tokens the closer chose to finish within the budget
+        self.failed: list[str | None] = [None] * len(matchers)  # per row: why its grammar work stopped, or None
+        self.step_seconds: float | None = None  # the time one draw or project may take (None: unbounded)
+        self.cancelled: Callable[[], bool] | None = None  # polled during that work: True stops it
+        self._deadline = math.inf
+
+    def _ended(self, b: int, m: Any) -> bool:
+        """Whether row `b` takes no more tokens: its grammar is done, or its work failed (recorded in `failed`)."""
+        if self.failed[b] is None:
+            if m.is_error():
+                self.failed[b] = f"the grammar engine gave up: {_one_line(m.get_error())}"
+            elif time.perf_counter() > self._deadline:
+                self.failed[b] = f"the grammar work took over {self.step_seconds:g} s in one step"
+            elif self.cancelled is not None and self.cancelled():
+                self.failed[b] = "cancelled"
+        return self.failed[b] is not None or m.is_stopped()
+
+    def _going(self, rows: Sequence[int]) -> list[int]:
+        """The rows whose grammar work has not failed (a failed row's canvas is all EOS)."""
+        return [b for b in rows if self.failed[b] is None]
+
+    def _begin(self) -> float:
+        started = time.perf_counter()
+        self._deadline = math.inf if self.step_seconds is None else started + self.step_seconds
+        return started
 
     def draw(self, z: Tensor, generator: torch.Generator | None, rows: Sequence[int] | None = None
              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -290,12 +402,12 @@ class ConstraintState:
         A row with a budget (`left`) is kept closable within it: a token after which the closer (`Closer.path`)
         cannot finish the sentence in the positions the budget has left is replaced by the closer's own next token,
         so the last canvas ends the sentence whenever the closer could from where the canvas began."""
-        started = time.perf_counter()
+        started = self._begin()
         B, L, _ = z.shape
         draw = torch.full((B, L), self.eos, dtype=torch.long, device=z.device)
         greedy, entropy = draw.clone(), torch.zeros(B, L, dtype=torch.float32, device=z.device)
         marks = torch.zeros(B, L, dtype=torch.int8, device=z.device)
-        for b in range(B) if rows is None else rows:
+        for b in self._going(range(B) if rows is None else rows):
             self._walk(b, z[b], generator, draw[b], entropy[b], None)
             self._walk(b, z[b], None, greedy[b], None, marks[b])
         self.seconds += time.perf_counter() - started
@@ -307,10 +419,10 @@ class ConstraintState:
         of `z` (B, L, V) there. Returns the canvas and what the grammar did (B, L), as `draw`'s greedy canvas; the
         parser is left where it was. The samplers that commit their own draws (Lite, the committing samplers, the
         chains) commit this."""
-        started = time.perf_counter()
+        started = self._begin()
         out = torch.full_like(canvas, self.eos)
         marks = torch.zeros(canvas.shape, dtype=torch.int8, device=canvas.device)
-        for b in range(canvas.shape[0]) if rows is None else rows:
+        for b in self._going(range(canvas.shape[0]) if rows is None else rows):
             self._walk(b, z[b], None, out[b], None, marks[b], proposal=canvas[b].tolist())
         self.seconds += time.perf_counter() - started
         return out, marks
@@ -347,15 +459,17 @@ class ConstraintState:
         path = None  # the closer's tokens from the parser's state (None: no budget, or no way to close within it)
         if closer is not None and left is not None and left >= 1:  # from the committed state, kept until a commit
             if b not in self._start_paths:
-                self._start_paths[b] = closer.path(m, left)
+                self._start_paths[b] = closer.path(m, left, self._deadline)
             path = self._start_paths[b]
         taken = 0
         for i in range(L):
-            if m.is_stopped():
+            if self._ended(b, m):
                 break
             self._fill(m, self._bits, 0)
             self.mask_calls += 1
             allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=n).astype(bool)
+            if self._ended(b, m) or (not allowed.any() and self._fail(b, "the grammar allows no token here")):
+                break
             if left is not None and i >= left and m.is_accepting():  # past the budget, a finished sentence ends
                 t, h = self.eos, 0.0
             elif drawing:
@@ -379,15 +493,16 @@ class ConstraintState:
             if entropy is not None:
                 entropy[i] = max(h, 0.0)
             mark = PINNED if marks is not None and np.count_nonzero(allowed) == 1 else FREE
-            if not m.consume_token(t):
-                raise RuntimeError(f"llguidance refused token {t} that its own mask allowed")
+            if not m.consume_token(t):  # llguidance refused a token its own mask allowed: it gave up
+                self._ended(b, m)
+                break
             if closer is not None and left is not None and left - i >= 1:
                 if path is not None and t == path[0]:
                     path = path[1:]
                 elif path is not None and len(path) < left - i and closer.closes(m, path):
                     pass  # the same way still ends the sentence after t (most tokens inside a string or a number)
                 else:
-                    after = closer.path(m, left - i - 1)
+                    after = closer.path(m, left - i - 1, self._deadline)
                     if after is None and path is not None:  # t leaves no way to close in time: the closer's token
                         m.rollback(1)
                         t, path = path[0], path[1:]
@@ -404,13 +519,12 @@ class ConstraintState:
         """Advance each row's parser over its committed canvas (B, L), up to the grammar's end; `marks` (B, L), what
         the grammar did there (`draw`), are counted."""
         started = time.perf_counter()
+        self._deadline = math.inf
         for b in range(tokens.shape[0]) if rows is None else rows:
             m = self.matchers[b]
             for i, t in enumerate(tokens[b].tolist()):
-                if m.is_stopped():
+                if self._ended(b, m) or (not m.consume_token(int(t)) and self._ended(b, m)):
                     break
-                if not m.consume_token(int(t)):
-                    raise RuntimeError(f"row {b}: the committed token {t} leaves the grammar ({m.get_error()})")
                 if marks is not None:
                     self.pinned += int(marks[b, i]) == PINNED
                     self.closed += int(marks[b, i]) == CLOSED
@@ -420,9 +534,15 @@ class ConstraintState:
         self.seconds += time.perf_counter() - started
 
     def complete(self) -> list[bool]:
-        """Per row: whether what it committed is a whole sentence of the grammar."""
-        return [bool(m.is_accepting() or m.is_stopped()) for m in self.matchers]
+        """Per row: whether what it committed is a whole sentence of the grammar (never for a row that `failed`)."""
+        return [self.failed[b] is None and not m.is_error() and bool(m.is_accepting() or m.is_stopped())
+                for b, m in enumerate(self.matchers)]
+
+    def _fail(self, b: int, why: str) -> bool:
+        self.failed[b] = self.failed[b] or why
+        return True
 
 
-__all__ = ["CLOSED", "DATE_PATTERN", "FREE", "PINNED", "Closer", "Constraint", "ConstraintError", "ConstraintState",
-           "calendar_dates"]
+__all__ = ["CLOSED", "DATE_PATTERN", "FREE", "MAX_GRAMMAR_CHARS", "PINNED", "Closer", "Constraint", "ConstraintError",
+           "ConstraintState",
+           "calendar_dates", "distinct_keys"]

@@ -138,6 +138,9 @@ class GenerationResult:
     # committed tokens the grammar pinned (the only token it allowed) and that its budget's closer chose, all rows
     constraint_pinned: int | None = None
     constraint_closed: int | None = None
+    # per row: why its grammar work stopped (llguidance gave up; ConstraintState.failed), else None; such a row's
+    # output is an incomplete prefix and constraint_complete is False for it
+    constraint_failed: list[str | None] | None = None
 
     def new_tokens(self) -> list[list[int]]:
         """Generated ids per row, up to and including the first EOS, padding removed."""
@@ -479,7 +482,8 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
                               constraint_complete=None if grammar is None else grammar.complete(),
                               constraint_seconds=None if grammar is None else grammar.seconds,
                               constraint_pinned=None if grammar is None else grammar.pinned,
-                              constraint_closed=None if grammar is None else grammar.closed)
+                              constraint_closed=None if grammar is None else grammar.closed,
+                              constraint_failed=None if grammar is None else list(grammar.failed))
     if trace:
         result.trace = Trace(records, {
             "format": TRACE_FORMAT, "batch_size": B, "prompt_length": T, "canvas_length": L,

@@ -4,6 +4,7 @@ and the decode runs of `dgemma eval` call these functions, so that a request mea
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -62,3 +63,22 @@ def check_logit_bias(config: GenerationConfig, vocab_size: int) -> None:
     bad = [i for i, _ in config.logit_bias if i >= vocab_size]
     if bad:
         raise GenerationError(f"logit_bias: token id(s) {bad[:8]} outside the vocabulary (vocab_size={vocab_size})")
+
+
+def check_prompt(prompt_ids: Any, vocab_size: int) -> list[int]:
+    """A prompt as a list of token ids (a tensor is flattened), or a GenerationError: not integers, empty, or an id
+    outside [0, vocab_size)."""
+    if hasattr(prompt_ids, "flatten") and hasattr(prompt_ids, "tolist"):  # a tensor
+        prompt_ids = prompt_ids.flatten().tolist()
+    try:
+        if isinstance(prompt_ids, str | bytes) or any(isinstance(t, bool) for t in prompt_ids):
+            raise TypeError
+        prompt = [operator.index(t) for t in prompt_ids]
+    except TypeError:
+        raise GenerationError("the prompt must be a list of integer token ids") from None
+    if not prompt:
+        raise GenerationError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise GenerationError(f"prompt token ids must lie in [0, vocab_size={vocab_size}), got {bad[:4]}")
+    return prompt

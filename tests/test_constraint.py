@@ -244,3 +244,97 @@ def test_a_date_is_a_calendar_date_as_validators_read_it(tok):
     assert m.consume_tokens(tok.encode('{"d": "2023-02-2', add_special_tokens=False))
     assert m.validate_tokens(tok.encode('9"}', add_special_tokens=False)) < len(tok.encode('9"}',
                                                                                          add_special_tokens=False))
+
+
+# --- grammars the engine gives up on: refused up front, or an honest incomplete row (round-three hardening) --------
+
+RECURSIVE = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+             "$ref": "#/$defs/a"}  # every object needs another inside it: no finite sentence
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda tok: Constraint.json_schema(RECURSIVE, tok, eos_token_id=EOS),
+     r"the grammar engine gives up on the json schema within its first 32 tokens: .*Too many items"),
+    (lambda tok: Constraint.lark('start: start "a"', tok, eos_token_id=EOS),
+     r"the grammar engine cannot start the lark"),
+    (lambda tok: Constraint.regex("", tok, eos_token_id=EOS), r"regex: the pattern is empty"),
+    (lambda tok: Constraint.json_schema({"const": "x" * 70000}, tok, eos_token_id=EOS),
+     r"the json schema is 70,013 characters; at most 65,536 are compiled"),
+    (lambda tok: Constraint.json_schema({"type": "object", "additionalProperties": {"type": "object"},
+                                         "minProperties": 3}, tok, eos_token_id=EOS),
+     r"minProperties 3 is more than its 0 required key\(s\)"),
+    (lambda tok: Constraint.json_schema({"type": "object", "properties": {"inner": {
+        "type": "object", "minProperties": 2, "required": ["a"]}}}, tok, eos_token_id=EOS),
+     r"properties\.inner: minProperties 2 is more than its 1 required key"),
+], ids=["recursive-ref", "left-recursive-lark", "empty-regex", "over-the-size-cap", "min-properties",
+        "nested-min-properties"])
+def test_a_grammar_with_no_honest_output_is_refused_when_compiled(tok, build, words):
+    """Each of these used to compile and then answer an empty or invalid output marked complete."""
+    with pytest.raises(ConstraintError, match=words):
+        build(tok)
+
+
+def test_min_properties_covered_by_required_keys_still_compiles(tok):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "minProperties": 2, "const_like": {"const": {"minProperties": 9}}}
+    assert Constraint.json_schema(schema, tok, eos_token_id=EOS).kind == "json_schema"
+
+
+def test_a_row_llguidance_gives_up_on_mid_way_is_incomplete_never_complete(tok):
+    """A grammar whose Earley rows outgrow llguidance's limit after 59 tokens: the row that reaches it is recorded as
+    failed, draws nothing more, and is not complete (it used to be reported complete: the error state reads as
+    stopped), while the other row carries on."""
+    c = Constraint.lark('start: s\ns: ' + " | ".join(" ".join(["s"] * j) for j in range(8, 1, -1)) + ' | "a"', tok,
+                        eos_token_id=EOS)
+    a = c.tokenizer.tokenize_str("a")[0]
+    state = c.start(2)
+    state.commit(torch.tensor([[a] * 64, [a] + [EOS] * 63]))
+    assert state.failed[0] is not None and "Current row has" in state.failed[0] and state.failed[1] is None
+    assert state.complete() == [False, True]
+    _, greedy, _, _ = state.draw(torch.zeros(2, 4, 512), torch.Generator().manual_seed(0))
+    assert greedy[0].tolist() == [EOS] * 4
+
+
+def test_a_row_over_its_step_budget_ends_incomplete_and_others_go_on(tok):
+    """The time budget of one draw: once spent (here at once), the row's grammar stops and says why."""
+    c = Constraint.json_schema({"type": "object"}, tok, eos_token_id=EOS)
+    state = c.start(1, max_new_tokens=16)
+    state.step_seconds = 1e-9
+    _, greedy, _, _ = state.draw(torch.zeros(1, 4, 512), torch.Generator().manual_seed(0))
+    assert greedy[0].tolist() == [EOS] * 4 and state.complete() == [False]
+    assert state.failed[0] == "the grammar work took over 1e-09 s in one step"
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--regex", "", r"--regex: regex: the pattern is empty"),  # used to drop the constraint silently
+    ("--json-schema", RECURSIVE, r"--json-schema: the grammar engine gives up on the json schema within its first "
+                                 r"32 tokens: .*Too many items"),  # used to answer "" as "1 of 1 output\(s\) complete"
+])
+def test_the_cli_refuses_a_grammar_with_no_honest_output_in_one_line(tmp_path, capsys, tok_path, flag, value, words):
+    from dgemma import cli
+
+    if isinstance(value, dict):
+        (tmp_path / "schema.json").write_text(json.dumps(value))
+        value = str(tmp_path / "schema.json")
+    code = cli.main(["generate", "--preset", "tiny", "--random-init", "--tokenizer", str(tok_path), "--prompt", "Hi",
+                     "--max-new-tokens", "16", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and re.fullmatch(f"dgemma generate: error: {words}.*", err[0]), err
+
+
+@pytest.mark.integration  # about 10 s: llguidance's Earley rows grow with every token until it gives up
+def test_the_cli_reports_a_grammar_that_failed_mid_way_as_incomplete_and_exits_1(tmp_path, capsys, tok_path):
+    """A grammar whose Earley rows outgrow llguidance's limit after about 19 tokens (EOS held off by logit_bias): the
+    output is the prefix it had, the summary says it is not complete, and one error line says why (it used to read
+    "1 of 1 output(s) complete" with exit 0)."""
+    from dgemma import cli
+
+    (tmp_path / "g.lark").write_text('start: s\ns: ' + " | ".join(" ".join(["s"] * j) for j in range(16, 1, -1))
+                                     + ' | "a"\n')
+    code = cli.main(["generate", "--preset", "tiny", "--random-init", "--tokenizer", str(tok_path), "--prompt", "Hi",
+                     "--grammar", str(tmp_path / "g.lark"), "--max-new-tokens", "32", "--max-denoising-steps", "2",
+                     "--logit-bias", "1=-100,4=-100", "--seed", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-2].startswith("grammar: 0 of 1 output(s) complete"), err
+    assert re.fullmatch(r"dgemma generate: error: --grammar: the grammar failed for 1 of 1 output\(s\), which are "
+                        r"incomplete \(output 1: the grammar engine gave up: .*Current row has .*\)", err[-1]), err

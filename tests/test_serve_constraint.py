@@ -4,6 +4,7 @@ real server over a tiny random model, which knows nothing of JSON, so only the g
 from __future__ import annotations
 
 import json
+import threading
 
 import openai
 import pytest
@@ -69,6 +70,15 @@ def test_json_object_output_is_one_object_closed_within_max_tokens(client):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(unclosed"}}},
      "cannot compile the json schema"),
     ({"type": "json_object", "json_schema": {}}, "unknown field(s) json_schema"),
+    # grammars that used to answer an empty or invalid output marked complete ("stop")
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+        "$ref": "#/$defs/a"}}}, "the grammar engine gives up on the json schema within its first 32 tokens"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "additionalProperties": {"type": "object"}, "minProperties": 3}}},
+     "minProperties 3 is more than its 0 required key(s)"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "x" * 300000}}},
+     "the json schema is 300,013 characters; at most 65,536 are compiled"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_response_format(client, fmt, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -161,3 +171,65 @@ def test_a_forced_calls_dates_are_calendar_dates(tok_path):
     c = tool_constraint({"tool_choice": "required"}, tools, ChatTemplate(GEMMA_LIKE, origin="test"),
                         load_tokenizer(tok_path), GenerationConfig(eos_token_id=(1,)))
     assert "0[1-9]|[12][0-9]|3[01]" in c.grammar and '"format"' not in c.grammar
+
+
+def test_a_tool_schema_the_grammar_engine_gives_up_on_is_a_400_naming_tools(tool_client):
+    recursive = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+                 "$ref": "#/$defs/a"}
+    tools = [{"type": "function", "function": {"name": "loop", "parameters": recursive}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        tool_client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, tools=tools,
+                                            tool_choice="required")
+    error = e.value.response.json()["error"]
+    assert error["param"] == "tools" and "the grammar engine gives up on the lark" in error["message"], error
+
+
+# --- a grammar slow to mask holds its own row only (round-three hardening) ---------------------------------------
+
+SLOW = {"type": "json_schema", "json_schema": {"name": "slow", "schema": {"const": "x" * 60000}}}  # under the cap
+
+
+def test_a_grammar_over_its_step_budget_ends_as_length_not_as_a_complete_answer(client):
+    """The const's masks take seconds per step on this tokenizer: past the engine's budget per step (2 s) the
+    request ends with what it has, marked incomplete (it used to hold the engine for the whole mask work)."""
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, seed=0, response_format=SLOW)
+    assert r.choices[0].finish_reason == "length"
+    assert ('"' + "x" * 60000).startswith(r.choices[0].message.content)  # a valid prefix, however short
+
+
+def test_a_slow_grammar_holds_its_own_row_only_and_cancelling_it_is_prompt(tok_path):
+    """A plain request sent while a slow grammar masks its first step is answered while that step still runs (the
+    engine steps it on a worker thread and leaves its row out meanwhile); the slow request, its client gone, leaves
+    its row without waiting for the step, whose budget here (60 s) it never reaches."""
+    import httpx
+
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
+    base = GenerationConfig.for_model(model.config).replace(max_denoising_steps=4, eos_token_id=(1,),
+                                                            max_new_tokens=16)
+    with Engine(model, max_batch=4, max_context=256, impl="reference", grammar_step_seconds=60) as engine:
+        app = create_app(engine, load_tokenizer(tok_path), "tiny", generation_config=base)
+        with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+            slow = {"model": "tiny", "messages": USER, "max_tokens": 16, "stream": True, "response_format": SLOW}
+            with http.stream("POST", "/v1/chat/completions", json=slow) as stream:
+                assert stream.status_code == 200  # compiled (on a worker thread) and submitted
+                while engine.stats().active == 0:  # until it holds a row
+                    threading.Event().wait(0.01)
+                plain = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 16})
+                assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "length"
+                s = engine.stats()
+                assert s.active == 1 and s.requests_finished == 1  # the slow one still holds its row
+            for _ in range(3000):  # its client left: the row is freed while the step would still run
+                if engine.stats().active == 0:
+                    break
+                threading.Event().wait(0.01)
+            s = engine.stats()
+            assert s.active == 0 and s.requests_cancelled == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_serve_refuses_a_grammar_step_budget_that_is_not_a_positive_number(capsys, value):
+    from dgemma import cli
+
+    assert cli.main(["serve", "--preset", "tiny", "--random-init", "--grammar-step-seconds", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"dgemma serve: error: --grammar-step-seconds must be a number of seconds > 0, got {float(value)}"]

@@ -281,14 +281,20 @@ def add_constraint_args(p: argparse.ArgumentParser) -> None:
                    "(llguidance's dialect)")
 
 
+def constraint_flag(args: argparse.Namespace) -> str | None:
+    """The grammar flag given (`--regex ''` too: an empty pattern is refused, not ignored), or None."""
+    return next((f"--{f.replace('_', '-')}" for f in ("json_schema", "json_object", "regex", "grammar")
+                 if getattr(args, f, None) not in (None, False)), None)
+
+
 def constraint_from(args: argparse.Namespace, tok: Tokenizer | None, model: Any) -> Any:
     """The Constraint the flags ask for (None without one); a UsageError naming the flag for what cannot be built."""
     from dgemma.constraint import Constraint, ConstraintError
 
-    flag = next((f for f in ("json_schema", "json_object", "regex", "grammar") if getattr(args, f, None)), None)
-    if flag is None:
+    name = constraint_flag(args)
+    if name is None:
         return None
-    name = "--" + flag.replace("_", "-")
+    flag = name[2:].replace("-", "_")
     if tok is None:
         raise UsageError(f"{name} needs the model's tokenizer (the grammar is compiled against it): pass --tokenizer "
                          "PATH or put tokenizer.json in the model directory")

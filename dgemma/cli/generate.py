@@ -21,6 +21,7 @@ from dgemma.cli.common import (
     add_runtime_args,
     add_sampler_args,
     chat_template,
+    constraint_flag,
     constraint_from,
     load,
     overrides,
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
                               "steps_per_canvas": [c[i] for c in result.steps_per_canvas],
                               "stop_reasons": [c[i] for c in result.stop_reasons]}
                              | ({} if result.constraint_complete is None else
-                                {"constraint_complete": result.constraint_complete[i]})))
+                                {"constraint_complete": result.constraint_complete[i],
+                                 "constraint_failed": result.constraint_failed[i]})))
     n = sum(len(ids) for ids in new)
     canvases = len(result.steps_per_canvas)
     tpf = float(torch.as_tensor(result.tokens_per_forward, dtype=torch.float32).mean())
@@ -152,4 +154,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"grammar: {sum(result.constraint_complete)} of {len(rows)} output(s) complete, "
               f"{result.constraint_pinned} token(s) pinned, {result.constraint_closed} closed within the budget, "
               f"{result.constraint_seconds:.2f} s of masks", file=sys.stderr)
+        failed = [(i + 1, why) for i, why in enumerate(result.constraint_failed) if why is not None]
+        if failed:  # llguidance gave up mid-way: those outputs are incomplete prefixes, and the run says so
+            print(f"dgemma generate: error: {constraint_flag(args)}: the grammar failed for {len(failed)} of "
+                  f"{len(rows)} output(s), which are incomplete (output {failed[0][0]}: {failed[0][1]})",
+                  file=sys.stderr)
+            return 1
     return 0

@@ -23,6 +23,7 @@ from dgemma.cli.common import (
 )
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
+from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
@@ -73,6 +74,10 @@ def register(subparsers: Any) -> None:
                         f"(default {DEFAULT_MAX_REQUEST_STEPS})")
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                    help=f"seconds a request body may take to arrive, else 408 (default {DEFAULT_BODY_TIMEOUT:g})")
+    p.add_argument("--grammar-step-seconds", type=float, default=GRAMMAR_STEP_SECONDS, metavar="SECONDS",
+                   help="seconds of grammar work (response_format, a forced tool_choice) one denoising step of a "
+                        "request may take; past them it ends with finish_reason length "
+                        f"(default {GRAMMAR_STEP_SECONDS:g})")
     p.set_defaults(func=run)
 
 
@@ -97,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prefix_cache != 0 and args.prefix_cache < args.prefix_block:
         raise UsageError(f"--prefix-cache must be 0 (off) or at least one block of --prefix-block "
                          f"{args.prefix_block} tokens, got {args.prefix_cache}")
-    if not 0 < args.body_timeout < float("inf"):
-        raise UsageError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
+    for flag in ("body_timeout", "grammar_step_seconds"):
+        if not 0 < getattr(args, flag) < float("inf"):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, flag)}")
     check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -115,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     adapters = _adapters(model, name, args.lora)
     engine = Engine(model, max_batch=args.max_batch, max_context=args.max_context, max_queue=args.max_queue,
                     impl=args.impl, force=args.force, prefix_cache=args.prefix_cache,
-                    prefix_block=args.prefix_block, adapters=adapters).start()
+                    prefix_block=args.prefix_block, adapters=adapters,
+                    grammar_step_seconds=args.grammar_step_seconds).start()
     try:
         limits = Limits(max_n=args.max_n, max_denoising_steps=args.limit_denoising_steps,
                         max_request_steps=args.max_request_steps)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import secrets
 import threading
 import time
@@ -46,7 +45,7 @@ import torch
 from dgemma import fast_sampler, kernels
 from dgemma.adapters import AdapterRows, AdapterSet
 from dgemma.attention import Impl, check_impl
-from dgemma.canvas import StepInfo
+from dgemma.canvas import StagedCanvas, StepInfo
 from dgemma.constraint import Constraint, ConstraintState
 from dgemma.fast_sampler import FastSampler
 from dgemma.generate import CanvasSampler
@@ -54,8 +53,9 @@ from dgemma.generation_config import GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
-from dgemma.request_rules import check_logit_bias, check_seed, eos_index, new_token_budget, sliding_prefix
+from dgemma.request_rules import check_logit_bias, check_prompt, check_seed, eos_index, new_token_budget, sliding_prefix
 from dgemma.sampling import Seen
+from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS, GrammarSteps
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,8 @@ class Engine:
 
     def __init__(self, model: DiffusionGemma, *, max_batch: int = 16, max_context: int = 4096, max_queue: int = 256,
                  impl: Impl | None = None, force: bool = False, prefix_cache: int = 0,
-                 prefix_block: int = DEFAULT_BLOCK_SIZE, adapters: AdapterSet | None = None):
+                 prefix_block: int = DEFAULT_BLOCK_SIZE, adapters: AdapterSet | None = None,
+                 grammar_step_seconds: float = GRAMMAR_STEP_SECONDS):
         for name, value in (("max_batch", max_batch), ("max_context", max_context), ("max_queue", max_queue),
                             ("prefix_block", prefix_block)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -224,6 +225,7 @@ class Engine:
                                       "generated_tokens"), 0)
         self._busy = 0.0
         self._buffers: kernels.Workspace | None = None
+        self.grammar = GrammarSteps(self._wake, grammar_step_seconds)  # grammar steps, on their own threads
 
     # --- the public side (any thread) ---------------------------------------------------------------------------
 
@@ -241,6 +243,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.grammar.close()
         for r in [*self._waiting, *self._active.values()]:
             self._finish(r, "cancelled")
         self._waiting.clear()
@@ -271,10 +274,10 @@ class Engine:
         the CanvasEvents carry each token's log-probability and this many alternatives (CanvasEvent.logprobs).
         `adapter`: the name of one of the engine's LoRA `adapters` to run the request on (None: the model itself).
         Raises EngineError for a request that cannot run, QueueFullError when the queue is full."""
-        prompt = self._check_prompt(prompt_ids)
         if not isinstance(config, GenerationConfig):
             raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
         try:
+            prompt = check_prompt(prompt_ids, self.model.config.vocab_size)
             seed = secrets.randbits(63) if seed is None else check_seed(seed)
             max_new = new_token_budget(config, len(prompt))
             check_logit_bias(config, self.model.config.vocab_size)
@@ -367,8 +370,9 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._waiting and not self._active:
-                    self._lock.wait()
+                while not self._stopping and not self._waiting and not self.grammar.ready() and \
+                        all(self.grammar.busy(r) and not r.cancelled for r in self._active.values()):
+                    self._lock.wait()  # no row can step: none, or all wait for their grammar step
                 if self._stopping:
                     return
                 admitted = []
@@ -386,6 +390,13 @@ class Engine:
 
     @torch.no_grad()
     def _iteration(self, admitted: list[Request]) -> None:
+        going_on = []
+        for r, staged, error in self.grammar.done():  # grammar steps that ended (dgemma/serving/grammar_steps.py)
+            if error is not None:
+                self._finish(r, "error", error=error)
+            elif staged is not None and (tokens := self._end_canvas(r, staged)) is not None:
+                going_on.append((r, tokens))
+        self._commit_canvases(going_on)
         for r in list(self._active.values()):
             if r.cancelled:
                 self._finish(r, "cancelled")
@@ -402,7 +413,7 @@ class Engine:
                 r.seen = Seen.of(torch.tensor([r.prompt], device=self.model.device), self.model.config.vocab_size)
             self._prefill(r)
             self._start_canvas(r)
-        rows = [r for r in self._active.values() if r.sampler is not None]
+        rows = [r for r in self._active.values() if r.sampler is not None and not self.grammar.busy(r)]
         by_prefix: dict[str, list[Request]] = {}
         for r in rows:
             by_prefix.setdefault(r.config.sliding_prefix, []).append(r)
@@ -503,18 +514,25 @@ class Engine:
                     if i not in together:
                         r.sampler.step(final[i:i + 1])
                     finished = r.sampler.check()
+                elif r.constraint is not None:  # its grammar's work runs on a worker meanwhile
+                    self.grammar.submit(r, model.logits(final[i:i + 1]))
+                    continue
                 else:
                     finished = r.sampler.step(model.logits(final[i:i + 1]))  # type: ignore[union-attr]
             except ValueError as e:  # GenerationError: non-finite logits in this row
                 self._finish(r, "error", error=str(e))
                 continue
             if finished:
-                tokens = self._end_canvas(r)
+                tokens = self._end_canvas(r, r.sampler.staged())  # type: ignore[union-attr]
                 if tokens is not None:
                     going_on.append((r, tokens))
-        if going_on:  # one batched commit of the canvases that finished at this step, each at its row's end
+        self._commit_canvases(going_on)
+
+    def _commit_canvases(self, going_on: list[tuple[Request, list[int]]]) -> None:
+        """One batched commit of the canvases that finished at this step, each at its row's end; then their next."""
+        if going_on:
             views = [self._view(r) for r, _ in going_on]
-            ids = torch.tensor([tokens for _, tokens in going_on], device=device)
+            ids = torch.tensor([tokens for _, tokens in going_on], device=self.model.device)
             self.model.commit(ids, views, impl=self.impl, adapters=self._adapters([r for r, _ in going_on]))
             self._count("commits")
             for (r, _), view in zip(going_on, views, strict=True):
@@ -522,14 +540,11 @@ class Engine:
                 r.canvas += 1
                 self._start_canvas(r)
 
-    def _end_canvas(self, r: Request) -> list[int] | None:
+    def _end_canvas(self, r: Request, staged: StagedCanvas) -> list[int] | None:
         """Emit a finished canvas; end the request or return the tokens to commit before its next canvas."""
-        staged = r.sampler.staged()  # type: ignore[union-attr]
         scores = None if r.logprobs is None else r.sampler.logprobs(staged.tokens, r.logprobs)  # type: ignore
         r.sampler = None
         tokens = staged.tokens[0].tolist()
-        if r.constraint is not None:  # the committed canvas moves the grammar on
-            r.constraint.commit(staged.tokens, marks=staged.grammar)
         if r.seen is not None:
             r.seen.add(staged.tokens)
         cut = eos_index(tokens, r.config.eos_token_id)
@@ -545,7 +560,9 @@ class Engine:
             logprobs, top = chosen, [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
         self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0]), time.perf_counter() - r.canvas_started_at,
                                   logprobs, top))
-        if (cut < len(tokens) and cut < room) or (r.constraint is not None and r.constraint.complete()[0]):
+        if r.constraint is not None and r.constraint.failed[0] is not None:  # the grammar gave up or ran out of
+            self._finish(r, "length", error=r.constraint.failed[0])  # time: an honest incomplete answer
+        elif (cut < len(tokens) and cut < room) or (r.constraint is not None and r.constraint.complete()[0]):
             self._finish(r, "stop")  # an EOS within the budget, or the grammar's sentence is complete
         elif r.emitted >= r.max_new:
             self._finish(r, "length")
@@ -581,20 +598,3 @@ class Engine:
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._counts[key] += n
-
-    def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        V = self.model.config.vocab_size
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.flatten().tolist()
-        try:
-            if isinstance(prompt_ids, str | bytes) or any(isinstance(t, bool) for t in prompt_ids):
-                raise TypeError
-            prompt = [operator.index(t) for t in prompt_ids]
-        except TypeError:
-            raise EngineError("the prompt must be a list of integer token ids") from None
-        if not prompt:
-            raise EngineError("the prompt is empty: give at least one token")
-        bad = [t for t in prompt if not 0 <= t < V]
-        if bad:
-            raise EngineError(f"prompt token ids must lie in [0, vocab_size={V}), got {bad[:4]}")
-        return prompt
