@@ -13,6 +13,7 @@ import dgemma
 from dgemma.data.templates import (
     BUILTIN_CONVENTIONS,
     CONVENTIONS,
+    JSON_TOOL_CALL,
     THINK,
     ChatTemplate,
     ChatTemplateError,
@@ -135,7 +136,6 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
      "only text parts"),
     ({"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages", "mood"),
     ({"messages": [{"role": "user", "content": None}]}, "messages", "content: required"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool syntax"),
 ])
 def test_bad_chat_fields_are_refused_by_name(tok, body, param, words):
     e = refused(chat, tok, **body)
@@ -192,7 +192,7 @@ def test_checkpoint_template_renders_as_transformers_and_marks_its_conventions(t
 def test_template_sources_and_refusals(tmp_path, tok):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "default", "template": "{{ raise_exception('roles must alternate') }}"},
-        {"name": "tool_use", "template": "<think>{{ messages[0].content }}"}]}))
+        {"name": "tool_use", "template": "{# writes <tool_call> spans #}<think>{{ messages[0].content }}"}]}))
     template = load_chat_template(tmp_path)
     e = refused(chat, tok, template)
     assert e.param == "messages" and "roles must alternate" in e.message
@@ -305,3 +305,29 @@ def test_fields_with_no_effect_are_accepted_and_named_and_malformed_ones_refused
                         ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
         assert refused(chat, tok, ChatTemplate(QWEN_LIKE, origin="test"), **body).param == param
+
+
+# --- tools on a template with no tool-call syntax: dgemma's default tool prompt ---------------------------------
+
+def test_tools_on_a_template_without_tool_syntax_get_the_default_json_tool_prompt(tok):
+    """The built-in template (and QWEN_LIKE, which marks no tool-call span) render tools, calls and results through
+    data/tool_prompt.py; the output parser then reads JSON tool calls, and only when tools were given."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "-3 C"}]
+    for template in (ChatTemplate(None), ChatTemplate(QWEN_LIKE, origin="test")):
+        req = chat(tok, template, messages=history, tools=tools)
+        text = tok.decode(req.prompts[0])
+        assert text.index("Be brief.") < text.index('{"name": "get_weather", "parameters"')  # in the system turn
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
+        assert '<tool_response>{"name": "get_weather", "content": "-3 C"}</tool_response>' in text
+        assert JSON_TOOL_CALL in req.conventions
+        parsed = parse_output('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+                              req.conventions)
+        assert parsed.content == "Sure." and parsed.tool_calls[0]["function"]["name"] == "get_weather"
+        assert JSON_TOOL_CALL not in chat(tok, template).conventions  # no tools: <tool_call> text stays text
+        assert chat(tok, template, tools=tools, tool_choice="required").constraint is not None

@@ -32,7 +32,7 @@ def client(tok_path):
     model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
     base = GenerationConfig.for_model(model.config).replace(max_denoising_steps=4, eos_token_id=(1,),
                                                             max_new_tokens=32)
-    with Engine(model, max_batch=8, max_context=512, impl="reference") as engine:
+    with Engine(model, max_batch=8, max_context=1024, impl="reference") as engine:  # room for a tool prompt
         app = create_app(engine, load_tokenizer(tok_path), "tiny", generation_config=base)
         with running_server(app) as url:
             yield OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -161,3 +161,57 @@ def test_a_forced_calls_dates_are_calendar_dates(tok_path):
     c = tool_constraint({"tool_choice": "required"}, tools, ChatTemplate(GEMMA_LIKE, origin="test"),
                         load_tokenizer(tok_path), GenerationConfig(eos_token_id=(1,)))
     assert "0[1-9]|[12][0-9]|3[01]" in c.grammar and '"format"' not in c.grammar
+
+
+def _nested_schema():
+    """A tool's parameters with a nested model, as pydantic writes them ($defs and a $ref to it)."""
+    try:
+        import pydantic
+    except ImportError:
+        return {"$defs": {"Addr": {"properties": {"street": {"type": "string", "maxLength": 12},
+                                                  "city": {"type": "string", "maxLength": 8}},
+                                   "required": ["street", "city"], "title": "Addr", "type": "object"}},
+                "properties": {"name": {"type": "string", "maxLength": 8}, "home": {"$ref": "#/$defs/Addr"}},
+                "required": ["name", "home"], "title": "Person", "type": "object"}
+
+    class Addr(pydantic.BaseModel):
+        street: str = pydantic.Field(max_length=12)
+        city: str = pydantic.Field(max_length=8)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        home: Addr
+
+    return Person.model_json_schema()
+
+
+def test_tools_work_on_the_built_in_template_and_nested_models_are_forced(client):
+    """The built-in template has no tool syntax: dgemma's default tool prompt (JSON tool calls) serves the tools,
+    and a forced call's arguments follow a schema with $defs / $ref (pydantic's nested models)."""
+    schema = _nested_schema()
+    tools = [{"type": "function", "function": {"name": "save_person", "parameters": schema}}]
+    for seed in range(2):
+        r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=160, seed=seed, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "save_person"}})
+        (choice,) = r.choices
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice.message
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "save_person"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    auto = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, seed=0, tools=tools)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_template_with_json_tool_calls_forces_nested_models(tok_path):
+    """A checkpoint template of its own JSON tool calls: the arguments' schema is a root of its own in the grammar,
+    so pydantic's "$ref": "#/$defs/..." resolves (it once failed: "Pointer '/$defs/Addr' does not exist")."""
+    from dgemma.data.templates import JSON_TOOL_CALL, ChatTemplate
+    from dgemma.serving.formats import tool_constraint
+
+    template = ChatTemplate("{# writes <tool_call> spans #}{% for m in messages %}{{ m.content }}{% endfor %}",
+                            origin="test")
+    assert template.tool_convention is JSON_TOOL_CALL and not template.tool_prompt
+    tools = [{"type": "function", "function": {"name": "save_person", "parameters": _nested_schema()}}]
+    c = tool_constraint({"tool_choice": "required"}, tools, template, load_tokenizer(tok_path),
+                        GenerationConfig(eos_token_id=(1,)))
+    assert '"$ref": "#/$defs/Addr"' in c.grammar

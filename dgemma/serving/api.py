@@ -228,7 +228,7 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     if not prompt:
         raise APIError("messages: the chat template rendered an empty prompt", param="messages")
     conventions = template.conventions
-    if body.get("tool_choice") == "none":
+    if body.get("tool_choice") == "none" or (not tools and template.tool_prompt):  # no calls asked for
         conventions = tuple(c for c in conventions if c.kind != "tool")
     if constraint is not None:  # the output is the JSON itself: no thinking or tool-call spans to split out
         conventions = ()

@@ -84,10 +84,7 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
         return None
     if not tools:
         raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
-    convention = next((c for c in template.conventions if c.kind == "tool"), None)
-    if convention is None:
-        raise APIError("tool_choice: the chat template marks no tool-call syntax to force (a template that writes "
-                       "<|tool_call> or <tool_call> spans does)", param="tool_choice")
+    convention = template.tool_convention  # the template's own, else the default tool prompt's
     if named_choice(choice):
         name = choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
