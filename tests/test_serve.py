@@ -153,6 +153,12 @@ def test_stop_strings_cut_the_text_and_end_the_request(client, engine, tok, base
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # lm-eval's gsm8k stops and its EOS make 5; up to 64 are taken, the one that occurs cuts the same text
+    many = ["Question:", "</s>", "<|im_end|>", "\n\n\n", *(f"never-{i}" for i in range(59)), stop]
+    for kwargs in ({}, {"stream": True}):
+        out = client.completions.create(model="tiny", prompt="Once", max_tokens=48, seed=11, stop=many, **kwargs)
+        text = out.choices[0].text if not kwargs else "".join(c.choices[0].text for c in out if c.choices)
+        assert text == expected
 
 
 def test_denoising_stream_extension(client, model):

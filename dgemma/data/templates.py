@@ -332,13 +332,17 @@ def _emit(out: list[Piece], kind: str, text: str) -> None:
 
 def partial_suffix(text: str, markers: Sequence[str]) -> int:
     """The length of the longest end of `text` that is a proper beginning of one of `markers` (what streaming holds
-    back until the next text decides it)."""
+    back until the next text decides it). Only the places of the text's last len(m) - 1 characters where `m`'s first
+    character occurs are tried, longest first: a few per marker, so many stop strings stay cheap per canvas."""
     best = 0
     for m in markers:
-        for n in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:n]):
-                best = n
+        start = max(len(text) - len(m) + 1, 0)
+        i = text.find(m[:1], start) if m else -1
+        while 0 <= i and len(text) - i > best:
+            if m.startswith(text[i:]):
+                best = len(text) - i
                 break
+            i = text.find(m[0], i + 1)
     return best
 
 

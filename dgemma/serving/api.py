@@ -48,7 +48,8 @@ DEFAULT_NELBO_SAMPLES = 4  # t samples per canvas of the scoring bound
 MAX_NELBO_SAMPLES = 64
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
-MAX_STOP = 4
+MAX_STOP = 64  # stop strings of a request (OpenAI takes 4; lm-eval appends EOS to its own, vLLM takes more)
+MAX_STOP_CHARS = 256  # characters of one stop string: with MAX_STOP, what bounds the stop matching per canvas
 MAX_CHOICES = 64  # engine requests one HTTP request may make (prompts x n)
 MAX_TEMPERATURE = 2.0
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
@@ -485,10 +486,14 @@ def _stop(stop: Any) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOP or \
-            not all(isinstance(s, str) and s for s in stops):
-        raise APIError(f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them, got {stop!r}",
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them, got {short(stop)}",
                        param="stop")
+    if len(stops) > MAX_STOP:
+        raise APIError(f"stop: at most {MAX_STOP} strings, got {len(stops)}", param="stop")
+    long = next((i for i, s in enumerate(stops) if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise APIError(f"stop[{long}]: at most {MAX_STOP_CHARS} characters, got {len(stops[long])}", param="stop")
     return tuple(dict.fromkeys(stops))
 
 
