@@ -332,3 +332,18 @@ def test_tools_on_a_template_without_tool_syntax_get_the_default_json_tool_promp
         assert parsed.content == "Sure." and parsed.tool_calls[0]["function"]["name"] == "get_weather"
         assert JSON_TOOL_CALL not in chat(tok, template).conventions  # no tools: <tool_call> text stays text
         assert chat(tok, template, tools=tools, tool_choice="required").constraint is not None
+
+
+def test_openai_fields_without_a_use_here_are_accepted_neutral_and_refused_set(tok):
+    """functions, function_call, modalities, prediction and audio: what SDKs and proxies send as null (or the neutral
+    value) is accepted; anything else is a 400 naming the field and what to send instead."""
+    req = chat(tok, functions=None, function_call=None, modalities=None, prediction=None, audio=None)
+    assert req.submissions and chat(tok, modalities=["text"], function_call="none").submissions
+    for body, words in (({"functions": [{"name": "f", "parameters": {}}]}, "send tools"),
+                        ({"function_call": {"name": "f"}}, "send tool_choice"),
+                        ({"modalities": ["text", "audio"]}, "text is the only output modality"),
+                        ({"prediction": {"type": "content", "content": "x"}}, "predicted outputs"),
+                        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio output")):
+        (name,) = body
+        e = refused(chat, tok, **body)
+        assert (e.status, e.param) == (400, name) and words in e.message, e.message

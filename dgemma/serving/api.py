@@ -37,8 +37,15 @@ SAMPLER_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "sam
 OPENAI_CONTROLS = ("top_p", "presence_penalty", "frequency_penalty", "logit_bias")
 COMMON_FIELDS = ("model", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "temperature", "top_p",
                  "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user", *IGNORED)
+# OpenAI chat fields dgemma has nothing for: accepted at their neutral value (null, or the one listed), else a 400
+# saying what to send instead (docs/serving.md)
+CHAT_NEUTRAL = {"functions": ((None,), "the deprecated functions API; send tools"),
+                "function_call": ((None, "none", "auto"), "the deprecated functions API; send tool_choice"),
+                "modalities": ((None, ["text"]), "text is the only output modality"),
+                "prediction": ((None,), "predicted outputs"),
+                "audio": ((None,), "audio output")}
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-               "response_format", "chat_template_kwargs", "reasoning_effort")
+               "response_format", "chat_template_kwargs", "reasoning_effort", *CHAT_NEUTRAL)
 # echo: true with max_tokens: 0 scores the prompt (its NELBO per token, docs/serving.md) and reads these two
 SCORING_FIELDS = ("nelbo_steps", "nelbo_samples")
 COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix", *SCORING_FIELDS)
@@ -203,6 +210,8 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     """POST /v1/chat/completions: messages rendered with `template`. `limits` caps the work asked; the total
     (`max_request_steps`) is checked when `canvas_length` (the model's) is given."""
     _check_fields(body, COMMON_FIELDS + CHAT_FIELDS)
+    for name, (neutral, what) in CHAT_NEUTRAL.items():
+        _neutral(body, name, neutral, what)
     tools = tools_of(body)
     forced = tool_constraint(body, tools, template, tokenizer, base_config)
     # parallel_tool_calls=false is kept only where the grammar keeps it (a forced call)
@@ -455,11 +464,12 @@ def _check_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
                        param=unknown[0])
 
 
-def _neutral(body: dict[str, Any], name: str, neutral: tuple[Any, ...]) -> None:
+def _neutral(body: dict[str, Any], name: str, neutral: tuple[Any, ...], what: str | None = None) -> None:
     v = body.get(name)
     if v is not None and not any(v == x and type(v) is type(x) for x in neutral if x is not None):
         shown = " or ".join(json.dumps(x) for x in neutral)
-        raise APIError(f"{name}: not supported here; only {shown} is accepted, got {json.dumps(v)}", param=name)
+        raise APIError(f"{name}: not supported here{f' ({what})' if what else ''}; only {shown} is accepted, got "
+                       f"{short(v)}", param=name)
 
 
 def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
