@@ -215,3 +215,19 @@ def test_a_template_with_json_tool_calls_forces_nested_models(tok_path):
     c = tool_constraint({"tool_choice": "required"}, tools, template, load_tokenizer(tok_path),
                         GenerationConfig(eos_token_id=(1,)))
     assert '"$ref": "#/$defs/Addr"' in c.grammar
+
+
+def test_completions_take_response_format_as_chat_does(client):
+    """vLLM accepts response_format on /v1/completions: the same constraint path as chat, whole and streamed."""
+    for seed in range(2):
+        r = client.completions.create(model="tiny", prompt="A person:", max_tokens=128, seed=seed,
+                                      extra_body={"response_format": FORMAT})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+        chunks = list(client.completions.create(model="tiny", prompt="A person:", max_tokens=128, seed=seed,
+                                                stream=True, extra_body={"response_format": FORMAT}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=16,
+                                  extra_body={"response_format": {"type": "xml"}})
+    assert e.value.response.json()["error"]["param"] == "response_format"

@@ -48,7 +48,7 @@ CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "to
                "response_format", "chat_template_kwargs", "reasoning_effort", *CHAT_NEUTRAL)
 # echo: true with max_tokens: 0 scores the prompt (its NELBO per token, docs/serving.md) and reads these two
 SCORING_FIELDS = ("nelbo_steps", "nelbo_samples")
-COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix", *SCORING_FIELDS)
+COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix", "response_format", *SCORING_FIELDS)
 DEFAULT_NELBO_STEPS = 16  # T of the scoring bound: training's default T (docs/training.md)
 MAX_NELBO_STEPS = 4096
 DEFAULT_NELBO_SAMPLES = 4  # t samples per canvas of the scoring bound
@@ -297,11 +297,15 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
         raise APIError(f"logprobs: must be an int from 0 to {MAX_COMPLETION_LOGPROBS} (the alternatives per token), "
                        f"got {json.dumps(logprobs)}", param="logprobs")
     prompts = _prompts(body.get("prompt"), tokenizer)
+    constraint = response_constraint(body.get("response_format"), tokenizer, base_config)  # as chat's (vLLM's)
     if scoring is not None:  # nothing is generated: the generation fields are checked, max_tokens is not a budget
+        if constraint is not None:
+            raise APIError("response_format: scoring (echo with max_tokens 0) generates nothing to constrain",
+                           param="response_format")
         body = {k: v for k, v in body.items() if k != "max_tokens"}
         canvas_length = None
     return dataclasses.replace(_request("completion", body, prompts, base_config, model_name, limits, canvas_length,
-                                        "max_tokens", ()), logprobs=logprobs, scoring=scoring)
+                                        "max_tokens", ()), logprobs=logprobs, scoring=scoring, constraint=constraint)
 
 
 def _scoring(body: dict[str, Any]) -> Scoring | None:

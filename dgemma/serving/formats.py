@@ -1,4 +1,4 @@
-"""What a chat request's output must be, as grammars (dgemma/constraint.py): `response_format` (json_object,
+"""What a request's output must be, as grammars (dgemma/constraint.py): `response_format` (json_object,
 json_schema) and a forced `tool_choice` ("required", a named function) in the template's tool-call syntax; and the
 `tools` a request gives its template. Pure functions: a body in, a Constraint (or None) out, or an APIError naming the
 field (docs/serving.md)."""
@@ -14,7 +14,7 @@ from dgemma.serving.errors import APIError, as_list
 
 
 def response_constraint(fmt: Any, tokenizer: Tokenizer, base: GenerationConfig) -> Any:
-    """The Constraint of a chat request's response_format (dgemma/constraint.py): None for none or
+    """The Constraint of a request's response_format, chat or completions (dgemma/constraint.py): None for none or
     {"type": "text"}; {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name",
     "schema", "strict", "description"}}: JSON valid against the schema (always strictly: the grammar admits nothing
     else). A schema the grammar engine cannot compile is a 400 naming it."""
