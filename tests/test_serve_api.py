@@ -331,7 +331,7 @@ def test_tools_on_a_template_without_tool_syntax_get_the_default_json_tool_promp
                               req.conventions)
         assert parsed.content == "Sure." and parsed.tool_calls[0]["function"]["name"] == "get_weather"
         assert JSON_TOOL_CALL not in chat(tok, template).conventions  # no tools: <tool_call> text stays text
-        assert chat(tok, template, tools=tools, tool_choice="required").constraint is not None
+        assert chat(tok, template, tools=tools, tool_choice="required", max_tokens=64).constraint is not None
 
 
 def test_openai_fields_without_a_use_here_are_accepted_neutral_and_refused_set(tok):

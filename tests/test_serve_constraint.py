@@ -231,3 +231,34 @@ def test_completions_take_response_format_as_chat_does(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=16,
                                   extra_body={"response_format": {"type": "xml"}})
     assert e.value.response.json()["error"]["param"] == "response_format"
+
+
+def test_a_forced_call_that_cannot_fit_max_tokens_is_refused_naming_it(tool_client):
+    """LangChain's bind_tools with a small max_tokens once got 200, the call's raw markup as content and no
+    tool_calls: the budget must hold the shortest call the grammar's closer writes."""
+    named = {"type": "function", "function": {"name": "add"}}
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            tool_client.chat.completions.create(model="tiny", messages=USER, seed=0, tools=TOOLS, tool_choice=named,
+                                                **{field: 4})
+        error = e.value.response.json()["error"]
+        assert error["param"] == field and "a forced tool_choice needs at least" in error["message"], error
+        need = int(error["message"].split("at least ")[1].split()[0])
+        assert need > 4
+    r = tool_client.chat.completions.create(model="tiny", messages=USER, seed=0, tools=TOOLS, tool_choice=named,
+                                            max_tokens=need)
+    assert _calls(r.choices[0]) == ["add"]  # the budget it named is enough
+
+
+def test_a_forced_call_cut_short_returns_no_markup_as_content(tool_client):
+    """A stop string that cuts a forced call inside its markup leaves no call; the content is not the markup."""
+    for stream in (False, True):
+        r = tool_client.chat.completions.create(model="tiny", messages=USER, max_tokens=160, seed=0, tools=TOOLS,
+                                                tool_choice="required", stop=["{"], stream=stream)
+        if stream:
+            chunks = list(r)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        else:
+            content, calls = r.choices[0].message.content or "", r.choices[0].message.tool_calls
+        assert content == "" and not calls

@@ -21,7 +21,7 @@ from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.generation_config import MIN_TEMPERATURE, SEED_MAX, GenerationConfig, is_seed, offset_seed
 from dgemma.serving.errors import APIError, as_list, short
-from dgemma.serving.formats import response_constraint, tool_constraint, tools_of
+from dgemma.serving.formats import check_call_budget, response_constraint, tool_constraint, tools_of
 
 # Fields newer SDKs and frameworks send that change nothing a model computes: accepted, checked for their type, and
 # logged once per request as ignored (docs/serving.md)
@@ -123,6 +123,7 @@ class GenerationRequest:
     opened: Convention | None = None  # the thinking span the prompt leaves open: the output begins inside it
     logprobs: int | None = None  # None: no logprobs; k: each token's log-probability and k alternatives
     scoring: Scoring | None = None  # echo + max_tokens 0: score the prompts, generate nothing
+    calls_only: bool = False  # a forced tool_choice: the output is its tool calls, never their markup as content
 
 
 @dataclass(frozen=True)
@@ -246,8 +247,11 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     opened = template.opened(text) if conventions and constraint is None else None
     request = _request("chat", body, [prompt], base_config, model_name, limits, canvas_length, max_tokens_field,
                        conventions)
+    if forced is not None:
+        check_call_budget(forced, request.submissions[0].config.max_new_tokens, max_tokens_field,
+                          given=request.max_tokens_field is not None)
     return dataclasses.replace(request, constraint=constraint, opened=opened, ignored=request.ignored + ignored,
-                               logprobs=logprobs)
+                               logprobs=logprobs, calls_only=forced is not None)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

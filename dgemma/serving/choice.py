@@ -15,8 +15,10 @@ class Choice:
     """One choice's text: committed ids -> decoded text, held back while it may end in an incomplete UTF-8 sequence
     or the beginning of a stop string, cut at the first stop string, then split by the output parser."""
 
-    def __init__(self, index: int, decode: Callable[[list[int]], str], stop: tuple[str, ...], parser: Any):
+    def __init__(self, index: int, decode: Callable[[list[int]], str], stop: tuple[str, ...], parser: Any,
+                 calls_only: bool = False):
         self.index, self.decode, self.stop, self.parser = index, decode, stop, parser
+        self.calls_only = calls_only  # a forced tool call: only parsed calls are returned, never unclosed markup
         self.ids: list[int] = []
         self.text, self.sent = "", 0
         self.parsed = ParsedOutput()
@@ -60,7 +62,7 @@ class Choice:
         """What the parser still holds (an unclosed span), once no more text will come."""
         if self.parser is None:
             return []
-        tail = self.parser.finish()
+        tail = self._kept(self.parser.finish())
         self.parsed.add(tail)
         return tail
 
@@ -79,6 +81,11 @@ class Choice:
         self.sent = max(self.sent, end)
         if self.parser is None:
             return [("content", new)] if new else []
-        pieces = self.parser.feed(new)
+        pieces = self._kept(self.parser.feed(new))
         self.parsed.add(pieces)
         return pieces
+
+    def _kept(self, pieces: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The pieces returned: a forced call's output is its calls (the grammar writes nothing else; what does not
+        parse is a call the budget or a stop string cut, markup that is no answer)."""
+        return [p for p in pieces if p[0] == "tool_call"] if self.calls_only else pieces

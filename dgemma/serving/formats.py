@@ -100,3 +100,18 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
         return Constraint.lark(grammar, tokenizer, eos_token_id=base.eos_token_id)
     except ConstraintError as e:
         raise APIError(f"tools: {e}", param="tools") from None
+
+
+MAX_CALL_SEARCH = 1 << 16  # tokens the shortest forced call is looked for within, to say how many it needs
+
+
+def check_call_budget(forced: Any, max_new_tokens: int, field: str, *, given: bool = True) -> None:
+    """A 400 naming the max_tokens `field` where a forced tool call cannot fit in `max_new_tokens` (the request's,
+    or the server's default where not `given`): the budget must hold the shortest call the grammar's closer writes
+    (`Constraint.shortest`), else the output would end inside the call's markup."""
+    if forced.shortest(max_new_tokens) is None:
+        need = forced.shortest(MAX_CALL_SEARCH)
+        at_least = f"at least {need:,} tokens" if need is not None else f"over {MAX_CALL_SEARCH:,} tokens"
+        got = f"{max_new_tokens:,}" if given else f"the server's default {max_new_tokens:,}"
+        raise APIError(f"{field}: a forced tool_choice needs {at_least} here (the shortest call to these tools, EOS "
+                       f"included), got {got}", param=field)
