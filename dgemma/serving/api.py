@@ -20,6 +20,7 @@ from dgemma.config import ConfigError, is_int, is_real
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.generation_config import MIN_TEMPERATURE, SEED_MAX, GenerationConfig, is_seed, offset_seed
+from dgemma.serving.choice import stop_strings
 from dgemma.serving.errors import APIError, as_list, short
 from dgemma.serving.formats import check_call_budget, response_constraint, tool_constraint, tools_of
 
@@ -55,8 +56,6 @@ DEFAULT_NELBO_SAMPLES = 4  # t samples per canvas of the scoring bound
 MAX_NELBO_SAMPLES = 64
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
-MAX_STOP = 64  # stop strings of a request (OpenAI takes 4; lm-eval appends EOS to its own, vLLM takes more)
-MAX_STOP_CHARS = 256  # characters of one stop string: with MAX_STOP, what bounds the stop matching per canvas
 MAX_CHOICES = 64  # engine requests one HTTP request may make (prompts x n)
 MAX_TEMPERATURE = 2.0
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
@@ -396,7 +395,7 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
                    for p in range(len(prompts)) for i in range(n)]
     return GenerationRequest(kind=kind, prompts=prompts, submissions=submissions, stream=bool(stream),
                              include_usage=include_usage, include_denoising=include_denoising,
-                             stop=_stop(body.get("stop")), conventions=conventions,
+                             stop=stop_strings(body.get("stop")), conventions=conventions,
                              max_tokens_field=max_tokens_field if body.get(max_tokens_field) is not None else None,
                              ignored=ignored)
 
@@ -498,21 +497,6 @@ def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
             raise APIError(f"stream_options.{key}: must be true or false, got {v!r}", param="stream_options")
         flags.append(bool(v))
     return flags[0], flags[1]
-
-
-def _stop(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise APIError(f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them, got {short(stop)}",
-                       param="stop")
-    if len(stops) > MAX_STOP:
-        raise APIError(f"stop: at most {MAX_STOP} strings, got {len(stops)}", param="stop")
-    long = next((i for i, s in enumerate(stops) if len(s) > MAX_STOP_CHARS), None)
-    if long is not None:
-        raise APIError(f"stop[{long}]: at most {MAX_STOP_CHARS} characters, got {len(stops[long])}", param="stop")
-    return tuple(dict.fromkeys(stops))
 
 
 def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:

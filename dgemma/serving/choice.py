@@ -9,6 +9,27 @@ from collections.abc import Callable
 from typing import Any
 
 from dgemma.data.templates import ParsedOutput, partial_suffix
+from dgemma.serving.errors import APIError, short
+
+MAX_STOP = 64  # stop strings of a request (OpenAI takes 4; lm-eval appends EOS to its own, vLLM takes more)
+MAX_STOP_CHARS = 256  # characters of one stop string: with MAX_STOP, what bounds the stop matching per canvas
+
+
+def stop_strings(stop: Any) -> tuple[str, ...]:
+    """A request's `stop` (a string or a list of them) as the distinct strings a Choice cuts at, or a 400: at most
+    MAX_STOP non-empty strings of at most MAX_STOP_CHARS characters (docs/serving.md)."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them, got {short(stop)}",
+                       param="stop")
+    if len(stops) > MAX_STOP:
+        raise APIError(f"stop: at most {MAX_STOP} strings, got {len(stops)}", param="stop")
+    long = next((i for i, s in enumerate(stops) if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise APIError(f"stop[{long}]: at most {MAX_STOP_CHARS} characters, got {len(stops[long])}", param="stop")
+    return tuple(dict.fromkeys(stops))
 
 
 class Choice:
