@@ -143,6 +143,13 @@ class Constraint:
             raise ConstraintError(f"lark: {e}") from None
         return cls._build("lark", grammar, text, tokenizer, eos_token_id)
 
+    def shortest(self, limit: int) -> int | None:
+        """The tokens the budget's closer (`Closer.path`) writes from the start to the grammar's end, EOS included:
+        the fewest `max_new_tokens` with which every output is closed (`ConstraintState.draw`); None if over
+        `limit`."""
+        path = _closer_of(self.tokenizer).path(_llguidance().LLMatcher(self.tokenizer, self.grammar), limit)
+        return None if path is None else len(path)
+
     def start(self, batch_size: int, max_new_tokens: int | None = None) -> ConstraintState:
         """One parser state per row (copies of the checked one: no grammar work here). With `max_new_tokens`, every
         row's output is closed within that many tokens where the grammar allows it (`ConstraintState.draw`)."""

@@ -104,6 +104,65 @@ def test_generate_from_a_training_run_with_its_tokenizer(capsys, tiny_run):
     assert all(0 <= i < 512 for i in rec["token_ids"])
 
 
+@pytest.fixture(scope="module")
+def ar_run(tiny_data, tmp_path_factory):
+    """An autoregressive run (objective 'ar', as `dgemma demo`'s baseline) of 2 steps on `tiny_data`."""
+    from dgemma.train.config import TrainConfig
+    from dgemma.train.loop import train
+
+    run = tmp_path_factory.mktemp("ar-run") / "ar"
+    cfg = TrainConfig(preset="tiny", objective="ar", seq_len=32, batch_size=2, max_steps=2, warmup_steps=1,
+                      eval_every=100, eval_batches=1, save_every=100, log_every=100, device="cpu", seed=0)
+    train(cfg, tiny_data, run, stream=io.StringIO())
+    return run
+
+
+def test_an_ar_run_is_decoded_token_by_token_as_eval_decodes_it(capsys, ar_run):
+    """`dgemma generate --model AR_RUN` (the demo's footer invites it) once ran the diffusion sampler on the AR
+    model: it decodes as `dgemma demo` / `dgemma eval` do (eval.decoding.run_ar), with the sampling controls."""
+    from dgemma.eval.decoding import run_ar
+    from dgemma.loading import load_model
+
+    tok = load_tokenizer(ar_run / "tokenizer.json")
+    model = load_model(latest_checkpoint(ar_run)).eval()
+    prompt = [1, *tok.encode("The king", add_special_tokens=False)]
+    ids = ",".join(map(str, prompt))
+    code, out, err = run(capsys, "generate", "--model", str(ar_run), "--prompt-ids", ids, "--seed", "3",
+                         "--max-new-tokens", "12", "--json")
+    assert code == 0 and "autoregressively" in err
+    rec = json.loads(out)
+    t = model.generation_config.t_max
+    eos = model.generation_config.eos_token_id
+    assert rec["token_ids"] == run_ar(model, [torch.tensor(prompt)], max_new_tokens=12, eos=eos, seed=3,
+                                      temperature=t, progress=False).samples[0]
+    code, out, _ = run(capsys, "generate", "--model", str(ar_run), "--prompt-ids", ids, "--seed", "3",
+                       "--max-new-tokens", "12")
+    assert code == 0 and out == rec["text"] + "\n"  # streamed as it comes, one line
+    # a sampling control applies: top_k 1 is the greedy continuation, whatever the seed
+    greedy = [json.loads(run(capsys, "generate", "--model", str(ar_run), "--prompt-ids", ids, "--seed", str(s),
+                                 "--max-new-tokens", "12", "--top-k", "1", "--json")[1])["token_ids"] for s in (0, 1)]
+    assert greedy[0] == greedy[1]
+    # the diffusion sampler's flags do not apply: one line naming the run
+    code, _, err = run(capsys, "generate", "--model", str(ar_run), "--prompt-ids", ids, "--entropy-bound", "0.5")
+    assert code == 2 and len(err.splitlines()) == 1 and "--entropy-bound" in err and "autoregressive run" in err
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_chat_and_serve_refuse_an_ar_run_in_one_line(ar_run, command):
+    """They run the diffusion sampler only: one line pointing at `dgemma generate` (a subprocess, so that a serve
+    that did start, as it once did, fails the test at its timeout instead of serving on)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.run([sys.executable, "-m", "dgemma", command, "--model", str(ar_run), "--port", "0"][
+        :None if command == "serve" else -2], input="", capture_output=True, text=True, env=env, timeout=120)
+    err = p.stderr
+    assert p.returncode == 2 and err.startswith(f"dgemma {command}: error: ") and len(err.splitlines()) == 1, err
+    assert "autoregressive run (objective 'ar')" in err and f"dgemma generate --model {ar_run}" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-ids", "5,512"], "outside the model's vocabulary"),
     (["--model", "NOWHERE", "--prompt-ids", "5"], "does not exist"),

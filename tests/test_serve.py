@@ -153,6 +153,12 @@ def test_stop_strings_cut_the_text_and_end_the_request(client, engine, tok, base
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # lm-eval's gsm8k stops and its EOS make 5; up to 64 are taken, the one that occurs cuts the same text
+    many = ["Question:", "</s>", "<|im_end|>", "\n\n\n", *(f"never-{i}" for i in range(59)), stop]
+    for kwargs in ({}, {"stream": True}):
+        out = client.completions.create(model="tiny", prompt="Once", max_tokens=48, seed=11, stop=many, **kwargs)
+        text = out.choices[0].text if not kwargs else "".join(c.choices[0].text for c in out if c.choices)
+        assert text == expected
 
 
 def test_denoising_stream_extension(client, model):
@@ -480,3 +486,21 @@ def test_json_of_a_whole_response_is_openai_shaped(server):
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert set(body["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
     assert json.dumps(body)  # plain JSON all the way down
+
+
+def test_metrics_count_every_status_5xx_included(engine, tok, base):
+    """A route that raises is answered 500 by the app's exception handler, which Starlette runs outside every
+    middleware: the request counter still counts it, beside a 2xx and a 4xx."""
+    app = create_app(engine, tok, "tiny", generation_config=base)
+
+    @app.get("/raises")
+    async def raises() -> None:
+        raise RuntimeError("an internal failure")
+
+    with running_server(app) as url:
+        assert httpx.get(url + "/raises").status_code == 500
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "bogus": 1}).status_code == 400
+        text = httpx.get(url + "/metrics").text
+    counted = dict(re.findall(r'^dgemma_http_requests_total\{endpoint="([^"]+)",status="(\d+)"\} \S+$', text, re.M))
+    assert counted == {"other": "500", "/health": "200", "/v1/completions": "400"}

@@ -13,6 +13,7 @@ import dgemma
 from dgemma.data.templates import (
     BUILTIN_CONVENTIONS,
     CONVENTIONS,
+    JSON_TOOL_CALL,
     THINK,
     ChatTemplate,
     ChatTemplateError,
@@ -118,7 +119,8 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
     ({"seed": 1.5}, "seed", "seed"),
     ({"max_tokens": 0}, "max_tokens", "positive int"),
     ({"max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens", "not both"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": [str(i) for i in range(65)]}, "stop", "at most 64 strings, got 65"),
+    ({"stop": ["a", "b" * 257]}, "stop", "stop[1]: at most 256 characters, got 257"),
     ({"stop": ""}, "stop", "non-empty"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
     ({"stream": True, "stream_options": {"include_everything": True}}, "stream_options", "include_everything"),
@@ -135,7 +137,6 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
      "only text parts"),
     ({"messages": [{"role": "user", "content": "x", "mood": "happy"}]}, "messages", "mood"),
     ({"messages": [{"role": "user", "content": None}]}, "messages", "content: required"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool syntax"),
 ])
 def test_bad_chat_fields_are_refused_by_name(tok, body, param, words):
     e = refused(chat, tok, **body)
@@ -192,7 +193,7 @@ def test_checkpoint_template_renders_as_transformers_and_marks_its_conventions(t
 def test_template_sources_and_refusals(tmp_path, tok):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
         {"name": "default", "template": "{{ raise_exception('roles must alternate') }}"},
-        {"name": "tool_use", "template": "<think>{{ messages[0].content }}"}]}))
+        {"name": "tool_use", "template": "{# writes <tool_call> spans #}<think>{{ messages[0].content }}"}]}))
     template = load_chat_template(tmp_path)
     e = refused(chat, tok, template)
     assert e.param == "messages" and "roles must alternate" in e.message
@@ -305,3 +306,44 @@ def test_fields_with_no_effect_are_accepted_and_named_and_malformed_ones_refused
                         ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
         assert refused(chat, tok, ChatTemplate(QWEN_LIKE, origin="test"), **body).param == param
+
+
+# --- tools on a template with no tool-call syntax: dgemma's default tool prompt ---------------------------------
+
+def test_tools_on_a_template_without_tool_syntax_get_the_default_json_tool_prompt(tok):
+    """The built-in template (and QWEN_LIKE, which marks no tool-call span) render tools, calls and results through
+    data/tool_prompt.py; the output parser then reads JSON tool calls, and only when tools were given."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "-3 C"}]
+    for template in (ChatTemplate(None), ChatTemplate(QWEN_LIKE, origin="test")):
+        req = chat(tok, template, messages=history, tools=tools)
+        text = tok.decode(req.prompts[0])
+        assert text.index("Be brief.") < text.index('{"name": "get_weather", "parameters"')  # in the system turn
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
+        assert '<tool_response>{"name": "get_weather", "content": "-3 C"}</tool_response>' in text
+        assert JSON_TOOL_CALL in req.conventions
+        parsed = parse_output('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+                              req.conventions)
+        assert parsed.content == "Sure." and parsed.tool_calls[0]["function"]["name"] == "get_weather"
+        assert JSON_TOOL_CALL not in chat(tok, template).conventions  # no tools: <tool_call> text stays text
+        assert chat(tok, template, tools=tools, tool_choice="required", max_tokens=64).constraint is not None
+
+
+def test_openai_fields_without_a_use_here_are_accepted_neutral_and_refused_set(tok):
+    """functions, function_call, modalities, prediction and audio: what SDKs and proxies send as null (or the neutral
+    value) is accepted; anything else is a 400 naming the field and what to send instead."""
+    req = chat(tok, functions=None, function_call=None, modalities=None, prediction=None, audio=None)
+    assert req.submissions and chat(tok, modalities=["text"], function_call="none").submissions
+    for body, words in (({"functions": [{"name": "f", "parameters": {}}]}, "send tools"),
+                        ({"function_call": {"name": "f"}}, "send tool_choice"),
+                        ({"modalities": ["text", "audio"]}, "text is the only output modality"),
+                        ({"prediction": {"type": "content", "content": "x"}}, "predicted outputs"),
+                        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio output")):
+        (name,) = body
+        e = refused(chat, tok, **body)
+        assert (e.status, e.param) == (400, name) and words in e.message, e.message

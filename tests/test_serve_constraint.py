@@ -33,7 +33,7 @@ def client(tok_path):
     model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
     base = GenerationConfig.for_model(model.config).replace(max_denoising_steps=4, eos_token_id=(1,),
                                                             max_new_tokens=32)
-    with Engine(model, max_batch=8, max_context=512, impl="reference") as engine:
+    with Engine(model, max_batch=8, max_context=1024, impl="reference") as engine:  # room for a tool prompt
         app = create_app(engine, load_tokenizer(tok_path), "tiny", generation_config=base)
         with running_server(app) as url:
             yield OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -233,3 +233,104 @@ def test_serve_refuses_a_grammar_step_budget_that_is_not_a_positive_number(capsy
     assert cli.main(["serve", "--preset", "tiny", "--random-init", "--grammar-step-seconds", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"dgemma serve: error: --grammar-step-seconds must be a number of seconds > 0, got {float(value)}"]
+
+
+def _nested_schema():
+    """A tool's parameters with a nested model, as pydantic writes them ($defs and a $ref to it)."""
+    try:
+        import pydantic
+    except ImportError:
+        return {"$defs": {"Addr": {"properties": {"street": {"type": "string", "maxLength": 12},
+                                                  "city": {"type": "string", "maxLength": 8}},
+                                   "required": ["street", "city"], "title": "Addr", "type": "object"}},
+                "properties": {"name": {"type": "string", "maxLength": 8}, "home": {"$ref": "#/$defs/Addr"}},
+                "required": ["name", "home"], "title": "Person", "type": "object"}
+
+    class Addr(pydantic.BaseModel):
+        street: str = pydantic.Field(max_length=12)
+        city: str = pydantic.Field(max_length=8)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        home: Addr
+
+    return Person.model_json_schema()
+
+
+def test_tools_work_on_the_built_in_template_and_nested_models_are_forced(client):
+    """The built-in template has no tool syntax: dgemma's default tool prompt (JSON tool calls) serves the tools,
+    and a forced call's arguments follow a schema with $defs / $ref (pydantic's nested models)."""
+    schema = _nested_schema()
+    tools = [{"type": "function", "function": {"name": "save_person", "parameters": schema}}]
+    for seed in range(2):
+        r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=160, seed=seed, tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "save_person"}})
+        (choice,) = r.choices
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice.message
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "save_person"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    auto = client.chat.completions.create(model="tiny", messages=USER, max_tokens=16, seed=0, tools=tools)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_template_with_json_tool_calls_forces_nested_models(tok_path):
+    """A checkpoint template of its own JSON tool calls: the arguments' schema is a root of its own in the grammar,
+    so pydantic's "$ref": "#/$defs/..." resolves (it once failed: "Pointer '/$defs/Addr' does not exist")."""
+    from dgemma.data.templates import JSON_TOOL_CALL, ChatTemplate
+    from dgemma.serving.formats import tool_constraint
+
+    template = ChatTemplate("{# writes <tool_call> spans #}{% for m in messages %}{{ m.content }}{% endfor %}",
+                            origin="test")
+    assert template.tool_convention is JSON_TOOL_CALL and not template.tool_prompt
+    tools = [{"type": "function", "function": {"name": "save_person", "parameters": _nested_schema()}}]
+    c = tool_constraint({"tool_choice": "required"}, tools, template, load_tokenizer(tok_path),
+                        GenerationConfig(eos_token_id=(1,)))
+    assert '"$ref": "#/$defs/Addr"' in c.grammar
+
+
+def test_completions_take_response_format_as_chat_does(client):
+    """vLLM accepts response_format on /v1/completions: the same constraint path as chat, whole and streamed."""
+    for seed in range(2):
+        r = client.completions.create(model="tiny", prompt="A person:", max_tokens=128, seed=seed,
+                                      extra_body={"response_format": FORMAT})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+        chunks = list(client.completions.create(model="tiny", prompt="A person:", max_tokens=128, seed=seed,
+                                                stream=True, extra_body={"response_format": FORMAT}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=16,
+                                  extra_body={"response_format": {"type": "xml"}})
+    assert e.value.response.json()["error"]["param"] == "response_format"
+
+
+def test_a_forced_call_that_cannot_fit_max_tokens_is_refused_naming_it(tool_client):
+    """LangChain's bind_tools with a small max_tokens once got 200, the call's raw markup as content and no
+    tool_calls: the budget must hold the shortest call the grammar's closer writes."""
+    named = {"type": "function", "function": {"name": "add"}}
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as e:
+            tool_client.chat.completions.create(model="tiny", messages=USER, seed=0, tools=TOOLS, tool_choice=named,
+                                                **{field: 4})
+        error = e.value.response.json()["error"]
+        assert error["param"] == field and "a forced tool_choice needs at least" in error["message"], error
+        need = int(error["message"].split("at least ")[1].split()[0])
+        assert need > 4
+    r = tool_client.chat.completions.create(model="tiny", messages=USER, seed=0, tools=TOOLS, tool_choice=named,
+                                            max_tokens=need)
+    assert _calls(r.choices[0]) == ["add"]  # the budget it named is enough
+
+
+def test_a_forced_call_cut_short_returns_no_markup_as_content(tool_client):
+    """A stop string that cuts a forced call inside its markup leaves no call; the content is not the markup."""
+    for stream in (False, True):
+        r = tool_client.chat.completions.create(model="tiny", messages=USER, max_tokens=160, seed=0, tools=TOOLS,
+                                                tool_choice="required", stop=["{"], stream=stream)
+        if stream:
+            chunks = list(r)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        else:
+            content, calls = r.choices[0].message.content or "", r.choices[0].message.tool_calls
+        assert content == "" and not calls

@@ -12,12 +12,16 @@ after each case. A real uvicorn server on a free 127.0.0.1 port over a real engi
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import math
 import os
 import random
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 import dgemma
 from dgemma.data.tokenizer import load_tokenizer
@@ -33,6 +37,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.integration
 
 CASES = int(os.environ.get("DGEMMA_FUZZ_REQUESTS", "120"))
+ADAPTER_CASES = int(os.environ.get("DGEMMA_FUZZ_ADAPTERS", "40"))
 MAX_TOKENS = [0, 1, 5, 24]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -183,4 +188,130 @@ def test_feature_combinations_never_5xx_hang_or_lie(server):
             problems.append("/health stopped answering")
         found += [f"{json.dumps(body)[:300]} -> {p}" for p in problems]
     print(f"{CASES} fuzzed requests: {dict(tally)}; {len(found)} problem(s)")
+    assert not found, "\n".join(found)
+
+
+# --- adapters loaded while serving ---------------------------------------------------------------------------------
+
+ADAPTER_NAMES = ["ok", "\u0000", "x" * 10000, "../../etc", "a/b", ".hidden", " ", "tiny", "é", "a" * 64]
+CONFIG_EDITS = [("lora_alpha", "1e300"), ("lora_alpha", "1e999"), ("lora_alpha", "-1"), ("lora_alpha", "0"),
+                ("lora_alpha", '"x"'), ("lora_alpha", "null"), ("r", "0"), ("r", "-1"), ("r", "1000000000"),
+                ("r", '"2"'), ("r", str(2**63)), ("alpha_pattern", '{".*": 1e999}'), ("alpha_pattern", '{".*": 1e300}'),
+                ("rank_pattern", '{".*": 1000000}'), ("target_modules", "[]"), ("target_modules", '["nope"]'),
+                ("target_modules", "5"), ("use_dora", "true"), ("fan_in_fan_out", "true"),
+                ("base_model_name_or_path", '"../../etc"'), ("lora_dropout", "1e999"),
+                ("loftq_config", "[" * 100000 + "]" * 100000), ("use_rslora", "true")]
+TENSOR_EDITS = ["inf", "nan", "huge", "transpose", "drop", "extra", "int", "empty_file", "fifo", "truncated",
+                "symlink", "directory"]
+
+
+def adapter_case(rng: random.Random, good: Path, root: Path, i: int) -> tuple[str, Path, str]:
+    """A copy of the good adapter with one or two hostile edits: (the name to load it as, its path, what was done)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = root / f"case-{i}"
+    shutil.copytree(good, path)
+    done = []
+    for _ in range(rng.choice([1, 1, 2])):
+        if rng.random() < 0.5:
+            key, value = rng.choice(CONFIG_EDITS)
+            text = (path / "adapter_config.json").read_text()
+            config = json.loads(text)
+            config[key] = "@@VALUE@@"
+            (path / "adapter_config.json").write_text(json.dumps(config).replace('"@@VALUE@@"', value))
+            done.append(f"{key}={value[:20]}")
+            continue
+        edit, weights = rng.choice(TENSOR_EDITS), path / "adapter_model.safetensors"
+        done.append(edit)
+        if edit in ("empty_file", "fifo", "truncated", "symlink", "directory"):
+            data = weights.read_bytes()
+            weights.unlink()
+            if edit == "empty_file":
+                weights.touch()
+            elif edit == "fifo":
+                os.mkfifo(weights)
+            elif edit == "truncated":
+                weights.write_bytes(data[: len(data) // 2])
+            elif edit == "symlink":
+                (root / f"elsewhere-{i}").write_bytes(data)
+                weights.symlink_to(root / f"elsewhere-{i}")
+            else:
+                weights.mkdir()
+            continue
+        if not weights.is_file() or weights.is_symlink():
+            continue
+        tensors = load_file(weights)
+        key = rng.choice(sorted(tensors))
+        if edit == "inf":
+            tensors = {k: torch.full_like(v, math.inf) for k, v in tensors.items()}
+        elif edit == "nan":
+            tensors[key] = torch.full_like(tensors[key], math.nan)
+        elif edit == "huge":
+            tensors[key] = tensors[key] * 1e30
+        elif edit == "transpose":
+            tensors[key] = tensors[key].t().contiguous()
+        elif edit == "drop":
+            del tensors[key]
+        elif edit == "extra":
+            tensors["base_model.model.nope.lora_A.weight"] = torch.zeros(2, 2)
+        else:
+            tensors[key] = tensors[key].to(torch.int64)
+        save_file(tensors, weights)
+    name = rng.choice(ADAPTER_NAMES) if rng.random() < 0.3 else f"a{i}"
+    return name, path, "+".join(done)
+
+
+def release_fifos(root: Path) -> None:
+    """Open every FIFO under `root` for writing and close it, so that a reader blocked on one sees its end."""
+    for p in root.rglob("*"):
+        if p.is_fifo():
+            with contextlib.suppress(OSError):
+                os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_hostile_adapters_loaded_while_serving_never_5xx_or_stall(tmp_path, tok_path):
+    """ADAPTER_CASES adapters with hostile configs, tensors, files and names, each loaded while serving and, where the
+    load is accepted, asked for a completion; the served model answers a plain request after each case."""
+    import copy
+
+    from dgemma import lora
+    from tests.helpers import randomize_adapter_
+
+    base = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
+    model = copy.deepcopy(base)
+    lora.save_adapter(model, randomize_adapter_(model, 2, 5.0, "attention", seed=1), tmp_path / "good")
+    config = GenerationConfig.for_model(base.config).replace(max_denoising_steps=2, eos_token_id=(), max_new_tokens=8)
+    rng, found, tally = random.Random(0), [], collections.Counter()
+    plain = {"model": "tiny", "prompt": "Hi", "max_tokens": 8, "seed": 0}
+    with Engine(base, max_batch=2, max_context=64, impl="fast") as engine, \
+            running_server(create_app(engine, load_tokenizer(tok_path), "tiny", generation_config=config,
+                                      allow_runtime_lora=True)) as url:
+        for i in range(ADAPTER_CASES):
+            name, path, what = adapter_case(rng, tmp_path / "good", tmp_path, i)
+            problems = []
+            try:
+                r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                               timeout=60)
+                tally[f"load {r.status_code}"] += 1
+                problems += problems_of(r, "", {}, None) if r.status_code >= 400 else []
+                if r.status_code == 200:
+                    asked = {**plain, "model": name, "logprobs": 2}
+                    answer = httpx.post(url + "/v1/completions", json=asked, timeout=60)
+                    problems += problems_of(answer, "/v1/completions", asked, None)
+                    scored = {"model": name, "prompt": "Hi there", "max_tokens": 0, "echo": True, "logprobs": 1}
+                    problems += problems_of(httpx.post(url + "/v1/completions", json=scored, timeout=60),
+                                            "/v1/completions", scored, None)
+                    httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+            except httpx.TimeoutException:
+                problems.append("no answer in 60 s")
+            release_fifos(tmp_path)  # after the answers: a load that read a FIFO has stalled by now, or not at all
+            try:
+                if httpx.post(url + "/v1/completions", json=plain, timeout=30).status_code != 200:
+                    problems.append("the served model stopped answering")
+            except httpx.TimeoutException:
+                problems.append("the served model stopped answering (no answer in 30 s)")
+            found += [f"{what} as {name[:20]!r} -> {p}" for p in problems]
+    print(f"{ADAPTER_CASES} hostile adapters: {dict(tally)}; {len(found)} problem(s)")
     assert not found, "\n".join(found)

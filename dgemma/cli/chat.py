@@ -19,6 +19,7 @@ from dgemma.cli.common import (
     load,
     overrides,
     positive_int,
+    refuse_autoregressive,
 )
 from dgemma.serving.chat import ChatSession, ContextFullError
 
@@ -35,6 +36,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_autoregressive(args, "dgemma chat")
     model, tok = load(args)
     if tok is None:
         raise UsageError("chat needs a tokenizer: pass --tokenizer PATH or put tokenizer.json in the model directory")

@@ -385,6 +385,30 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
     return model, tok
 
 
+def autoregressive(args: argparse.Namespace) -> bool:
+    """Whether --model is an autoregressive run (objective 'ar': `dgemma demo`'s baseline, `dgemma train --objective
+    ar`), as its train_config.json says (the architecture is the same): it decodes token by token, not with the
+    diffusion sampler (which would print noise)."""
+    if getattr(args, "model", None) is None:
+        return False
+    from dgemma.checkpoint import resolve_model_dir
+    from dgemma.train.config import CONFIG_JSON
+
+    try:
+        config = json.loads(fsio.read_text(resolve_model_dir(args.model) / CONFIG_JSON))
+    except (OSError, ValueError, fsio.UnsafeFileError):  # none readable: not known to be autoregressive
+        return False
+    return isinstance(config, dict) and config.get("objective") == "ar"
+
+
+def refuse_autoregressive(args: argparse.Namespace, command: str) -> None:
+    """The one line of a command that runs only the diffusion sampler (chat, serve), pointed at an AR run."""
+    if autoregressive(args):
+        raise UsageError(f"{args.model} is an autoregressive run (objective 'ar'); {command} runs the diffusion "
+                         f"sampler, which does not decode it: use `dgemma generate --model {args.model}` (token by "
+                         f"token), or give {command} the diffusion run")
+
+
 def run_training(args: argparse.Namespace, config_from_args: Any, next_step: str) -> int:
     """What `dgemma train` and `dgemma finetune` do with their parsed flags: resolve the TrainConfig (every rank of a
     torchrun job parses the same flags and files, so rank 0 alone shows what is wrong with them), run the trainer as

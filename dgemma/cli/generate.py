@@ -1,5 +1,6 @@
 """`dgemma generate`: block-diffusion generation, printing each canvas as it is committed (and, in a terminal, the
-canvas being refined)."""
+canvas being refined). An autoregressive run (objective 'ar', `dgemma demo`'s baseline) is decoded token by token
+instead, as `dgemma demo` and `dgemma eval` decode it (`eval.decoding.ar_decode`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dgemma.cli.common import (
     add_model_args,
     add_runtime_args,
     add_sampler_args,
+    autoregressive,
     chat_template,
     constraint_flag,
     constraint_from,
@@ -28,6 +30,8 @@ from dgemma.cli.common import (
 )
 from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.generate import check_trace_path, generate
+from dgemma.generation_config import offset_seed
+from dgemma.request_rules import resolve_generation_config
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
 MAX_BATCH_PROMPTS = 4096  # prompts in one --batch-file batch (every prompt is a row of the same generate call)
@@ -117,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         check_trace_path(args.trace)  # before the model is loaded and anything generated
     model, tok = load(args)
+    if autoregressive(args):
+        return run_autoregressive(args, model, tok)
     rows, texts = read_prompts(args, tok, model.config.vocab_size)
     constraint = constraint_from(args, tok, model)
     gcfg = model.generation_config
@@ -161,3 +167,69 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
     return 0
+
+
+# the flags of the diffusion sampler alone: an autoregressive run refuses them (its controls are the rest)
+DIFFUSION_ONLY = ("sampler", "time_level", "lite_commit", "corrector_steps", "commit_threshold", "edit_threshold",
+                  "max_denoising_steps", "entropy_bound", "t_min", "trace", "json_schema", "json_object", "regex",
+                  "grammar")
+
+
+def run_autoregressive(args: argparse.Namespace, model: Any, tok: Tokenizer | None) -> int:
+    """An AR run's generation: each prompt decoded token by token (`ar_decode`) at temperature `t_max` (the
+    diffusion schedule's first temperature, what `dgemma demo` samples its baseline at), with the sampling controls,
+    --max-new-tokens and --seed (prompt i: seed + i); the text streamed as it comes."""
+    from dgemma.eval.decoding import ar_decode
+
+    given = next((f for f in DIFFUSION_ONLY if getattr(args, f, None) not in (None, False)), None)
+    if given is not None:
+        raise UsageError(f"--{given.replace('_', '-')}: {args.model} is an autoregressive run (objective 'ar'), "
+                         "decoded token by token: the diffusion sampler's settings do not apply (--max-new-tokens, "
+                         "--t-max as the temperature, --top-k, --top-p, --min-p, the penalties, --logit-bias and "
+                         "--seed do)")
+    rows, texts = read_prompts(args, tok, model.config.vocab_size)
+    config = resolve_generation_config(model, None, overrides(args, model.generation_config))
+    started, new = time.perf_counter(), []
+    for i, row in enumerate(rows):
+        g = None if args.seed is None else torch.Generator(model.device).manual_seed(offset_seed(args.seed, i))
+        printed = _Printed(tok) if not args.json else None
+        new.append(ar_decode(model, torch.tensor(row), config, temperature=config.t_max, generator=g,
+                             on_token=printed.add if printed is not None else None))
+        if printed is not None:
+            printed.end()
+        else:
+            print(json.dumps({"prompt": texts[i], "prompt_ids": row, "token_ids": new[-1],
+                              "text": None if tok is None else tok.decode(new[-1], skip_special_tokens=True)}))
+    wall = time.perf_counter() - started
+    n = sum(map(len, new))
+    print(f"{n} tokens generated for {len(rows)} prompt(s) autoregressively ({args.model} is an AR run: one forward "
+          f"per token), temperature {config.t_max:g}, {wall:.2f} s, {n / max(wall, 1e-9):.1f} tokens/s",
+          file=sys.stderr)
+    return 0
+
+
+class _Printed:
+    """An AR continuation on stdout as its tokens come (text, or the ids space-separated without a tokenizer, as the
+    diffusion path's), a line a prompt."""
+
+    def __init__(self, tok: Tokenizer | None):
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        self._write(self._text().rstrip("\ufffd"))  # half a UTF-8 character waits for the rest
+
+    def end(self) -> None:
+        self._write(self._text())
+        print(flush=True)
+
+    def _text(self) -> str:
+        if self.tok is None:
+            return " ".join(map(str, self.ids))
+        return self.tok.decode(self.ids, skip_special_tokens=True)
+
+    def _write(self, text: str) -> None:
+        if text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text

@@ -20,6 +20,7 @@ from dgemma.cli.common import (
     device_of,
     load,
     overrides,
+    refuse_autoregressive,
 )
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    refuse_autoregressive(args, "dgemma serve")
     args.device = device_of(args.device)
     if args.threads is not None or args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))

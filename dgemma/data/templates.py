@@ -25,6 +25,7 @@ from typing import Any
 
 from dgemma import fsio
 from dgemma.data.tokenizer import BOS, Tokenizer, encode_template, format_chat
+from dgemma.data.tool_prompt import needs_tool_prompt, tool_prompt_messages
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -50,6 +51,7 @@ GEMMA_TOOL_CALL = Convention("gemma-tool-call", "tool", "<|tool_call>", "<tool_c
 JSON_TOOL_CALL = Convention("json-tool-call", "tool", "<tool_call>", "</tool_call>", "<tool_call>")
 CONVENTIONS = (GEMMA_THOUGHT, THINK, GEMMA_TOOL_CALL, JSON_TOOL_CALL)
 BUILTIN_CONVENTIONS = (GEMMA_THOUGHT, GEMMA_TOOL_CALL)  # Gemma 4's, for dgemma's built-in Gemma template
+DEFAULT_TOOL_CALL = JSON_TOOL_CALL  # the format of dgemma's tool prompt, for a template with no tool-call syntax
 
 
 class ChatTemplate:
@@ -63,6 +65,13 @@ class ChatTemplate:
         self._compiled = {s: _compile(s, origin) for s in (source, tool_source) if s is not None}
         text = (source or "") + (tool_source or "")
         self.conventions = BUILTIN_CONVENTIONS if source is None else tuple(c for c in CONVENTIONS if c.detect in text)
+        # the format of a tool call: the template's own, else dgemma's default tool prompt's (data/tool_prompt.py),
+        # which describes the tools, calls and results to a template that writes none (the built-in one included)
+        own = next((c for c in self.conventions if c.kind == "tool"), None) if source is not None else None
+        self.tool_prompt = own is None
+        self.tool_convention = own or DEFAULT_TOOL_CALL
+        if self.tool_convention not in self.conventions:
+            self.conventions += (self.tool_convention,)
         # the variables the template reads that its caller may set (enable_thinking, reasoning_effort, ...)
         self.variables = frozenset(v for t in self._compiled.values() for v in _undeclared(t)) - self.reserved
 
@@ -85,10 +94,9 @@ class ChatTemplate:
         clash = sorted(set(kwargs or {}) & self.reserved)
         if clash:
             raise ChatTemplateError(f"template kwargs may not set {', '.join(clash)} (the renderer sets them)")
+        if self.tool_prompt and needs_tool_prompt(messages, tools):
+            messages, tools = tool_prompt_messages(messages, tools), None
         if self.source is None:
-            if tools:
-                raise ChatTemplateError("tools need the checkpoint's chat template; dgemma's built-in Gemma template "
-                                        "has no tool syntax")
             try:
                 return _builtin_format(messages, add_generation_prompt)
             except ValueError as e:
@@ -139,9 +147,6 @@ def _builtin_message(m: dict[str, Any]) -> dict[str, str]:
 
 
 def _builtin_format(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    for i, m in enumerate(messages):
-        if m.get("tool_calls") or m.get("role") == "tool":
-            raise ValueError(f"message {i}: tool calls and tool results need the checkpoint's chat template")
     return format_chat([_builtin_message(m) for m in messages], add_generation_prompt)
 
 
@@ -327,13 +332,17 @@ def _emit(out: list[Piece], kind: str, text: str) -> None:
 
 def partial_suffix(text: str, markers: Sequence[str]) -> int:
     """The length of the longest end of `text` that is a proper beginning of one of `markers` (what streaming holds
-    back until the next text decides it)."""
+    back until the next text decides it). Only the places of the text's last len(m) - 1 characters where `m`'s first
+    character occurs are tried, longest first: a few per marker, so many stop strings stay cheap per canvas."""
     best = 0
     for m in markers:
-        for n in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:n]):
-                best = n
+        start = max(len(text) - len(m) + 1, 0)
+        i = text.find(m[:1], start) if m else -1
+        while 0 <= i and len(text) - i > best:
+            if m.startswith(text[i:]):
+                best = len(text) - i
                 break
+            i = text.find(m[0], i + 1)
     return best
 
 
@@ -387,12 +396,14 @@ def tool_call_grammar(convention: Convention, tools: Sequence[dict[str, Any]], *
     for k, tool in enumerate(tools):
         fn = tool["function"]
         params = {"type": "object", **(fn.get("parameters") or {})}
+        # the arguments' schema is always a root of its own, so that its "$ref": "#/$defs/..." (pydantic's nested
+        # models) resolve as they do in response_format; the JSON call's envelope is literal text around it
+        arguments = f"%json {json.dumps({**params, **layout})}"
         if convention is GEMMA_TOOL_CALL:
-            body = f'{json.dumps("call:" + fn["name"])} %json {json.dumps({**params, **layout})}'
+            body = f'{json.dumps("call:" + fn["name"])} {arguments}'
         else:
-            schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                      "required": ["name", "arguments"], "additionalProperties": False, **layout}
-            body = f"%json {json.dumps(schema)}"
+            envelope = '{"name": ' + json.dumps(fn["name"]) + ', "arguments": '
+            body = f'{json.dumps(envelope)} {arguments} "}}"'
         rules.append(f"call_{k}: {marker(convention.open)} {body} {marker(convention.close)}")
     calls = " | ".join(f"call_{k}" for k in range(len(tools)))
     return "\n".join([f"start: call{'+' if parallel else ''}", f"call: {calls}", *rules]) + "\n"

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dgemma import sampling
 from dgemma.console import Progress
 from dgemma.generate import Trace, generate
 from dgemma.generation_config import GenerationConfig, offset_seed
@@ -147,6 +148,39 @@ def sampler_job(model: DiffusionGemma, config: GenerationConfig, *, seed: int = 
     return DecodeJob(run, warm_up, decode)
 
 
+@torch.no_grad()
+def ar_decode(model: DiffusionGemma, prompt: Tensor, config: GenerationConfig, *, temperature: float,
+              generator: torch.Generator | None = None, on_token: Callable[[int], None] | None = None) -> list[int]:
+    """An autoregressive run's (objective 'ar') continuation of `prompt` (1-D ids) with the KV cache: commit the
+    prompt, then per token read the next-token logits `commit` returns, apply `config`'s sampling controls (the
+    penalties and bias, then `temperature`, then top_k / top_p / min_p: sampling.penalize and truncate, as the
+    diffusion sampler's draw), sample and commit it, so that each new token costs one backbone pass over one token.
+    Up to `config.max_new_tokens` tokens, the first of `config.eos_token_id` included; `on_token` sees each."""
+    ids = prompt.to(model.device)[None]
+    cache = model.new_cache(1, ids.shape[1] + config.max_new_tokens)
+    logits = model.next_token_logits(ids, cache)  # (1, P, V)
+    seen = sampling.Seen.of(ids, logits.shape[-1]) if config.penalizes else None
+    nothing = torch.zeros(1, 1, dtype=torch.long, device=ids.device)  # no canvas carries a token here
+    out: list[int] = []
+    for _ in range(config.max_new_tokens):
+        z = logits[:, -1:].float()
+        if seen is not None:
+            sampling.penalize(z, config, seen, nothing, nothing.bool())
+        z = z.double() / temperature
+        if config.truncates:
+            sampling.truncate(z, config)
+        tok = torch.multinomial(torch.softmax(z[:, 0], dim=-1), 1, generator=generator)  # (1, 1)
+        out.append(int(tok))
+        if on_token is not None:
+            on_token(out[-1])
+        logits = model.next_token_logits(tok, cache)  # leaves the output committed, as the sampler's
+        if seen is not None:
+            seen.add(tok)
+        if out[-1] in config.eos_token_id:
+            break
+    return out
+
+
 def ar_job(model: DiffusionGemma, *, max_new_tokens: int, eos: Sequence[int], seed: int = 0,
            temperature: float = 1.0, name: str = "ar") -> DecodeJob:
     """Autoregressive decoding of each prompt alone with the KV cache, timed: commit the prompt, then per token read
@@ -160,20 +194,12 @@ def ar_job(model: DiffusionGemma, *, max_new_tokens: int, eos: Sequence[int], se
         model.next_token_logits(prompt.to(model.device)[None], cache)
         model.next_token_logits(prompt[:2].to(model.device)[None], cache)
 
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=tuple(eos))
+
     def decode(i: int, prompt: Tensor) -> None:
         g = torch.Generator(device=model.device).manual_seed(offset_seed(seed, i))
-        ids = prompt.to(model.device)[None]
         started = time.perf_counter()
-        cache = model.new_cache(1, ids.shape[1] + max_new_tokens)
-        logits = model.next_token_logits(ids, cache)  # (1, P, V)
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            probs = torch.softmax(logits[:, -1].double() / temperature, dim=-1)
-            tok = torch.multinomial(probs, 1, generator=g)  # (1, 1)
-            out.append(int(tok))
-            logits = model.next_token_logits(tok, cache)  # leaves the output committed, as the sampler's
-            if out[-1] in eos:
-                break
+        out = ar_decode(model, prompt, config, temperature=temperature, generator=g)
         run.seconds.append(time.perf_counter() - started)
         run.passes += len(out)  # one commit of one token per new token, after the prompt's prefill
         run.token_forwards += len(out)

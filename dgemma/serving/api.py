@@ -20,8 +20,9 @@ from dgemma.config import ConfigError, is_int, is_real
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.generation_config import MIN_TEMPERATURE, SEED_MAX, GenerationConfig, is_seed, offset_seed
+from dgemma.serving.choice import stop_strings
 from dgemma.serving.errors import APIError, as_list, short
-from dgemma.serving.formats import response_constraint, tool_constraint, tools_of
+from dgemma.serving.formats import check_call_budget, response_constraint, tool_constraint, tools_of
 
 # Fields newer SDKs and frameworks send that change nothing a model computes: accepted, checked for their type, and
 # logged once per request as ignored (docs/serving.md)
@@ -37,18 +38,24 @@ SAMPLER_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "sam
 OPENAI_CONTROLS = ("top_p", "presence_penalty", "frequency_penalty", "logit_bias")
 COMMON_FIELDS = ("model", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "temperature", "top_p",
                  "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user", *IGNORED)
+# OpenAI chat fields dgemma has nothing for: accepted at their neutral value (null, or the one listed), else a 400
+# saying what to send instead (docs/serving.md)
+CHAT_NEUTRAL = {"functions": ((None,), "the deprecated functions API; send tools"),
+                "function_call": ((None, "none", "auto"), "the deprecated functions API; send tool_choice"),
+                "modalities": ((None, ["text"]), "text is the only output modality"),
+                "prediction": ((None,), "predicted outputs"),
+                "audio": ((None,), "audio output")}
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-               "response_format", "chat_template_kwargs", "reasoning_effort")
+               "response_format", "chat_template_kwargs", "reasoning_effort", *CHAT_NEUTRAL)
 # echo: true with max_tokens: 0 scores the prompt (its NELBO per token, docs/serving.md) and reads these two
 SCORING_FIELDS = ("nelbo_steps", "nelbo_samples")
-COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix", *SCORING_FIELDS)
+COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix", "response_format", *SCORING_FIELDS)
 DEFAULT_NELBO_STEPS = 16  # T of the scoring bound: training's default T (docs/training.md)
 MAX_NELBO_STEPS = 4096
 DEFAULT_NELBO_SAMPLES = 4  # t samples per canvas of the scoring bound
 MAX_NELBO_SAMPLES = 64
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
-MAX_STOP = 4
 MAX_CHOICES = 64  # engine requests one HTTP request may make (prompts x n)
 MAX_TEMPERATURE = 2.0
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
@@ -115,6 +122,7 @@ class GenerationRequest:
     opened: Convention | None = None  # the thinking span the prompt leaves open: the output begins inside it
     logprobs: int | None = None  # None: no logprobs; k: each token's log-probability and k alternatives
     scoring: Scoring | None = None  # echo + max_tokens 0: score the prompts, generate nothing
+    calls_only: bool = False  # a forced tool_choice: the output is its tool calls, never their markup as content
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,8 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     """POST /v1/chat/completions: messages rendered with `template`. `limits` caps the work asked; the total
     (`max_request_steps`) is checked when `canvas_length` (the model's) is given."""
     _check_fields(body, COMMON_FIELDS + CHAT_FIELDS)
+    for name, (neutral, what) in CHAT_NEUTRAL.items():
+        _neutral(body, name, neutral, what)
     tools = tools_of(body)
     forced = tool_constraint(body, tools, template, tokenizer, base_config)
     # parallel_tool_calls=false is kept only where the grammar keeps it (a forced call)
@@ -228,7 +238,7 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     if not prompt:
         raise APIError("messages: the chat template rendered an empty prompt", param="messages")
     conventions = template.conventions
-    if body.get("tool_choice") == "none":
+    if body.get("tool_choice") == "none" or (not tools and template.tool_prompt):  # no calls asked for
         conventions = tuple(c for c in conventions if c.kind != "tool")
     if constraint is not None:  # the output is the JSON itself: no thinking or tool-call spans to split out
         conventions = ()
@@ -236,8 +246,11 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
     opened = template.opened(text) if conventions and constraint is None else None
     request = _request("chat", body, [prompt], base_config, model_name, limits, canvas_length, max_tokens_field,
                        conventions)
+    if forced is not None:
+        check_call_budget(forced, request.submissions[0].config.max_new_tokens, max_tokens_field,
+                          given=request.max_tokens_field is not None)
     return dataclasses.replace(request, constraint=constraint, opened=opened, ignored=request.ignored + ignored,
-                               logprobs=logprobs)
+                               logprobs=logprobs, calls_only=forced is not None)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -287,11 +300,15 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
         raise APIError(f"logprobs: must be an int from 0 to {MAX_COMPLETION_LOGPROBS} (the alternatives per token), "
                        f"got {json.dumps(logprobs)}", param="logprobs")
     prompts = _prompts(body.get("prompt"), tokenizer)
+    constraint = response_constraint(body.get("response_format"), tokenizer, base_config)  # as chat's (vLLM's)
     if scoring is not None:  # nothing is generated: the generation fields are checked, max_tokens is not a budget
+        if constraint is not None:
+            raise APIError("response_format: scoring (echo with max_tokens 0) generates nothing to constrain",
+                           param="response_format")
         body = {k: v for k, v in body.items() if k != "max_tokens"}
         canvas_length = None
     return dataclasses.replace(_request("completion", body, prompts, base_config, model_name, limits, canvas_length,
-                                        "max_tokens", ()), logprobs=logprobs, scoring=scoring)
+                                        "max_tokens", ()), logprobs=logprobs, scoring=scoring, constraint=constraint)
 
 
 def _scoring(body: dict[str, Any]) -> Scoring | None:
@@ -378,7 +395,7 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
                    for p in range(len(prompts)) for i in range(n)]
     return GenerationRequest(kind=kind, prompts=prompts, submissions=submissions, stream=bool(stream),
                              include_usage=include_usage, include_denoising=include_denoising,
-                             stop=_stop(body.get("stop")), conventions=conventions,
+                             stop=stop_strings(body.get("stop")), conventions=conventions,
                              max_tokens_field=max_tokens_field if body.get(max_tokens_field) is not None else None,
                              ignored=ignored)
 
@@ -454,11 +471,12 @@ def _check_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
                        param=unknown[0])
 
 
-def _neutral(body: dict[str, Any], name: str, neutral: tuple[Any, ...]) -> None:
+def _neutral(body: dict[str, Any], name: str, neutral: tuple[Any, ...], what: str | None = None) -> None:
     v = body.get(name)
     if v is not None and not any(v == x and type(v) is type(x) for x in neutral if x is not None):
         shown = " or ".join(json.dumps(x) for x in neutral)
-        raise APIError(f"{name}: not supported here; only {shown} is accepted, got {json.dumps(v)}", param=name)
+        raise APIError(f"{name}: not supported here{f' ({what})' if what else ''}; only {shown} is accepted, got "
+                       f"{short(v)}", param=name)
 
 
 def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
@@ -479,17 +497,6 @@ def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
             raise APIError(f"stream_options.{key}: must be true or false, got {v!r}", param="stream_options")
         flags.append(bool(v))
     return flags[0], flags[1]
-
-
-def _stop(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOP or \
-            not all(isinstance(s, str) and s for s in stops):
-        raise APIError(f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them, got {stop!r}",
-                       param="stop")
-    return tuple(dict.fromkeys(stops))
 
 
 def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:

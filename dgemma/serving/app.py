@@ -301,7 +301,8 @@ class _Run:
         keep += (GEMMA_QUOTE,) if GEMMA_TOOL_CALL in req.conventions else ()
         decode = state.decoder(keep)
         self.choices = [Choice(s.index, decode, req.stop,
-                                OutputParser(req.conventions, start=req.opened) if req.conventions else None)
+                                OutputParser(req.conventions, start=req.opened) if req.conventions else None,
+                                calls_only=req.calls_only)
                         for s in req.submissions]
         self.prompt_tokens = sum(len(p) for p in req.prompts)
         self.started = time.perf_counter()

@@ -9,14 +9,37 @@ from collections.abc import Callable
 from typing import Any
 
 from dgemma.data.templates import ParsedOutput, partial_suffix
+from dgemma.serving.errors import APIError, short
+
+MAX_STOP = 64  # stop strings of a request (OpenAI takes 4; lm-eval appends EOS to its own, vLLM takes more)
+MAX_STOP_CHARS = 256  # characters of one stop string: with MAX_STOP, what bounds the stop matching per canvas
+
+
+def stop_strings(stop: Any) -> tuple[str, ...]:
+    """A request's `stop` (a string or a list of them) as the distinct strings a Choice cuts at, or a 400: at most
+    MAX_STOP non-empty strings of at most MAX_STOP_CHARS characters (docs/serving.md)."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(f"stop: must be a non-empty string or a list of at most {MAX_STOP} of them, got {short(stop)}",
+                       param="stop")
+    if len(stops) > MAX_STOP:
+        raise APIError(f"stop: at most {MAX_STOP} strings, got {len(stops)}", param="stop")
+    long = next((i for i, s in enumerate(stops) if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise APIError(f"stop[{long}]: at most {MAX_STOP_CHARS} characters, got {len(stops[long])}", param="stop")
+    return tuple(dict.fromkeys(stops))
 
 
 class Choice:
     """One choice's text: committed ids -> decoded text, held back while it may end in an incomplete UTF-8 sequence
     or the beginning of a stop string, cut at the first stop string, then split by the output parser."""
 
-    def __init__(self, index: int, decode: Callable[[list[int]], str], stop: tuple[str, ...], parser: Any):
+    def __init__(self, index: int, decode: Callable[[list[int]], str], stop: tuple[str, ...], parser: Any,
+                 calls_only: bool = False):
         self.index, self.decode, self.stop, self.parser = index, decode, stop, parser
+        self.calls_only = calls_only  # a forced tool call: only parsed calls are returned, never unclosed markup
         self.ids: list[int] = []
         self.text, self.sent = "", 0
         self.parsed = ParsedOutput()
@@ -60,7 +83,7 @@ class Choice:
         """What the parser still holds (an unclosed span), once no more text will come."""
         if self.parser is None:
             return []
-        tail = self.parser.finish()
+        tail = self._kept(self.parser.finish())
         self.parsed.add(tail)
         return tail
 
@@ -79,6 +102,11 @@ class Choice:
         self.sent = max(self.sent, end)
         if self.parser is None:
             return [("content", new)] if new else []
-        pieces = self.parser.feed(new)
+        pieces = self._kept(self.parser.feed(new))
         self.parsed.add(pieces)
         return pieces
+
+    def _kept(self, pieces: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The pieces returned: a forced call's output is its calls (the grammar writes nothing else; what does not
+        parse is a call the budget or a stop string cut, markup that is no answer)."""
+        return [p for p in pieces if p[0] == "tool_call"] if self.calls_only else pieces

@@ -1,4 +1,4 @@
-"""What a chat request's output must be, as grammars (dgemma/constraint.py): `response_format` (json_object,
+"""What a request's output must be, as grammars (dgemma/constraint.py): `response_format` (json_object,
 json_schema) and a forced `tool_choice` ("required", a named function) in the template's tool-call syntax; and the
 `tools` a request gives its template. Pure functions: a body in, a Constraint (or None) out, or an APIError naming the
 field (docs/serving.md)."""
@@ -14,7 +14,7 @@ from dgemma.serving.errors import APIError, as_list
 
 
 def response_constraint(fmt: Any, tokenizer: Tokenizer, base: GenerationConfig) -> Any:
-    """The Constraint of a chat request's response_format (dgemma/constraint.py): None for none or
+    """The Constraint of a request's response_format, chat or completions (dgemma/constraint.py): None for none or
     {"type": "text"}; {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name",
     "schema", "strict", "description"}}: JSON valid against the schema (always strictly: the grammar admits nothing
     else). A schema the grammar engine cannot compile is a 400 naming it."""
@@ -84,10 +84,7 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
         return None
     if not tools:
         raise APIError(f"tool_choice {choice!r} needs tools", param="tool_choice")
-    convention = next((c for c in template.conventions if c.kind == "tool"), None)
-    if convention is None:
-        raise APIError("tool_choice: the chat template marks no tool-call syntax to force (a template that writes "
-                       "<|tool_call> or <tool_call> spans does)", param="tool_choice")
+    convention = template.tool_convention  # the template's own, else the default tool prompt's
     if named_choice(choice):
         name = choice["function"]["name"]
         tools = [t for t in tools if t["function"]["name"] == name]
@@ -103,3 +100,18 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
         return Constraint.lark(grammar, tokenizer, eos_token_id=base.eos_token_id)
     except ConstraintError as e:
         raise APIError(f"tools: {e}", param="tools") from None
+
+
+MAX_CALL_SEARCH = 1 << 16  # tokens the shortest forced call is looked for within, to say how many it needs
+
+
+def check_call_budget(forced: Any, max_new_tokens: int, field: str, *, given: bool = True) -> None:
+    """A 400 naming the max_tokens `field` where a forced tool call cannot fit in `max_new_tokens` (the request's,
+    or the server's default where not `given`): the budget must hold the shortest call the grammar's closer writes
+    (`Constraint.shortest`), else the output would end inside the call's markup."""
+    if forced.shortest(max_new_tokens) is None:
+        need = forced.shortest(MAX_CALL_SEARCH)
+        at_least = f"at least {need:,} tokens" if need is not None else f"over {MAX_CALL_SEARCH:,} tokens"
+        got = f"{max_new_tokens:,}" if given else f"the server's default {max_new_tokens:,}"
+        raise APIError(f"{field}: a forced tool_choice needs {at_least} here (the shortest call to these tools, EOS "
+                       f"included), got {got}", param=field)

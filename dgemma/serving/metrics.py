@@ -102,7 +102,10 @@ class _EngineCollector:
 
 
 class CountRequests:
-    """ASGI middleware: counts answered requests by endpoint (the known routes, else "other") and status."""
+    """ASGI middleware: counts answered requests by endpoint (the known routes, else "other") and status. An
+    exception that leaves the app before a response began is counted as the 500 it becomes: Starlette's
+    ServerErrorMiddleware, outside every user middleware, answers it (the app's `Exception` handler), so no status
+    passes through here."""
 
     def __init__(self, app: Any, counter: Counter):
         self.app, self.counter = app, counter
@@ -114,9 +117,18 @@ class CountRequests:
         endpoint = next((e for e in ENDPOINTS if path == e or (e == "/v1/models" and path.startswith(e + "/"))),
                         "other")
 
+        started = False
+
         async def counting_send(message: dict[str, Any]) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.counter.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.counter.labels(endpoint, "500").inc()
+            raise
