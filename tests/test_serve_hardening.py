@@ -166,6 +166,37 @@ def test_denoising_steps_and_total_work_are_capped(server):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 64, ok.text
 
 
+def test_corrector_passes_count_against_both_step_caps(server, capsys, tok_path):
+    """A predictor-corrector request costs max_denoising_steps x (1 + corrector_steps) model passes a canvas: over
+    --limit-denoising-steps that is a 400 naming corrector_steps (it used to be accepted whatever corrector_steps
+    was), and over --max-request-steps too when the corrector passes are what takes it over; `serve` refuses such a
+    default in one line."""
+    pc = {"prompt": "x", "sampler": "predictor-corrector"}
+    assert_error(post(server, "/v1/completions", {**pc, "max_tokens": 16, "max_denoising_steps": 2,
+                                                  "corrector_steps": 10**9}),
+                 400, "corrector_steps", r"max_denoising_steps=2 x \(1 \+ corrector_steps=1000000000\) make "
+                                         r"2,000,000,002 model passes a canvas; at most 8 on this server "
+                                         r"\(--limit-denoising-steps\)")
+    # 2 choices x 5 canvases x 4 steps x (1 + 1 corrector pass) = 80 > 64; without the corrector passes 40
+    assert_error(post(server, "/v1/completions", {**pc, "max_tokens": 80, "n": 2, "max_denoising_steps": 4,
+                                                  "corrector_steps": 1}),
+                 400, "corrector_steps", r"may run 80 denoising steps \(2 choices x 5 canvases of 16 tokens x "
+                                         r"max_denoising_steps=4 x \(1 \+ corrector_steps=1\)\); at most 64")
+    ok = post(server, "/v1/completions", {**pc, "max_tokens": 16, "max_denoising_steps": 4, "corrector_steps": 1})
+    assert ok.status_code == 200, ok.text
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["serve", "--preset", "tiny", "--random-init", "--tokenizer", str(tok_path),
+                         "--sampler", "predictor-corrector", "--max-denoising-steps", "8", "--corrector-steps", "2",
+                         "--limit-denoising-steps", "10", "--max-context", "64", "--port", "0"]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"dgemma serve: error: .*corrector_steps: max_denoising_steps=8 x \(1 \+ "
+                                          r"corrector_steps=2\) make 24 model passes a canvas; at most 10 on this "
+                                          r"server.*", err[0]), err
+
+
 def test_serve_refuses_a_default_over_its_cap_and_bad_limits(capsys, tok_path):
     threads = torch.get_num_threads()  # `serve` sets the process's torch threads once past its flag checks
     try:
