@@ -365,6 +365,28 @@ def test_a_template_that_fails_to_render_is_a_400_naming_it(engine, tok, base, s
                      rf"chat template \(bad\.jinja\) cannot render these messages: {pattern}")
 
 
+@pytest.mark.parametrize("source, pattern", [
+    ("{% for m in messages %}{{ m.content * 1000000 }}{% endfor %}",
+     r"'\*' would make a value of ~100,000,000 characters"),
+    ("{% for m in messages %}{{ m.content | center(m.content | length * 100000) }}{% endfor %}",
+     r"a width or count of 10,000,000"),
+    ("{% if messages | length > 1 %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+     "{% endfor %}{% endif %}{{ messages[0].content }}", r"rendering took longer than 2 s"),
+], ids=["repeat", "center", "loops"])
+def test_a_template_past_its_render_limits_is_a_400_and_the_server_goes_on(engine, tok, base, source, pattern):
+    """Templates that render the plainest conversation (so they load) but not these messages: the render stops at
+    its size or time limit with a 400 naming the template (it used to write 100 MB and tokenize it, or loop for
+    hours), and the server answers the next request."""
+    template = ChatTemplate(source, origin="big.jinja")
+    messages = [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "y"}]
+    with running_server(create_app(engine, tok, "tiny", generation_config=base, template=template)) as url:
+        assert_error(post(url, "/v1/chat/completions", {"messages": messages}), 400, "messages",
+                     rf"chat template \(big\.jinja\) passed a render limit: {pattern}")
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        assert post(url, "/v1/completions", {"prompt": "x", "max_tokens": 4}).status_code == 200
+
+
 def test_a_t_max_that_overflows_float32_is_a_400_naming_it(server):
     assert_error(post(server, "/v1/completions", {"prompt": "x", "t_max": 1e308}), 400, "t_max",
                  r"t_max: must be a finite number within float32's range")
