@@ -151,6 +151,52 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closes(
     assert httpx.get(server + "/health").status_code == 200
 
 
+def test_a_request_head_that_does_not_arrive_in_time_gets_408_and_the_connection_closes():
+    """A real `dgemma serve --header-timeout 1`: a client that sends part of a request line and then nothing (or a
+    byte a minute) used to hold its connection forever (uvicorn has no header timeout). Now, while it waits, others
+    are served, and then the server answers 408 with OpenAI's error object and closes the connection; so it does
+    for a connection that sends nothing, and for a second request's head on a kept-alive connection."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--preset", "tiny", "--random-init", "--port",
+                             "0", "--max-batch", "1", "--max-context", "64", "--header-timeout", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" at ")[1].split()[0].rstrip("/")
+        port = int(url.rsplit(":", 1)[1])
+
+        def head_then_wait(first: bytes) -> tuple[bytes, bool]:
+            s = socket.create_connection(("127.0.0.1", port), timeout=60)  # 60 s: a guard, not a measure
+            try:
+                s.sendall(first)
+                if first == b"GET /hea":  # the slow client is still waiting while another is served
+                    assert httpx.get(url + "/health", timeout=30).status_code == 200
+                got = b""
+                while chunk := s.recv(65536):
+                    got += chunk
+                    if b"request_timeout" in got:
+                        break
+                return got, s.recv(1) == b""
+            finally:
+                s.close()
+
+        kept = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /heal"
+        for first in (b"GET /hea", b"", kept):
+            response, closed = head_then_wait(first)
+            assert closed, f"{first!r}: the connection stayed open"
+            last = response[response.rindex(b"HTTP/1.1 "):]
+            status, body = status_and_body(last)
+            error = json.loads(body)["error"]
+            assert status == 408 and error["code"] == "request_timeout", response
+            assert error["message"] == "the request line and headers did not arrive within 1 s (--header-timeout)"
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 # --- caps on work ----------------------------------------------------------------------------------------------
 
 def test_denoising_steps_and_total_work_are_capped(server):

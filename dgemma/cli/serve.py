@@ -22,7 +22,12 @@ from dgemma.cli.common import (
     overrides,
 )
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
-from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
+from dgemma.serving.api import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_DENOISING_STEPS,
+    DEFAULT_MAX_REQUEST_STEPS,
+)
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
@@ -73,6 +78,9 @@ def register(subparsers: Any) -> None:
                         f"(default {DEFAULT_MAX_REQUEST_STEPS})")
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
                    help=f"seconds a request body may take to arrive, else 408 (default {DEFAULT_BODY_TIMEOUT:g})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
+                   help="seconds a request's line and headers may take to arrive, else 408 and the connection closes "
+                        f"(default {DEFAULT_HEADER_TIMEOUT:g})")
     p.set_defaults(func=run)
 
 
@@ -97,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prefix_cache != 0 and args.prefix_cache < args.prefix_block:
         raise UsageError(f"--prefix-cache must be 0 (off) or at least one block of --prefix-block "
                          f"{args.prefix_block} tokens, got {args.prefix_cache}")
-    if not 0 < args.body_timeout < float("inf"):
-        raise UsageError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
+    for flag in ("body_timeout", "header_timeout"):
+        if not 0 < getattr(args, flag) < float("inf"):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, flag)}")
     check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -126,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                          allow_runtime_lora=args.allow_runtime_lora)
         announce = lambda url: print(f"dgemma serve: {name} at {url} (OpenAI API at {url}v1; Ctrl-C stops)",
                                      flush=True)
-        serve(app, args.host, args.port, announce=announce)
+        serve(app, args.host, args.port, announce=announce, header_timeout=args.header_timeout)
     except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C and re-raised it
         pass
     finally:

@@ -59,6 +59,7 @@ MAX_INT_DIGITS = 64  # digits of a JSON integer (a seed has at most 19; Python r
 DEFAULT_MAX_DENOISING_STEPS = MAX_CANVAS_PASSES
 DEFAULT_MAX_REQUEST_STEPS = 65536
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's line and headers to arrive (nginx: client_header_timeout)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
