@@ -155,7 +155,8 @@ def test_a_request_head_that_does_not_arrive_in_time_gets_408_and_the_connection
     """A real `dgemma serve --header-timeout 1`: a client that sends part of a request line and then nothing (or a
     byte a minute) used to hold its connection forever (uvicorn has no header timeout). Now, while it waits, others
     are served, and then the server answers 408 with OpenAI's error object and closes the connection; so it does
-    for a connection that sends nothing, and for a second request's head on a kept-alive connection."""
+    for a connection that sends nothing, and for a later request's head on a kept-alive connection (sent after the
+    first answer, or pipelined with the first request)."""
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--preset", "tiny", "--random-init", "--port",
@@ -167,9 +168,20 @@ def test_a_request_head_that_does_not_arrive_in_time_gets_408_and_the_connection
         url = line.split(" at ")[1].split()[0].rstrip("/")
         port = int(url.rsplit(":", 1)[1])
 
-        def head_then_wait(first: bytes) -> tuple[bytes, bool]:
+        def head_then_wait(answered: bytes, first: bytes) -> tuple[bytes, bool]:
+            """Send the whole requests `answered` and read their answers, then `first` (part of a head), then read
+            until the server closes the connection."""
             s = socket.create_connection(("127.0.0.1", port), timeout=60)  # 60 s: a guard, not a measure
             try:
+                if answered:
+                    s.sendall(answered)
+                    got = b""
+                    while b"\r\n\r\n" not in got:
+                        got += s.recv(65536)
+                    head, _, body = got.partition(b"\r\n\r\n")
+                    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+                    while len(body) < length:
+                        body += s.recv(65536)
                 s.sendall(first)
                 if first == b"GET /hea":  # the slow client is still waiting while another is served
                     assert httpx.get(url + "/health", timeout=30).status_code == 200
@@ -182,9 +194,9 @@ def test_a_request_head_that_does_not_arrive_in_time_gets_408_and_the_connection
             finally:
                 s.close()
 
-        kept = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /heal"
-        for first in (b"GET /hea", b"", kept):
-            response, closed = head_then_wait(first)
+        health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        for answered, first in ((b"", b"GET /hea"), (b"", b""), (health, b"GET /heal"), (b"", health + b"GET /h")):
+            response, closed = head_then_wait(answered, first)
             assert closed, f"{first!r}: the connection stayed open"
             last = response[response.rindex(b"HTTP/1.1 "):]
             status, body = status_and_body(last)
