@@ -16,10 +16,13 @@ computes exactly what the base does.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,7 +34,11 @@ from dgemma.model import DiffusionGemma
 
 Pair = tuple[Tensor, Tensor]  # one adapter's (A, B) of one weight, the scale folded into B
 
-__all__ = ["AdapterError", "AdapterRows", "AdapterSet", "read_factors"]
+__all__ = ["AdapterError", "AdapterNameError", "AdapterRows", "AdapterSet", "check_name", "read_factors"]
+
+
+class AdapterNameError(AdapterError):
+    """An adapter name that is not a safe name (`check_name`) or is already taken."""
 
 
 def read_factors(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[tuple[int, str], Pair]:
@@ -66,10 +73,33 @@ def read_factors(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[tu
             A, B = A.reshape(E, -1, A.shape[-1]), B.reshape(B.shape[0], -1, E).permute(2, 0, 1)
         else:
             target = name.rsplit(".", 1)[1]
-        scaled = B.to(torch.float32) * module.scaling["default"]
+        scale = module.scaling["default"]
+        scaled = (B.to(torch.float32) * scale).to(model.dtype)
+        if not bool(torch.isfinite(scaled).all()):  # the tensors are finite (read_weights): the scale is too large
+            field = "lora_alpha" if scale == _scale(config, config.r, config.lora_alpha) else "alpha_pattern"
+            raise AdapterError(f"{path / lora.CONFIG}: field {field!r}: the scale {scale:g} of {name} (alpha / r) "
+                               f"makes its LoRA update non-finite in {str(model.dtype).removeprefix('torch.')}")
         factors[(layer, target)] = (A.to(model.dtype).to(model.device).contiguous(),
-                                    scaled.to(model.dtype).to(model.device).contiguous())
+                                    scaled.to(model.device).contiguous())
     return factors
+
+
+def _scale(config: Any, r: int, alpha: float) -> float:
+    """peft's scale of a LoRA update: alpha / r, or alpha / sqrt(r) with use_rslora."""
+    return alpha / math.sqrt(r) if config.use_rslora else alpha / r
+
+
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # an adapter's name: what clients send as "model"
+
+
+def check_name(name: object) -> str:
+    """`name` if it is a safe adapter name (1 to 64 of A-Z a-z 0-9 . _ -, not starting with '.'), else
+    AdapterNameError naming it."""
+    if not isinstance(name, str) or NAME.fullmatch(name) is None:
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else f"{name[:40]!r}... ({len(name)} chars)"
+        raise AdapterNameError(f"adapter name must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-', not "
+                               f"starting with '.', got {shown}")
+    return name
 
 
 class AdapterSet:
@@ -103,9 +133,8 @@ class AdapterSet:
         return len(self._snapshot[0])
 
     def add(self, name: str, path: str | os.PathLike[str]) -> None:
-        """Load the adapter in directory `path` under `name` (a non-empty string not already in the set)."""
-        if not isinstance(name, str) or not name.strip():
-            raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
+        """Load the adapter in directory `path` under `name` (`check_name`: a safe name, not already in the set)."""
+        check_name(name)
         self._free(name, path)
         factors = read_factors(self.model, path)  # the slow part, outside the lock
         with self._lock:
@@ -122,7 +151,7 @@ class AdapterSet:
 
     def _free(self, name: str, path: str | os.PathLike[str]) -> None:
         if name in self._factors:
-            raise AdapterError(f"adapter name {name!r} is already taken (by {self._paths[name]}); give {path} "
+            raise AdapterNameError(f"adapter name {name!r} is already taken (by {self._paths[name]}); give {path} "
                                "another name")
 
     def _publish(self) -> None:

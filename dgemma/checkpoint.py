@@ -91,7 +91,7 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
             files[key] = f
         return files, index
     if os.path.lexists(single):
-        with _open(single) as f:
+        with open_safetensors(single) as f:
             return {key: single for key in f.keys()}, single  # noqa: SIM118 (safe_open is not a Mapping)
     if (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: a sharded training checkpoint (torch.distributed.checkpoint, written by "
@@ -106,7 +106,7 @@ def _weight_files(path: Path) -> tuple[dict[str, Path], Path]:
     raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}{hint}")
 
 
-def _open(file: Path) -> Any:
+def open_safetensors(file: Path) -> Any:
     """safe_open, which checks the header and that the file is exactly as long as it says (so a truncated file fails
     here, not at the first read), of a regular file (the reading rule of the module docstring)."""
     try:
@@ -203,7 +203,7 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
     missing = sorted(k for k in wanted if k not in files)
 
     with ExitStack() as stack:
-        handles = {f: stack.enter_context(_open(f)) for f in sorted(set(files.values()))}
+        handles = {f: stack.enter_context(open_safetensors(f)) for f in sorted(set(files.values()))}
         if listing == path / INDEX:
             held = {f: set(h.keys()) for f, h in handles.items()}
             for key, f in files.items():
@@ -235,7 +235,7 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
         model = _allocate(model.to(dtype=dtype), device or "cpu", skip=streamed)
         target = model.state_dict()
         for key, name in wanted.items():
-            read = lambda key=key: _read_checked(handles[files[key]], files[key], key)
+            read = lambda key=key: read_tensor(handles[files[key]], files[key], key)
             if name in streamed:
                 stream[1](model, name, read, files[key], key)  # type: ignore[index]
             else:
@@ -244,7 +244,7 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
     return model.eval()
 
 
-def _read_checked(handle: Any, file: Path, key: str) -> torch.Tensor:
+def read_tensor(handle: Any, file: Path, key: str) -> torch.Tensor:
     """One tensor read from an open safetensors file, refused if unreadable or not finite (one cheap pass)."""
     try:
         tensor = handle.get_tensor(key)

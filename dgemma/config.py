@@ -418,11 +418,14 @@ def parse_json_object(parse: Callable[[dict[str, Any], str], T], obj: Any, sourc
         raise ConfigError(f"{source}: malformed {what} ({type(e).__name__}: {e})") from None
 
 
+MAX_JSON_BYTES = 64 * 2**20  # a config, an index or an adapter config: far larger than any real one
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
-    """Read a JSON object, with an error that names the file on any failure."""
+    """Read a JSON object (at most MAX_JSON_BYTES), with an error that names the file on any failure."""
     path = Path(path)
-    try:
-        text = fsio.read_text(path)  # a regular file (or a symlink to one): a FIFO is refused, never blocks
+    try:  # a regular file (or a symlink to one): a FIFO is refused, never blocks; at most MAX_JSON_BYTES read
+        text = fsio.read_bytes(path, MAX_JSON_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except UnicodeDecodeError as e:

@@ -23,18 +23,24 @@ twice.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from dgemma import fsio, quiet
-from dgemma.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, resolve_model_dir, write_safetensors
-from dgemma.config import ConfigError, ModelConfig, read_json
+from dgemma.checkpoint import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CheckpointError,
+    open_safetensors,
+    read_tensor,
+    resolve_model_dir,
+    write_safetensors,
+)
+from dgemma.config import ConfigError, ModelConfig, is_real, read_json
 from dgemma.generation_config import GenerationConfig
 from dgemma.model import DiffusionGemma
 
@@ -167,19 +173,20 @@ def is_adapter(path: str | os.PathLike[str]) -> bool:
 def read_config(path: str | os.PathLike[str]) -> Any:
     """The LoraConfig of an adapter directory; AdapterError naming the file and field if it is not a plain LoRA."""
     file = Path(path) / CONFIG
-    try:
-        d = json.loads(fsio.read_text(file))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, fsio.UnsafeFileError) as e:
-        raise AdapterError(f"{file}: not readable JSON ({e})") from None
-    if not isinstance(d, dict) or d.get("peft_type") != "LORA":
-        got = d.get("peft_type") if isinstance(d, dict) else d
-        raise AdapterError(f"{file}: field 'peft_type' must be \"LORA\", got {got!r}")
+    try:  # config.json's reading rules: a regular file, a size cap, no nesting too deep for the parser
+        d = read_json(file)
+    except ConfigError as e:
+        raise AdapterError(str(e)) from None
+    if d.get("peft_type") != "LORA":
+        raise AdapterError(f"{file}: field 'peft_type' must be \"LORA\", got {d.get('peft_type')!r}")
     for field, ok in (("use_dora", False), ("lora_bias", False), ("bias", "none")):
         if d.get(field, ok) != ok:
             raise AdapterError(f"{file}: field {field!r} = {d[field]!r}: dgemma reads plain LoRA adapters only")
     _check_fields(file, d)
+    d.pop("runtime_config", None)  # what peft's from_pretrained drops; the file is not read a second time
     try:
-        return _peft().LoraConfig.from_pretrained(str(path))
+        LoraConfig = _peft().LoraConfig
+        return LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**d))
     except (TypeError, ValueError) as e:
         raise AdapterError(f"{file}: not a LoRA config peft reads ({e})") from None
 
@@ -189,9 +196,9 @@ def _check_fields(file: Path, d: dict[str, Any]) -> None:
     finite number > 0, `target_modules` a regex or a non-empty list of attention projection names, and
     `target_parameters` null or a list of expert parameter names."""
     r, alpha = d.get("r"), d.get("lora_alpha")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not _positive_int(r):
         raise AdapterError(f"{file}: field 'r' must be a positive integer (the LoRA rank), got {r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+    if not _positive_real(alpha):
         raise AdapterError(f"{file}: field 'lora_alpha' must be a finite number > 0, got {alpha!r}")
     modules = d.get("target_modules")
     if isinstance(modules, str):
@@ -201,11 +208,27 @@ def _check_fields(file: Path, d: dict[str, Any]) -> None:
             isinstance(m, str) and m.rsplit(".", 1)[-1] in MODULE_NAMES for m in modules):
         raise AdapterError(f"{file}: field 'target_modules' must be a regex or a non-empty list of module names "
                            f"({', '.join(MODULE_NAMES)}), got {modules!r}")
+    for field, ok, what in (("alpha_pattern", _positive_real, "a finite number > 0"),
+                            ("rank_pattern", _positive_int, "a positive integer")):
+        pattern = d.get(field) or {}
+        if not isinstance(pattern, dict):
+            raise AdapterError(f"{file}: field {field!r} must be an object of module name -> {what}, got {pattern!r}")
+        for key, v in pattern.items():
+            if not ok(v):
+                raise AdapterError(f"{file}: field {field!r}[{key!r}] must be {what}, got {v!r}")
     parameters = d.get("target_parameters")
     if parameters is not None and (not isinstance(parameters, list) or not all(
             isinstance(p, str) and p in PARAMETER_NAMES for p in parameters)):
         raise AdapterError(f"{file}: field 'target_parameters' must be null or a list of "
                            f"{', '.join(PARAMETER_NAMES)}, got {parameters!r}")
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _positive_real(v: Any) -> bool:
+    return is_real(v) and v > 0
 
 
 def _check_rank(model: DiffusionGemma, config: Any, file: Path) -> None:
@@ -236,11 +259,11 @@ def read_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     decoder copy. AdapterError naming the file and the key for an unreadable file, a key outside the decoder and
     encoder paths, or copies that differ. Which keys a model needs, and their shapes, `read_weights` checks."""
     file = Path(path) / WEIGHTS
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise AdapterError(f"{file}: not a readable safetensors file ({e})") from None
+    try:  # the checkpoint's reading rules: a regular file, its length as its header says, every tensor finite
+        with open_safetensors(file) as f:
+            tensors = {k: read_tensor(f, file, k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    except CheckpointError as e:
+        raise AdapterError(str(e)) from None
     found: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         rest = key.removeprefix(PREFIX)

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from dgemma.model import DiffusionGemma
 
 TRANSFORMERS_MAX_NEW_TOKENS = 256  # transformers' default max_new_tokens: only at this value does max_length apply
+MAX_CANVAS_PASSES = 1024  # the default cap on one canvas's model passes (`dgemma serve --limit-denoising-steps`, and
+# every point of `dgemma eval`'s decoding grid)
 
 
 def resolve_generation_config(model: DiffusionGemma, generation_config: GenerationConfig | None,
@@ -82,3 +84,23 @@ def check_prompt(prompt_ids: Any, vocab_size: int) -> list[int]:
     if bad:
         raise GenerationError(f"prompt token ids must lie in [0, vocab_size={vocab_size}), got {bad[:4]}")
     return prompt
+
+
+def request_passes(config: GenerationConfig, canvas_length: int, choices: int = 1) -> int:
+    """The most model passes a request may cost, the one count every cap on work uses: `choices` x its canvases (the
+    new-token budget `max_new_tokens` over `canvas_length`, rounded up) x a canvas's passes (`config.max_passes`:
+    max_denoising_steps, each with its corrector passes)."""
+    return choices * -(-config.max_new_tokens // canvas_length) * config.max_passes
+
+
+def canvas_passes_problem(config: GenerationConfig, cap: int, where: str) -> tuple[str, str] | None:
+    """(the field, a message naming it) when one canvas of `config` may cost more than `cap` model passes
+    (`config.max_passes`), else None: `max_denoising_steps` over the cap, else `corrector_steps` (predictor-corrector)
+    whose passes take a canvas over it. `where` says whose cap it is ("on this server (--limit-denoising-steps)")."""
+    if config.max_denoising_steps > cap:
+        return "max_denoising_steps", f"max_denoising_steps: at most {cap} {where}, got {config.max_denoising_steps}"
+    if config.max_passes > cap:
+        return "corrector_steps", (f"corrector_steps: max_denoising_steps={config.max_denoising_steps} x (1 + "
+                                   f"corrector_steps={config.corrector_steps}) make {config.max_passes:,} model passes "
+                                   f"a canvas; at most {cap} {where}")
+    return None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -111,7 +113,7 @@ def test_adapters_that_cannot_be_used_are_refused(base, adapters, tmp_path):
     adapter_set, _, root = adapters
     with pytest.raises(AdapterError, match=r"adapter name 'a' is already taken \(by .*a\)"):
         adapter_set.add("a", root / "b")
-    with pytest.raises(AdapterError, match="adapter name must be a non-empty string"):
+    with pytest.raises(AdapterError, match="adapter name must be 1 to 64 characters"):
         adapter_set.add("", root / "b")
     with pytest.raises(AdapterError, match=r"nowhere: not a directory"):
         adapter_set.add("c", tmp_path / "nowhere")
@@ -292,3 +294,148 @@ def test_an_adapter_in_use_is_not_unloaded(base, adapters):
     assert request.done
     engine.unload_adapter("a")
     assert engine.adapters.names == ()
+
+
+# --- adapters a client or a flag may name: read by the checkpoint's rules (round-three hardening) ---------------
+
+def hostile_adapters(base, root):
+    """Adapter directories that used to load (or crash) and must be refused, with the error each must give:
+    (directory, the message it must match, the field a runtime load's 400 names)."""
+    from safetensors.torch import load_file, save_file
+
+    good = root / "good"
+    write_adapter(base, good, "attention", 4, seed=3)
+    config = json.loads((good / lora.CONFIG).read_text())
+    cases = []
+
+    def variant(name, text=None, tensors=None):
+        d = root / name
+        d.mkdir()
+        (d / lora.CONFIG).write_text(text if text is not None else json.dumps(config))
+        if tensors is None:
+            (d / lora.WEIGHTS).write_bytes((good / lora.WEIGHTS).read_bytes())
+        else:
+            save_file(tensors, str(d / lora.WEIGHTS))
+        return d
+
+    deep = '{"peft_type": "LORA", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    cases.append((variant("deep", deep), r"adapter_config\.json: JSON nested too deeply"))
+    cases.append((variant("alpha", json.dumps(config | {"lora_alpha": 1e300})),
+                  r"adapter_config\.json: field 'lora_alpha': the scale \S+ of .* makes its LoRA update "
+                  r"non-finite in float32"))
+    pattern = json.dumps(config | {"alpha_pattern": {}}).replace('"alpha_pattern": {}',
+                                                                 '"alpha_pattern": {"q_proj": 1e999}')
+    cases.append((variant("pattern", pattern), r"field 'alpha_pattern'\['q_proj'\] must be a finite number > 0, "
+                                               r"got inf"))
+    cases.append((variant("rank", json.dumps(config | {"rank_pattern": {"q_proj": 0}})),
+                  r"field 'rank_pattern'\['q_proj'\] must be a positive integer, got 0"))
+    tensors = {k: torch.full_like(t, float("inf")) for k, t in load_file(str(good / lora.WEIGHTS)).items()}
+    cases.append((variant("inf", tensors=tensors), r"adapter_model\.safetensors: tensor .* holds non-finite values"))
+    fifo = variant("fifo")
+    (fifo / lora.WEIGHTS).unlink()
+    os.mkfifo(fifo / lora.WEIGHTS)
+    cases.append((fifo, r"adapter_model\.safetensors: a FIFO \(named pipe\), not a regular file"))
+    return cases
+
+
+BAD_NAMES = ["\x00", "x" * 10_000, "../../etc", ".hidden", "a/b", "sp ace", "x" * 65]
+
+
+def test_hostile_adapter_files_and_names_are_refused_naming_the_key(base, tmp_path):
+    """A deeply nested adapter_config.json, a scale or alpha_pattern that overflows, a rank_pattern of 0, all-inf
+    tensors and a FIFO for the weights are each refused with one AdapterError naming the file and the key (they used
+    to raise RecursionError, load and then answer every request with non-finite logits, or block forever); names
+    outside [A-Za-z0-9._-]{1,64} (or starting with '.') are refused; a good adapter still loads under a good name."""
+    from dgemma.adapters import AdapterNameError
+
+    adapter_set = AdapterSet(base)
+    for directory, pattern in hostile_adapters(base, tmp_path):
+        with pytest.raises(AdapterError, match=pattern):
+            adapter_set.add("x", directory)
+    for name in BAD_NAMES:
+        with pytest.raises(AdapterNameError, match=r"adapter name must be 1 to 64 characters of A-Z"):
+            adapter_set.add(name, tmp_path / "good")
+    adapter_set.add("Good_name-1.v2", tmp_path / "good")
+    assert adapter_set.names == ("Good_name-1.v2",)
+
+
+def test_runtime_loads_of_hostile_adapters_are_400s_and_the_server_goes_on(base, tmp_path):
+    """Over HTTP: each hostile adapter and name is a 400 naming lora_path or lora_name, never a 500, and the
+    server then serves a good adapter."""
+    httpx = pytest.importorskip("httpx")
+    from dgemma.data.tokenizer import build_test_tokenizer
+    from dgemma.generation_config import GenerationConfig
+    from dgemma.serving.app import create_app
+    from dgemma.serving.engine import Engine
+    from tests.helpers import running_server
+
+    tok = build_test_tokenizer(512)
+    config = GenerationConfig.for_model(base.config).replace(max_new_tokens=16, max_denoising_steps=2)
+    cases = hostile_adapters(base, tmp_path)
+    with Engine(base, max_batch=1, max_context=64) as engine, \
+            running_server(create_app(engine, tok, "tiny", generation_config=config,
+                                      allow_runtime_lora=True)) as url:
+        post = lambda body: httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60)
+        for directory, pattern in cases:
+            r = post({"lora_name": "x", "lora_path": str(directory)})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_path"), r.text
+            assert re.search(pattern, r.json()["error"]["message"]), r.text
+        for name in BAD_NAMES:
+            r = post({"lora_name": name, "lora_path": str(tmp_path / "good")})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_name"), r.text
+        assert post({"lora_name": "good", "lora_path": str(tmp_path / "good")}).status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"model": "good", "prompt": "The sea", "max_tokens": 16},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_serve_lora_with_a_deeply_nested_config_is_one_line(base, tmp_path, capsys):
+    """`dgemma serve --lora NAME=DIR` with an adapter_config.json too deep for the parser, or an overflowing
+    scale: one line naming the flag, the file and the key, exit 2 (it used to print a RecursionError traceback)."""
+    pytest.importorskip("fastapi")
+    from dgemma import cli
+
+    cases = {d.name: (d, pattern) for d, pattern in hostile_adapters(base, tmp_path)}
+    for name in ("deep", "alpha"):
+        directory, pattern = cases[name]
+        status = cli.main(["serve", "--preset", "tiny", "--random-init", "--lora", f"x={directory}"])
+        err = capsys.readouterr().err
+        assert status == 2 and "Traceback" not in err, err
+        line, = [x for x in err.splitlines() if "error" in x]
+        assert line.startswith(f"dgemma serve: error: --lora x={directory}: ") and re.search(pattern, line), line
+
+
+def test_a_fifo_adapter_does_not_freeze_the_server(tmp_path):
+    """--allow-runtime-lora, a real `dgemma serve` process: loading an adapter whose weights file is a FIFO is a 400
+    naming it, and /health and a completion are answered after it. (Reading it used to block in the safetensors
+    open while holding the GIL: every thread of the server, /health included, froze until someone wrote to it.)"""
+    httpx = pytest.importorskip("httpx")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    base = random_model("tiny", seed=0)  # the geometry `--preset tiny` serves
+    directory = tmp_path / "fifo"
+    write_adapter(base, directory, "attention", 4, seed=3)
+    (directory / lora.WEIGHTS).unlink()
+    os.mkfifo(directory / lora.WEIGHTS)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--preset", "tiny", "--random-init", "--port",
+                             "0", "--max-batch", "1", "--max-context", "64", "--allow-runtime-lora"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" at ")[1].split()[0].rstrip("/")
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "f", "lora_path": str(directory)},
+                       timeout=60)  # the old code never answered (nor did /health) until the FIFO was written to
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_path"), r.text
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        done = httpx.post(url + "/v1/completions", json={"prompt": "The sea", "max_tokens": 4}, timeout=60)
+        assert done.status_code == 200, done.text
+        assert "a FIFO (named pipe), not a regular file" in r.json()["error"]["message"]
+    finally:
+        os.close(os.open(directory / lora.WEIGHTS, os.O_RDWR))  # a reader still blocked on it (the old code) ends
+        proc.kill()
+        proc.wait(30)

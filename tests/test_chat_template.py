@@ -78,3 +78,22 @@ def test_a_template_that_rewrites_history_gets_the_conversation_whole(tok_path):
     assert tok.decode(session.prompt_ids("Why?")) == "<bos>Why?>"
     session.reply("Why?")
     assert session.messages[-2] == {"role": "user", "content": "Why?"}
+
+
+def test_a_template_past_the_render_limits_on_every_conversation_is_refused_when_it_loads(tmp_path, tok_path,
+                                                                                           capsys):
+    """`{{ 'x' * 100000000 }}` used to render 100 MB for every request (a server at 15 GB, tokenizing it): the
+    sandbox refuses it before it is made, and a template that passes a render limit on the plainest conversation is
+    refused when it loads, by `dgemma serve` in one line (exit 2)."""
+    from dgemma.data.templates import ChatTemplateError
+
+    ckpt = checkpoint(tmp_path, tok_path, "{{ bos_token }}{{ 'x' * 100000000 }}")
+    with pytest.raises(ChatTemplateError, match=r"chat_template\.jinja: unusable chat template: .* passed a render "
+                                                r"limit: '\*' would make a value of ~100,000,000 characters"):
+        load_chat_template(ckpt)
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match=r"own\.jinja: unusable .*: rendering took longer than 2 s"):
+        ChatTemplate(loops, origin="own.jinja")
+    assert cli.main(["serve", "--model", str(ckpt), "--port", "0"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and err[0].startswith("dgemma serve: error: ") and "unusable chat template" in err[0], err

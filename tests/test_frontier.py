@@ -42,6 +42,28 @@ def test_a_bad_spec_is_one_error_naming_it(spec, message):
     assert f"--sampler-grid {spec!r}" in str(e.value) and message in str(e.value)
 
 
+def test_no_grid_point_runs_more_model_passes_than_the_cap(capsys):
+    """Corrector passes count: `--sampler-grid predictor-corrector:corrector_steps=100000` (400,004 model passes a
+    canvas at N=4; it used to run unbounded) and a step grid over the cap are refused by `dgemma eval` in one line,
+    exit 2, before anything loads."""
+    from dgemma import cli
+
+    with pytest.raises(EvalError, match=r"--sampler-grid 'predictor-corrector:corrector_steps=100000': "
+                                        r"predictor-corrector N=4 corrector_steps=100000: corrector_steps: "
+                                        r"max_denoising_steps=4 x \(1 \+ corrector_steps=100000\) make 400,004 model "
+                                        r"passes a canvas; at most 1024 in dgemma eval"):
+        frontier_points((4,), (0.1,), ["predictor-corrector:corrector_steps=100000"])
+    with pytest.raises(EvalError, match=r"--max-denoising-steps-grid: entropy-bound N=2048 eb=0\.1: "
+                                        r"max_denoising_steps: at most 1024 in dgemma eval, got 2048"):
+        frontier_points((2048,), (0.1,), [])
+    assert len(frontier_points((512,), (0.1,), ["predictor-corrector:corrector_steps=1"])) == 2  # 1024: at the cap
+    status = cli.main(["eval", "--model", "nowhere", "--data", "nowhere", "--out", "nowhere",
+                       "--sampler-grid", "predictor-corrector:corrector_steps=100000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("dgemma eval: error: --sampler-grid") and \
+        "400,004 model passes a canvas" in err[0], err
+
+
 def test_the_frontier_is_the_entropy_bound_grid_then_each_spec_over_the_step_grid():
     points = frontier_points((4, 8), (0.1,), ["confidence:commit_threshold=0.9/0.5,max_denoising_steps=16",
                                              "ancestral"])

@@ -151,6 +151,64 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closes(
     assert httpx.get(server + "/health").status_code == 200
 
 
+def test_a_request_head_that_does_not_arrive_in_time_gets_408_and_the_connection_closes():
+    """A real `dgemma serve --header-timeout 1`: a client that sends part of a request line and then nothing (or a
+    byte a minute) used to hold its connection forever (uvicorn has no header timeout). Now, while it waits, others
+    are served, and then the server answers 408 with OpenAI's error object and closes the connection; so it does
+    for a connection that sends nothing, and for a later request's head on a kept-alive connection (sent after the
+    first answer, or pipelined with the first request)."""
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--preset", "tiny", "--random-init", "--port",
+                             "0", "--max-batch", "1", "--max-context", "64", "--header-timeout", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" at ")[1].split()[0].rstrip("/")
+        port = int(url.rsplit(":", 1)[1])
+
+        def head_then_wait(answered: bytes, first: bytes) -> tuple[bytes, bool]:
+            """Send the whole requests `answered` and read their answers, then `first` (part of a head), then read
+            until the server closes the connection."""
+            s = socket.create_connection(("127.0.0.1", port), timeout=60)  # 60 s: a guard, not a measure
+            try:
+                if answered:
+                    s.sendall(answered)
+                    got = b""
+                    while b"\r\n\r\n" not in got:
+                        got += s.recv(65536)
+                    head, _, body = got.partition(b"\r\n\r\n")
+                    length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))
+                    while len(body) < length:
+                        body += s.recv(65536)
+                s.sendall(first)
+                if first == b"GET /hea":  # the slow client is still waiting while another is served
+                    assert httpx.get(url + "/health", timeout=30).status_code == 200
+                got = b""
+                while chunk := s.recv(65536):
+                    got += chunk
+                    if b"request_timeout" in got:
+                        break
+                return got, s.recv(1) == b""
+            finally:
+                s.close()
+
+        health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        for answered, first in ((b"", b"GET /hea"), (b"", b""), (health, b"GET /heal"), (b"", health + b"GET /h")):
+            response, closed = head_then_wait(answered, first)
+            assert closed, f"{first!r}: the connection stayed open"
+            last = response[response.rindex(b"HTTP/1.1 "):]
+            status, body = status_and_body(last)
+            error = json.loads(body)["error"]
+            assert status == 408 and error["code"] == "request_timeout", response
+            assert error["message"] == "the request line and headers did not arrive within 1 s (--header-timeout)"
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 # --- caps on work ----------------------------------------------------------------------------------------------
 
 def test_denoising_steps_and_total_work_are_capped(server):
@@ -164,6 +222,37 @@ def test_denoising_steps_and_total_work_are_capped(server):
                                                r"\(--max-request-steps\)")
     ok = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 32, "n": 2, "max_denoising_steps": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 64, ok.text
+
+
+def test_corrector_passes_count_against_both_step_caps(server, capsys, tok_path):
+    """A predictor-corrector request costs max_denoising_steps x (1 + corrector_steps) model passes a canvas: over
+    --limit-denoising-steps that is a 400 naming corrector_steps (it used to be accepted whatever corrector_steps
+    was), and over --max-request-steps too when the corrector passes are what takes it over; `serve` refuses such a
+    default in one line."""
+    pc = {"prompt": "x", "sampler": "predictor-corrector"}
+    assert_error(post(server, "/v1/completions", {**pc, "max_tokens": 16, "max_denoising_steps": 2,
+                                                  "corrector_steps": 10**9}),
+                 400, "corrector_steps", r"max_denoising_steps=2 x \(1 \+ corrector_steps=1000000000\) make "
+                                         r"2,000,000,002 model passes a canvas; at most 8 on this server "
+                                         r"\(--limit-denoising-steps\)")
+    # 2 choices x 5 canvases x 4 steps x (1 + 1 corrector pass) = 80 > 64; without the corrector passes 40
+    assert_error(post(server, "/v1/completions", {**pc, "max_tokens": 80, "n": 2, "max_denoising_steps": 4,
+                                                  "corrector_steps": 1}),
+                 400, "corrector_steps", r"may run 80 denoising steps \(2 choices x 5 canvases of 16 tokens x "
+                                         r"max_denoising_steps=4 x \(1 \+ corrector_steps=1\)\); at most 64")
+    ok = post(server, "/v1/completions", {**pc, "max_tokens": 16, "max_denoising_steps": 4, "corrector_steps": 1})
+    assert ok.status_code == 200, ok.text
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["serve", "--preset", "tiny", "--random-init", "--tokenizer", str(tok_path),
+                         "--sampler", "predictor-corrector", "--max-denoising-steps", "8", "--corrector-steps", "2",
+                         "--limit-denoising-steps", "10", "--max-context", "64", "--port", "0"]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"dgemma serve: error: .*corrector_steps: max_denoising_steps=8 x \(1 \+ "
+                                          r"corrector_steps=2\) make 24 model passes a canvas; at most 10 on this "
+                                          r"server.*", err[0]), err
 
 
 def test_serve_refuses_a_default_over_its_cap_and_bad_limits(capsys, tok_path):
@@ -332,6 +421,28 @@ def test_a_template_that_fails_to_render_is_a_400_naming_it(engine, tok, base, s
     with running_server(create_app(engine, tok, "tiny", generation_config=base, template=template)) as url:
         assert_error(post(url, "/v1/chat/completions", {"messages": USER}), 400, "messages",
                      rf"chat template \(bad\.jinja\) cannot render these messages: {pattern}")
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("{% for m in messages %}{{ m.content * 1000000 }}{% endfor %}",
+     r"'\*' would make a value of ~100,000,000 characters"),
+    ("{% for m in messages %}{{ m.content | center(m.content | length * 100000) }}{% endfor %}",
+     r"a width or count of 10,000,000"),
+    ("{% if messages | length > 1 %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+     "{% endfor %}{% endif %}{{ messages[0].content }}", r"rendering took longer than 2 s"),
+], ids=["repeat", "center", "loops"])
+def test_a_template_past_its_render_limits_is_a_400_and_the_server_goes_on(engine, tok, base, source, pattern):
+    """Templates that render the plainest conversation (so they load) but not these messages: the render stops at
+    its size or time limit with a 400 naming the template (it used to write 100 MB and tokenize it, or loop for
+    hours), and the server answers the next request."""
+    template = ChatTemplate(source, origin="big.jinja")
+    messages = [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "y"}]
+    with running_server(create_app(engine, tok, "tiny", generation_config=base, template=template)) as url:
+        assert_error(post(url, "/v1/chat/completions", {"messages": messages}), 400, "messages",
+                     rf"chat template \(big\.jinja\) passed a render limit: {pattern}")
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        assert post(url, "/v1/completions", {"prompt": "x", "max_tokens": 4}).status_code == 200
 
 
 def test_a_t_max_that_overflows_float32_is_a_400_naming_it(server):

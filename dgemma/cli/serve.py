@@ -23,7 +23,12 @@ from dgemma.cli.common import (
     refuse_autoregressive,
 )
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
-from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_DENOISING_STEPS, DEFAULT_MAX_REQUEST_STEPS
+from dgemma.serving.api import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_DENOISING_STEPS,
+    DEFAULT_MAX_REQUEST_STEPS,
+)
 from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
 
@@ -79,6 +84,9 @@ def register(subparsers: Any) -> None:
                    help="seconds of grammar work (response_format, a forced tool_choice) one denoising step of a "
                         "request may take; past them it ends with finish_reason length "
                         f"(default {GRAMMAR_STEP_SECONDS:g})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
+                   help="seconds a request's line and headers may take to arrive, else 408 and the connection closes "
+                        f"(default {DEFAULT_HEADER_TIMEOUT:g})")
     p.set_defaults(func=run)
 
 
@@ -103,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefix_cache != 0 and args.prefix_cache < args.prefix_block:
         raise UsageError(f"--prefix-cache must be 0 (off) or at least one block of --prefix-block "
                          f"{args.prefix_block} tokens, got {args.prefix_cache}")
-    for flag in ("body_timeout", "grammar_step_seconds"):
+    for flag in ("body_timeout", "header_timeout", "grammar_step_seconds"):
         if not 0 < getattr(args, flag) < float("inf"):
             raise UsageError(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, flag)}")
     check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                          allow_runtime_lora=args.allow_runtime_lora)
         announce = lambda url: print(f"dgemma serve: {name} at {url} (OpenAI API at {url}v1; Ctrl-C stops)",
                                      flush=True)
-        serve(app, args.host, args.port, announce=announce)
+        serve(app, args.host, args.port, announce=announce, header_timeout=args.header_timeout)
     except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C and re-raised it
         pass
     finally:

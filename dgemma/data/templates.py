@@ -74,6 +74,7 @@ class ChatTemplate:
             self.conventions += (self.tool_convention,)
         # the variables the template reads that its caller may set (enable_thinking, reasoning_effort, ...)
         self.variables = frozenset(v for t in self._compiled.values() for v in _undeclared(t)) - self.reserved
+        self._check_bounded()
 
     @property
     def reserved(self) -> frozenset[str]:
@@ -84,6 +85,19 @@ class ChatTemplate:
     @property
     def builtin(self) -> bool:
         return self.source is None
+
+    def _check_bounded(self) -> None:
+        """Refuse, when it loads, a template that passes the render limits (dgemma/data/template_sandbox.py) on the
+        plainest conversation: it would fail every request. (Other errors may depend on the messages, and wait.)"""
+        if self.source is None:
+            return
+        from dgemma.data.template_sandbox import TemplateLimitError
+
+        try:
+            self.render([{"role": "user", "content": "Hi"}])
+        except ChatTemplateError as e:
+            if isinstance(e.__context__, TemplateLimitError):
+                raise ChatTemplateError(f"{self.origin}: unusable chat template: {e}") from None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                add_generation_prompt: bool = True, kwargs: dict[str, Any] | None = None) -> str:
@@ -103,12 +117,16 @@ class ChatTemplate:
                 raise ChatTemplateError(f"messages: {e}") from None
         import jinja2
 
+        from dgemma.data.template_sandbox import TemplateLimitError, render
+
         template = self._compiled[self.tool_source if tools and self.tool_source is not None else self.source]
-        try:
-            text = template.render(**(kwargs or {}), messages=messages, tools=tools or None,
-                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        try:  # within the sandbox's size and time limits
+            text = render(template, {**(kwargs or {}), "messages": messages, "tools": tools or None,
+                                     "add_generation_prompt": add_generation_prompt, **self.special_tokens})
             text.encode("utf-8")  # a lone surrogate the template wrote ("\ud800") is no text a tokenizer takes
             return text
+        except TemplateLimitError as e:
+            raise ChatTemplateError(f"chat template ({self.origin}) passed a render limit: {e}") from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}): {e}") from None
         except Exception as e:  # untrusted code tripping on the request's messages (any error: OverflowError, ...)
@@ -151,11 +169,13 @@ def _builtin_format(messages: list[dict[str, Any]], add_generation_prompt: bool 
 
 
 def _compile(source: str, origin: str) -> Any:
-    """The template compiled as transformers' `_compile_jinja_template` does (sandboxed)."""
+    """The template compiled as transformers' `_compile_jinja_template` does (sandboxed), in a sandbox that bounds
+    what a render may cost (dgemma/data/template_sandbox.py)."""
     try:
         import jinja2
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from dgemma.data.template_sandbox import BoundedSandbox, bounded
     except ImportError:
         raise ChatTemplateError(f"{origin}: rendering a checkpoint's chat template needs jinja2 (pip install "
                                 "'dgemma[serve]')") from None
@@ -167,8 +187,8 @@ def _compile(source: str, origin: str) -> Any:
                sort_keys: bool = False) -> str:  # jinja's own escapes HTML characters, which a prompt must not
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = bounded(tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:

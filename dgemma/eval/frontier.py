@@ -49,6 +49,7 @@ from dgemma.eval.viz import renoised_fraction
 from dgemma.generate import Trace
 from dgemma.generation_config import SAMPLERS, GenerationConfig
 from dgemma.model import DiffusionGemma
+from dgemma.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem
 from dgemma.train.nelbo import EvalError
 
 # What every point shares, so that the points compare: the new-token budget, the stop tokens and padding.
@@ -144,6 +145,13 @@ def frontier_points(steps: Sequence[int], entropy_bounds: Sequence[float], sampl
                 extra = " ".join(f"{k}={_show(v)}" for k, v in o.items() if k not in ("sampler", "max_denoising_steps"))
                 points.append(FrontierPoint(f"{o['sampler']} N={n}" + (f" {extra}" if extra else ""), spec.strip(), o,
                                             False))
+    for p in points:  # the default cap on a canvas's model passes, corrector passes counted: no point runs unbounded
+        problem = canvas_passes_problem((base or GenerationConfig()).replace(**p.overrides), MAX_CANVAS_PASSES,
+                                        "in dgemma eval")
+        if problem is not None:
+            flag = ("--max-denoising-steps-grid" if p.group.startswith("entropy-bound")
+                    else f"--sampler-grid {p.group!r}")
+            raise EvalError(f"{flag}: {p.label}: {problem[1]}")
     seen: dict[tuple, str] = {}
     for p in points:  # the same settings twice would only cost time (labels differ: eb= vs entropy_bound=)
         key = tuple(sorted((k, repr(v)) for k, v in p.overrides.items()))

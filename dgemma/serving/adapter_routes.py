@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from dgemma.lora import AdapterError
+from dgemma.adapters import AdapterError, AdapterNameError
 from dgemma.serving.api import parse_json
 from dgemma.serving.engine import EngineError
 from dgemma.serving.errors import APIError
@@ -45,11 +45,12 @@ def add_adapter_routes(app: FastAPI, state: Any) -> None:
         if name == state.model_name:
             raise APIError(f"lora_name: {name!r} is the served model's name; give the adapter another",
                            param="lora_name")
-        try:
+        try:  # off the event loop and the engine thread: a slow disk holds up only this request
             await run_in_threadpool(state.engine.load_adapter, name, path)
+        except AdapterNameError as e:  # not a safe name (dgemma/adapters.py: check_name), or taken
+            raise APIError(f"lora_name: {e}", param="lora_name") from None
         except AdapterError as e:
-            raise APIError(f"lora_path: {e}", param="lora_name" if "already taken" in str(e) else "lora_path") \
-                from None
+            raise APIError(f"lora_path: {e}", param="lora_path") from None
         log.info("loaded LoRA adapter %r from %s", name, path)
         return {"object": "lora_adapter", "id": name, "parent": state.model_name, "status": "loaded"}
 

@@ -20,6 +20,7 @@ from dgemma.config import ConfigError, is_int, is_real
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.generation_config import MIN_TEMPERATURE, SEED_MAX, GenerationConfig, is_seed, offset_seed
+from dgemma.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem, request_passes
 from dgemma.serving.choice import stop_strings
 from dgemma.serving.errors import APIError, as_list, short
 from dgemma.serving.formats import check_call_budget, response_constraint, tool_constraint, tools_of
@@ -62,9 +63,10 @@ MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # the completions endpoint's logprobs, as OpenAI
 MAX_JSON_DEPTH = 64  # objects and lists nested in a request body (a tool's JSON schema needs a dozen)
 MAX_INT_DIGITS = 64  # digits of a JSON integer (a seed has at most 19; Python refuses to convert over 4,300)
-DEFAULT_MAX_DENOISING_STEPS = 1024
+DEFAULT_MAX_DENOISING_STEPS = MAX_CANVAS_PASSES
 DEFAULT_MAX_REQUEST_STEPS = 65536
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's line and headers to arrive (nginx: client_header_timeout)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -85,11 +87,11 @@ class Limits:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
     def check_steps(self, config: GenerationConfig) -> None:
-        """Refuse a config whose `max_denoising_steps` is over the per-canvas cap (a request's, or the server's
-        default config at start)."""
-        if config.max_denoising_steps > self.max_denoising_steps:
-            raise APIError(f"max_denoising_steps: at most {self.max_denoising_steps} on this server "
-                           f"(--limit-denoising-steps), got {config.max_denoising_steps}", param="max_denoising_steps")
+        """Refuse a config whose model passes a canvas (its steps, corrector passes included) are over the per-canvas
+        cap (a request's, or the server's default config at start), naming the field."""
+        problem = canvas_passes_problem(config, self.max_denoising_steps, "on this server (--limit-denoising-steps)")
+        if problem is not None:
+            raise APIError(problem[1], param=problem[0])
 
 
 @dataclass(frozen=True)
@@ -383,13 +385,17 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
     config = _config(body, base, max_tokens_field)
     limits.check_steps(config)
     if canvas_length is not None:
-        canvases = -(-config.max_new_tokens // canvas_length)
-        work = choices * canvases * config.max_denoising_steps
+        work = request_passes(config, canvas_length, choices)
         if work > limits.max_request_steps:
-            raise APIError(f"{max_tokens_field}: this request may run {work:,} denoising steps ({choices} choices x "
+            canvases = -(-config.max_new_tokens // canvas_length)
+            # the corrector passes are named when they are what takes the request over the cap
+            field = max_tokens_field if work // (1 + config.corrector_passes) > limits.max_request_steps \
+                else "corrector_steps"
+            correctors = f" x (1 + corrector_steps={config.corrector_passes})" if config.corrector_passes else ""
+            raise APIError(f"{field}: this request may run {work:,} denoising steps ({choices} choices x "
                            f"{canvases} canvases of {canvas_length} tokens x max_denoising_steps="
-                           f"{config.max_denoising_steps}); at most {limits.max_request_steps:,} on this server "
-                           "(--max-request-steps)", param=max_tokens_field)
+                           f"{config.max_denoising_steps}{correctors}); at most {limits.max_request_steps:,} on this "
+                           "server (--max-request-steps)", param=field)
     submissions = [Submission(index=p * n + i, prompt=p, config=config,
                               seed=None if seed is None else offset_seed(seed, p * n + i))
                    for p in range(len(prompts)) for i in range(n)]

@@ -44,6 +44,7 @@ from dgemma.generation_config import GenerationConfig
 from dgemma.serving.adapter_routes import add_adapter_routes
 from dgemma.serving.api import (
     DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
     GenerationRequest,
     Limits,
     parse_chat_request,
@@ -53,7 +54,13 @@ from dgemma.serving.api import (
 from dgemma.serving.choice import Choice
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
 from dgemma.serving.errors import APIError, error_body, rate_limited
-from dgemma.serving.guards import HostCheck, check_api_key, read_body, require_json
+from dgemma.serving.guards import (
+    HostCheck,
+    check_api_key,
+    header_timeout_protocol,
+    read_body,
+    require_json,
+)
 from dgemma.serving.metrics import CountRequests, Metrics
 from dgemma.serving.scoring import ScoringRun
 
@@ -529,11 +536,12 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "warning",
-          announce: Callable[[str], None] = print) -> None:
+          announce: Callable[[str], None] = print, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
     """Run `app` on uvicorn at host:port until Ctrl-C (or SIGTERM); `announce` gets the URL once the port listens
     (port 0: a free one), so a client may connect the moment it reads the URL: connections made before uvicorn's
     loop runs wait in the listen backlog instead of being refused. At the signal, open requests end within a poll
-    (POLL_S) with a 503 error, a stream with an error event and [DONE]."""
+    (POLL_S) with a 503 error, a stream with an error event and [DONE]. A request's line and headers must arrive
+    within `header_timeout` seconds, else 408 and the connection closes (guards.header_timeout_protocol)."""
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -555,6 +563,7 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level:
                 state.stopping = True
                 super().handle_exit(sig, frame)
 
-        Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+        Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                              http=header_timeout_protocol(header_timeout))).run(sockets=[sock])
     finally:
         sock.close()

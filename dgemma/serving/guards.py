@@ -1,6 +1,7 @@
 """What `dgemma serve` checks before it parses a request (docs/serving.md, Limits and refusals): the API key's own
-rule, the Host header (DNS rebinding), the JSON content type (cross-site "simple" requests), and the body, read
-under a size cap and a time limit (a client that sends it slowly cannot hold the server). Every refusal is OpenAI's
+rule, the Host header (DNS rebinding), the JSON content type (cross-site "simple" requests), the request head (its
+line and headers) and the body, each read under a time limit (a client that sends it slowly cannot hold the server),
+the body under a size cap too. Every refusal is OpenAI's
 error object with its HTTP status.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -122,3 +124,60 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
 def _too_large(max_bytes: int) -> APIError:
     return APIError(f"the request body is larger than {max_bytes:,} bytes (--max-request-bytes)", status=413,
                     code="request_too_large")
+
+
+# --- the request head ----------------------------------------------------------------------------------------------
+
+def header_timeout_protocol(seconds: float) -> type:
+    """uvicorn's h11 protocol with a deadline on each request's head: the request line and headers must arrive
+    within `seconds` of the connection opening, or of the first byte of a later request on it; else the server
+    answers 408 (OpenAI's error object) and closes the connection. (uvicorn has no such limit: `timeout_keep_alive`
+    ends only idle connections between requests, `h11_max_incomplete_event_size` caps the head's size, not its
+    time, so a head sent a byte a minute held a connection forever.) The body has its own limit (`read_body`)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    late = json.dumps(error_body(f"the request line and headers did not arrive within {seconds:g} s "
+                                 "(--header-timeout)", code="request_timeout")).encode()
+    answer = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(late), late))
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.head_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm()  # the first byte of a later request on the connection
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the head is in: a request (or an error) is under way
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.head_timer is None and self.conn.their_state is h11.IDLE and self.conn.trailing_data[0] \
+                    and not self.transport.is_closing():
+                self._arm()  # part of the next request's head came with the last one (pipelined)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self.head_timer = self.loop.call_later(seconds, self._late)
+
+        def _disarm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _late(self) -> None:
+            self.head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.write(answer)
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
