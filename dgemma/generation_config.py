@@ -11,18 +11,22 @@ from dgemma.config import ConfigError, ModelConfig, is_int, is_real, is_token_id
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: a larger setting overflows to inf there
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+# torch's CPU generator (mt19937) keeps only the low 32 bits of the seed manual_seed takes: seeds that differ above
+# them draw the same stream, so dgemma accepts the 32-bit seeds, each its own stream on every device.
+SEED_MAX = 2**32 - 1
+SEED_RANGE = f"an int from 0 to {SEED_MAX} (2**32 - 1)"  # what every seed error says
 
 
 def is_seed(v: Any) -> bool:
-    """An int in [0, SEED_MAX]: the seeds dgemma accepts (the command line, TrainConfig). One rule, called by every
-    place that checks a seed, so a seed is refused up front rather than where torch.Generator overflows."""
+    """An int in [0, SEED_MAX]: the seeds dgemma accepts (the command line, TrainConfig, requests). One rule, called
+    by every place that checks a seed (their messages say SEED_RANGE), so a seed is refused up front rather than
+    silently drawing another seed's stream."""
     return is_int(v) and 0 <= v <= SEED_MAX
 
 
 def offset_seed(seed: int, k: int) -> int:
     """The k-th seed derived from `seed` (prompt i of an evaluation, turn k of a chat): seed + k, wrapped into
-    [0, SEED_MAX] so that every accepted seed, 2**64 - 1 included, derives seeds torch.Generator takes."""
+    [0, SEED_MAX] so that every accepted seed, SEED_MAX included, derives seeds torch.Generator takes."""
     return (seed + k) % (SEED_MAX + 1)
 
 

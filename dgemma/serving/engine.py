@@ -50,7 +50,7 @@ from dgemma.canvas import StepInfo
 from dgemma.constraint import Constraint, ConstraintState
 from dgemma.fast_sampler import FastSampler
 from dgemma.generate import CanvasSampler
-from dgemma.generation_config import GenerationConfig, GenerationError
+from dgemma.generation_config import SEED_MAX, GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
@@ -275,7 +275,7 @@ class Engine:
         if not isinstance(config, GenerationConfig):
             raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
         try:
-            seed = secrets.randbits(63) if seed is None else check_seed(seed)
+            seed = secrets.randbelow(SEED_MAX + 1) if seed is None else check_seed(seed)
             max_new = new_token_budget(config, len(prompt))
             check_logit_bias(config, self.model.config.vocab_size)
         except GenerationError as e:
