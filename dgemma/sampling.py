@@ -344,6 +344,7 @@ def truncate(z: Tensor, config: GenerationConfig) -> None:
         sorted_z, order = z.sort(dim=-1, descending=True)
         p = torch.softmax(sorted_z, dim=-1)
         beyond = p.cumsum(-1) - p >= config.top_p  # the mass before a token already reaches top_p
+        beyond[..., 0] = False  # the most probable token stays, whatever top_p is (1e-300 is 0 in float32)
         z.masked_fill_(torch.zeros_like(beyond).scatter_(-1, order, beyond), -torch.inf)
         del sorted_z, order, p, beyond
     if config.min_p > 0:
