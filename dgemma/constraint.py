@@ -425,6 +425,28 @@ class ConstraintState:
                 marks[i] = mark
         m.rollback(taken)
 
+    def allowed(self, tokens: Tensor, vocab_size: int) -> Tensor:
+        """What the grammar allows at each position of a canvas (B, L) that starts at the rows' committed state,
+        (B, L, vocab_size) bool: the masks `tokens` were drawn under (every token allowed once the grammar has
+        stopped, and from a token it refuses on). The parser is left where it was."""
+        B, L = tokens.shape
+        out = torch.ones(B, L, vocab_size, dtype=torch.bool)
+        n = min(vocab_size, self.constraint.tokenizer.vocab_size)
+        for b in range(B):
+            m, taken = self.matchers[b], 0
+            for i, t in enumerate(tokens[b].tolist()):
+                if m.is_stopped():
+                    break
+                self._fill(m, self._bits, 0)
+                out[b, i, :n] = torch.from_numpy(np.unpackbits(self._bits.view(np.uint8), bitorder="little",
+                                                               count=n).astype(bool))
+                out[b, i, n:] = False
+                if not m.consume_token(int(t)):
+                    break
+                taken += 1
+            m.rollback(taken)
+        return out.to(tokens.device)
+
     def commit(self, tokens: Tensor, rows: Sequence[int] | None = None, marks: Tensor | None = None) -> None:
         """Advance each row's parser over its committed canvas (B, L), up to the grammar's end; `marks` (B, L), what
         the grammar did there (`draw`), are counted."""

@@ -331,9 +331,14 @@ class CanvasSampler:
             self.corrector_pass = 1 if self.correctors else 0
         return (self.remaining == 0 and not self.corrector_pass) or state.all_done()
 
-    def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-        """`sampling.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`)."""
-        return sampling.token_logprobs(self.sc, tokens, top)
+    def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+        """`sampling.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`); with a
+        grammar, the masked distribution each token was drawn from (the masks along `tokens`, from the parser's
+        committed state; where a truncation cut every allowed token, the untruncated logits', as the draw)."""
+        z = self.sc.float()
+        if self.constraint is not None:
+            z = sampling.masked_logits(z, self.constraint.allowed(tokens, z.shape[-1]), self.untruncated)
+        return sampling.token_logprobs(z, tokens, top)
 
     def staged(self) -> StagedCanvas:
         """The finished canvas. Lite and the committing samplers end every position on its best guess: the committed

@@ -445,16 +445,16 @@ class Engine:
         on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
         if self._fast(r):
             r.sampler = FastSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
-                                    on_step=on_step, workspace=self._workspace())
+                                    on_step=on_step, workspace=self._workspace(), keep_final=r.logprobs is not None)
         else:
             r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
                                       on_step=on_step, constraint=r.constraint, seen=r.seen)
 
     def _fast(self, r: Request) -> bool:
         """Whether the request's canvases run on the fast sampler (with the fast kernels, for the settings it
-        implements, without a grammar or log-probabilities) rather than the readable one."""
-        return self.impl == "fast" and r.constraint is None and r.logprobs is None and \
-            not fast_sampler.unsupported(r.config)
+        implements, without a grammar; with or without log-probabilities, which draw nothing) rather than the
+        readable one."""
+        return self.impl == "fast" and r.constraint is None and not fast_sampler.unsupported(r.config)
 
     def _workspace(self) -> kernels.Workspace:
         """The fast samplers' (rows, V) buffers, one pair for the engine, reused by every step: a row's own step and,
@@ -539,10 +539,7 @@ class Engine:
         if r.first_canvas_s is None:
             r.first_canvas_s = time.perf_counter() - r.submitted_at
         self._count("generated_tokens", len(out))
-        logprobs = top = None
-        if scores is not None:
-            chosen, values, ids = (x[0, :len(out)].tolist() for x in scores)
-            logprobs, top = chosen, [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        logprobs, top = (None, None) if scores is None else (scores[0][0][:len(out)], scores[1][0][:len(out)])
         self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0]), time.perf_counter() - r.canvas_started_at,
                                   logprobs, top))
         if (cut < len(tokens) and cut < room) or (r.constraint is not None and r.constraint.complete()[0]):
