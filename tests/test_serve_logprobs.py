@@ -44,9 +44,9 @@ def base(model) -> GenerationConfig:
 
 @pytest.fixture(scope="module", params=["reference", "fast"])
 def served(request, model, tok, base):
-    with Engine(model, max_batch=4, max_context=512, impl=request.param) as engine:
-        with running_server(create_app(engine, tok, "tiny", generation_config=base)) as url:
-            yield url, engine
+    with Engine(model, max_batch=4, max_context=512, impl=request.param) as engine, \
+            running_server(create_app(engine, tok, "tiny", generation_config=base)) as url:
+        yield url, engine
 
 
 def _strict(text: str) -> dict:
