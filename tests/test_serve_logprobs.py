@@ -164,3 +164,25 @@ def test_scoring_a_model_with_infinite_weights_is_an_error_not_an_invalid_number
                                                       "max_tokens": 0, "logprobs": 0}, timeout=120)
     error = _strict(r.text)["error"]
     assert "non-finite NELBO terms" in error["message"] and "NaN or inf" in error["message"], error
+
+
+def test_usage_counts_the_returned_tokens_when_a_grammar_closes_at_the_budget(tok_path, tok):
+    """A grammar closed exactly at max_tokens (the budget's closer) finished "stop" with no EOS drawn, and usage
+    added one for it: n=3, max_tokens 48 gave 147 completion tokens. A choice counts its returned tokens, plus the
+    EOS where one was drawn within max_tokens."""
+    pytest.importorskip("llguidance")
+    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
+    base = GenerationConfig.for_model(model.config).replace(max_denoising_steps=3, eos_token_id=(1,),
+                                                            max_new_tokens=48)
+    at_budget = 0
+    with Engine(model, max_batch=4, max_context=512, impl="reference") as engine, \
+            running_server(create_app(engine, tok, "tiny", generation_config=base)) as url:
+        for seed in (0, 3):
+            r = httpx.post(url + "/v1/chat/completions", json={
+                "model": "tiny", "messages": USER, "max_tokens": 48, "n": 3, "seed": seed, "logprobs": True,
+                "response_format": {"type": "json_object"}}, timeout=120).json()
+            returned = [len(c["logprobs"]["content"]) for c in r["choices"]]
+            assert all(c["finish_reason"] == "stop" for c in r["choices"])
+            assert r["usage"]["completion_tokens"] == sum(n + (n < 48) for n in returned) <= 3 * 48, returned
+            at_budget += returned.count(48)
+    assert at_budget >= 2  # the case the audit hit

@@ -102,7 +102,7 @@ class DoneEvent:
 
     finish_reason: str  # "stop" (an EOS token), "length" (max_new_tokens), "cancelled", "error"
     prompt_tokens: int
-    completion_tokens: int  # tokens of all CanvasEvents, plus 1 for the EOS when finish_reason == "stop"
+    completion_tokens: int  # tokens of all CanvasEvents, plus 1 for an EOS drawn within max_new_tokens (never more)
     denoising_steps: int  # denoising passes spent on this request
     seconds_to_first_canvas: float | None
     error: str | None = None
@@ -542,8 +542,9 @@ class Engine:
         logprobs, top = (None, None) if scores is None else (scores[0][0][:len(out)], scores[1][0][:len(out)])
         self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0]), time.perf_counter() - r.canvas_started_at,
                                   logprobs, top))
-        if (cut < len(tokens) and cut < room) or (r.constraint is not None and r.constraint.complete()[0]):
-            self._finish(r, "stop")  # an EOS within the budget, or the grammar's sentence is complete
+        eos = cut < len(tokens) and cut < room  # an EOS drawn within the budget (it counts as generated)
+        if eos or (r.constraint is not None and r.constraint.complete()[0]):  # or the grammar's sentence is complete
+            self._finish(r, "stop", eos=eos)
         elif r.emitted >= r.max_new:
             self._finish(r, "length")
         elif not r.cancelled:
@@ -555,14 +556,14 @@ class Engine:
                                 info.accepted[0].tolist(), info.entropy[0].tolist(),
                                 None if info.grammar is None else info.grammar[0].tolist()))
 
-    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, r: Request, reason: str, error: str | None = None, eos: bool = False) -> None:
         if r.done:
             return
         r.done = True
         if r.slot >= 0 and self._active.get(r.slot) is r:
             del self._active[r.slot]
         r.sampler = None
-        completion = r.emitted + (reason == "stop")
+        completion = r.emitted + eos
         key = {"cancelled": "requests_cancelled", "error": "requests_failed"}.get(reason, "requests_finished")
         self._count(key)
         self._emit(r, DoneEvent(reason, len(r.prompt), completion, r.passes, r.first_canvas_s, error, r.queue_s,
