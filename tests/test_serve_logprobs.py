@@ -186,3 +186,40 @@ def test_usage_counts_the_returned_tokens_when_a_grammar_closes_at_the_budget(to
             assert r["usage"]["completion_tokens"] == sum(n + (n < 48) for n in returned) <= 3 * 48, returned
             at_budget += returned.count(48)
     assert at_budget >= 2  # the case the audit hit
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_and_join_into_the_content(model, tok, base):
+    """A token holding part of a UTF-8 character reported U+FFFD's bytes (its text alone), so the joined bytes were
+    not the content. The grammar makes the output "€€ é日", whose characters the test tokenizer splits into byte
+    tokens."""
+    pytest.importorskip("llguidance")
+    text = "€€ é日"
+    assert any(tok.decode([t]) == "\ufffd" for t in tok.encode(text, add_special_tokens=False))
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [text]}}}
+    with Engine(model, max_batch=1, max_context=256, impl="reference") as engine, \
+            running_server(create_app(engine, tok, "tiny", generation_config=base)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 32,
+                                                           "seed": 0, "logprobs": True, "top_logprobs": 2,
+                                                           "response_format": fmt}, timeout=120).json()
+    message, content = r["choices"][0]["message"]["content"], r["choices"][0]["logprobs"]["content"]
+    assert json.loads(message) == text
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8") == message
+    assert any(e["token"] == "\ufffd" and bytes(e["bytes"]) != "\ufffd".encode() for e in content)
+
+
+def test_token_bytes_of_a_byte_fallback_metaspace_tokenizer():
+    """Gemma's kind of tokenizer (SentencePiece's `▁` for a space, <0xHH> byte-fallback tokens): each token's own
+    bytes join into the decoded text."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from dgemma.data.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "▁a": 1, "b": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    t = Tokenizer(backend)
+    ids = [1, 2, 3 + 0xE2, 3 + 0x82, 3 + 0xAC, 1]
+    assert t.decode(ids) == " ab€ a"
+    assert b"".join(t.token_bytes(i) for i in ids) == " ab€ a".encode()
+    assert t.token_bytes(3 + 0x82) == b"\x82"
