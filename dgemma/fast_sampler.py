@@ -197,11 +197,11 @@ class FastSampler:
         read."""
         state, V, n = self.state, self.vocab_size, self.remaining
         temp = self.temperature()
-        self.keep(final, temp)
         observed = None
         if self.model.config.observed_likelihood:  # the readable loop's `observe`, inside the chunked head
             levels = observation_levels(sampling.canvas_level(state.clean), state.carried)
             observed = (state.x, observation_boost(levels, V))
+        self.keep(final, temp, observed)
         if self.batchable(final.shape[0] * final.shape[1]):
             out = kernels.one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=self.generator,
                                                    embed_scale=self.scale if n > 1 else None,
@@ -230,10 +230,11 @@ class FastSampler:
         state.end_step(was_done, active, new_x, new_argmax, accepted, self.entropy, temp)
         self.remaining -= 1
 
-    def keep(self, final: Tensor, temp: Tensor) -> None:
-        """Keep a step's final hidden state (B, L, D) and temperature for `logprobs` (with `keep_final`)."""
+    def keep(self, final: Tensor, temp: Tensor, observed: tuple[Tensor, Tensor] | None = None) -> None:
+        """Keep a step's final hidden state (B, L, D), temperature and observation (tokens, boost) for `logprobs`
+        (with `keep_final`)."""
         if self.keep_final:
-            self.final = (final.clone(), temp)
+            self.final = (final.clone(), temp, None if observed is None else tuple(t.clone() for t in observed))
 
     def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
         """`sampling.token_logprobs` of `tokens` (B, L) under the distribution the last step read: its logits (this
@@ -241,9 +242,12 @@ class FastSampler:
         reads for these settings. Computed once the canvas is finished, from no random number, so a request's
         tokens are the same with and without log-probabilities. Needs `keep_final`."""
         assert self.final is not None, "FastSampler.logprobs needs keep_final=True and a step"
-        final, temp = self.final
+        final, temp, observed = self.final
         B, L, D = final.shape
-        return sampling.token_logprobs(self.head(final.reshape(B * L, D), None).view(B, L, -1) / temp, tokens, top)
+        logits = self.head(final.reshape(B * L, D), None).view(B, L, -1)
+        if observed is not None:  # what the step's head added (an observed-likelihood model's posterior)
+            logits.scatter_add_(-1, observed[0][..., None], observed[1][..., None].to(logits.dtype))
+        return sampling.token_logprobs(logits / temp, tokens, top)
 
     def check(self) -> bool:
         """The host read: GenerationError if a step so far had non-finite logits; whether the canvas is finished
