@@ -69,3 +69,21 @@ def test_any_finite_value_is_computed_or_refused_by_name(model, field, v):
 @pytest.mark.parametrize("top_k", [1, 2**31, 10**30])
 def test_top_k_of_any_size_is_computed(model, top_k):
     _works_or_names_the_field(model, "top_k", top_k)
+
+
+@pytest.mark.parametrize("flags, code, words", [
+    (["--top-p", "1e-300"], 0, None),
+    (["--top-p", "5e-324"], 0, None),
+    (["--repetition-penalty", "5e-324"], 2, "dgemma generate: error: repetition_penalty: must be in [0.01, 100]"),
+    (["--repetition-penalty", "1e308"], 2, "dgemma generate: error: repetition_penalty:"),
+])
+def test_the_cli_computes_or_refuses_extreme_controls_in_one_line(capsys, flags, code, words):
+    """Both printed a traceback (torch.multinomial's "probability tensor contains either inf, nan or element < 0")."""
+    from dgemma import cli
+
+    got = cli.main(["generate", "--preset", "tiny", "--random-init", "--prompt-ids", "2,45,300", "--seed", "0",
+                    "--max-new-tokens", "16", "--max-denoising-steps", "2", *flags])
+    err = capsys.readouterr().err
+    assert got == code, err
+    if words:
+        assert err.strip().count("\n") == 0 and err.startswith(words), err
