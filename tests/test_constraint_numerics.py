@@ -119,14 +119,20 @@ def test_the_engine_serves_greedy_and_truncated_grammar_requests(model, tok, imp
                 assert isinstance(_valid(tok, tokens), dict), (kind, name)
 
 
+@pytest.mark.parametrize("kind", ["--json-object", "--json-schema"])
 @pytest.mark.parametrize("flags", [["--top-k", "1"], ["--t-min", "0", "--t-max", "1e-6"], ["--top-p", "0.01"],
                                    ["--min-p", "0.99"], ["--logit-bias", "95=-100,6=-100"]])
-def test_the_cli_generates_under_a_grammar_with_greedy_and_truncated_sampling(tmp_path, capsys, flags):
+def test_the_cli_generates_under_a_grammar_with_greedy_and_truncated_sampling(tmp_path, capsys, kind, flags):
     path = tmp_path / "tokenizer.json"
     build_test_tokenizer(512, path)
     assert [_one(load_tokenizer(path), s) for s in '{"'] == [95, 6]  # the ids the bias names
+    grammar = [kind]
+    if kind == "--json-schema":
+        (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                     "required": ["a"], "additionalProperties": False}))
+        grammar.append(str(tmp_path / "s.json"))
     code = cli.main(["generate", "--preset", "tiny", "--random-init", "--tokenizer", str(path), "--prompt",
-                     "A person:", "--json-object", "--seed", "0", "--max-new-tokens", "32",
+                     "A person:", *grammar, "--seed", "0", "--max-new-tokens", "32",
                      "--max-denoising-steps", "3", *flags])
     out = capsys.readouterr()
     assert code == 0, out.err
