@@ -425,27 +425,30 @@ class ConstraintState:
                 marks[i] = mark
         m.rollback(taken)
 
-    def allowed(self, tokens: Tensor, vocab_size: int) -> Tensor:
-        """What the grammar allows at each position of a canvas (B, L) that starts at the rows' committed state,
-        (B, L, vocab_size) bool: the masks `tokens` were drawn under (every token allowed once the grammar has
-        stopped, and from a token it refuses on). The parser is left where it was."""
-        B, L = tokens.shape
-        out = torch.ones(B, L, vocab_size, dtype=torch.bool)
-        n = min(vocab_size, self.constraint.tokenizer.vocab_size)
-        for b in range(B):
+    def masked_logits(self, tokens: Tensor, z: Tensor, untruncated: Tensor | None = None) -> Tensor:
+        """The logits (B, L, V) fp32 of the masked distributions a canvas `tokens` (B, L), from the rows' committed
+        state, was drawn from: at each position `_allowed_logits` of `z` (B, L, V) (`untruncated`: as `draw`'s), the
+        rule the draw and the greedy canvas follow; `z` as it is once the grammar has stopped (or from a token it
+        refuses on). The log-probabilities a server reports under a grammar. The parser is left where it was."""
+        out = z.detach().float().cpu().clone()
+        V = out.shape[-1]
+        n = min(V, self.constraint.tokenizer.vocab_size)
+        for b in range(tokens.shape[0]):
+            z_np = out[b, :, :n].numpy().copy()
+            full_np = None if untruncated is None else untruncated[b].detach().float().cpu()[:, :n].numpy()
             m, taken = self.matchers[b], 0
             for i, t in enumerate(tokens[b].tolist()):
                 if m.is_stopped():
                     break
                 self._fill(m, self._bits, 0)
-                out[b, i, :n] = torch.from_numpy(np.unpackbits(self._bits.view(np.uint8), bitorder="little",
-                                                               count=n).astype(bool))
-                out[b, i, n:] = False
+                allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=n).astype(bool)
+                out[b, i, :n] = torch.from_numpy(_allowed_logits(i, allowed, z_np, full_np))
+                out[b, i, n:] = -torch.inf
                 if not m.consume_token(int(t)):
                     break
                 taken += 1
             m.rollback(taken)
-        return out.to(tokens.device)
+        return out.to(z.device)
 
     def commit(self, tokens: Tensor, rows: Sequence[int] | None = None, marks: Tensor | None = None) -> None:
         """Advance each row's parser over its committed canvas (B, L), up to the grammar's end; `marks` (B, L), what

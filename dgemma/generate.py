@@ -335,9 +335,8 @@ class CanvasSampler:
         """`sampling.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`); with a
         grammar, the masked distribution each token was drawn from (the masks along `tokens`, from the parser's
         committed state; where a truncation cut every allowed token, the untruncated logits', as the draw)."""
-        z = self.sc.float()
-        if self.constraint is not None:
-            z = sampling.masked_logits(z, self.constraint.allowed(tokens, z.shape[-1]), self.untruncated)
+        z = self.sc if self.constraint is None else \
+            self.constraint.masked_logits(tokens, self.sc, self.untruncated)
         return sampling.token_logprobs(z, tokens, top)
 
     def staged(self) -> StagedCanvas:

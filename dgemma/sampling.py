@@ -355,25 +355,14 @@ def truncate(z: Tensor, config: GenerationConfig) -> None:
 LOGPROB_FLOOR = -9999.0  # the least log-probability reported (vLLM's floor in its OpenAI server): never -inf
 
 
-def masked_logits(z: Tensor, allowed: Tensor, fallback: Tensor | None = None) -> Tensor:
-    """`z` (B, L, V) with the tokens not `allowed` (B, L, V) bool at -inf: a grammar's masked distribution. Where
-    that leaves a position nothing but -inf (a truncation cut every allowed token), `fallback`'s (the logits before
-    the truncation) masked the same way, the rule of the grammar's draw (dgemma/constraint.py `_allowed_logits`)."""
-    out = z.masked_fill(~allowed, -torch.inf)
-    if fallback is not None:
-        dead = torch.isneginf(out.amax(-1, keepdim=True))
-        out = torch.where(dead, fallback.float().masked_fill(~allowed, -torch.inf), out)
-    return out
-
-
 def token_logprobs(z: Tensor, tokens: Tensor, top: int = 0
                    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
     """What committed tokens' log-probabilities are (the server's `logprobs`), per row: log softmax of the
-    distribution the last denoising step read, `z` (B, L, V) (tempered, after the sampling controls; masked under a
-    grammar, `masked_logits`), at `tokens` (B, L), floored at LOGPROB_FLOOR (a token the truncation cut: finite by
-    construction, as JSON has no -inf); and the `top` most probable tokens there as (id, log-probability), leaving
-    out those the distribution cannot draw (cut by top_k/top_p/min_p, or forbidden by a grammar), so a position
-    may list fewer than `top`."""
+    distribution the last denoising step read, `z` (B, L, V) (tempered, after the sampling controls; under a
+    grammar, dgemma/constraint.py `ConstraintState.masked_logits`), at `tokens` (B, L), floored at LOGPROB_FLOOR (a
+    token the truncation cut: finite by construction, as JSON has no -inf); and the `top` most probable tokens there
+    as (id, log-probability), leaving out those the distribution cannot draw (cut by top_k/top_p/min_p, or forbidden
+    by a grammar), so a position may list fewer than `top`."""
     logp = torch.log_softmax(z.float(), dim=-1)
     chosen = logp.gather(-1, tokens[..., None])[..., 0].nan_to_num(nan=LOGPROB_FLOOR).clamp(min=LOGPROB_FLOOR)
     if not top:
