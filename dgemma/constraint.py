@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dgemma.schema_rules import ConstraintError, calendar_dates, distinct_keys
+
 # The JSON layout of a schema's output unless the schema's "x-guidance" says otherwise: one space after ":" and ",",
 # no other whitespace (OpenAI's compact layout). With free whitespace, a model unsure what comes next may fill a
 # canvas with newlines.
@@ -44,11 +46,6 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 MAX_GRAMMAR_CHARS = 65536
 PROBE_TOKENS = 32
 COMPILE_SECONDS = 10.0
-
-
-class ConstraintError(ValueError):
-    """A constraint that cannot be built: llguidance missing, or a schema, pattern or grammar it cannot compile, too
-    large, with an empty language, or one llguidance gives up on at its start (the message names which, and why)."""
 
 
 def _llguidance() -> Any:
@@ -177,46 +174,6 @@ def _sized(what: str, text: str) -> str:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise ConstraintError(f"the {what} is {len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,} are compiled")
     return text
-
-
-def distinct_keys(schema: Any, where: str = "") -> None:
-    """Refuse an object schema whose `minProperties` its `required` keys do not cover: llguidance does not keep
-    the keys of additional properties distinct, so it would meet the count with repeated keys (`{"": {}, "": {}}`),
-    which a JSON reader collapses into fewer properties than asked."""
-    if isinstance(schema, list):
-        for i, x in enumerate(schema):
-            distinct_keys(x, f"{where}[{i}]")
-    elif isinstance(schema, dict):
-        least, required = schema.get("minProperties"), schema.get("required")
-        named = len(set(required)) if isinstance(required, list) else 0
-        if isinstance(least, int) and not isinstance(least, bool) and least > named:
-            raise ConstraintError(f"{where.lstrip('.') or 'the schema'}: minProperties {least} is more than its "
-                                  f"{named} required key(s); the grammar engine cannot keep further keys distinct, "
-                                  "so list them in properties and required instead")
-        for k, v in schema.items():
-            if k not in ("const", "enum", "default", "examples"):  # values, not schemas
-                distinct_keys(v, f"{where}.{k}")
-
-
-# A calendar date of years 0001-9999 (leap days included), what validators accept as a JSON Schema "date" (Python's
-# date.fromisoformat, which jsonschema's FormatChecker uses); llguidance's own "date" also takes 0000 and 02-31.
-_YEAR = r"(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
-_LEAP = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-DATE_PATTERN = (rf"^(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-                rf"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)$")
-
-
-def calendar_dates(schema: Any) -> Any:
-    """`schema` with each string `"format": "date"` (without its own pattern) as DATE_PATTERN."""
-    if isinstance(schema, list):
-        return [calendar_dates(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: calendar_dates(v) for k, v in schema.items()}
-    if out.get("format") == "date" and "pattern" not in out:
-        del out["format"]
-        out["pattern"] = DATE_PATTERN
-    return out
 
 
 def _tokenizer_json(tokenizer: Any) -> str:
@@ -351,6 +308,22 @@ def _closer_of(tokenizer: Any) -> Closer:
     return Closer(tokenizer)
 
 
+MASS_FLOOR = 1e-20  # below this masked share of p (float32 probabilities), the masked softmax is taken from the logits
+
+
+def _allowed_logits(i: int, allowed: np.ndarray, z: np.ndarray, full: np.ndarray | None) -> np.ndarray:
+    """Position i's logits (float64, (n,)) with the tokens the grammar forbids at -inf: from `z`, or where `z` holds
+    -inf at every allowed token (top_k/top_p/min_p cut them all), from `full`, the logits before the truncation (the
+    masked distribution of the untruncated logits); where that is -inf too, every allowed token alike. So the
+    grammar's draw and argmax are defined for every temperature, truncation and bias."""
+    out = np.where(allowed, z[i].astype(np.float64), -np.inf)
+    if np.isneginf(out.max()) and full is not None:
+        out = np.where(allowed, full[i].astype(np.float64), -np.inf)
+    if np.isneginf(out.max()):
+        out = np.where(allowed, 0.0, -np.inf)
+    return out
+
+
 class ConstraintState:
     """One parser state per row, at the end of what the rows have committed, and the tokens each row may still
     write (`left`, None: unbounded).
@@ -398,13 +371,14 @@ class ConstraintState:
         self._deadline = math.inf if self.step_seconds is None else started + self.step_seconds
         return started
 
-    def draw(self, z: Tensor, generator: torch.Generator | None, rows: Sequence[int] | None = None
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def draw(self, z: Tensor, generator: torch.Generator | None, rows: Sequence[int] | None = None,
+             untruncated: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For each row, left to right: position i drawn from softmax(z[b, i]) restricted to what the grammar allows
         after the tokens drawn before it, then the greedy canvas under the same rule. Returns the draw, the greedy
         canvas (B, L), the entropy of each position's masked distribution along the draw (B, L), and what the
         grammar did at each position of the greedy canvas (B, L) int8: FREE, PINNED or CLOSED. `z`: the tempered
-        logits (B, L, V), unchanged. The parser is left where it was.
+        logits (B, L, V), unchanged; `untruncated`: the same before top_k/top_p/min_p, read where the truncation cut
+        every token the grammar allows (`_allowed_logits`). The parser is left where it was.
 
         A row with a budget (`left`) is kept closable within it: a token after which the closer (`Closer.path`)
         cannot finish the sentence in the positions the budget has left is replaced by the closer's own next token,
@@ -415,40 +389,46 @@ class ConstraintState:
         greedy, entropy = draw.clone(), torch.zeros(B, L, dtype=torch.float32, device=z.device)
         marks = torch.zeros(B, L, dtype=torch.int8, device=z.device)
         for b in self._going(range(B) if rows is None else rows):
-            self._walk(b, z[b], generator, draw[b], entropy[b], None)
-            self._walk(b, z[b], None, greedy[b], None, marks[b])
+            full = None if untruncated is None else untruncated[b]
+            self._walk(b, z[b], generator, draw[b], entropy[b], None, full=full)
+            self._walk(b, z[b], None, greedy[b], None, marks[b], full=full)
         self.seconds += time.perf_counter() - started
         return draw, greedy, entropy, marks
 
-    def project(self, canvas: Tensor, z: Tensor, rows: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+    def project(self, canvas: Tensor, z: Tensor, rows: Sequence[int] | None = None,
+                untruncated: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """A sampler's own canvas (B, L) made a valid continuation, left to right: each token is kept where the
         grammar allows it (and the budget's closer can still finish after it), else replaced by the grammar's argmax
-        of `z` (B, L, V) there. Returns the canvas and what the grammar did (B, L), as `draw`'s greedy canvas; the
-        parser is left where it was. The samplers that commit their own draws (Lite, the committing samplers, the
-        chains) commit this."""
+        of `z` (B, L, V) there (`untruncated`: as `draw`'s). Returns the canvas and what the grammar did (B, L), as
+        `draw`'s greedy canvas; the parser is left where it was. The samplers that commit their own draws (Lite, the
+        committing samplers, the chains) commit this."""
         started = self._begin()
         out = torch.full_like(canvas, self.eos)
         marks = torch.zeros(canvas.shape, dtype=torch.int8, device=canvas.device)
         for b in self._going(range(canvas.shape[0]) if rows is None else rows):
-            self._walk(b, z[b], None, out[b], None, marks[b], proposal=canvas[b].tolist())
+            self._walk(b, z[b], None, out[b], None, marks[b], proposal=canvas[b].tolist(),
+                       full=None if untruncated is None else untruncated[b])
         self.seconds += time.perf_counter() - started
         return out, marks
 
     def _walk(self, b: int, z: Tensor, generator: torch.Generator | None, out: Tensor, entropy: Tensor | None,
-              marks: Tensor | None, proposal: list[int] | None = None) -> None:
+              marks: Tensor | None, proposal: list[int] | None = None, full: Tensor | None = None) -> None:
         """One row's canvas left to right under the masks: drawn with `generator` (and each masked entropy into
         `entropy`), else greedy (and what the grammar did into `marks`), or `proposal`'s token where the grammar
         allows it. The parser is rolled back at the end.
 
         The draw is exact for the masked distribution q = p / p(allowed) without a full masked softmax per position:
         the unmasked draw is kept when the grammar allows it, else the position is drawn from q by inverse CDF (the
-        two together give q(t) = p(t) + (1 - p(allowed)) q(t)). Likewise the greedy token is the unmasked argmax when
-        allowed. Each row takes 2L uniforms, used or not, so the random stream does not depend on the grammar's
-        answers."""
+        two together give q(t) = p(t) + (1 - p(allowed)) q(t)). Where p(allowed) is below MASS_FLOOR (temperature 0
+        puts all of p on one token; a bias or a truncation may leave the allowed tokens almost nothing), q is the
+        softmax of the allowed tokens' logits (`_allowed_logits`), so the draw at temperature 0 is the allowed argmax.
+        Likewise the greedy token is the unmasked argmax when allowed, else the argmax of `_allowed_logits`. Each row
+        takes 2L uniforms, used or not, so the random stream does not depend on the grammar's answers."""
         m, left, closer = self.matchers[b], self.left[b], self.closer
         L, V = z.shape
         n = min(V, self.constraint.tokenizer.vocab_size)  # a model's table may be larger than the tokenizer's
         zf = z.float()
+        z_np, full_np = zf[:, :n].numpy(), None if full is None else full.float()[:, :n].numpy()
         drawing = generator is not None or entropy is not None
         if drawing:
             logp = torch.log_softmax(zf, dim=-1)
@@ -462,7 +442,6 @@ class ConstraintState:
             plogp = (p * logp.nan_to_num(neginf=0.0))[:, :n].double().numpy()
         else:
             top = zf.argmax(-1).tolist()
-            z_np = zf[:, :n].numpy()
         path = None  # the closer's tokens from the parser's state (None: no budget, or no way to close within it)
         if closer is not None and left is not None and left >= 1:  # from the committed state, kept until a commit
             if b not in self._start_paths:
@@ -482,10 +461,12 @@ class ConstraintState:
             elif drawing:
                 q = np.where(allowed, p_np[i], 0.0)
                 mass = q.sum()
-                if mass <= 1e-300:  # every allowed token underflowed: the masked softmax from the logits
-                    q = np.exp(np.where(allowed, zf[i, :n].double().numpy(), -np.inf) - zf[i, :n][allowed].max())
-                    mass = q.sum()
-                    h = float(np.log(mass) - (q * np.log(np.where(q > 0, q, 1.0))).sum() / mass)
+                if mass < MASS_FLOOR:  # the allowed tokens' own softmax, from their logits
+                    logits = _allowed_logits(i, allowed, z_np, full_np)
+                    shifted = logits - logits.max()
+                    q = np.exp(shifted)
+                    mass = q.sum()  # >= 1: the largest allowed logit gives exp(0)
+                    h = float(np.log(mass) - (q * np.where(q > 0, shifted, 0.0)).sum() / mass)
                 else:
                     h = float(np.log(mass) - plogp[i][allowed].sum() / mass)
                 t = first[i]
@@ -495,7 +476,8 @@ class ConstraintState:
             elif proposal is not None and proposal[i] < n and allowed[proposal[i]]:
                 t, h = proposal[i], 0.0
             else:
-                t = top[i] if top[i] < n and allowed[top[i]] else int(np.where(allowed, z_np[i], -np.inf).argmax())
+                t = top[i] if top[i] < n and allowed[top[i]] else \
+                    int(_allowed_logits(i, allowed, z_np, full_np).argmax())
                 h = 0.0
             if entropy is not None:
                 entropy[i] = max(h, 0.0)
@@ -521,6 +503,31 @@ class ConstraintState:
             if marks is not None:
                 marks[i] = mark
         m.rollback(taken)
+
+    def masked_logits(self, tokens: Tensor, z: Tensor, untruncated: Tensor | None = None) -> Tensor:
+        """The logits (B, L, V) fp32 of the masked distributions a canvas `tokens` (B, L), from the rows' committed
+        state, was drawn from: at each position `_allowed_logits` of `z` (B, L, V) (`untruncated`: as `draw`'s), the
+        rule the draw and the greedy canvas follow; `z` as it is once the grammar has stopped (or from a token it
+        refuses on). The log-probabilities a server reports under a grammar. The parser is left where it was."""
+        out = z.detach().float().cpu().clone()
+        V = out.shape[-1]
+        n = min(V, self.constraint.tokenizer.vocab_size)
+        for b in range(tokens.shape[0]):
+            z_np = out[b, :, :n].numpy().copy()
+            full_np = None if untruncated is None else untruncated[b].detach().float().cpu()[:, :n].numpy()
+            m, taken = self.matchers[b], 0
+            for i, t in enumerate(tokens[b].tolist()):
+                if m.is_stopped():
+                    break
+                self._fill(m, self._bits, 0)
+                allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=n).astype(bool)
+                out[b, i, :n] = torch.from_numpy(_allowed_logits(i, allowed, z_np, full_np))
+                out[b, i, n:] = -torch.inf
+                if not m.consume_token(int(t)):
+                    break
+                taken += 1
+            m.rollback(taken)
+        return out.to(z.device)
 
     def commit(self, tokens: Tensor, rows: Sequence[int] | None = None, marks: Tensor | None = None) -> None:
         """Advance each row's parser over its committed canvas (B, L), up to the grammar's end; `marks` (B, L), what
@@ -550,6 +557,5 @@ class ConstraintState:
         return True
 
 
-__all__ = ["CLOSED", "DATE_PATTERN", "FREE", "MAX_GRAMMAR_CHARS", "PINNED", "Closer", "Constraint", "ConstraintError",
-           "ConstraintState",
-           "calendar_dates", "distinct_keys"]
+__all__ = ["CLOSED", "FREE", "MAX_GRAMMAR_CHARS", "PINNED", "Closer", "Constraint", "ConstraintError",
+           "ConstraintState"]

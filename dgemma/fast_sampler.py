@@ -147,7 +147,7 @@ class FastSampler:
                  finished: Tensor | None = None, canvas_index: int = 0,
                  on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
                  head: Callable[[Tensor, Tensor | None], Tensor] | None = None, draw: kernels.Draw | None = None,
-                 chunk_rows: int | None = None, workspace: kernels.Workspace | None = None):
+                 chunk_rows: int | None = None, workspace: kernels.Workspace | None = None, keep_final: bool = False):
         check_supported(config)
         B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
         device = model.device
@@ -173,6 +173,8 @@ class FastSampler:
         self.finite = torch.ones((), dtype=torch.bool, device=device)
         self.first_bad = torch.full((), N + 1, dtype=torch.long, device=device)
         self.remaining = N
+        # with `keep_final` (the server's logprobs): the last step's final hidden state and temperature (`logprobs`)
+        self.keep_final, self.final = keep_final, None
 
     def inputs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Begin a step: the pass's canvas (B, L), soft embedding (B, L, D) or None, and noise level (B,) for a
@@ -199,6 +201,7 @@ class FastSampler:
         if self.model.config.observed_likelihood:  # the readable loop's `observe`, inside the chunked head
             levels = observation_levels(sampling.canvas_level(state.clean), state.carried)
             observed = (state.x, observation_boost(levels, V))
+        self.keep(final, temp, observed)
         if self.batchable(final.shape[0] * final.shape[1]):
             out = kernels.one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=self.generator,
                                                    embed_scale=self.scale if n > 1 else None,
@@ -226,6 +229,25 @@ class FastSampler:
             self.soft = out.soft if self.soft is None else torch.where(keep[..., None], self.soft, out.soft)
         state.end_step(was_done, active, new_x, new_argmax, accepted, self.entropy, temp)
         self.remaining -= 1
+
+    def keep(self, final: Tensor, temp: Tensor, observed: tuple[Tensor, Tensor] | None = None) -> None:
+        """Keep a step's final hidden state (B, L, D), temperature and observation (tokens, boost) for `logprobs`
+        (with `keep_final`)."""
+        if self.keep_final:
+            self.final = (final.clone(), temp, None if observed is None else tuple(t.clone() for t in observed))
+
+    def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+        """`sampling.token_logprobs` of `tokens` (B, L) under the distribution the last step read: its logits (this
+        sampler's head on the kept final hidden state) over its temperature, as `generate.CanvasSampler.logprobs`
+        reads for these settings. Computed once the canvas is finished, from no random number, so a request's
+        tokens are the same with and without log-probabilities. Needs `keep_final`."""
+        assert self.final is not None, "FastSampler.logprobs needs keep_final=True and a step"
+        final, temp, observed = self.final
+        B, L, D = final.shape
+        logits = self.head(final.reshape(B * L, D), None).view(B, L, -1)
+        if observed is not None:  # what the step's head added (an observed-likelihood model's posterior)
+            logits.scatter_add_(-1, observed[0][..., None], observed[1][..., None].to(logits.dtype))
+        return sampling.token_logprobs(logits / temp, tokens, top)
 
     def check(self) -> bool:
         """The host read: GenerationError if a step so far had non-finite logits; whether the canvas is finished
@@ -270,6 +292,7 @@ def step_together(samplers: list[FastSampler], final: Tensor) -> None:
                                                embed_scale=first.scale if soft else None,
                                                workspace=first.workspace if fits else None)
         for i, (s, temp) in enumerate(zip(group, temps, strict=True)):
+            s.keep(rows[i:i + 1], temp)
             s.apply(kernels.StepDraws(out.draw[i:i + 1], out.argmax[i:i + 1], out.entropy[i:i + 1],
                                       None if out.soft is None else out.soft[i:i + 1]), temp)
 

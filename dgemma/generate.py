@@ -198,6 +198,7 @@ class CanvasSampler:
                                  torch.zeros(B, V, device=model.device))
         self.seen = seen
         self.marks: Tensor | None = None  # with a constraint: what the grammar did at each committed position
+        self.untruncated: Tensor | None = None  # with a constraint and a truncation: the last step's logits before it
         device = model.device
         self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
         self.time_embedding = model.config.time_embedding
@@ -262,6 +263,8 @@ class CanvasSampler:
         self.sc = sc = None
         temp = sampling.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
+        # under a grammar, the tempered logits before the truncation: where it cut every token the grammar allows
+        self.untruncated = z.clone() if config.truncates and self.constraint is not None else None
         if config.truncates:
             sampling.truncate(z, config)
         constrained = new_draw = confidence = None
@@ -270,7 +273,7 @@ class CanvasSampler:
             # grammar did at each position. Entropy-bound reads all four; Lite and the committing samplers draw their
             # proposals so and read the posterior as it is (their committed canvas is projected: `staged`)
             rows = (active & ~was_done).nonzero().flatten().tolist()
-            new_draw, greedy, masked_entropy, marks = self.constraint.draw(z, generator, rows)
+            new_draw, greedy, masked_entropy, marks = self.constraint.draw(z, generator, rows, self.untruncated)
             self.marks = marks if sc_done is None else torch.where(was_done[:, None], self.marks, marks)
             if not (lite or self.committing):
                 constrained = greedy, masked_entropy
@@ -331,9 +334,13 @@ class CanvasSampler:
             self.corrector_pass = 1 if self.correctors else 0
         return (self.remaining == 0 and not self.corrector_pass) or state.all_done()
 
-    def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-        """`sampling.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`)."""
-        return sampling.token_logprobs(self.sc, tokens, top)
+    def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+        """`sampling.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`); with a
+        grammar, the masked distribution each token was drawn from (the masks along `tokens`, from the parser's
+        committed state; where a truncation cut every allowed token, the untruncated logits', as the draw)."""
+        z = self.sc if self.constraint is None else \
+            self.constraint.masked_logits(tokens, self.sc, self.untruncated)
+        return sampling.token_logprobs(z, tokens, top)
 
     def staged(self) -> StagedCanvas:
         """The finished canvas. Lite and the committing samplers end every position on its best guess: the committed
@@ -345,7 +352,8 @@ class CanvasSampler:
         if self.constraint is not None:
             if self.config.sampler != "entropy-bound" or self.config.commit_rule == "sample":
                 rows = (~self.state.finished).nonzero().flatten().tolist()
-                staged.tokens, self.marks = self.constraint.project(staged.tokens, self.sc.float(), rows)
+                staged.tokens, self.marks = self.constraint.project(staged.tokens, self.sc.float(), rows,
+                                                                    self.untruncated)
             staged.grammar = self.marks
         return staged
 

@@ -11,18 +11,26 @@ from dgemma.config import ConfigError, ModelConfig, is_int, is_real, is_token_id
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: a larger setting overflows to inf there
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+# torch's CPU generator (mt19937) keeps only the low 32 bits of the seed manual_seed takes: seeds that differ above
+# them draw the same stream, so dgemma accepts the 32-bit seeds, each its own stream on every device.
+# repetition_penalty's range: a logit is divided or multiplied by it, then by the temperature (down to
+# MIN_TEMPERATURE / max_denoising_steps): 100 already takes a logit of 30 to 0.3 (or -30 to -3000), and 5e-324 is 0 in
+# float32 (a division by zero)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SEED_MAX = 2**32 - 1
+SEED_RANGE = f"an int from 0 to {SEED_MAX} (2**32 - 1)"  # what every seed error says
 
 
 def is_seed(v: Any) -> bool:
-    """An int in [0, SEED_MAX]: the seeds dgemma accepts (the command line, TrainConfig). One rule, called by every
-    place that checks a seed, so a seed is refused up front rather than where torch.Generator overflows."""
+    """An int in [0, SEED_MAX]: the seeds dgemma accepts (the command line, TrainConfig, requests). One rule, called
+    by every place that checks a seed (their messages say SEED_RANGE), so a seed is refused up front rather than
+    silently drawing another seed's stream."""
     return is_int(v) and 0 <= v <= SEED_MAX
 
 
 def offset_seed(seed: int, k: int) -> int:
     """The k-th seed derived from `seed` (prompt i of an evaluation, turn k of a chat): seed + k, wrapped into
-    [0, SEED_MAX] so that every accepted seed, 2**64 - 1 included, derives seeds torch.Generator takes."""
+    [0, SEED_MAX] so that every accepted seed, SEED_MAX included, derives seeds torch.Generator takes."""
     return (seed + k) % (SEED_MAX + 1)
 
 
@@ -149,7 +157,10 @@ class GenerationConfig:
         require(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an int >= 0 (0: off), got {self.top_k!r}")
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         require(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        require(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        require(lo <= self.repetition_penalty <= hi, "repetition_penalty",
+                f"must be in [{lo:g}, {hi:g}] (1: off; farther out, the penalized logits leave what float32 holds), "
+                f"got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             require(-2 <= getattr(self, name) <= 2, name, f"must be in [-2, 2], got {getattr(self, name)!r}")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dgemma.config import ModelConfig
-from dgemma.generation_config import SEED_MAX, GenerationConfig, GenerationError, is_seed
+from dgemma.generation_config import SEED_RANGE, GenerationConfig, GenerationError, is_seed
 
 if TYPE_CHECKING:
     from dgemma.model import DiffusionGemma
@@ -40,10 +40,9 @@ def new_token_budget(config: GenerationConfig, context_length: int) -> int:
 
 
 def check_seed(seed: Any) -> int:
-    """`seed` if it is one dgemma accepts (`generation_config.is_seed`: an int from 0 to 2**64 - 1, what
-    torch.Generator takes), else GenerationError naming it."""
+    """`seed` if it is one dgemma accepts (`generation_config.is_seed`), else GenerationError naming it."""
     if not is_seed(seed):
-        raise GenerationError(f"seed must be an int from 0 to {SEED_MAX} (2**64 - 1), got {seed!r}")
+        raise GenerationError(f"seed must be {SEED_RANGE}, got {seed!r}")
     return seed
 
 

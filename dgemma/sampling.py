@@ -344,6 +344,7 @@ def truncate(z: Tensor, config: GenerationConfig) -> None:
         sorted_z, order = z.sort(dim=-1, descending=True)
         p = torch.softmax(sorted_z, dim=-1)
         beyond = p.cumsum(-1) - p >= config.top_p  # the mass before a token already reaches top_p
+        beyond[..., 0] = False  # the most probable token stays, whatever top_p is (1e-300 is 0 in float32)
         z.masked_fill_(torch.zeros_like(beyond).scatter_(-1, order, beyond), -torch.inf)
         del sorted_z, order, p, beyond
     if config.min_p > 0:
@@ -351,10 +352,22 @@ def truncate(z: Tensor, config: GenerationConfig) -> None:
         z.masked_fill_(p < config.min_p * p.amax(-1, keepdim=True), -torch.inf)
 
 
-def token_logprobs(z: Tensor, tokens: Tensor, top: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """What a committed token's log-probability is (the server's `logprobs`): log softmax of the posterior the last
-    denoising step read, `z` (B, L, V) (tempered, after the sampling controls), at `tokens` (B, L); and the `top`
-    most probable tokens there, values and ids (B, L, top)."""
+LOGPROB_FLOOR = -9999.0  # the least log-probability reported (vLLM's floor in its OpenAI server): never -inf
+
+
+def token_logprobs(z: Tensor, tokens: Tensor, top: int = 0
+                   ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+    """What committed tokens' log-probabilities are (the server's `logprobs`), per row: log softmax of the
+    distribution the last denoising step read, `z` (B, L, V) (tempered, after the sampling controls; under a
+    grammar, dgemma/constraint.py `ConstraintState.masked_logits`), at `tokens` (B, L), floored at LOGPROB_FLOOR (a
+    token the truncation cut: finite by construction, as JSON has no -inf); and the `top` most probable tokens there
+    as (id, log-probability), leaving out those the distribution cannot draw (cut by top_k/top_p/min_p, or forbidden
+    by a grammar), so a position may list fewer than `top`."""
     logp = torch.log_softmax(z.float(), dim=-1)
-    values, ids = logp.topk(top, dim=-1) if top else (logp[..., :0], torch.zeros_like(tokens)[..., None][..., :0])
-    return logp.gather(-1, tokens[..., None])[..., 0], values, ids
+    chosen = logp.gather(-1, tokens[..., None])[..., 0].nan_to_num(nan=LOGPROB_FLOOR).clamp(min=LOGPROB_FLOOR)
+    if not top:
+        return chosen.tolist(), [[[] for _ in row] for row in tokens.tolist()]
+    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    alternatives = [[[(i, v) for i, v in zip(pi, pv, strict=True) if v > LOGPROB_FLOOR] for pi, pv in zip(ri, rv,
+                     strict=True)] for ri, rv in zip(ids.tolist(), values.tolist(), strict=True)]
+    return chosen.tolist(), alternatives

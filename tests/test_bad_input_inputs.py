@@ -91,12 +91,12 @@ PARSE_CASES = [
     ("train --until-step -1", lambda t: ["train", "--data", str(t), "--out", str(t / "run"), "--until-step", "-1"],
      r"argument --until-step: must be a positive integer \(>= 1\), got '-1'"),
     ("train --seed 2**64", lambda t: ["train", "--data", str(t), "--out", str(t / "run"), "--seed", str(2**64)],
-     r"argument --seed: must be an integer from 0 to 2\*\*64 - 1 = 18446744073709551615, got '18446744073709551616'"),
+     r"argument --seed: must be an int from 0 to 4294967295 \(2\*\*32 - 1\), got '18446744073709551616'"),
     ("finetune --minutes inf", lambda t: ["finetune", "--model", str(t), "--data", str(t / "c.jsonl"), "--out",
                                           str(t / "run"), "--minutes", "inf"],
      r"argument --minutes: expected a finite"),
     ("generate --seed 2**70", lambda t: ["generate", *RANDOM, "--prompt-ids", "2", "--seed", str(2**70), *FAST],
-     r"argument --seed: must be an integer from 0 to 2\*\*64 - 1"),
+     r"argument --seed: must be an int from 0 to 4294967295 \(2\*\*32 - 1\)"),
     ("demo --minutes inf", lambda t: ["demo", "--minutes", "inf", "--out", str(t / "demo")],
      r"argument --minutes: expected a finite number .*'inf'"),
     ("demo --minutes nan", lambda t: ["demo", "--minutes", "nan", "--out", str(t / "demo")],
@@ -214,7 +214,7 @@ def test_one_seed_rule_and_64_bit_training_seeds():
     from dgemma.train.loop import micro_step_generator
 
     assert is_seed(0) and is_seed(SEED_MAX) and not is_seed(-1) and not is_seed(SEED_MAX + 1) and not is_seed(True)
-    with pytest.raises(ConfigError, match=r"TrainConfig\.seed: must be an int from 0 to 2\*\*64 - 1"):
+    with pytest.raises(ConfigError, match=r"TrainConfig\.seed: must be an int from 0 to 4294967295 \(2\*\*32 - 1\)"):
         TrainConfig(seed=2**64)
     # the largest seed derives every micro-step's generator (seed * 1_000_003 + m overflowed torch.Generator)
     g = micro_step_generator(TrainConfig(seed=SEED_MAX), 7, torch.device("cpu"))
@@ -222,7 +222,7 @@ def test_one_seed_rule_and_64_bit_training_seeds():
 
 
 def test_the_largest_seed_derives_per_prompt_seeds():
-    """eval's decoding loops seed prompt i with seed + i, which overflowed torch.Generator at 2**64 - 1."""
+    """eval's decoding loops seed prompt i with seed + i, which overflowed torch.Generator at the largest seed."""
     from dgemma.eval.decoding import run_ar, run_sampler
     from dgemma.generation_config import offset_seed
 

@@ -219,7 +219,7 @@ def test_a_date_is_a_calendar_date_as_validators_read_it(tok):
     holds exactly the dates Python's date.fromisoformat (jsonschema's FormatChecker) accepts."""
     import datetime
 
-    from dgemma.constraint import DATE_PATTERN
+    from dgemma.schema_rules import DATE_PATTERN
 
     rx = re.compile(DATE_PATTERN)
     for y in [*range(0, 12), *range(396, 404), *range(1896, 1904), *range(1996, 2005), 9999]:

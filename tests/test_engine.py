@@ -266,7 +266,7 @@ def test_row_views_share_the_pool():
 
 
 def test_with_the_fast_kernels_fast_and_readable_rows_batch_together_and_stay_batch_invariant():
-    """impl="fast": an entropy-bound request without a grammar or logprobs runs on the fast sampler
+    """impl="fast": an entropy-bound request without a grammar (with or without logprobs) runs on the fast sampler
     (fast_sampler.FastSampler: the fused head and inverse-CDF draw, on its own row), the others on the readable one;
     in one batch each gives what it gives alone."""
     model = random_model("tiny")
@@ -283,9 +283,9 @@ def test_with_the_fast_kernels_fast_and_readable_rows_batch_together_and_stay_ba
         crowd = run_concurrently(engine, jobs)
         assert engine.stats().denoise_rows > engine.stats().denoise_forwards
     assert [t for t, _ in crowd] == [t for t, _ in alone]
-    with Engine(model, max_batch=5, max_context=128, impl="fast") as engine:  # logprobs: the readable sampler
+    with Engine(model, max_batch=5, max_context=128, impl="fast") as engine:  # logprobs: the fast sampler too
         request = engine.submit(*jobs[0][:2], seed=1, logprobs=2, on_event=lambda e: None)
-        assert not engine._fast(request)
+        assert engine._fast(request)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -101,7 +101,7 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"top_k": -1}, "top_k", ">= 0"),
     ({"min_p": 2}, "min_p", "[0, 1]"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "[0.01, 100]"),
     ({"logprobs": 1}, "logprobs", "true or false"),
     ({"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "from 0 to 20"),

@@ -334,3 +334,28 @@ def test_a_forced_call_cut_short_returns_no_markup_as_content(tool_client):
         else:
             content, calls = r.choices[0].message.content or "", r.choices[0].message.tool_calls
         assert content == "" and not calls
+
+
+GREEDY_AND_CUT = [dict(temperature=0), dict(top_p=0.01), dict(extra_body={"top_k": 1}),
+                  dict(extra_body={"min_p": 0.99}), dict(temperature=0, logit_bias={"95": -100, "6": -100})]
+
+
+@pytest.mark.parametrize("fmt", [{"type": "json_object"}, FORMAT], ids=["json_object", "json_schema"])
+@pytest.mark.parametrize("kw", GREEDY_AND_CUT, ids=["temperature 0", "top_p", "top_k", "min_p", "bias"])
+def test_a_format_with_greedy_or_truncated_sampling_is_answered(client, fmt, kw):
+    """temperature 0 (what agents and eval harnesses send), top_k 1, top_p 0.01, min_p 0.99 or a bias of -100 on
+    the tokens a JSON object starts with ('{' is 95, '"' is 6) with a response_format: a 500 (TypeError in the
+    grammar's masked draw)."""
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=48, seed=0, response_format=fmt,
+                                       **kw)
+    assert r.choices[0].finish_reason == "stop"
+    out = json.loads(r.choices[0].message.content)
+    if fmt is FORMAT:
+        jsonschema.validate(out, PERSON)
+
+
+@pytest.mark.parametrize("kw", GREEDY_AND_CUT, ids=["temperature 0", "top_p", "top_k", "min_p", "bias"])
+def test_a_forced_tool_call_with_greedy_or_truncated_sampling_is_answered(tool_client, kw):
+    r = tool_client.chat.completions.create(model="tiny", messages=USER, max_tokens=160, seed=0, tools=TOOLS,
+                                            tool_choice={"type": "function", "function": {"name": "add"}}, **kw)
+    assert _calls(r.choices[0]) == ["add"]

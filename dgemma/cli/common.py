@@ -24,7 +24,7 @@ from dgemma.generation_config import (
     FLOAT32_MAX,
     LITE_COMMITS,
     SAMPLERS,
-    SEED_MAX,
+    SEED_RANGE,
     TIME_LEVELS,
     GenerationConfig,
     is_seed,
@@ -133,10 +133,10 @@ def positive_float(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    """A seed: an int in [0, 2**64 - 1] (dgemma.generation_config.is_seed, the one rule for seeds)."""
+    """A seed (dgemma.generation_config.is_seed, the one rule for seeds)."""
     v = int_value(text)
     if not is_seed(v):
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1 = {SEED_MAX}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}")
     return v
 
 

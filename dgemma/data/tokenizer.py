@@ -17,6 +17,7 @@ files (checked by sha256); `dgemma.data.shards` uses both to turn text into toke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -72,6 +73,32 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for in the tokenizer's byte-level decoding, so that a token holding part of a
+        UTF-8 character gives those bytes (its decoded text alone is U+FFFD) and the bytes of a run of tokens join
+        into their text's: a byte-level BPE token through GPT-2's byte alphabet, a byte-fallback token <0xHH> as that
+        byte, `▁` as a space (SentencePiece's metaspace, Gemma's); any other token (a special one) as its text."""
+        raw = self.backend.id_to_token(token_id)
+        if raw is None:
+            return b""
+        kinds, special = self._decoding
+        if token_id in special:
+            return raw.encode("utf-8")
+        if "ByteLevel" in kinds and all(c in _UNICODE_TO_BYTE for c in raw):
+            return bytes(_UNICODE_TO_BYTE[c] for c in raw)
+        if "ByteFallback" in kinds and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", raw):
+            return bytes([int(raw[3:5], 16)])
+        if "Replace" in kinds or "Metaspace" in kinds:
+            return raw.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id]).encode("utf-8")
+
+    @functools.cached_property
+    def _decoding(self) -> tuple[set[str], set[int]]:
+        """The types of the tokenizer's decoders (a Sequence's members included), read once from its JSON, and the
+        special tokens' ids."""
+        spec = json.loads(self.backend.to_str()).get("decoder") or {}
+        return {d.get("type") for d in [spec, *spec.get("decoders", [])]}, set(self.special_tokens())
 
     def special_tokens(self) -> dict[int, str]:
         """The special added tokens: id -> text (the chat markers, EOS, padding)."""
@@ -177,6 +204,22 @@ def toy_corpus(n: int = 400) -> list[str]:
 # Unicode \s) counts as non-space (Python's \S, plus \x1c-\x1f, which Python but not Rust calls space), or is a
 # longer run of whitespace. A text without such a run is passed to the trainer untouched.
 _BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: the printable bytes as themselves, the others as 256 + k."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
 
 
 def text_chunks(text: str, max_chars: int = TEXT_CHUNK_CHARS) -> Iterator[str]:

@@ -19,7 +19,7 @@ from typing import Any
 from dgemma.config import ConfigError, is_int, is_real
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
-from dgemma.generation_config import MIN_TEMPERATURE, SEED_MAX, GenerationConfig, is_seed, offset_seed
+from dgemma.generation_config import MIN_TEMPERATURE, SEED_RANGE, GenerationConfig, is_seed, offset_seed
 from dgemma.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem, request_passes
 from dgemma.serving.choice import stop_strings
 from dgemma.serving.errors import APIError, as_list, short
@@ -377,7 +377,7 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
         raise APIError(f"{len(prompts)} prompts x n={n} make {choices} choices; at most {MAX_CHOICES}", param="n")
     seed = body.get("seed")
     if seed is not None and not is_seed(seed):
-        raise APIError(f"seed: must be an int from 0 to {SEED_MAX} (2**64 - 1), got {seed!r}", param="seed")
+        raise APIError(f"seed: must be {SEED_RANGE}, got {seed!r}", param="seed")
     stream = body.get("stream", False)
     if stream not in (None, True, False):
         raise APIError(f"stream: must be true or false, got {stream!r}", param="stream")

@@ -180,6 +180,7 @@ class _State:
         self.stopping = False  # set on Ctrl-C / SIGTERM (`serve`): open requests end at once with an error
         self.metrics = Metrics(engine, lambda: self.in_flight, model_name)
         self._pieces: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
         self._special = tokenizer.special_tokens()
 
     # --- requests ---
@@ -266,6 +267,14 @@ class _State:
         (the markers of `keep`)."""
         drop = {i for i, t in self._special.items() if not any(t and t in m for m in keep)}
         return lambda ids: self.tokenizer.decode([i for i in ids if i not in drop])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One id's own bytes (`Tokenizer.token_bytes`: a token that is part of a UTF-8 character has those bytes, so
+        that a choice's logprobs `bytes` join into its text's)."""
+        kept = self._bytes.get(token_id)
+        if kept is None:
+            kept = self._bytes[token_id] = self.tokenizer.token_bytes(token_id)
+        return kept
 
     def piece(self, token_id: int) -> str:
         """One id decoded alone, special tokens shown (the denoising stream's `tokens`)."""
@@ -487,7 +496,7 @@ class _Run:
             return None
         piece = self.state.piece
         if self.req.kind == "chat":
-            entry = lambda t, lp: {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode("utf-8"))}
+            entry = lambda t, lp: {"token": piece(t), "logprob": lp, "bytes": list(self.state.token_bytes(t))}
             return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]}
                                 for t, lp, top in tokens], "refusal": None}
         offsets, at = [], 0

@@ -13,8 +13,7 @@ preallocated KV cache.
 Requests join and leave between denoising steps, so N concurrent requests cost about one batched pass per step, not
 N. Each request draws from its own generator (seeded by its `seed`) with the same draws, in the same order, as
 `dgemma.generate(prompt, seed=seed)` of that request alone: with the reference kernels the readable sampler runs per
-row on that row's logits; with the fast kernels a request the fast sampler implements runs its step
-(`_fast`), the others the readable one.
+row on that row's logits; with the fast kernels a request the fast sampler implements runs its step (`_fast`).
 The batched pass computes each row exactly as a batch of its own (attention per row over its own cache view; the
 routed experts per row, or in whole row blocks with the fast kernels), so a request's tokens never depend on who else
 is served; with the reference kernels they equal `generate(..., impl="reference")`'s (tests/test_engine.py).
@@ -49,7 +48,7 @@ from dgemma.canvas import StagedCanvas, StepInfo
 from dgemma.constraint import Constraint, ConstraintState
 from dgemma.fast_sampler import FastSampler
 from dgemma.generate import CanvasSampler
-from dgemma.generation_config import GenerationConfig, GenerationError
+from dgemma.generation_config import SEED_MAX, GenerationConfig, GenerationError
 from dgemma.kv_cache import KVCache
 from dgemma.memory import check_memory
 from dgemma.model import DiffusionGemma
@@ -102,7 +101,7 @@ class DoneEvent:
 
     finish_reason: str  # "stop" (an EOS token), "length" (max_new_tokens), "cancelled", "error"
     prompt_tokens: int
-    completion_tokens: int  # tokens of all CanvasEvents, plus 1 for the EOS when finish_reason == "stop"
+    completion_tokens: int  # tokens of all CanvasEvents, plus 1 for an EOS drawn within max_new_tokens (never more)
     denoising_steps: int  # denoising passes spent on this request
     seconds_to_first_canvas: float | None
     error: str | None = None
@@ -278,7 +277,7 @@ class Engine:
             raise EngineError(f"config must be a GenerationConfig, got {type(config).__name__}")
         try:
             prompt = check_prompt(prompt_ids, self.model.config.vocab_size)
-            seed = secrets.randbits(63) if seed is None else check_seed(seed)
+            seed = secrets.randbelow(SEED_MAX + 1) if seed is None else check_seed(seed)
             max_new = new_token_budget(config, len(prompt))
             check_logit_bias(config, self.model.config.vocab_size)
         except GenerationError as e:
@@ -391,10 +390,10 @@ class Engine:
     @torch.no_grad()
     def _iteration(self, admitted: list[Request]) -> None:
         going_on = []
-        for r, staged, error in self.grammar.done():  # grammar steps that ended (dgemma/serving/grammar_steps.py)
+        for r, ended, error in self.grammar.done():  # grammar steps that ended (dgemma/serving/grammar_steps.py)
             if error is not None:
                 self._finish(r, "error", error=error)
-            elif staged is not None and (tokens := self._end_canvas(r, staged)) is not None:
+            elif ended is not None and (tokens := self._end_canvas(r, *ended)) is not None:
                 going_on.append((r, tokens))
         self._commit_canvases(going_on)
         for r in list(self._active.values()):
@@ -456,16 +455,16 @@ class Engine:
         on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
         if self._fast(r):
             r.sampler = FastSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
-                                    on_step=on_step, workspace=self._workspace())
+                                    on_step=on_step, workspace=self._workspace(), keep_final=r.logprobs is not None)
         else:
             r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
                                       on_step=on_step, constraint=r.constraint, seen=r.seen)
 
     def _fast(self, r: Request) -> bool:
         """Whether the request's canvases run on the fast sampler (with the fast kernels, for the settings it
-        implements, without a grammar or log-probabilities) rather than the readable one."""
-        return self.impl == "fast" and r.constraint is None and r.logprobs is None and \
-            not fast_sampler.unsupported(r.config)
+        implements, without a grammar; with or without log-probabilities, which draw nothing) rather than the
+        readable one."""
+        return self.impl == "fast" and r.constraint is None and not fast_sampler.unsupported(r.config)
 
     def _workspace(self) -> kernels.Workspace:
         """The fast samplers' (rows, V) buffers, one pair for the engine, reused by every step: a row's own step and,
@@ -540,9 +539,12 @@ class Engine:
                 r.canvas += 1
                 self._start_canvas(r)
 
-    def _end_canvas(self, r: Request, staged: StagedCanvas) -> list[int] | None:
-        """Emit a finished canvas; end the request or return the tokens to commit before its next canvas."""
-        scores = None if r.logprobs is None else r.sampler.logprobs(staged.tokens, r.logprobs)  # type: ignore
+    def _end_canvas(self, r: Request, staged: StagedCanvas, scores: tuple[list, list] | None = None
+                    ) -> list[int] | None:
+        """Emit a finished canvas (`scores`: its log-probabilities if a grammar step took them); end the request or
+        return the tokens to commit before its next canvas."""
+        if scores is None and r.logprobs is not None:
+            scores = r.sampler.logprobs(staged.tokens, r.logprobs)  # type: ignore[union-attr]
         r.sampler = None
         tokens = staged.tokens[0].tolist()
         if r.seen is not None:
@@ -554,16 +556,14 @@ class Engine:
         if r.first_canvas_s is None:
             r.first_canvas_s = time.perf_counter() - r.submitted_at
         self._count("generated_tokens", len(out))
-        logprobs = top = None
-        if scores is not None:
-            chosen, values, ids = (x[0, :len(out)].tolist() for x in scores)
-            logprobs, top = chosen, [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        logprobs, top = (None, None) if scores is None else (scores[0][0][:len(out)], scores[1][0][:len(out)])
         self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0]), time.perf_counter() - r.canvas_started_at,
                                   logprobs, top))
+        eos = cut < len(tokens) and cut < room  # an EOS drawn within the budget (it counts as generated)
         if r.constraint is not None and r.constraint.failed[0] is not None:  # the grammar gave up or ran out of
             self._finish(r, "length", error=r.constraint.failed[0])  # time: an honest incomplete answer
-        elif (cut < len(tokens) and cut < room) or (r.constraint is not None and r.constraint.complete()[0]):
-            self._finish(r, "stop")  # an EOS within the budget, or the grammar's sentence is complete
+        elif eos or (r.constraint is not None and r.constraint.complete()[0]):  # or the grammar's sentence is complete
+            self._finish(r, "stop", eos=eos)
         elif r.emitted >= r.max_new:
             self._finish(r, "length")
         elif not r.cancelled:
@@ -575,14 +575,14 @@ class Engine:
                                 info.accepted[0].tolist(), info.entropy[0].tolist(),
                                 None if info.grammar is None else info.grammar[0].tolist()))
 
-    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, r: Request, reason: str, error: str | None = None, eos: bool = False) -> None:
         if r.done:
             return
         r.done = True
         if r.slot >= 0 and self._active.get(r.slot) is r:
             del self._active[r.slot]
         r.sampler = None
-        completion = r.emitted + (reason == "stop")
+        completion = r.emitted + eos
         key = {"cancelled": "requests_cancelled", "error": "requests_failed"}.get(reason, "requests_finished")
         self._count(key)
         self._emit(r, DoneEvent(reason, len(r.prompt), completion, r.passes, r.first_canvas_s, error, r.queue_s,

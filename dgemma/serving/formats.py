@@ -90,7 +90,8 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise APIError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
-    from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError, calendar_dates
+    from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError
+    from dgemma.schema_rules import calendar_dates
 
     tools = calendar_dates(tools)  # each function's dates as validators read them, as for response_format
     specials = {text: i for i, text in tokenizer.special_tokens().items()}

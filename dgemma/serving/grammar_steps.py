@@ -23,15 +23,18 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def _step(sampler: Any, constraint: Any, logits: Any, rid: int) -> Any:
-    """One sampler step (on a worker); the staged canvas, with the grammar advanced over it, if it finished."""
+def _step(sampler: Any, constraint: Any, logits: Any, rid: int, logprobs: int | None) -> Any:
+    """One sampler step (on a worker). If it finished the canvas: (the staged canvas, its `sampler.logprobs` with
+    `logprobs` alternatives or None), the grammar then advanced over it (the log-probabilities read the masks from
+    the state before it); else None."""
     failed = constraint.failed[0]
     try:
         if not sampler.step(logits):
             return None
         staged = sampler.staged()
+        scores = None if logprobs is None else sampler.logprobs(staged.tokens, logprobs)
         constraint.commit(staged.tokens, marks=staged.grammar)
-        return staged
+        return staged, scores
     finally:
         if failed is None and constraint.failed[0] not in (None, "cancelled"):
             log.warning("request %d: %s; it ends with finish_reason length", rid, constraint.failed[0])
@@ -51,7 +54,7 @@ class GrammarSteps:
     def submit(self, r: Any, logits: Any) -> None:
         """Run request `r`'s sampler step on `logits` on a worker, under the step budget and its cancel flag."""
         r.constraint.step_seconds, r.constraint.cancelled = self.step_seconds, r._cancelled.is_set
-        future = self._pool.submit(_step, r.sampler, r.constraint, logits, r.id)
+        future = self._pool.submit(_step, r.sampler, r.constraint, logits, r.id, r.logprobs)
         self._running[r.id] = (r, future)
         future.add_done_callback(lambda _: self._wake())
 
@@ -63,7 +66,7 @@ class GrammarSteps:
         return any(f.done() for _, f in self._running.values())
 
     def done(self) -> list[tuple[Any, Any, str | None]]:
-        """The steps that ended since the last call, of requests still running: (request, staged canvas or None, what
+        """The steps that ended since the last call, of requests still running: (request, `_step`'s result, what
         went wrong: a GenerationError's message (non-finite logits), else the exception, or None)."""
         out = []
         for key, (r, future) in list(self._running.items()):

@@ -14,6 +14,7 @@ model whose forward moves state (CUDA expert offload's fetch/evict): such a mode
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -55,10 +56,18 @@ class ScoringRun:
         adapters = None if name is None else lambda rows: engine.adapters.rows([name] * rows)
         with _ONE_AT_A_TIME:
             try:
-                return [score_continuation(engine.model, [], p, num_steps=s.num_steps, num_t_samples=s.num_t_samples,
-                                           seed=s.seed, adapters=adapters).tolist() for p in self.req.prompts]
+                terms = [score_continuation(engine.model, [], p, num_steps=s.num_steps, num_t_samples=s.num_t_samples,
+                                            seed=s.seed, adapters=adapters).tolist() for p in self.req.prompts]
             except ValueError as e:  # a prompt longer than the model's positions, ids outside the vocabulary
                 raise APIError(f"prompt: {e}", param="prompt") from None
+        bad = [i for i, t in enumerate(terms) if not all(map(math.isfinite, t))]
+        if bad:  # JSON has no inf or NaN: the one number the response would carry wrong is an error instead
+            whose = "the model's" if name is None else f"adapter {name!r}'s"
+            raise APIError(f"echo: scoring prompt(s) {bad[:8]} gave non-finite NELBO terms: {whose} weights or "
+                           "activations hold NaN or inf", param=None if name is None else "model",
+                           status=500 if name is None else 400,
+                           type="server_error" if name is None else "invalid_request_error")
+        return terms
 
     async def complete(self) -> dict[str, Any]:
         terms = await run_in_threadpool(self._score)

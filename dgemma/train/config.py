@@ -14,7 +14,7 @@ from dgemma import lora
 from dgemma.attention import IMPLS
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
-from dgemma.generation_config import is_seed
+from dgemma.generation_config import SEED_RANGE, is_seed
 from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, TIME
 from dgemma.train.distributed import PARALLEL
 from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
@@ -124,7 +124,7 @@ class TrainConfig:
             check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), name,
                   "must be a positive int or None")
             check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
-        check(is_seed(self.seed), "seed", "must be an int from 0 to 2**64 - 1")
+        check(is_seed(self.seed), "seed", f"must be {SEED_RANGE}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
         check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)
                                                 and not isinstance(self.eval_nelbo_steps, bool)
