@@ -119,7 +119,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--ar-temperatures", ",".join(f"{x:g}" for x in args.ar_temperatures)]
     if args.bootstrap != 1000:
         out += ["--bootstrap", str(args.bootstrap)]
-    if args.impl != "reference":
+    if args.impl != "fast":
         out += ["--impl", args.impl]
     if args.quality_dtype != "float64":
         out += ["--quality-dtype", args.quality_dtype]
