@@ -144,6 +144,7 @@ TINY_ARGS: dict[str, list[str]] = {
     "bash runs/cpu_small_results.sh 4800": ["--smoke"],
     "python runs/recipe_ablations.py": ["--smoke"],
     "python runs/sampler_levels.py": ["--smoke"],
+    "python runs/demo_seeds.py --seeds 0,1,2 --out runs/out/demo-seeds": ["--smoke", "--seeds", "0", "--out", "out"],
     "python runs/frontier_table.py": [],  # the committed report's table: seconds
     "python runs/time_ablations.py --setting demo": ["--smoke"],
     # README: seed 003's GPU recipes, two steps each where a GPU is there
