@@ -241,9 +241,9 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
                    "docs/sampling.md)")
     p.add_argument("--time-level", choices=TIME_LEVELS,
                    help="noise level told to a time-embedding model: canvas (what the canvas holds, default), "
-                        "schedule (seed 003's n/N) or noise (always 1)")
+                        "schedule (n/N, DiffusionGemma's original) or noise (always 1)")
     p.add_argument("--lite-commit", choices=LITE_COMMITS,
-                   help="Lite's commit rule: scheduled (gradual, default) or seed (seed 003's all-at-once)")
+                   help="Lite's commit rule: scheduled (gradual, default) or seed (all at once, as the original Lite)")
     p.add_argument("--corrector-steps", type=int, metavar="K",
                    help="predictor-corrector: corrector passes after each ancestral step (default 1)")
     p.add_argument("--commit-threshold", type=float, metavar="P",
