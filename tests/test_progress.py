@@ -81,3 +81,36 @@ def test_demo_status_says_when_a_run_evaluates_and_saves(tmp_path):
     assert record(step=20, loss=3.0, tokens=200) == "evaluating held-out"
     assert record(step=20, val_loss=3.1) == "saving"
     assert said == ["   AR step 10: held-out CE 4.100 nats/token", "   AR step 20: held-out CE 3.100 nats/token"]
+
+
+def test_generate_shows_canvases_done_on_a_terminal_when_the_text_is_not_live(tmp_path):
+    """`dgemma generate --json` (or with stdout redirected) and stderr a terminal: a progress bar of the canvases; with
+    stderr not a terminal, only the final line."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-m", "dgemma", "generate", "--preset", "tiny", "--random-init", "--prompt-ids", "2,45",
+            "--max-new-tokens", "48", "--max-denoising-steps", "2", "--seed", "0", "--json", "--threads", "1"]
+    env = os.environ | {"PYTHONPATH": str(root)}
+    leader, follower = pty.openpty()
+    done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=follower, timeout=300)
+    os.close(follower)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal's other end is closed and drained
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(leader)
+    assert done.returncode == 0, err
+    assert b"generating [" in err and b"canvases" in err, err
+    plain = subprocess.run(argv, env=env, capture_output=True, timeout=300)
+    assert plain.returncode == 0 and b"generating" not in plain.stderr, plain.stderr
+    assert b"tokens generated for 1 prompt(s)" in plain.stderr
