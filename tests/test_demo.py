@@ -151,7 +151,7 @@ def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_demo_goes_on(tiny_data, tm
     finally:
         p.kill()
     assert p.returncode == 0, stderr
-    assert "interrupt: every run finishes its step and saves" in stdout, stdout
+    assert "interrupt: every run finishes its step, evaluates held-out and saves before exit" in stdout, stdout
     assert "stopped early: the same command finishes the runs (AR to step 20, diffusion to step 5000)" in stdout, \
         stdout
     f = json.loads((out / "demo.json").read_text())
