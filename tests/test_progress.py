@@ -77,7 +77,7 @@ def test_demo_status_says_when_a_run_evaluates_and_saves(tmp_path):
     assert record(step=1, loss=5.0, tokens=10) == "training, ETA measuring"
     assert record(step=2, loss=5.0, tokens=20).startswith("training, ETA ")
     assert record(step=10, loss=4.0, tokens=100) == "evaluating held-out"
-    assert record(step=10, val_loss=4.1) == "training"
+    assert record(step=10, val_loss=4.1).startswith("training, ETA ")
     assert record(step=20, loss=3.0, tokens=200) == "evaluating held-out"
     assert record(step=20, val_loss=3.1) == "saving"
     assert said == ["   AR step 10: held-out CE 4.100 nats/token", "   AR step 20: held-out CE 3.100 nats/token"]

@@ -72,9 +72,12 @@ class _Watched:
         if self.step == self.job.start:  # no step of this invocation yet: loading, and at step 0 an evaluation
             return "evaluating held-out, then training" if self.job.start == 0 and self.evaluated is None \
                 else "loading"
-        if self.evaluates_at(self.step):
-            return "evaluating held-out" if self.evaluated != self.step else \
-                "saving" if self.step >= self.job.cfg.max_steps or self.stopping else "training"
+        if self.stopping and self.evaluated != self.step:
+            return "stopping: the step, a held-out evaluation, a checkpoint"
+        if self.evaluates_at(self.step) and self.evaluated != self.step:
+            return "evaluating held-out"
+        if self.step >= self.job.cfg.max_steps or self.stopping:
+            return "saving"
         return f"training, {self.eta.text()}" if self.eta is not None else "training"
     outcome: list[Any] = field(default_factory=list)  # what the child sent: None (done) or its exception
 
