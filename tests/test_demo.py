@@ -97,8 +97,7 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     tok0 = load_tokenizer(tmp_path / "a" / "diffusion" / "tokenizer.json")
     eos0 = diffusion.generation_config.eos_token_id[0]
     second = torch.tensor([[eos0, *tok0.encode(recipe.prompts[1], add_special_tokens=False)]])
-    again = generate(diffusion, second, max_new_tokens=12, seed=1, t_max=recipe.t_max, t_min=recipe.t_min)
-    assert again.new_tokens()[0] == result.diffusion_samples[1]
+    assert generate(diffusion, second, max_new_tokens=12, seed=1).new_tokens()[0] == result.diffusion_samples[1]
     assert "prompt dependence       " in text and "prompt agreement" not in text
     for prompt, d, a in zip(recipe.prompts, result.diffusion_texts, result.ar_texts, strict=True):
         assert f"   diffusion | {prompt}{d}".replace("\n", " ⏎ ") in text

@@ -67,12 +67,6 @@ class DemoRecipe:
     diffusion: TrainConfig
     prompts: tuple[str, ...]
     ar_temperature: float  # the AR baseline samples at this temperature (the diffusion sampler's schedule: t_max)
-    # The diffusion sampler's temperature schedule, from t_max to t_min over its steps. The checkpoint's default
-    # (0.8 to 0.4) makes this small model's most probable tokens -- line breaks, speaker names -- win in parallel:
-    # across training seeds it wrote 18-24 words per 64 tokens (held-out text: 39); 1.0 to 0.5 wrote 35
-    # (docs/training.md, "The demo across training seeds").
-    t_max: float = 1.0
-    t_min: float = 0.5
     # The default budget: what the two runs train, one after the other, in `reference_minutes` of the reference
     # machine (docs/benchmarks.md: 2 quiet cores). The AR baseline's share (ar_steps / diffusion_steps) is what an
     # AR step's lower cost buys: the two runs took about the same time there.
@@ -147,7 +141,7 @@ DEMO = DemoRecipe(
                           eval_every=10_000,  # at the start and the end only
                           save_every=100, log_every=20),
     prompts=("To be, or not to be,", "KING RICHARD.\n", "O Romeo, Romeo,"),
-    ar_temperature=1.0,
+    ar_temperature=0.8,
 )
 # Each run trains on two threads, whatever the machine: the same arithmetic everywhere, so the same seed gives the
 # same models on any machine with this torch build (more cores would only idle; one core runs them, slower).
@@ -242,7 +236,7 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         say(f"\n[{i + 1}/{len(prompts)}] diffusion: {prompt}")
         prompt_seed = (seed + i) % 2**64  # its own draws: one seed for all gave the prompts one skeleton
         result = _generate_live(diffusion, tok, ids[None], max_new_tokens, prompt_seed, out_stream, live,
-                                trace=i == 0, t_max=recipe.t_max, t_min=recipe.t_min)
+                                trace=i == 0)
         trace = trace or result.trace
         new = result.new_tokens()[0]
         d_samples.append(new)
@@ -266,7 +260,6 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     figures["heldout_text"] = {"real_word_share": real_word_share(heldout, vocabulary),
                                "words_per_64_tokens": words_per_64_tokens(heldout, val_tokens)}
     figures |= {"prompts": list(prompts), "seed": seed, "ar_temperature": recipe.ar_temperature,
-                "diffusion_temperature": [recipe.t_max, recipe.t_min],
                 "budget": {"diffusion_steps": budget[0], "ar_steps": budget[1]},
                 "timing": {"train_seconds": round(train_seconds, 1), "threads_each": threads, **machine_load()}}
     for line in [*figure_lines(figures), "", *continuation_lines(prompts, d_texts, a_texts)]:
@@ -278,17 +271,17 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     say(f"train on:          {again}   (continues both runs)")
     say(f"evaluate both:     dgemma eval --model {diff_run} --baseline {ar_run} --data {data} --out {out / 'report'}")
     say(f"generate again:    dgemma generate --model {diff_run} --prompt {prompts[0]!r} --max-new-tokens "
-        f"{max_new_tokens} --t-max {recipe.t_max:g} --t-min {recipe.t_min:g}")
+        f"{max_new_tokens}")
     return DemoResult(figures, d_texts, a_texts, written, d_samples, a_samples)
 
 
 def _generate_live(model: DiffusionGemma, tok: Tokenizer, ids: torch.Tensor, max_new_tokens: int, seed: int,
-                   out: TextIO, live: bool | None, trace: bool, **schedule: float) -> Any:
+                   out: TextIO, live: bool | None, trace: bool) -> Any:
     streamer = Streamer(tok, model.generation_config.eos_token_id, model.generation_config.pad_token_id, 1,
                         stream=out, live=live)
     out.write(tok.decode(ids[0, 1:].tolist()))
     try:
-        return generate(model, ids, max_new_tokens=max_new_tokens, seed=seed, trace=trace, **schedule,
+        return generate(model, ids, max_new_tokens=max_new_tokens, seed=seed, trace=trace,
                         on_step=streamer.on_step, on_canvas=streamer.on_canvas)
     finally:
         streamer.close()
