@@ -1,4 +1,11 @@
 """dgemma: uniform-state block-diffusion language models (DiffusionGemma) in pure PyTorch."""
+# ruff: noqa: E402 (the imports after bound_spin() load torch)
+
+# Before anything imports torch: OpenMP reads how its idle threads wait once, when torch's runtime loads
+# (dgemma/threads.py; a user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT / KMP_BLOCKTIME wins).
+from dgemma.threads import bound_spin
+
+bound_spin()
 
 from dgemma.checkpoint import CheckpointError, save_pretrained
 from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset

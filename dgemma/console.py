@@ -92,8 +92,59 @@ class Console:
         self.out.write(("\r\x1b[K" if self.tty else "") + text + "\n")
         self.out.flush()
 
+    def phase(self, text: str) -> None:
+        """A phase that starts now and holds the line a while (an evaluation): the status line on a terminal, drawn at
+        once; one line elsewhere."""
+        if self.tty:
+            self.drawn = time.monotonic()
+            self.out.write("\r\x1b[K" + text)
+            self.out.flush()
+        else:
+            self.print(text)
 
-__all__ = ["Console", "Log", "Progress", "si"]
+
+class Eta:
+    """The time left in a phase of `total` units (training steps), from the rate measured in it: the seconds spent in
+    units over the units done, where the first unit seen starts the clock (its time holds one-time costs: loading,
+    warm-up, compilation) and the time between `pause()` and the next `update` (an evaluation, a checkpoint: not
+    units) is left out. On a steady machine it only falls; `clock` is time.monotonic (a test passes its own)."""
+
+    def __init__(self, total: int, clock: Any = time.monotonic):
+        self.total, self.clock = total, clock
+        self.done: int | None = None  # units done at the last update (None: the clock has not started)
+        self.counted, self.spent, self.last, self.paused = 0, 0.0, 0.0, False
+
+    def update(self, done: int) -> None:
+        """`done` units are done now."""
+        now = self.clock()
+        if self.done is not None and not self.paused:
+            self.counted += done - self.done
+            self.spent += now - self.last
+        self.done, self.last, self.paused = done, now, False
+
+    def pause(self) -> None:
+        """What runs until the next `update` is not a unit: that interval (and the units it ends) is left out of the
+        rate."""
+        self.paused = True
+
+    def seconds(self) -> float | None:
+        """The time left, or None until a unit after the first has been timed."""
+        if self.done is None or self.counted <= 0:
+            return None
+        return self.spent / self.counted * max(self.total - self.done, 0)
+
+    def text(self) -> str:
+        left = self.seconds()
+        return "ETA measuring" if left is None else f"ETA {duration(left)}"
+
+
+def duration(seconds: float) -> str:
+    """12m05s, or 3h06m from an hour on."""
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+__all__ = ["Console", "Eta", "Log", "Progress", "duration", "si"]
 
 
 LIVE_INTERVAL_S = 0.1  # redraw the refining canvas at most 10 times a second: terminals are slow, steps are not

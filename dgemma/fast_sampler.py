@@ -48,7 +48,7 @@ def check_supported(config: GenerationConfig) -> None:
     """GenerationError naming the settings of `config` this loop does not implement, and the way out."""
     bad = unsupported(config)
     if bad:
-        raise GenerationError(f"the sync-free sampler loop (loop='sync-free', the default with impl='fast') does not "
+        raise GenerationError(f"the sync-free sampler loop (loop='sync-free') does not "
                               f"implement {', '.join(bad)} (it runs "
                               f"{', '.join(f'{k}={v!r}' for k, v in IMPLEMENTED.items())}); pass loop='readable' to "
                               "run these settings on the fast kernels")

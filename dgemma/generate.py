@@ -389,11 +389,12 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     commits this way (default: the write alone).
     `impl` (default: the model's, `model.impl`): the kernels, "reference" or "fast". `loop`: the sampler loop,
     "readable" (`denoise_canvas`, on either kernels) or "sync-free" (dgemma/fast_sampler.py: the same decisions,
-    other random draws; fast kernels); default "sync-free" with impl="fast", else "readable". Settings the sync-free
-    loop does not implement (the Lite sampler, ...) are a GenerationError naming them, never a silent switch of
-    loop; `compile=True` (sync-free only) compiles its denoise step. With a `constraint` the default loop is the
-    readable one (on either kernels: the grammar draws left to right). The model is never modified: calls on different
-    caches may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
+    other random draws; fast kernels); default "sync-free" with impl="fast" where it implements the settings (the
+    entropy-bound sampler without sampling controls), else "readable". An explicit loop="sync-free" with settings it
+    does not implement (the Lite sampler, ...) is a GenerationError naming them, never a silent switch of loop;
+    `compile=True` (sync-free only) compiles its denoise step. With a `constraint` the default loop is the readable
+    one (on either kernels: the grammar draws left to right). The model is never modified: calls on different caches
+    may run concurrently. Before anything is allocated, the memory pre-flight (`model.check_memory`) refuses a
     cache and sampler buffers larger than the free memory unless `force`; NaN or inf logits raise GenerationError
     naming the canvas and step. `constraint` (dgemma/constraint.py: a JSON schema, regex or grammar): every
     committed canvas keeps each row's output a valid prefix of its language, and the result's
@@ -402,7 +403,10 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     others' committed canvases are projected onto it."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
-    loop = ("sync-free" if impl == "fast" and constraint is None else "readable") if loop is None else loop
+    config = resolve_generation_config(model, generation_config, overrides)
+    if loop is None:  # the sync-free loop where it implements the settings: impl="fast" is fast on every sampler
+        loop = "sync-free" if impl == "fast" and constraint is None and not fast_sampler.unsupported(config) \
+            else "readable"
     if loop not in LOOPS:
         raise GenerationError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
     if loop == "sync-free" and impl != "fast":
@@ -410,7 +414,6 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     if compile and loop != "sync-free":
         raise ValueError("compile=True needs impl='fast' and the sync-free loop (the static denoise step lives in "
                          "dgemma/fast_sampler.py)")
-    config = resolve_generation_config(model, generation_config, overrides)
     if loop == "sync-free":
         if constraint is not None:
             raise GenerationError("a constraint runs on the readable loop: pass loop='readable' (the sync-free loop "

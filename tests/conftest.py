@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports torch: importing dgemma bounds how long OpenMP's idle threads spin (dgemma/threads.py),
+# the same setting as the CLI's, the server's and the demo's; the `python -m dgemma` children inherit it.
+import dgemma  # noqa: F401
+
 # Tests never touch the network: a stray hub call fails at once instead of retrying for ~25 s.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

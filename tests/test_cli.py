@@ -44,15 +44,16 @@ def test_generate_json_is_what_the_library_generates(capsys):
     assert rec["prompt_ids"] == [2, 45, 300] and rec["text"] is None
     ids = rec["token_ids"]
     assert 0 < len(ids) <= 2 * L and all(0 <= i < V for i in ids)
-    assert len(rec["steps_per_canvas"]) == len(rec["stop_reasons"]) == 2
+    canvases = len(rec["steps_per_canvas"])  # 2, or 1 where the random model drew its EOS in the first
+    assert canvases in (1, 2) and len(rec["stop_reasons"]) == canvases
     assert all(1 <= s <= 3 for s in rec["steps_per_canvas"])
     lib = dgemma.generate(random_tiny(), torch.tensor([[2, 45, 300]]), seed=0, max_new_tokens=32,
-                          max_denoising_steps=3, eos_token_id=(1,), pad_token_id=0)
+                          max_denoising_steps=3, eos_token_id=(1,), pad_token_id=0, impl="fast")  # --impl's default
     assert ids == lib.new_tokens()[0]
     assert rec["steps_per_canvas"] == [c[0] for c in lib.steps_per_canvas]
     assert rec["stop_reasons"] == [c[0] for c in lib.stop_reasons]
     assert rec["tokens_per_forward"] == pytest.approx(float(lib.tokens_per_forward[0]))
-    assert f"{len(ids)} tokens generated for 1 prompt(s) in 2 canvas(es)" in err
+    assert f"{len(ids)} tokens generated for 1 prompt(s) in {canvases} canvas(es)" in err
     # Without --json: the same ids, streamed on one line.
     code, out, _ = run(capsys, "generate", *RANDOM, "--prompt-ids", "2,45,300", "--seed", "0", *FAST)
     assert code == 0 and [int(t) for t in out.split()] == ids
@@ -182,13 +183,15 @@ def test_chat_turns_match_generate_and_reuse_the_cache(capsys, tok_path, monkeyp
     """The first turn answers as `dgemma generate --chat` does (same ids, same seed); later turns continue the
     conversation in the cache; /reset starts a fresh one that answers as the first turn did."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n\nWhy?\n/reset\nHello there\n"))
-    code, out, err = run(capsys, "chat", *RANDOM, "--tokenizer", str(tok_path), "--seed", "7", *FAST)
+    # The reference kernels: this random model's answers on them hold no line break (one line per turn).
+    code, out, err = run(capsys, "chat", *RANDOM, "--tokenizer", str(tok_path), "--seed", "7", *FAST, "--impl",
+                         "reference")
     assert code == 0 and "(history cleared)" in err
     answers = out.splitlines()
     assert len(answers) == 3  # one line per answered turn; the blank line is skipped
     for answer, seed in ((answers[0], "7"), (answers[2], "9")):  # turns 0 and 2 (after /reset) start afresh
         code, single, _ = run(capsys, "generate", *RANDOM, "--tokenizer", str(tok_path), "--prompt", "Hello there",
-                              "--chat", "--seed", seed, *FAST)
+                              "--chat", "--seed", seed, *FAST, "--impl", "reference")
         assert code == 0 and single.splitlines() == [answer]
 
 

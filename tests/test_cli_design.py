@@ -173,6 +173,30 @@ def test_chat_runs_on_impl_and_threads(capsys, threads_restored, tok_path, impl)
     assert bool(rec.sdpa_threads) == (impl == "fast") and set(rec.sdpa_threads) <= {1}
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_the_defaults_are_the_fast_kernels_on_the_free_cores(capsys, threads_restored, monkeypatch, tok_path,
+                                                             command):
+    """Without --impl and --threads a command runs the fast kernels on the cores the load average leaves free: on a
+    machine whose load covers every core, one thread (torch's default, every core, collapses beside other work)."""
+    torch.set_num_threads(2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.getloadavg", lambda: (64.0, 64.0, 64.0))  # the machine's state, not dgemma's code
+    extra = ["--tokenizer", str(tok_path)] if command == "chat" else ["--prompt-ids", "2,45,300"]
+    rec = run_recorded(capsys, [command, *RANDOM, *extra, *FAST], stdin="Hello there\n")
+    assert rec.sdpa_threads and set(rec.sdpa_threads) == {1}
+
+
+def test_omp_num_threads_is_left_to_torch(capsys, threads_restored, monkeypatch):
+    """A user's (or torchrun's) OMP_NUM_THREADS wins over the free-core default; --threads over both."""
+    torch.set_num_threads(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr("os.getloadavg", lambda: (64.0, 64.0, 64.0))
+    rec = run_recorded(capsys, ["generate", *RANDOM, "--prompt-ids", "2,45,300", *FAST])
+    assert set(rec.sdpa_threads) == {2}
+    rec = run_recorded(capsys, ["generate", *RANDOM, "--prompt-ids", "2,45,300", *FAST, "--threads", "1"])
+    assert set(rec.sdpa_threads) == {1}
+
+
 def test_a_bad_runtime_flag_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", *RANDOM, "--prompt-ids", "2", "--threads", "0"])

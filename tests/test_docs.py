@@ -144,6 +144,7 @@ TINY_ARGS: dict[str, list[str]] = {
     "bash runs/cpu_small_results.sh 4800": ["--smoke"],
     "python runs/recipe_ablations.py": ["--smoke"],
     "python runs/sampler_levels.py": ["--smoke"],
+    "python runs/demo_seeds.py --seeds 0,1,2 --out runs/out/demo-seeds": ["--smoke", "--seeds", "0", "--out", "out"],
     "python runs/frontier_table.py": [],  # the committed report's table: seconds
     "python runs/time_ablations.py --setting demo": ["--smoke"],
     # README: seed 003's GPU recipes, two steps each where a GPU is there
@@ -154,6 +155,9 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/bench_train.py --preset cpu-small --batch-size 4 --seq-len 128 --steps 12 --threads 2":
         ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--threads", "1"],
     "python runs/bench_ce_memory.py": ["--rows", "64", "--vocab", "1000"],
+    "python runs/bench_threads.py --preset cpu-tiny --train-steps 40 --new-tokens 256 --loads 0,4":
+        ["--preset", "tiny", "--train-steps", "1", "--batch-size", "2", "--seq-len", "32", "--new-tokens", "8",
+         "--loads", "0,1", "--settle", "0"],
     "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
     "python runs/profile_fast_step.py --preset bench-small": ["--preset", "tiny", "--repeats", "1"],
     "python runs/quant_quality.py": ["--smoke"],

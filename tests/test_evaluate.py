@@ -695,8 +695,9 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     # gen-PPL of both sides is the judge's (float64), on the very samples: not the baseline's
     val = TokenDataset(root / "data", "val")
     prompts = pick_prompts(val, 4, 32)
-    judge_model = load_model(judge_run, dtype=torch.float32).to(torch.float64).eval()
-    baseline = load_model(runs["ar"], dtype=torch.float32).eval()
+    # on the kernels `dgemma eval` ran (--impl's default: fast)
+    judge_model = load_model(judge_run, dtype=torch.float32, impl="fast").to(torch.float64).eval()
+    baseline = load_model(runs["ar"], dtype=torch.float32, impl="fast").eval()
     for point in [*report["frontier"], *report["ar_frontier"]]:
         # the judge scores the samples' text tokenized again, as a reader's text would be
         judged = retokenize(val.tokenizer(), point["samples"], (val.eot_id,))

@@ -23,13 +23,23 @@ def test_the_sync_free_loop_refuses_what_it_does_not_implement(model):
     prompt = random_ids(500, 1, 5)
     with pytest.raises(GenerationError, match=r"sync-free sampler loop .* does not implement sampler='lite'.*"
                                               r"pass loop='readable'"):
-        generate(model, prompt, seed=0, impl="fast", sampler="lite", **FAST)
+        generate(model, prompt, seed=0, impl="fast", loop="sync-free", sampler="lite", **FAST)
     with pytest.raises(GenerationError, match=r"does not implement initial_self_conditioning='uniform'"):
         generate(model, prompt, seed=0, impl="fast", loop="sync-free", initial_self_conditioning="uniform", **FAST)
     with pytest.raises(GenerationError, match=r"loop must be one of readable, sync-free, got 'fastest'"):
         generate(model, prompt, seed=0, loop="fastest", **FAST)
     with pytest.raises(GenerationError, match=r"loop='sync-free' runs the fast kernels: pass impl='fast'"):
         generate(model, prompt, seed=0, impl="reference", loop="sync-free", **FAST)
+
+
+def test_the_default_loop_on_fast_kernels_is_the_one_that_implements_the_settings(model):
+    """impl="fast" is the default of every command: without a loop, settings the sync-free loop does not implement
+    (Lite, a sampling control) run on the readable loop (its random stream), never an error."""
+    prompt = random_ids(500, 1, 5)
+    for settings in ({"sampler": "lite"}, {"top_p": 0.5}):
+        fast = generate(model, prompt, seed=3, impl="fast", **settings, **FAST)
+        readable = generate(model, prompt, seed=3, impl="fast", loop="readable", **settings, **FAST)
+        assert torch.equal(fast.sequences, readable.sequences)
 
 
 def test_the_readable_loop_on_fast_kernels_is_asked_for(model):

@@ -126,8 +126,8 @@ def test_neutral_values_change_nothing_and_the_controls_act_through_generate(mod
 
 def test_the_sync_free_loop_names_the_controls_it_does_not_implement(model):
     with pytest.raises(GenerationError, match=r"does not implement top_p=0\.5, presence_penalty=1\.0.*loop='readable'"):
-        dgemma.generate(model, torch.tensor([[5, 6]]), impl="fast", seed=0, max_new_tokens=16, top_p=0.5,
-                        presence_penalty=1.0)
+        dgemma.generate(model, torch.tensor([[5, 6]]), impl="fast", loop="sync-free", seed=0, max_new_tokens=16,
+                        top_p=0.5, presence_penalty=1.0)
     fast = dgemma.generate(model, torch.tensor([[5, 6]]), impl="fast", loop="readable", seed=0, max_new_tokens=16,
                            top_p=0.5)
     assert fast.sequences.shape == (1, 18)

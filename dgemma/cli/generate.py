@@ -28,6 +28,7 @@ from dgemma.cli.common import (
     load,
     overrides,
 )
+from dgemma.console import Progress
 from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.generate import check_trace_path, generate
 from dgemma.generation_config import offset_seed
@@ -129,13 +130,17 @@ def run(args: argparse.Namespace) -> int:
     kw = overrides(args, gcfg)
     input_ids, mask = left_pad(rows, gcfg.pad_token_id or 0, model.device)
     streamer = Streamer(tok, gcfg.eos_token_id, gcfg.pad_token_id, len(rows), quiet=args.json)
+    # Where the text does not show it live (redirected, --json), a terminal on stderr shows the canvases done.
+    canvases = Progress("generating", -(-kw.get("max_new_tokens", gcfg.max_new_tokens) // model.config.canvas_length),
+                        "canvases", enabled=sys.stderr.isatty() and not streamer.live)
     t0 = time.perf_counter()
     try:
         result = generate(model, input_ids, attention_mask=mask, seed=args.seed, on_step=streamer.on_step,
-                          on_canvas=streamer.on_canvas, trace=args.trace is not None, force=args.force,
-                          constraint=constraint, **kw)
+                          on_canvas=lambda i, t: (streamer.on_canvas(i, t), canvases.update(1)),
+                          trace=args.trace is not None, force=args.force, constraint=constraint, **kw)
     finally:
         streamer.close()
+        canvases.close()
     wall = time.perf_counter() - t0
     if args.trace is not None:
         result.trace.save(args.trace)

@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from dgemma.cli.common import (
     UsageError,
@@ -31,6 +28,7 @@ from dgemma.serving.api import (
 )
 from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
+from dgemma.threads import free_cores
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
 
@@ -39,7 +37,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                               description=__doc__)
     add_model_args(p)
-    add_runtime_args(p, impl="fast", threads_help="on CPU all cores but one, which the HTTP loop keeps")
+    add_runtime_args(p, threads_help="on CPU the cores the load average leaves free but one, which the HTTP "
+                     "loop keeps; at least 1")
     add_sampler_args(p, seed_help=None)  # no server-wide seed: each request carries its own `seed`
     p.add_argument("--host", default="127.0.0.1", metavar="HOST",
                    help="address to listen on (default 127.0.0.1: this machine only)")
@@ -119,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     refuse_autoregressive(args, "dgemma serve")
     args.device = device_of(args.device)
-    if args.threads is not None or args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    if args.threads is None and args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
+        args.threads = max(1, free_cores() - 1)
     model, tok = load(args)
     if tok is None:
         tok = _toy_tokenizer(args, model)

@@ -312,8 +312,26 @@ def words(text: str) -> list[str]:
     return [w.lower() for w in WORD.findall(text)]
 
 
+def marks(text: str) -> int:
+    """What a text holds besides words: its line breaks and its runs of other non-space characters (punctuation,
+    digits, symbols), each counted once."""
+    rest = WORD.sub(" ", text)
+    return rest.count("\n") + len(NONSPACE.findall(rest))
+
+
+NONSPACE = re.compile(r"\S+")
+
+
 def real_word_share(texts: Sequence[str], vocabulary: set[str]) -> float:
-    """Share of the words of `texts` that occur in `vocabulary` (the training corpus's `words`): about 1 for
-    fluent text, low for word salad made of sub-word pieces. NaN without a word."""
+    """Share of what `texts` hold -- words, punctuation marks and line breaks (`words`, `marks`) -- that is a word of
+    `vocabulary` (the training corpus's `words`): about 0.8 for fluent verse, low for word salad made of sub-word
+    pieces and for text of newlines and punctuation (the words alone would flatter both). NaN for empty text."""
     found = [w for text in texts for w in words(text)]
-    return sum(w in vocabulary for w in found) / len(found) if found else math.nan
+    total = len(found) + sum(marks(text) for text in texts)
+    return sum(w in vocabulary for w in found) / total if total else math.nan
+
+
+def words_per_64_tokens(texts: Sequence[str], tokens: int) -> float:
+    """Words of `texts` per 64 of the `tokens` they were decoded from: how much of an output is words (held-out text
+    gives the reference); NaN for no token."""
+    return 64 * sum(len(words(t)) for t in texts) / tokens if tokens else math.nan

@@ -38,10 +38,10 @@ from dgemma.checkpoint import CheckpointError, latest_checkpoint, resolve_model_
 from dgemma.config import PRESETS
 from dgemma.console import Streamer
 from dgemma.data import prepare
-from dgemma.data.shards import decode_documents, unigram_cross_entropy
+from dgemma.data.shards import TokenDataset, decode_documents, unigram_cross_entropy
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
 from dgemma.eval.curves import read_metrics, tighter_bound
-from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words
+from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words, words_per_64_tokens
 from dgemma.eval.demo_training import TrainingJob, train_side_by_side
 from dgemma.eval.judging import prompt_dependence, retokenize
 from dgemma.fsio import write_text
@@ -221,7 +221,8 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         say(f"   stopped early: the same command finishes the runs (AR to step {ar_cfg.max_steps}, diffusion to "
             f"step {diff_end}), then shows them")
 
-    say("\n== 3/4 continuations (same seed for every prompt): diffusion, canvases denoising live, then AR")
+    say(f"\n== 3/4 continuations (prompt i samples with seed {seed} + i - 1): diffusion, canvases denoising live, "
+        "then AR")
     diffusion = load_model(resolve_model_dir(diff_run)).eval()
     ar = load_model(resolve_model_dir(ar_run)).eval()
     tok = load_tokenizer(diff_run / "tokenizer.json")
@@ -233,13 +234,15 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         ids = torch.tensor([eos[0], *tok.encode(prompt, add_special_tokens=False)])
         ids_of.append(ids)
         say(f"\n[{i + 1}/{len(prompts)}] diffusion: {prompt}")
-        result = _generate_live(diffusion, tok, ids[None], max_new_tokens, seed, out_stream, live, trace=i == 0)
+        prompt_seed = (seed + i) % 2**64  # its own draws: one seed for all gave the prompts one skeleton
+        result = _generate_live(diffusion, tok, ids[None], max_new_tokens, prompt_seed, out_stream, live,
+                                trace=i == 0)
         trace = trace or result.trace
         new = result.new_tokens()[0]
         d_samples.append(new)
         d_texts.append(tok.decode(new, skip_special_tokens=True))
         per_forward.append(float(result.tokens_per_forward[0]))
-        run = run_ar(ar, [ids], max_new_tokens=max_new_tokens, eos=eos, seed=seed,
+        run = run_ar(ar, [ids], max_new_tokens=max_new_tokens, eos=eos, seed=prompt_seed,
                      temperature=recipe.ar_temperature, progress=False)
         a_samples.append(run.samples[0])
         a_texts.append(tok.decode(run.samples[0], skip_special_tokens=True))
@@ -250,8 +253,12 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     scorer = copy.deepcopy(ar).to(torch.float64)  # the judge's precision, as `dgemma eval` scores
     dependence = {side: prompt_dependence(scorer, ids_of, retokenize(tok, samples, eos))
                   for side, samples in (("diffusion", d_samples), ("ar", a_samples))}
-    figures = _figures(diff_run, ar_run, data, vocabulary, d_texts, a_texts, dependence, per_forward,
-                       diffusion, recipe.diffusion.nelbo_steps)
+    heldout = decode_documents(data, "val")
+    figures = _figures(diff_run, ar_run, data, vocabulary, (d_texts, d_samples), (a_texts, a_samples), dependence,
+                       per_forward, diffusion, recipe.diffusion.nelbo_steps)
+    val_tokens = TokenDataset(data, "val").num_tokens
+    figures["heldout_text"] = {"real_word_share": real_word_share(heldout, vocabulary),
+                               "words_per_64_tokens": words_per_64_tokens(heldout, val_tokens)}
     figures |= {"prompts": list(prompts), "seed": seed, "ar_temperature": recipe.ar_temperature,
                 "budget": {"diffusion_steps": budget[0], "ar_steps": budget[1]},
                 "timing": {"train_seconds": round(train_seconds, 1), "threads_each": threads, **machine_load()}}
@@ -263,7 +270,8 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         (f" --minutes {minutes:g}" if minutes is not None else "")
     say(f"train on:          {again}   (continues both runs)")
     say(f"evaluate both:     dgemma eval --model {diff_run} --baseline {ar_run} --data {data} --out {out / 'report'}")
-    say(f"generate again:    dgemma generate --model {diff_run} --prompt {prompts[0]!r}")
+    say(f"generate again:    dgemma generate --model {diff_run} --prompt {prompts[0]!r} --max-new-tokens "
+        f"{max_new_tokens}")
     return DemoResult(figures, d_texts, a_texts, written, d_samples, a_samples)
 
 
@@ -283,22 +291,26 @@ def _shown(text: str) -> str:
     return text.replace("\n", " ⏎ ")
 
 
-def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], d_texts: list[str], a_texts: list[str],
-             dependence: dict[str, dict[str, Any]], per_forward: list[float], model: DiffusionGemma,
-             nelbo_steps: int) -> dict[str, Any]:
+def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], diffusion_out: tuple[list[str], list],
+             ar_out: tuple[list[str], list], dependence: dict[str, dict[str, Any]], per_forward: list[float],
+             model: DiffusionGemma, nelbo_steps: int) -> dict[str, Any]:
     (d_state, d_eval), (a_state, a_eval) = last_records(diff_run), last_records(ar_run)
     dep = lambda side: {k: dependence[side][k] for k in ("prompt_dependence", "prompt_dependence_se")}
     key, name = tighter_bound(d_eval) or ("val_nelbo", "NELBO")
+    (d_texts, d_ids), (a_texts, a_ids) = diffusion_out, ar_out
+    per_64 = lambda texts, ids: words_per_64_tokens(texts, sum(len(x) for x in ids))
     return {
         "diffusion": {"steps": d_state["step"], "tokens": d_state["tokens"],
                       "heldout_nelbo": d_eval.get(key), "heldout_nelbo_se": d_eval.get(f"{key}_se"),
                       "bound": name if key != "val_nelbo" else f"NELBO at T={nelbo_steps}",
                       "real_word_share": real_word_share(d_texts, vocabulary), **dep("diffusion"),
+                      "words_per_64_tokens": per_64(d_texts, d_ids),
                       "tokens_per_forward": sum(per_forward) / len(per_forward),
                       "canvas_length": model.config.canvas_length},
         "ar": {"steps": a_state["step"], "tokens": a_state["tokens"],
                "heldout_ce": a_eval.get("val_loss"), "heldout_ce_se": a_eval.get("val_loss_se"),
-               "real_word_share": real_word_share(a_texts, vocabulary), **dep("ar"), "tokens_per_forward": 1.0},
+               "real_word_share": real_word_share(a_texts, vocabulary), **dep("ar"), "tokens_per_forward": 1.0,
+               "words_per_64_tokens": per_64(a_texts, a_ids)},
         "unigram_ce": unigram_cross_entropy(data),
         "prompt_dependence": {"scorer": DEPENDENCE_SCORER, "diffusion_nll": dependence["diffusion"]["nll"],
                               "ar_nll": dependence["ar"]["nll"]},
@@ -309,6 +321,10 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
 
 
+def _num(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.0f}"
+
+
 def _pm(x: float | None, se: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "n/a"
@@ -316,7 +332,7 @@ def _pm(x: float | None, se: float | None) -> str:
 
 
 def figure_lines(f: dict[str, Any]) -> list[str]:
-    d, a = f["diffusion"], f["ar"]
+    d, a, h = f["diffusion"], f["ar"], f["heldout_text"]
     return [
         f"                        {'diffusion':>16}  {'AR baseline':>16}",
         f"trained                 {d['steps']:>10} steps  {a['steps']:>10} steps   ({d['tokens']:,} / "
@@ -326,7 +342,10 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
         f"bound; a unigram model: {f['unigram_ce']:.2f})",
         f"tokens per forward      {d['tokens_per_forward']:>16.2f}  {1.0:>16.2f}   (canvas {d['canvas_length']})",
         f"real words              {_pct(d['real_word_share']):>16}  {_pct(a['real_word_share']):>16}   "
-        "(share of generated words found in the training corpus)",
+        "(share of the words, punctuation marks and line breaks written that are words of the training corpus; "
+        f"held-out text: {_pct(h['real_word_share'])})",
+        f"words per 64 tokens     {_num(d['words_per_64_tokens']):>16}  {_num(a['words_per_64_tokens']):>16}   "
+        f"(held-out text: {_num(h['words_per_64_tokens'])})",
         f"prompt dependence       {_pm(d['prompt_dependence'], d['prompt_dependence_se']):>16}  "
         f"{_pm(a['prompt_dependence'], a['prompt_dependence_se']):>16}   (nats/token: how much less likely "
         "the AR baseline finds a continuation after another prompt than after its own; 0 = prompt ignored)",

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma.console import Console
+from dgemma.console import Console, Eta, duration
 from dgemma.eval.curves import bound_of
 from dgemma.train.config import TrainConfig
 from dgemma.train.loop import train
@@ -57,7 +57,28 @@ class _Watched:
     conn: Any
     offset: int = 0  # bytes of metrics.jsonl read so far
     step: int = 0  # the last step recorded (job.start until this invocation records one)
-    first: tuple[int, float] | None = None  # (step, time) of the first step seen in this invocation
+    eta: Eta | None = None  # the run's ETA from the step rate measured in this invocation (Eta(job.cfg.max_steps))
+    evaluated: int | None = None  # the step of the last held-out evaluation read
+    stopping: bool = False  # a Ctrl-C was passed on: the next step is its last, evaluated and saved
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether `train` evaluates after `step`: at its eval_every, the end of its schedule, or a stop."""
+        return step % self.job.cfg.eval_every == 0 or step >= self.job.cfg.max_steps or self.stopping
+
+    def phase(self) -> str:
+        """What the child is doing, from what it recorded and the schedule it follows (dgemma.train.loop.train)."""
+        if self.outcome or not self.process.is_alive():
+            return "done"
+        if self.step == self.job.start:  # no step of this invocation yet: loading, and at step 0 an evaluation
+            return "evaluating held-out, then training" if self.job.start == 0 and self.evaluated is None \
+                else "loading"
+        if self.stopping and self.evaluated != self.step:
+            return "stopping: the step, a held-out evaluation, a checkpoint"
+        if self.evaluates_at(self.step) and self.evaluated != self.step:
+            return "evaluating held-out"
+        if self.step >= self.job.cfg.max_steps or self.stopping:
+            return "saving"
+        return f"training, {self.eta.text()}" if self.eta is not None else "training"
     outcome: list[Any] = field(default_factory=list)  # what the child sent: None (done) or its exception
 
 
@@ -108,39 +129,28 @@ def _read(w: _Watched, say: Any) -> None:
             continue
         if "loss" in rec and "tokens" in rec:
             w.step = rec["step"]
-            w.first = w.first or (rec["step"] - 1, time.monotonic())
+            w.eta = w.eta or Eta(w.job.cfg.max_steps)
+            w.eta.update(w.step)
+            if w.evaluates_at(w.step):  # an evaluation follows: its time stays out of the ETA's rate
+                w.eta.pause()
         elif "val_loss" in rec:
+            w.evaluated = rec["step"]
             key, name = bound_of(rec) or ("val_loss", "CE")
             say(f"   {w.job.label} step {rec['step']}: held-out {name} {rec[key]:.3f} nats/token")
 
 
-def _eta(w: _Watched) -> float | None:
-    if w.first is None or w.step <= w.first[0]:
-        return None
-    return (time.monotonic() - w.first[1]) / (w.step - w.first[0]) * max(w.job.cfg.max_steps - w.step, 0)
-
-
 def _status(watched: list[_Watched]) -> str:
-    parts = []
-    for w in watched:
-        eta = _eta(w)
-        state = "done" if w.outcome or not w.process.is_alive() else "starting" if eta is None else \
-            f"ETA {_duration(eta)}"
-        parts.append(f"{w.job.label} step {w.step}/{w.job.cfg.max_steps} ({state})")
-    etas = [_eta(w) for w in watched if w.process.is_alive() and not w.outcome]
+    parts = [f"{w.job.label} step {w.step}/{w.job.cfg.max_steps} ({w.phase()})" for w in watched]
+    etas = [w.eta.seconds() if w.eta else None for w in watched if w.process.is_alive() and not w.outcome]
     known = [e for e in etas if e is not None]
-    return " | ".join(parts) + (f" | all done in ~{_duration(max(known))}"
+    return " | ".join(parts) + (f" | all done in ~{duration(max(known))}"
                                 if len(watched) > 1 and known and len(known) == len(etas) else "")
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _interrupt(watched: list[_Watched]) -> None:
     """Pass a Ctrl-C on to every child still running (each finishes its step and saves; a second stops it)."""
     for w in watched:
+        w.stopping = True
         if w.process.is_alive() and w.process.pid is not None:
             with contextlib.suppress(ProcessLookupError):  # it ended in between
                 os.kill(w.process.pid, signal.SIGINT)
@@ -173,7 +183,8 @@ def train_side_by_side(jobs: list[TrainingJob], data: Path, *, threads: int, str
             while interrupted < len(signals):
                 interrupted += 1
                 if interrupted == 1:
-                    say("interrupt: every run finishes its step and saves (Ctrl-C again to stop at once)")
+                    say("interrupt: every run finishes its step, evaluates held-out and saves before exit (Ctrl-C "
+                        "again to stop at once, without them)")
                 _interrupt(watched)
             for w in watched:
                 _read(w, say)

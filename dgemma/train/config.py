@@ -75,8 +75,8 @@ class TrainConfig:
     seed: int = _opt("seed of the initial weights, the data order and every noise draw", default=0)
     num_steps: int = _opt("diffusion steps T of the noise schedule (discrete time), and of the discrete bound "
                           "logged beside the continuous one", default=16)
-    diffusion_time: str = _opt("noise levels: discrete (t/T, t in 1..T, seed 003) or continuous (anywhere in (0, 1], "
-                               "the T -> infinity chain, with a continuous-time bound)", default="discrete",
+    diffusion_time: str = _opt("noise levels: discrete (t/T, t in 1..T, as DiffusionGemma) or continuous (anywhere in "
+                               "(0, 1], the T -> infinity chain, with a continuous-time bound)", default="discrete",
                                choices=TIME)
     t_sampling: str = _opt("noise levels of a micro-batch's canvases: independent draws, or a stratified "
                            "(low-discrepancy) set", default="uniform", choices=T_SAMPLING)

@@ -54,7 +54,7 @@ import torch
 from dgemma import fsio, lock, lora
 from dgemma.checkpoint import resolve_model_dir
 from dgemma.config import ConfigError, ModelConfig
-from dgemma.console import Console
+from dgemma.console import Console, Eta, duration
 from dgemma.data.sft import ChatData
 from dgemma.data.shards import TokenDataset, check_token_range, sha256_file, verify
 from dgemma.data.templates import load_chat_template
@@ -401,6 +401,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     recipe = {} if cfg.objective in ("ar", "sft") else {"t_sampling": cfg.t_sampling,
                                                         "loss_weighting": cfg.loss_weighting,
                                                         "time": cfg.diffusion_time}
+    eta = Eta(end)  # the ETA of the steps to `end`, from this invocation's measured step rate
     with metrics.open("a") if d.is_main else contextlib.nullcontext() as log:
         def record(**rec: Any) -> None:
             if log is not None:  # rank 0 writes the one metrics file
@@ -408,6 +409,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 log.flush()
 
         def run_eval() -> float:
+            console.phase(f"evaluating | held-out loss at step {step} ({cfg.eval_batches} batches)")
             model.eval()
             values = heldout_metrics(net, val_set, cfg, device, use_bf16, d)
             model.train()
@@ -418,6 +420,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 nelbo += (f" | held-out NELBO {values['val_nelbo_continuous']:.3f} ± "
                           f"{values['val_nelbo_continuous_se']:.3f} (continuous time)")
             console.print(f"step {step} | held-out loss {values['val_loss']:.4f}{nelbo}")
+            eta.pause()  # an evaluation is not a training step: its time stays out of the ETA's rate
             return values["val_loss"]
 
         try:
@@ -464,10 +467,12 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                 record(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=state["tokens"],
                        tokens_per_s=round(rate, 1), elapsed_s=round(elapsed_before + now - t_start, 3),
                        cpu_s=round(cpu_before + time.process_time() - cpu_start, 3))
-                eta = (now - t_start) / (step - start_step) * (end - step)
-                eta = eta if deadline is None else min(eta, max(0.0, deadline - now))
-                console.status(step, f"step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                                     f"{rate:,.0f} tok/s | ETA {_duration(eta)}")
+                eta.update(step)
+                left = eta.seconds()
+                left = left if deadline is None or left is None else min(left, max(0.0, deadline - now))
+                console.status(step, f"training | step {step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                                     f"{rate:,.0f} tok/s | " + ("ETA measuring" if left is None else
+                                                                f"ETA {duration(left)}"))
                 if stop_interrupt:
                     stopped = "interrupt"
                 elif stop_time:
@@ -508,7 +513,8 @@ def _on_sigint(handler: Any) -> Any:
 
     def once(signum: int, frame: Any) -> None:
         handler()
-        print("\ninterrupt: finishing this step and saving (Ctrl-C again to stop at once)", file=sys.stderr)
+        print("\ninterrupt: finishing this step, then a held-out evaluation and a checkpoint before exit (Ctrl-C again "
+              "to stop at once, without them)", file=sys.stderr)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     return signal.signal(signal.SIGINT, once)
@@ -517,8 +523,3 @@ def _on_sigint(handler: Any) -> Any:
 def _restore_sigint(previous: Any) -> None:
     if previous is not None:
         signal.signal(signal.SIGINT, previous)
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -1,0 +1,63 @@
+"""How many CPU threads a run uses, and how they wait: the one choice for the CLI, the server, the demo and the tests.
+
+Two mechanisms, because a busy machine breaks torch's defaults in two ways:
+
+- **How idle threads wait.** torch's CPU wheels use GNU OpenMP (libgomp), whose threads spin for ~300,000 rounds
+  waiting for each other before they sleep. Beside other work a spinning thread holds a core that the thread it waits
+  for needs: on a 2-core machine with two busy processes a matmul loop took 18-30 s on two threads against 2 s on one.
+  `bound_spin()` caps the spin (GOMP_SPINCOUNT=BOUNDED_SPIN): long enough to catch the next op of a busy step (the
+  quiet speed), short enough to yield the core soon on a loaded machine. OpenMP reads it once, when torch's runtime
+  loads, so `dgemma/__init__.py` calls it before anything imports torch (and child processes inherit it). A user's own
+  OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME wins: then nothing is set.
+- **How many threads.** `free_cores()`: the cores this process may run on less the ones the load average says are
+  busy (at least one). `dgemma` commands start that many torch threads unless `--threads N` says otherwise; the server
+  keeps one of them for its HTTP loop. The demo trains on a fixed count instead (the same arithmetic everywhere, so the
+  same seed gives the same models), and relies on the bounded spin alone.
+
+This module imports no torch (it must run before torch loads)."""
+
+from __future__ import annotations
+
+import os
+
+# libgomp's rounds of spinning before an idle thread sleeps; its default is 300,000 (OMP_WAIT_POLICY=PASSIVE: 0,
+# which made the quiet demo 1.7x slower; ACTIVE: 30 billion). runs/bench_threads.py measures the choice.
+BOUNDED_SPIN = 10_000
+USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def bound_spin(environ: dict[str, str] | None = None) -> bool:
+    """Set GOMP_SPINCOUNT=BOUNDED_SPIN in `environ` (os.environ) unless the user set any of USER_SETTINGS; whether it
+    was set. Effective only before torch is first imported in this process (and in every child started after)."""
+    env = os.environ if environ is None else environ
+    if any(name in env for name in USER_SETTINGS):
+        return False
+    env["GOMP_SPINCOUNT"] = str(BOUNDED_SPIN)
+    return True
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's share), else cpu_count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float:
+    """The 1-minute load average (runnable processes), 0.0 where the system does not say."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def free_cores(cores: int | None = None, load: float | None = None) -> int:
+    """The cores not busy with other work: `cores` (usable_cores()) less the whole processes of the load average
+    (load_average()), at least 1. A quiet machine (load below 1) gets every core, as torch's default does."""
+    cores = usable_cores() if cores is None else cores
+    load = load_average() if load is None else load
+    return max(1, min(cores, cores - int(max(load, 0.0))))
+
+
+__all__ = ["BOUNDED_SPIN", "USER_SETTINGS", "bound_spin", "free_cores", "load_average", "usable_cores"]
