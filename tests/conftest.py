@@ -40,6 +40,17 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _back_to_one_thread():
+    """A dgemma command run in-process (`cli.main`) sets the process's thread count (dgemma/threads.py); the next test
+    starts from one thread again, so a module's fixtures and a test's runs compare under the same setting (a resume
+    on one thread against an uninterrupted run on two is not bit-identical)."""
+    yield
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", default=False,
                      help="run every tier: the integration tests too, and the tests marked slow (long trainings, the "
