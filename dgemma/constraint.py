@@ -530,14 +530,16 @@ class ConstraintState:
         return out.to(z.device)
 
     def commit(self, tokens: Tensor, rows: Sequence[int] | None = None, marks: Tensor | None = None) -> None:
-        """Advance each row's parser over its committed canvas (B, L), up to the grammar's end; `marks` (B, L), what
-        the grammar did there (`draw`), are counted."""
+        """Advance each row's parser over its committed canvas (B, L), up to the grammar's end or the row's budget
+        (`left`: the tokens past it are never output, so a sentence they would finish is not complete); `marks`
+        (B, L), what the grammar did there (`draw`), are counted."""
         started = time.perf_counter()
         self._deadline = math.inf
         for b in range(tokens.shape[0]) if rows is None else rows:
-            m = self.matchers[b]
+            m, left = self.matchers[b], self.left[b]
             for i, t in enumerate(tokens[b].tolist()):
-                if self._ended(b, m) or (not m.consume_token(int(t)) and self._ended(b, m)):
+                if (left is not None and i >= left) or self._ended(b, m) or \
+                        (not m.consume_token(int(t)) and self._ended(b, m)):
                     break
                 if marks is not None:
                     self.pinned += int(marks[b, i]) == PINNED

@@ -84,6 +84,8 @@ class Server:
             cmd += ["--tokenizer", args.tokenizer]
         if args.impl:
             cmd += ["--impl", args.impl]
+        if getattr(args, "max_context", None):
+            cmd += ["--max-context", str(args.max_context)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)

@@ -95,8 +95,9 @@ def served(args: argparse.Namespace, schemas: list[dict], tools: list[list[dict]
                                           .read_bytes())
     (chat / "chat_template.jinja").write_text((ROOT / "examples" / "gemma4_tools.jinja").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<bos>"}}))
+    # --smoke's test tokenizer spells the tool template's prompt in ~1,900 tokens: the tiny model's whole context
     server = Server(argparse.Namespace(max_batch=8, model=args.model, preset="tiny", impl=None, threads=args.threads,
-                                       tokenizer=str(chat / "tokenizer.json")))
+                                       tokenizer=str(chat / "tokenizer.json"), max_context=args.max_context))
     try:
         client = OpenAI(base_url=server.wait_ready() + "/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16, help="max_denoising_steps")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-context", type=int, default=None, help="the server's --max-context (default: its own)")
     ap.add_argument("--out", type=Path, default=Path("runs/out/structured-output"))
     ap.add_argument("--smoke", action="store_true", help="3 schemas, 2 tool sets, a tiny random model: seconds")
     args = ap.parse_args(argv)
@@ -231,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         save_pretrained(model, model_dir, generation_config=model.generation_config.replace(eos_token_id=(1,)))
         build_test_tokenizer(512, model_dir / "tokenizer.json")
         args.model = str(model_dir)
-        args.schemas, args.tool_sets, args.cost_schemas, args.max_tokens, args.steps = 3, 2, 2, 96, 4
+        args.schemas, args.tool_sets, args.cost_schemas, args.max_tokens, args.steps = 3, 2, 2, 256, 4
+        args.max_context = 4096
     if args.model is None:
         ap.error("give --model (a run or checkpoint with its tokenizer.json) or --smoke")
     schemas, tools = held_out_schemas(args.schemas), tool_sets(args.tool_sets)

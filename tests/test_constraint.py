@@ -103,6 +103,18 @@ def test_a_budget_too_small_says_so_and_keeps_a_valid_prefix(model, tok):
     assert all(_is_prefix(c, ids) and _text(tok, ids).startswith('{"text": "') for ids in out.new_tokens())
 
 
+def test_a_sentence_finished_past_the_budget_is_not_complete(model, tok):
+    """max_new_tokens 1 with a JSON object: the canvas writes '{' then its closer's '}' past the budget, which is
+    never output; the grammar advanced over the whole canvas and called '{' complete (the server answered "stop")."""
+    c = Constraint.json_object(tok, eos_token_id=EOS)
+    for budget in (1, 2):
+        out = generate(model, _prompt(), seed=0, max_new_tokens=budget, max_denoising_steps=4, constraint=c,
+                       eos_token_id=EOS)
+        texts = [_text(tok, ids[:budget]) for ids in out.new_tokens()]
+        assert out.constraint_complete == [t == "{}" for t in texts], texts
+        assert budget == 2 or out.constraint_complete == [False, False]
+
+
 def test_the_masked_draw_is_the_masked_distribution(tok):
     """One position, a grammar allowing three tokens: the draw's frequencies follow softmax restricted to them."""
     words = ["a", "b", "c"]

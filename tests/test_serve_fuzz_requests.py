@@ -152,7 +152,8 @@ def problems_of(response: httpx.Response, path: str, body: dict, schema) -> list
     for choice in answer["choices"]:
         message = choice.get("message") or {}
         content = message.get("content") if path.endswith("chat/completions") else None
-        fmt = body.get("response_format", {}).get("type")
+        # a client's stop string cuts a grammar's answer where it occurs, "stop" as OpenAI's: no longer whole JSON
+        fmt = None if body.get("stop") else body.get("response_format", {}).get("type")
         if choice["finish_reason"] == "stop" and fmt == "json_schema" and content is not None:
             try:
                 jsonschema.validate(json.loads(content), schema)
@@ -213,14 +214,15 @@ def adapter_case(rng: random.Random, good: Path, root: Path, i: int) -> tuple[st
 
     path = root / f"case-{i}"
     shutil.copytree(good, path)
-    done = []
+    done, config, raw = [], json.loads((path / "adapter_config.json").read_text()), {}
     for _ in range(rng.choice([1, 1, 2])):
-        if rng.random() < 0.5:
+        if rng.random() < 0.5:  # the raw JSON text of a value (it may not parse: it is written, never read back)
             key, value = rng.choice(CONFIG_EDITS)
-            text = (path / "adapter_config.json").read_text()
-            config = json.loads(text)
-            config[key] = "@@VALUE@@"
-            (path / "adapter_config.json").write_text(json.dumps(config).replace('"@@VALUE@@"', value))
+            config[key], raw[f'"@@{key}@@"'] = f"@@{key}@@", value
+            text = json.dumps(config)
+            for marker, v in raw.items():
+                text = text.replace(marker, v)
+            (path / "adapter_config.json").write_text(text)
             done.append(f"{key}={value[:20]}")
             continue
         edit, weights = rng.choice(TENSOR_EDITS), path / "adapter_model.safetensors"
