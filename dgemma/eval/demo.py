@@ -67,6 +67,11 @@ class DemoRecipe:
     diffusion: TrainConfig
     prompts: tuple[str, ...]
     ar_temperature: float  # the AR baseline samples at this temperature (the diffusion sampler's schedule: t_max)
+    # How the diffusion model continues the prompts (`generate`'s overrides of the checkpoint's sampler), chosen
+    # across training seeds (docs/training.md, "Choosing the demo's sampler"): the checkpoint's entropy-bound sampler
+    # wrote mostly line breaks and stage directions on some seeds (15 words per 64 tokens), ancestral sampling in one
+    # step per token wrote 30-35 on every seed, with the prompt mattering as much.
+    sampling: tuple[tuple[str, Any], ...] = (("sampler", "ancestral"), ("max_denoising_steps", 16))
     # The default budget: what the two runs train, one after the other, in `reference_minutes` of the reference
     # machine (docs/benchmarks.md: 2 quiet cores). The AR baseline's share (ar_steps / diffusion_steps) is what an
     # AR step's lower cost buys: the two runs took about the same time there.
@@ -236,7 +241,7 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         say(f"\n[{i + 1}/{len(prompts)}] diffusion: {prompt}")
         prompt_seed = (seed + i) % 2**64  # its own draws: one seed for all gave the prompts one skeleton
         result = _generate_live(diffusion, tok, ids[None], max_new_tokens, prompt_seed, out_stream, live,
-                                trace=i == 0)
+                                trace=i == 0, sampling=dict(recipe.sampling))
         trace = trace or result.trace
         new = result.new_tokens()[0]
         d_samples.append(new)
@@ -259,7 +264,8 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     val_tokens = TokenDataset(data, "val").num_tokens
     figures["heldout_text"] = {"real_word_share": real_word_share(heldout, vocabulary),
                                "words_per_64_tokens": words_per_64_tokens(heldout, val_tokens)}
-    figures |= {"prompts": list(prompts), "seed": seed, "ar_temperature": recipe.ar_temperature,
+    figures |= {"prompts": list(prompts), "seed": seed, "sampling": dict(recipe.sampling),
+                "ar_temperature": recipe.ar_temperature,
                 "budget": {"diffusion_steps": budget[0], "ar_steps": budget[1]},
                 "timing": {"train_seconds": round(train_seconds, 1), "threads_each": threads, **machine_load()}}
     for line in [*figure_lines(figures), "", *continuation_lines(prompts, d_texts, a_texts)]:
@@ -270,19 +276,20 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         (f" --minutes {minutes:g}" if minutes is not None else "")
     say(f"train on:          {again}   (continues both runs)")
     say(f"evaluate both:     dgemma eval --model {diff_run} --baseline {ar_run} --data {data} --out {out / 'report'}")
+    flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in recipe.sampling)
     say(f"generate again:    dgemma generate --model {diff_run} --prompt {prompts[0]!r} --max-new-tokens "
-        f"{max_new_tokens}")
+        f"{max_new_tokens}{flags}")
     return DemoResult(figures, d_texts, a_texts, written, d_samples, a_samples)
 
 
 def _generate_live(model: DiffusionGemma, tok: Tokenizer, ids: torch.Tensor, max_new_tokens: int, seed: int,
-                   out: TextIO, live: bool | None, trace: bool) -> Any:
+                   out: TextIO, live: bool | None, trace: bool, sampling: dict[str, Any]) -> Any:
     streamer = Streamer(tok, model.generation_config.eos_token_id, model.generation_config.pad_token_id, 1,
                         stream=out, live=live)
     out.write(tok.decode(ids[0, 1:].tolist()))
     try:
         return generate(model, ids, max_new_tokens=max_new_tokens, seed=seed, trace=trace,
-                        on_step=streamer.on_step, on_canvas=streamer.on_canvas)
+                        on_step=streamer.on_step, on_canvas=streamer.on_canvas, **sampling)
     finally:
         streamer.close()
 
@@ -340,7 +347,8 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
         f"held-out nats/token     {_pm(d['heldout_nelbo'], d['heldout_nelbo_se']):>16}  "
         f"{_pm(a['heldout_ce'], a['heldout_ce_se']):>16}   (diffusion: {d['bound']}, an upper "
         f"bound; a unigram model: {f['unigram_ce']:.2f})",
-        f"tokens per forward      {d['tokens_per_forward']:>16.2f}  {1.0:>16.2f}   (canvas {d['canvas_length']})",
+        f"tokens per forward      {d['tokens_per_forward']:>16.2f}  {1.0:>16.2f}   (canvas {d['canvas_length']}; "
+        + ", ".join(f"{k} {v}" for k, v in f.get("sampling", {}).items()) + ")",
         f"real words              {_pct(d['real_word_share']):>16}  {_pct(a['real_word_share']):>16}   "
         "(share of the words, punctuation marks and line breaks written that are words of the training corpus; "
         f"held-out text: {_pct(h['real_word_share'])})",
