@@ -9,10 +9,13 @@ Two mechanisms, because a busy machine breaks torch's defaults in two ways:
   quiet speed), short enough to yield the core soon on a loaded machine. OpenMP reads it once, when torch's runtime
   loads, so `dgemma/__init__.py` calls it before anything imports torch (and child processes inherit it). A user's own
   OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME wins: then nothing is set.
-- **How many threads.** `free_cores()`: the cores this process may run on less the ones the load average says are
-  busy (at least one). `dgemma` commands start that many torch threads unless `--threads N` says otherwise; the server
-  keeps one of them for its HTTP loop. The demo trains on a fixed count instead (the same arithmetic everywhere, so the
-  same seed gives the same models), and relies on the bounded spin alone.
+- **How many threads.** `usable_cores()`: the cores this process may run on (its affinity: a container's or taskset's
+  share), the same count whatever else runs, unless `--threads N` says otherwise; the server keeps one of them for
+  its HTTP loop. A count read from the load average was tried and dropped: the same command then computed with
+  another thread count from one run to the next (so other numerics: a resume on one thread is not bit-identical to
+  a run on two), and the 1-minute average lags, so a command started just after another ran on one thread on a
+  quiet machine (cpu-tiny training at 770 instead of 1,295 tokens/s). The bounded spin is what keeps two threads
+  from collapsing beside other work (docs/benchmarks.md, "Threads on a busy machine").
 
 This module imports no torch (it must run before torch loads)."""
 
@@ -44,20 +47,4 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_average() -> float:
-    """The 1-minute load average (runnable processes), 0.0 where the system does not say."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return 0.0
-
-
-def free_cores(cores: int | None = None, load: float | None = None) -> int:
-    """The cores not busy with other work: `cores` (usable_cores()) less the whole processes of the load average
-    (load_average()), at least 1. A quiet machine (load below 1) gets every core, as torch's default does."""
-    cores = usable_cores() if cores is None else cores
-    load = load_average() if load is None else load
-    return max(1, min(cores, cores - int(max(load, 0.0))))
-
-
-__all__ = ["BOUNDED_SPIN", "USER_SETTINGS", "bound_spin", "free_cores", "load_average", "usable_cores"]
+__all__ = ["BOUNDED_SPIN", "USER_SETTINGS", "bound_spin", "usable_cores"]

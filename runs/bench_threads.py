@@ -5,7 +5,7 @@ Each measurement is a fresh process, so OpenMP reads its wait setting when torch
 command:
 - before: libgomp's default spin (GOMP_SPINCOUNT=300000, what torch had before dgemma bounded it) on every core
   (torch's default thread count);
-- after:  dgemma's defaults (no setting given: the bounded spin, and the cores the load average leaves free).
+- after:  dgemma's defaults (no setting given: the bounded spin, on every core this process may use).
 "Load" starts that many busy processes (a pure-Python loop each) beside the measurement, waits for the load average
 to see them (--settle seconds), and stops them after. Every cell runs the same work: `train` trains the preset's
 model on random token windows (the step cost does not depend on the text; the first step is a warm-up), `generate`
@@ -34,13 +34,13 @@ TRAIN = """
 import json, sys, time
 import torch
 import dgemma
-from dgemma.threads import free_cores
+from dgemma.threads import usable_cores
 from dgemma.train.config import train_preset
 from dgemma.train.diffusion import training_loss
 from dgemma.train.loop import make_optimizer
 preset, steps, batch, seq, before = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 if before != "before":
-    torch.set_num_threads(free_cores())  # what `dgemma` commands do without --threads
+    torch.set_num_threads(usable_cores())  # what `dgemma` commands do without --threads
 cfg = train_preset(preset)
 model = dgemma.init_weights(dgemma.DiffusionGemma(cfg.model_config), seed=0).train()
 opt = make_optimizer(model, cfg, torch.device("cpu"))

@@ -145,6 +145,8 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/recipe_ablations.py": ["--smoke"],
     "python runs/sampler_levels.py": ["--smoke"],
     "python runs/demo_seeds.py --seeds 0,1,2 --out runs/out/demo-seeds": ["--smoke", "--seeds", "0", "--out", "out"],
+    "python runs/demo_samplers.py --runs runs/out/demo-seeds --seeds 0,1,2 --draws 4":  # on demo_seeds' smoke run
+        ["--runs", "out", "--seeds", "0", "--draws", "1"],
     "python runs/frontier_table.py": [],  # the committed report's table: seconds
     "python runs/time_ablations.py --setting demo": ["--smoke"],
     # README: seed 003's GPU recipes, two steps each where a GPU is there

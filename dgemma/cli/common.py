@@ -31,7 +31,7 @@ from dgemma.generation_config import (
     is_seed,
 )
 from dgemma.loading import DTYPES  # the one table of dtype names (--dtype of every command)
-from dgemma.threads import free_cores
+from dgemma.threads import usable_cores
 
 # --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
 # tests/test_cli_design.py holds every command to them).
@@ -206,7 +206,7 @@ def add_quantize_arg(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--quantize", choices=QUANTIZATIONS, help=help)
 
 
-THREADS_HELP = "the cores the load average leaves free, at least 1"
+THREADS_HELP = "the cores this process may use"
 
 
 def add_runtime_args(p: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
@@ -225,11 +225,11 @@ def add_threads_arg(p: argparse.ArgumentParser, default_help: str = THREADS_HELP
 
 
 def set_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op threads for the rest of the process; None: the cores other work leaves free
-    (dgemma.threads.free_cores, the one rule for a default thread count: torch's default, every core, collapses when
-    other processes share them), unless OMP_NUM_THREADS says (a user's, or torchrun's one per rank)."""
+    """--threads: torch's intra-op threads for the rest of the process; None: the cores this process may use
+    (dgemma.threads.usable_cores, the one rule for a default thread count, the same however busy the machine is),
+    unless OMP_NUM_THREADS says (a user's, or torchrun's one per rank)."""
     if threads is not None or "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(free_cores() if threads is None else threads)
+        torch.set_num_threads(usable_cores() if threads is None else threads)
 
 
 def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sampling seed (default: random)"

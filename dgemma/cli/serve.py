@@ -28,7 +28,7 @@ from dgemma.serving.api import (
 )
 from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
-from dgemma.threads import free_cores
+from dgemma.threads import usable_cores
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
 
@@ -37,8 +37,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
                               description=__doc__)
     add_model_args(p)
-    add_runtime_args(p, threads_help="on CPU the cores the load average leaves free but one, which the HTTP "
-                     "loop keeps; at least 1")
+    add_runtime_args(p, threads_help="on CPU the cores this process may use but one, which the HTTP loop "
+                     "keeps; at least 1")
     add_sampler_args(p, seed_help=None)  # no server-wide seed: each request carries its own `seed`
     p.add_argument("--host", default="127.0.0.1", metavar="HOST",
                    help="address to listen on (default 127.0.0.1: this machine only)")
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_autoregressive(args, "dgemma serve")
     args.device = device_of(args.device)
     if args.threads is None and args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
-        args.threads = max(1, free_cores() - 1)
+        args.threads = max(1, usable_cores() - 1)
     model, tok = load(args)
     if tok is None:
         tok = _toy_tokenizer(args, model)
