@@ -242,8 +242,8 @@ def adapter_case(rng: random.Random, good: Path, root: Path, i: int) -> tuple[st
             else:
                 weights.mkdir()
             continue
-        if not weights.is_file() or weights.is_symlink():
-            continue
+        if not weights.is_file() or weights.is_symlink() or {"empty_file", "truncated"} & set(done[:-1]):
+            continue  # a file an earlier edit broke stays broken
         tensors = load_file(weights)
         key = rng.choice(sorted(tensors))
         if edit == "inf":
