@@ -157,9 +157,12 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/bench_train.py --preset cpu-small --batch-size 4 --seq-len 128 --steps 12 --threads 2":
         ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--threads", "1"],
     "python runs/bench_ce_memory.py": ["--rows", "64", "--vocab", "1000"],
-    "python runs/bench_threads.py --preset cpu-tiny --train-steps 40 --new-tokens 256 --loads 0,4":
+    "python runs/bench_threads.py --preset cpu-tiny --train-steps 10 --new-tokens 64 --loads 0,4 --settle 20":
         ["--preset", "tiny", "--train-steps", "1", "--batch-size", "2", "--seq-len", "32", "--new-tokens", "8",
          "--loads", "0,1", "--settle", "0"],
+    "python runs/bench_threads.py --preset cpu-tiny --train-steps 4 --loads 2 --settle 5 --works train --settings "
+    "before,after,no-spin,after-1-thread": ["--preset", "tiny", "--train-steps", "1", "--batch-size", "2",
+                                            "--seq-len", "32", "--loads", "0", "--settle", "0"],
     "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
     "python runs/profile_fast_step.py --preset bench-small": ["--preset", "tiny", "--repeats", "1"],
     "python runs/quant_quality.py": ["--smoke"],
