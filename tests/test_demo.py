@@ -92,12 +92,13 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     assert f"real words              {100 * f['diffusion']['real_word_share']:>15.0f}%" in text, text
     assert f"words per 64 tokens     {f['diffusion']['words_per_64_tokens']:>16.0f}" in text, text
     assert f["heldout_text"]["words_per_64_tokens"] > 0 and 0 < f["heldout_text"]["real_word_share"] <= 1, f
-    # Each prompt samples with its own seed (seed + its index): prompt 2's continuation is seed 1's.
+    # Each prompt samples with its own seed (seed + its index), with the recipe's sampler: prompt 2's is seed 1's.
     diffusion = load_model(tmp_path / "a" / "diffusion").eval()
     tok0 = load_tokenizer(tmp_path / "a" / "diffusion" / "tokenizer.json")
     eos0 = diffusion.generation_config.eos_token_id[0]
     second = torch.tensor([[eos0, *tok0.encode(recipe.prompts[1], add_special_tokens=False)]])
-    assert generate(diffusion, second, max_new_tokens=12, seed=1).new_tokens()[0] == result.diffusion_samples[1]
+    again = generate(diffusion, second, max_new_tokens=12, seed=1, **dict(recipe.sampling))
+    assert again.new_tokens()[0] == result.diffusion_samples[1]
     assert "prompt dependence       " in text and "prompt agreement" not in text
     for prompt, d, a in zip(recipe.prompts, result.diffusion_texts, result.ar_texts, strict=True):
         assert f"   diffusion | {prompt}{d}".replace("\n", " ⏎ ") in text
