@@ -1,8 +1,8 @@
 """Grammar work off the engine thread: the sampler steps of requests with a grammar (response_format, a forced
 tool_choice; dgemma/constraint.py) run on a small pool of worker threads, so a grammar that is slow to mask holds its
 own row only. The engine hands a row's logits over (`submit`), leaves the row out of its batched passes while the
-step runs (`busy`), and takes the result back between passes (`done`): the staged canvas when the step finished it
-(its grammar already advanced over it), else None.
+step runs (`busy`), and takes the result back between passes (`done`): the staged canvas and its log-probabilities
+when the step finished it (its grammar already advanced over it), else None.
 
 Each step's grammar work has a budget (`step_seconds`, GRAMMAR_STEP_SECONDS by default): past it, or once its
 request is cancelled, the row's grammar stops (`ConstraintState.failed`), the rest of its canvas is EOS and the
