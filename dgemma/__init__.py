@@ -2,19 +2,19 @@
 # ruff: noqa: E402 (the imports after bound_spin() load torch)
 
 # Before anything imports torch: OpenMP reads how its idle threads wait once, when torch's runtime loads
-# (dgemma/threads.py; a user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT / KMP_BLOCKTIME wins).
-from dgemma.threads import bound_spin
+# (dgemma/io/threads.py; a user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT / KMP_BLOCKTIME wins).
+from dgemma.io.threads import bound_spin
 
 bound_spin()
 
-from dgemma.checkpoint import CheckpointError, save_pretrained
-from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset
-from dgemma.generate import GenerationResult, generate
-from dgemma.generation_config import GenerationConfig, GenerationError
-from dgemma.kv_cache import KVCache
-from dgemma.loading import build_model, init_weights, load_model
-from dgemma.memory import MemoryPreflightError
-from dgemma.model import DiffusionGemma
+from dgemma.model.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.model.kv_cache import KVCache
+from dgemma.model.memory import MemoryPreflightError
+from dgemma.sampling.generate import GenerationResult, generate
+from dgemma.sampling.generation_config import GenerationConfig, GenerationError
+from dgemma.weights.checkpoint import CheckpointError, save_pretrained
+from dgemma.weights.loading import build_model, init_weights, load_model
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
-"""Many LoRA adapters on one base (dgemma/adapters.py), measured on the engine `dgemma serve --lora` runs: throughput of
-concurrent requests that all run on the base, all on one adapter, and spread over several adapters and the base in
-the same batches, and what one request costs alone on the base and on an adapter.
+"""Many LoRA adapters on one base (dgemma/weights/adapters.py), measured on the engine `dgemma serve --lora` runs:
+throughput of concurrent requests that all run on the base, all on one adapter, and spread over several adapters and the
+base in the same batches, and what one request costs alone on the base and on an adapter.
 
     python runs/bench_multi_lora.py                  # cpu-small with random weights, 4 rank-8 attention adapters
     python runs/bench_multi_lora.py --quick          # seconds: the tiny model the tests run
@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dgemma  # noqa: E402
-from dgemma import lora  # noqa: E402
-from dgemma.adapters import AdapterSet  # noqa: E402
 from dgemma.serving.engine import Engine  # noqa: E402
+from dgemma.weights import lora  # noqa: E402
+from dgemma.weights.adapters import AdapterSet  # noqa: E402
 
 NO_STOP = 1e-38  # confidence_threshold: a canvas never counts as confident, so it runs all its steps
 

@@ -1,5 +1,5 @@
 """Tokens/s of training and generation on a quiet machine and beside busy processes, before and after dgemma's thread
-choice (dgemma/threads.py): the table "Threads on a busy machine" in docs/benchmarks.md.
+choice (dgemma/io/threads.py): the table "Threads on a busy machine" in docs/benchmarks.md.
 
 Each measurement is a fresh process, so OpenMP reads its wait setting when torch loads there, as in a `dgemma`
 command:
@@ -36,7 +36,7 @@ TRAIN = """
 import json, sys, time
 import torch
 import dgemma
-from dgemma.threads import usable_cores
+from dgemma.io.threads import usable_cores
 from dgemma.train.config import train_preset
 from dgemma.train.diffusion import training_loss
 from dgemma.train.loop import make_optimizer

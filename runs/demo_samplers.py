@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dgemma.checkpoint import resolve_model_dir
 from dgemma.data.shards import decode_documents
 from dgemma.data.tokenizer import load_tokenizer
 from dgemma.eval.decoding import real_word_share, words, words_per_64_tokens
 from dgemma.eval.demo import DEMO
 from dgemma.eval.judging import prompt_dependence, retokenize
-from dgemma.generate import generate
-from dgemma.loading import load_model
+from dgemma.sampling.generate import generate
+from dgemma.weights.checkpoint import resolve_model_dir
+from dgemma.weights.loading import load_model
 
 SETTINGS = {  # name -> generate() overrides of the checkpoint's generation config
     "entropy-bound (checkpoint's: bound 0.1, 48 steps)": {},

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = "\n".join([f"From `{report['command']}`", "", *table(report), *verdicts(report)]) + "\n"
     if args.out is not None:
-        from dgemma.fsio import write_text
+        from dgemma.io.fsio import write_text
         write_text(args.out, text)
     print(text, end="")
     return 0

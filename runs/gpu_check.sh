@@ -45,8 +45,8 @@ step() {  # step NAME COMMAND...: run it with its output in $OUT/NAME.log, note 
 torch.cuda.get_device_name(0)}))" > "$OUT/machine.json"
 
 # 1. the gpu-marked tests (they skip without CUDA)
-step gpu_tests timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -q -p no:cacheprovider "$ROOT/tests/test_fast_sampler.py" \
-  "$ROOT/tests/test_quantize.py" --junitxml "$OUT/gpu_tests.xml"
+step gpu_tests timeout "$TEST_TIMEOUT" "$PY" -m pytest -m gpu -q -p no:cacheprovider "$ROOT/tests/sampling/test_fast_sampler.py" \
+  "$ROOT/tests/weights/test_quantize.py" --junitxml "$OUT/gpu_tests.xml"
 
 # 2. the 26B-A4B geometry, random weights: one canvas of STEPS fixed steps, fast path, after a warm-up
 BENCH=(bench --preset "$BIG" --device "$DEVICE" --dtype "$DTYPE" --impl fast --denoising-steps "$STEPS" --canvases 1

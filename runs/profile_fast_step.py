@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from dgemma import fast_sampler, kernels, sampling
-from dgemma.config import PRESETS
-from dgemma.model import DiffusionGemma
+from dgemma.model import kernels
+from dgemma.model.config import PRESETS
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling import fast_sampler, rules
 from dgemma.testing.hf import randomize_
 
 
@@ -56,7 +57,7 @@ def main() -> None:
     final = step(canvas)
     weight, cap = model.embed_tokens.weight, config.final_logit_softcapping
     head = lambda rows, out: kernels.logits_into(rows, weight, cap, out)
-    temp = sampling.temperature(8, 16, 0.4, 0.8)
+    temp = rules.temperature(8, 16, 0.4, 0.8)
     probs = torch.softmax(model.logits(final).div_(temp), -1).view(-1, V)
     uniforms = torch.rand(L, generator=g, dtype=torch.float64)
     with torch.no_grad():

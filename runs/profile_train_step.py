@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import dgemma  # noqa: E402
-from dgemma import attention, kernels  # noqa: E402
 from dgemma.eval.bench import measure_matmul_peak, training_flops  # noqa: E402
+from dgemma.model import attention, kernels  # noqa: E402
 from dgemma.train import diffusion  # noqa: E402
 from dgemma.train.config import TrainConfig, train_preset  # noqa: E402
 from dgemma.train.diffusion import training_loss  # noqa: E402

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 import dgemma
-from dgemma import quantize
-from dgemma.config import PRESETS
 from dgemma.data.shards import TokenDataset
 from dgemma.eval.evaluate import heldout_nelbo, heldout_x0_ce, pick_prompts
+from dgemma.model.config import PRESETS
 from dgemma.testing.hf import randomize_
+from dgemma.weights import quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_PRESETS = ["tiny", "lite-tiny", "cpu-small", "bench-small", "dg-380m", "lite-380m"]

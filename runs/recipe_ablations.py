@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dgemma.fsio import write_text
+from dgemma.io.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,10 +120,10 @@ def score(name: str, args: argparse.Namespace) -> dict:
 def _score(name: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from dgemma.checkpoint import resolve_model_dir
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.evaluate import heldout_nelbo, heldout_x0_ce
-    from dgemma.loading import load_model
+    from dgemma.weights.checkpoint import resolve_model_dir
+    from dgemma.weights.loading import load_model
 
     torch.set_num_threads(1)
     model = load_model(resolve_model_dir(args.out / name)).eval()

@@ -39,8 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dgemma.fsio import write_text
-from dgemma.generation_config import CHAINS
+from dgemma.io.fsio import write_text
+from dgemma.sampling.generation_config import CHAINS
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("diffusion", "diffusion-observed", "diffusion-from-ar")
@@ -105,10 +105,10 @@ def train(args: argparse.Namespace) -> None:
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
-    from dgemma.checkpoint import resolve_model_dir
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.decoding import generative_perplexity, quality, run_ar
-    from dgemma.loading import load_model
+    from dgemma.weights.checkpoint import resolve_model_dir
+    from dgemma.weights.loading import load_model
 
     torch.set_num_threads(args.threads)
     models = {name: load_model(resolve_model_dir(args.out / name)).eval() for name in MODELS}
@@ -139,7 +139,7 @@ def _measure(model, judge, prompts, name: str, settings: dict, args: argparse.Na
     import torch
 
     from dgemma.eval.decoding import generative_perplexity, quality
-    from dgemma.generate import generate
+    from dgemma.sampling.generate import generate
 
     r = generate(model, prompts, seed=args.seed, max_new_tokens=args.max_new_tokens, truncate=True,
                  max_denoising_steps=args.steps, trace=True, eos_token_id=(), **settings)

@@ -7,7 +7,7 @@ reversing the order every other round, so drift on a shared machine hits all of 
       fp32 experts=grouped, (E, D, 2Ie)     grouped, the expert weights stored transposed (same shapes, the other
                                             strides: the grouped matmul reads them without a transpose)
       bf16                                  the whole model in bfloat16 (AMX / AVX512-BF16 where the CPU has them)
-      int8                                  weight-only int8 (dgemma/quantize.py)
+      int8                                  weight-only int8 (dgemma/weights/quantize.py)
       offload (warm)                        experts memory-mapped from a file, pages in the page cache
       offload (cold)                        the same with the file's pages dropped before every step (a read from disk)
     head + sampler (kernels.head_and_sample), fp32 and bf16, and fp32 with the previous `kernels.tempered_stats`
@@ -30,10 +30,12 @@ from pathlib import Path
 
 import torch
 
-from dgemma import fast_sampler, kernels, offload, quantize, sampling
-from dgemma.config import PRESETS
-from dgemma.model import DiffusionGemma
+from dgemma.model import kernels
+from dgemma.model.config import PRESETS
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling import fast_sampler, rules
 from dgemma.testing.hf import randomize_
+from dgemma.weights import offload, quantize
 
 
 def main() -> None:
@@ -77,7 +79,7 @@ def main() -> None:
                 step(canvas)
         return run
 
-    temp = sampling.temperature(8, 16, 0.4, 0.8)
+    temp = rules.temperature(8, 16, 0.4, 0.8)
 
     def head(name: str):
         m = models[name]

@@ -87,7 +87,7 @@ def served(args: argparse.Namespace, schemas: list[dict], tools: list[list[dict]
 
     # The model's tokenizer beside a chat template that writes Gemma 4's tool calls (examples/gemma4_tools.jinja),
     # so that tool_choice has a syntax to force whatever template the checkpoint has.
-    from dgemma.checkpoint import resolve_model_dir
+    from dgemma.weights.checkpoint import resolve_model_dir
 
     chat = args.out / "chat"
     chat.mkdir(parents=True, exist_ok=True)
@@ -155,10 +155,10 @@ def cost(args: argparse.Namespace, schemas: list[dict]) -> dict:
     import torch
 
     from dgemma import generate
-    from dgemma.checkpoint import resolve_model_dir
-    from dgemma.constraint import Constraint
     from dgemma.data.tokenizer import load_tokenizer
-    from dgemma.loading import load_model
+    from dgemma.sampling.constraint import Constraint
+    from dgemma.weights.checkpoint import resolve_model_dir
+    from dgemma.weights.loading import load_model
 
     model = load_model(args.model)
     tok = load_tokenizer(args.tokenizer or resolve_model_dir(args.model) / "tokenizer.json")
@@ -193,7 +193,7 @@ def cost(args: argparse.Namespace, schemas: list[dict]) -> dict:
                      "closed_share": sum(r["closed"] for r in rs) / max(sum(r["tokens"] for r in rs), 1),
                      "complete": sum(r["complete"] for r in rs) / len(rs)}
     # Every other sampler under the same constraint (its committed canvas projected onto the grammar)
-    from dgemma.generation_config import SAMPLERS
+    from dgemma.sampling.generation_config import SAMPLERS
 
     out["samplers"] = {}
     for sampler in SAMPLERS[1:]:
@@ -223,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="3 schemas, 2 tool sets, a tiny random model: seconds")
     args = ap.parse_args(argv)
     if args.smoke:  # a tiny random checkpoint with the test tokenizer, written where the results go
-        from dgemma.checkpoint import save_pretrained
         from dgemma.data.tokenizer import build_test_tokenizer
-        from dgemma.loading import build_model
+        from dgemma.weights.checkpoint import save_pretrained
+        from dgemma.weights.loading import build_model
 
         model_dir = args.out / "tiny-model"
         model_dir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"settings": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
               "cost": cost(args, schemas)}
     result |= served(args, schemas, tools)
-    from dgemma.fsio import write_text
+    from dgemma.io.fsio import write_text
     args.out.mkdir(parents=True, exist_ok=True)
     write_text(args.out / "structured_output.json", json.dumps(result, indent=2) + "\n")
     print(report(result))

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from dgemma.fsio import write_text
+from dgemma.io.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 CONT = ["--diffusion-time", "continuous"]
@@ -121,10 +121,10 @@ def score(name: str, args: argparse.Namespace) -> dict:
 def _score(name: str, args: argparse.Namespace) -> dict:
     import torch
 
-    from dgemma.checkpoint import resolve_model_dir
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.evaluate import heldout_ar_ce, heldout_nelbo, heldout_x0_ce
-    from dgemma.loading import load_model
+    from dgemma.weights.checkpoint import resolve_model_dir
+    from dgemma.weights.loading import load_model
 
     torch.set_num_threads(1)
     model = load_model(resolve_model_dir(args.out / name)).eval()
@@ -150,8 +150,8 @@ FLAGS = {name: flags for name, _, flags in VARIANTS}
 
 def reference_score(args: argparse.Namespace) -> dict:
     """The `unigram+observed` row: no network at all, the training split's unigram distribution as every
-    position's p(x0 | x_s), with the observation term (dgemma/noise.py:observe), scored like the variants. What the
-    observed likelihood's bound is before any context is learned."""
+    position's p(x0 | x_s), with the observation term (dgemma/diffusion/noise.py:observe), scored like the variants.
+    What the observed likelihood's bound is before any context is learned."""
     cached = args.out / "unigram+observed.json"
     if cached.exists():
         saved = json.loads(cached.read_text())
@@ -160,8 +160,8 @@ def reference_score(args: argparse.Namespace) -> dict:
     import torch
 
     from dgemma.data.shards import TokenDataset
+    from dgemma.diffusion.noise import observe
     from dgemma.eval.evaluate import heldout_nelbo
-    from dgemma.noise import observe
 
     train_split, val = TokenDataset(args.out / "data", split="train"), TokenDataset(args.out / "data", split="val")
     V = train_split.meta["vocab_size"]

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-# Before any test module imports torch: importing dgemma bounds how long OpenMP's idle threads spin (dgemma/threads.py),
-# the same setting as the CLI's, the server's and the demo's; the `python -m dgemma` children inherit it.
+# Before any test module imports torch: importing dgemma bounds how long OpenMP's idle threads spin
+# (dgemma/io/threads.py), the same setting as the CLI's, the server's and the demo's; the `python -m dgemma` children
+# inherit it.
 import dgemma  # noqa: F401
 
 # Tests never touch the network: a stray hub call fails at once instead of retrying for ~25 s.
@@ -42,8 +43,8 @@ def _one_thread():
 
 @pytest.fixture(autouse=True)
 def _back_to_one_thread():
-    """A dgemma command run in-process (`cli.main`) sets the process's thread count (dgemma/threads.py); the next test
-    starts from one thread again, so a module's fixtures and a test's runs compare under the same setting (a resume
+    """A dgemma command run in-process (`cli.main`) sets the process's thread count (dgemma/io/threads.py); the next
+    test starts from one thread again, so a module's fixtures and a test's runs compare under the same setting (a resume
     on one thread against an uninterrupted run on two is not bit-identical)."""
     yield
     import torch

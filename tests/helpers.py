@@ -27,7 +27,7 @@ def random_ids(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
 def model_config(name: str):
     """The dgemma-only test geometries of the fast-vs-readable tests: "tiny", and "k8-of-16" (like
     dgemma/testing/hf.py's: 16 experts top-8, six layers in the default 5:1 pattern, other RoPE)."""
-    from dgemma.config import RopeConfig, preset
+    from dgemma.model.config import RopeConfig, preset
 
     if name == "tiny":
         return preset("tiny")
@@ -43,7 +43,7 @@ GEOMETRY_NAMES = ("tiny", "k8-of-16")
 
 def random_model(name: str, seed: int = 0):
     """A dgemma model of `model_config(name)` with every tensor randomised (dgemma.testing.hf.randomize_), eval."""
-    from dgemma.model import DiffusionGemma
+    from dgemma.model.diffusiongemma import DiffusionGemma
     from dgemma.testing.hf import randomize_
 
     return randomize_(DiffusionGemma(model_config(name)), seed).eval()
@@ -84,7 +84,7 @@ def randomize_adapter_(model: torch.nn.Module, rank: int, alpha: float, targets:
                        scale: float = 0.1, base: str | None = None) -> object:
     """Attach a LoRA of `rank` / `alpha` on `targets` (a key of `lora.TARGETS`) to `model` in place and fill every
     factor with `scale` x N(0, 1) from `seed`; returns its peft LoraConfig (for `lora.save_adapter`)."""
-    from dgemma import lora
+    from dgemma.weights import lora
 
     config = lora.lora_config(rank, alpha, targets, base)
     lora.attach(model, config)

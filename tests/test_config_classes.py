@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 import dgemma
-from dgemma.config import PRESETS, ConfigError, ModelConfig, RopeConfig
 from dgemma.eval.bench import BenchSettings
 from dgemma.eval.evaluate import EvalError, EvalSettings
-from dgemma.generation_config import GenerationConfig
+from dgemma.model.config import PRESETS, ConfigError, ModelConfig, RopeConfig
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train.config import TRAIN_PRESETS, TrainConfig
 
 PACKAGE = Path(dgemma.__file__).parent

@@ -1,5 +1,6 @@
 """The docs stay true to the code: every `file.py:Dotted.Path` pointer in docs/*.md and README.md resolves to a real
-attribute of the dgemma package, and docs/architecture.md covers the `# Gemma:` quirks of dgemma/model.py."""
+attribute of the dgemma package, and docs/architecture.md covers the `# Gemma:` quirks of
+dgemma/model/diffusiongemma.py."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def pointers(text: str) -> list[tuple[str, str]]:
 
 def resolve(file: str, dotted: str) -> str | None:
     """None if `file:dotted` names a real attribute, else why not. `file` is relative to dgemma/ (a leading
-    `dgemma/` is tolerated), e.g. `model.py` or `cli/inspect.py`."""
+    `dgemma/` is tolerated), e.g. `model/diffusiongemma.py` or `cli/inspect.py`."""
     rel = file.removeprefix("dgemma/")
     if not (PACKAGE / rel).is_file():
         return f"no file dgemma/{rel}"
@@ -61,11 +62,11 @@ def test_code_pointers_resolve(doc: Path) -> None:
 
 def test_architecture_doc_covers_the_gemma_quirks() -> None:
     assert ARCHITECTURE.is_file(), "docs/architecture.md is missing"
-    lines = (PACKAGE / "model.py").read_text(encoding="utf-8").splitlines()
+    lines = (PACKAGE / "model/diffusiongemma.py").read_text(encoding="utf-8").splitlines()
     marks = [(n, line.split("# Gemma:", 1)[1].strip()) for n, line in enumerate(lines, 1) if "# Gemma:" in line]
-    assert marks, "dgemma/model.py has no `# Gemma:` comments"
+    assert marks, "dgemma/model/diffusiongemma.py has no `# Gemma:` comments"
     empty = [n for n, text in marks if not text]
-    assert not empty, f"empty `# Gemma:` comments in dgemma/model.py at lines {empty}"
+    assert not empty, f"empty `# Gemma:` comments in dgemma/model/diffusiongemma.py at lines {empty}"
     doc = ARCHITECTURE.read_text(encoding="utf-8")
     missing = [k for k in QUIRK_KEYWORDS if k not in doc]
     assert not missing, f"docs/architecture.md does not mention {missing}"
@@ -208,7 +209,7 @@ def _prepared(argv: list[str], out: str, cwd: Path) -> None:
 
 
 def _trained(argv: list[str], out: str, cwd: Path) -> None:
-    from dgemma.checkpoint import list_checkpoints
+    from dgemma.weights.checkpoint import list_checkpoints
 
     ckpts = list_checkpoints(cwd / _flag(argv, "--out"))
     assert ckpts, f"no checkpoint under {_flag(argv, '--out')}"

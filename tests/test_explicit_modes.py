@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgemma.generate import generate
-from dgemma.generation_config import GenerationError
+from dgemma.sampling.generate import generate
+from dgemma.sampling.generation_config import GenerationError
 from tests.helpers import random_ids, random_model
 
 FAST = {"max_new_tokens": 32, "max_denoising_steps": 2}
@@ -90,7 +90,7 @@ def test_the_process_group_timeout_is_read_when_asked(monkeypatch):
 
 
 def test_the_nelbo_is_an_evaluation_function_not_a_training_objective(model):
-    from dgemma.likelihood import clean_context_posterior, nelbo_per_window, window_nelbo
+    from dgemma.diffusion.likelihood import clean_context_posterior, nelbo_per_window, window_nelbo
     from dgemma.train.distributed import LossModule
     from dgemma.train.loop import batch_loss
 

@@ -1,6 +1,7 @@
-"""The module map of docs/architecture.md against the code: every module of dgemma/ is on the map, the map names no
-module that does not exist, and each module imports only modules of lower layers (so imports point one way and
-there is no cycle). Imports inside functions count; those under `if TYPE_CHECKING:` (annotations only) do not."""
+"""The module map of docs/architecture.md against the code: every module of dgemma/ is in a package and on the map
+(under its package), the map names no module that does not exist, each module imports only its own package and
+packages of lower rank, no import cycle inside a package, and the model imports only itself and `io`. Imports inside
+functions count; those under `if TYPE_CHECKING:` (annotations only) do not."""
 
 from __future__ import annotations
 
@@ -10,21 +11,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dgemma"
-ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*`([\w.]+)`\s*\|")
+ROW = re.compile(r"^\|\s*`([\w.]+)`\s*\|")
+HEADING = re.compile(r"^### `(\w+)`")
 
 
-def module_map() -> dict[str, int]:
-    """module (relative to dgemma, "" for the package itself) -> layer, from the table under '## Module map'."""
+def module_map() -> dict[str, str]:
+    """module (relative to dgemma, "" for the package itself) -> its package, from the tables under '## Module map':
+    a module's row (its name in backquotes, first cell) under its package's heading (### and the name in backquotes;
+    the rows before the first heading: the package's own)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
-    layers = {}
+    found, package = {}, ""
     for line in section.splitlines():
-        m = ROW.match(line)
-        if m:
-            name = "" if m.group(2) == "dgemma" else m.group(2)
-            assert name not in layers, f"docs/architecture.md: {m.group(2)} is on the module map twice"
-            layers[name] = int(m.group(1))
-    return layers
+        if (h := HEADING.match(line)):
+            package = h.group(1)
+            found[package] = package  # the package's __init__
+        elif (m := ROW.match(line)) and m.group(1) != "module":
+            name = "" if m.group(1) == "dgemma" else ".".join(filter(None, (package, m.group(1))))
+            assert name not in found, f"docs/architecture.md: {m.group(1)} is on the module map twice"
+            found[name] = package
+    return found
 
 
 def modules() -> dict[str, Path]:
@@ -81,29 +87,21 @@ def test_every_module_is_on_the_map_and_the_map_names_only_modules():
     assert not on_map - real, f"the module map names modules that do not exist: {sorted(on_map - real)}"
 
 
-def test_imports_point_down_the_layers():
-    layers, mods = module_map(), modules()
-    wrong = []
-    for name, path in sorted(mods.items()):
-        for dep in sorted(dgemma_imports(path, set(mods)) - {name}):
-            if dep in layers and layers[dep] >= layers[name]:
-                wrong.append(f"{name or 'dgemma'} (layer {layers[name]}) imports {dep or 'dgemma'} "
-                             f"(layer {layers[dep]})")
-    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
-
-
-# The packages, from the bottom: a module may import its own package and the packages of lower rank (the core, ""
-# below everything), never a package of the same or a higher rank (train and serving share a rank: neither imports
-# the other). docs/architecture.md, "Module map", draws it.
-PACKAGE_RANK = {"": 0, "testing": 0, "data": 1, "train": 2, "serving": 2, "eval": 3, "cli": 4}
+# The packages, from the bottom: a module may import its own package and the packages of lower rank, never a
+# package of the same or a higher rank (train and serving share a rank: neither imports the other). "" is the package
+# itself (the public API) and `__main__`, above everything. docs/architecture.md, "Module map", draws it.
+PACKAGE_RANK = {"io": 0, "testing": 0, "model": 1, "diffusion": 2, "sampling": 3, "weights": 4, "data": 5,
+                "train": 6, "serving": 6, "eval": 7, "cli": 8, "": 9}
 
 
 def package_of(module: str) -> str:
-    """The package a module belongs to ("" for the core modules at the top of dgemma/ and the package itself)."""
-    if module == "__main__":
-        return "cli"
-    first = module.split(".")[0]
-    return first if first in PACKAGE_RANK and (module != first or (PACKAGE / first).is_dir()) else ""
+    """The package a module belongs to ("" for the package itself and `__main__`)."""
+    return "" if module in ("", "__main__") else module.split(".")[0]
+
+
+def test_dgemma_has_no_loose_modules():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert not loose, f"modules directly in dgemma/ (each belongs in a package): {loose}"
 
 
 def test_packages_point_one_way():
@@ -115,5 +113,33 @@ def test_packages_point_one_way():
         for dep in sorted(dgemma_imports(path, set(mods)) - {name}):
             theirs = package_of(dep)
             if theirs != own and PACKAGE_RANK[theirs] >= PACKAGE_RANK[own]:
-                wrong.append(f"{name or 'dgemma'} ({own or 'core'}) imports {dep} ({theirs or 'core'})")
+                wrong.append(f"{name or 'dgemma'} ({own or 'dgemma'}) imports {dep} ({theirs or 'dgemma'})")
     assert not wrong, "imports between packages that point up or sideways:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle_inside_a_package():
+    mods = modules()
+    graph = {name: {d for d in dgemma_imports(path, set(mods)) - {name} if package_of(d) == package_of(name)}
+             for name, path in mods.items()}
+    done: set[str] = set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycle = [*stack[stack.index(name):], name]
+            raise AssertionError("an import cycle: " + " -> ".join(m or "dgemma" for m in cycle))
+        if name in done:
+            return
+        for dep in sorted(graph.get(name, ())):
+            visit(dep, [*stack, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_the_model_imports_only_itself_and_io():
+    """The model is a pure module: loading, quantization, offload and sampling are applied from outside."""
+    mods = modules()
+    wrong = [f"{name} imports {dep}" for name, path in sorted(mods.items()) if package_of(name) == "model"
+             for dep in sorted(dgemma_imports(path, set(mods))) if package_of(dep) not in ("model", "io")]
+    assert not wrong, "\n".join(wrong)

@@ -9,7 +9,6 @@ import shlex
 import sys
 from typing import Any
 
-from dgemma.attention import IMPLS
 from dgemma.cli.common import (
     IMPL_HELP,
     MODEL_HELP,
@@ -21,6 +20,7 @@ from dgemma.cli.common import (
     seed,
 )
 from dgemma.eval import bench
+from dgemma.model.attention import IMPLS
 
 
 def register(subparsers: Any) -> None:
@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
                               description=__doc__)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", metavar="PRESET", help="random weights of a preset: tiny, bench-small, "
-                     "diffusiongemma-26b-a4b (GPU) or any other in dgemma.config.PRESETS (default: tiny)")
+                     "diffusiongemma-26b-a4b (GPU) or any other in dgemma.model.config.PRESETS (default: tiny)")
     src.add_argument("--model", metavar="DIR", help=MODEL_HELP)
     p.add_argument("--compare-transformers", action="store_true",
                    help="also run transformers' generate (its default kernels) on the same checkpoint, alternating")

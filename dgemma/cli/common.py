@@ -15,13 +15,14 @@ from typing import Any, NoReturn
 
 import torch
 
-from dgemma import fsio, loading
-from dgemma.attention import IMPLS
-from dgemma.config import ConfigError
-from dgemma.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
 from dgemma.data.templates import ChatTemplate, load_chat_template
 from dgemma.data.tokenizer import TURN_END, Tokenizer, check_vocab, load_tokenizer
-from dgemma.generation_config import (
+from dgemma.io import fsio
+from dgemma.io.console import Streamer  # noqa: F401 (the subcommands' terminal view, re-exported)
+from dgemma.io.threads import usable_cores
+from dgemma.model.attention import IMPLS
+from dgemma.model.config import ConfigError
+from dgemma.sampling.generation_config import (
     FLOAT32_MAX,
     LITE_COMMITS,
     SAMPLERS,
@@ -30,11 +31,11 @@ from dgemma.generation_config import (
     GenerationConfig,
     is_seed,
 )
-from dgemma.loading import DTYPES  # the one table of dtype names (--dtype of every command)
-from dgemma.threads import usable_cores
+from dgemma.weights import loading
+from dgemma.weights.loading import DTYPES  # the one table of dtype names (--dtype of every command)
 
 # --dtype and --device take these choices on every command, the same as TrainConfig's ("auto": dgemma decides;
-# tests/test_cli_design.py holds every command to them).
+# tests/cli/test_cli_design.py holds every command to them).
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
@@ -135,7 +136,7 @@ def positive_float(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    """A seed (dgemma.generation_config.is_seed, the one rule for seeds)."""
+    """A seed (dgemma.sampling.generation_config.is_seed, the one rule for seeds)."""
     v = int_value(text)
     if not is_seed(v):
         raise argparse.ArgumentTypeError(f"must be {SEED_RANGE}, got {text!r}")
@@ -176,7 +177,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """The flags that choose and load the model: --model or --preset --random-init, dtype, device, quantization,
     offload, the memory pre-flight, and how it runs (add_runtime_args)."""
     p.add_argument("--model", type=Path, metavar="DIR", help=MODEL_HELP)
-    p.add_argument("--preset", metavar="PRESET", help="a named preset (dgemma.config.PRESETS), with --random-init "
+    p.add_argument("--preset", metavar="PRESET", help="a named preset (model/config.py PRESETS), with --random-init "
                    "(smoke tests)")
     p.add_argument("--random-init", action="store_true", help="random weights for --preset (dgemma.init_weights)")
     p.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json or its folder (default: in --model)")
@@ -211,12 +212,12 @@ THREADS_HELP = "the cores this process may use"
 
 def add_runtime_args(p: argparse.ArgumentParser, threads_help: str = THREADS_HELP) -> None:
     """How a loaded model runs, on every command that runs one: --impl (the attention and expert kernels,
-    dgemma/attention.py) and --threads (torch's intra-op threads, set before the model is loaded)."""
+    dgemma/model/attention.py) and --threads (torch's intra-op threads, set before the model is loaded)."""
     p.add_argument("--impl", choices=IMPLS, default="fast", help=IMPL_HELP)
     add_threads_arg(p, threads_help)
 
 
-IMPL_HELP = "kernels: the readable reference path or the fast one (SDPA, grouped experts; dgemma/kernels.py)"
+IMPL_HELP = "kernels: the readable reference path or the fast one (SDPA, grouped experts; dgemma/model/kernels.py)"
 
 
 def add_threads_arg(p: argparse.ArgumentParser, default_help: str = THREADS_HELP) -> None:
@@ -226,7 +227,7 @@ def add_threads_arg(p: argparse.ArgumentParser, default_help: str = THREADS_HELP
 
 def set_threads(threads: int | None) -> None:
     """--threads: torch's intra-op threads for the rest of the process; None: the cores this process may use
-    (dgemma.threads.usable_cores, the one rule for a default thread count, the same however busy the machine is),
+    (dgemma.io.threads.usable_cores, the one rule for a default thread count, the same however busy the machine is),
     unless OMP_NUM_THREADS says (a user's, or torchrun's one per rank)."""
     if threads is not None or "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(usable_cores() if threads is None else threads)
@@ -278,7 +279,7 @@ def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sa
 
 
 def add_constraint_args(p: argparse.ArgumentParser) -> None:
-    """Structured output (dgemma/constraint.py, llguidance): at most one grammar the output must follow."""
+    """Structured output (dgemma/sampling/constraint.py, llguidance): at most one grammar the output must follow."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", type=Path, metavar="FILE", help="the output is JSON valid against the JSON Schema "
                    "in FILE (needs llguidance: pip install 'dgemma[grammar]')")
@@ -296,7 +297,7 @@ def constraint_flag(args: argparse.Namespace) -> str | None:
 
 def constraint_from(args: argparse.Namespace, tok: Tokenizer | None, model: Any) -> Any:
     """The Constraint the flags ask for (None without one); a UsageError naming the flag for what cannot be built."""
-    from dgemma.constraint import Constraint, ConstraintError
+    from dgemma.sampling.constraint import Constraint, ConstraintError
 
     name = constraint_flag(args)
     if name is None:
@@ -398,8 +399,8 @@ def autoregressive(args: argparse.Namespace) -> bool:
     diffusion sampler (which would print noise)."""
     if getattr(args, "model", None) is None:
         return False
-    from dgemma.checkpoint import resolve_model_dir
     from dgemma.train.config import CONFIG_JSON
+    from dgemma.weights.checkpoint import resolve_model_dir
 
     try:
         config = json.loads(fsio.read_text(resolve_model_dir(args.model) / CONFIG_JSON))

@@ -2,7 +2,7 @@
 sharded by torchrun ranks or not, written as one consolidated Hugging Face checkpoint (config.json,
 generation_config.json, model.safetensors, tokenizer.json) that `dgemma generate --model DIR` and transformers load.
 Runs in one process, whatever the number of ranks that trained the run. A LoRA run's checkpoint (or any adapter
-directory: adapter_config.json + adapter_model.safetensors) is merged into its base (dgemma/lora.py): a plain
+directory: adapter_config.json + adapter_model.safetensors) is merged into its base (dgemma/weights/lora.py): a plain
 checkpoint with the chat template files of the run."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dgemma import dirkind, fsio, lora
-from dgemma.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
 from dgemma.cli.common import DTYPES
-from dgemma.config import ConfigError
+from dgemma.io import dirkind, fsio
+from dgemma.model.config import ConfigError
 from dgemma.train.distributed import export
+from dgemma.weights import lora
+from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
 
 
 def register(subparsers: Any) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from dgemma import fsio
 from dgemma.cli.common import (
     Streamer,
     UsageError,
@@ -28,11 +27,12 @@ from dgemma.cli.common import (
     load,
     overrides,
 )
-from dgemma.console import Progress
 from dgemma.data.tokenizer import Tokenizer, left_pad
-from dgemma.generate import check_trace_path, generate
-from dgemma.generation_config import offset_seed
-from dgemma.request_rules import resolve_generation_config
+from dgemma.io import fsio
+from dgemma.io.console import Progress
+from dgemma.sampling.generate import check_trace_path, generate
+from dgemma.sampling.generation_config import offset_seed
+from dgemma.sampling.request_rules import resolve_generation_config
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
 MAX_BATCH_PROMPTS = 4096  # prompts in one --batch-file batch (every prompt is a row of the same generate call)

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from dgemma import costs
-from dgemma.checkpoint import resolve_model_dir
 from dgemma.cli.common import add_quantize_arg, nonnegative_int
-from dgemma.config import ModelConfig, preset, read_json
-from dgemma.memory import memory_needed
+from dgemma.model import costs
+from dgemma.model.config import ModelConfig, preset, read_json
+from dgemma.model.memory import memory_needed
+from dgemma.weights.checkpoint import resolve_model_dir
 
 
 def register(subparsers: Any) -> None:
@@ -23,7 +23,7 @@ def register(subparsers: Any) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("path", nargs="?", type=Path, help="checkpoint directory, config.json, or training run directory "
                      "(its newest complete checkpoint); reads config.json only")
-    src.add_argument("--preset", metavar="PRESET", help="a named preset from dgemma.config.PRESETS")
+    src.add_argument("--preset", metavar="PRESET", help="a named preset from dgemma.model.config.PRESETS")
     p.add_argument("--context", type=nonnegative_int, default=4096, metavar="N",
                    help="committed tokens in the cache, for FLOPs (default 4096)")
     add_quantize_arg(p, "also report the weights' memory with --quantize int8 / int4 (torchao's layouts)")

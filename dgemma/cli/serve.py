@@ -20,6 +20,7 @@ from dgemma.cli.common import (
     refuse_autoregressive,
 )
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
+from dgemma.io.threads import usable_cores
 from dgemma.serving.api import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
@@ -28,7 +29,6 @@ from dgemma.serving.api import (
 )
 from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
-from dgemma.threads import usable_cores
 
 INSTALL_HINT = "dgemma serve needs the serve extra: pip install 'dgemma[serve]'"
 
@@ -164,7 +164,7 @@ def _adapters(model: Any, served: str, pairs: list[tuple[str, str]]) -> Any:
     each directory an adapter of this base (AdapterError naming the file otherwise)."""
     if not pairs:
         return None
-    from dgemma.adapters import AdapterError, AdapterSet
+    from dgemma.weights.adapters import AdapterError, AdapterSet
 
     names = [n for n, _ in pairs]
     for n in names:

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dgemma.checkpoint import latest_checkpoint
 from dgemma.cli.common import add_config_args, positive_float, positive_int, run_training
 from dgemma.train.config import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train_preset
 from dgemma.train.distributed import rescale_for_world
 from dgemma.train.run_dir import read_record
+from dgemma.weights.checkpoint import latest_checkpoint
 
 
 def register(subparsers: Any) -> None:

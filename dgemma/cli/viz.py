@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     tok_path = args.tokenizer
     if tok_path is None and args.model is not None:  # a run keeps tokenizer.json at its root and in checkpoints
-        from dgemma.checkpoint import resolve_model_dir
+        from dgemma.weights.checkpoint import resolve_model_dir
 
         tok_path = next((p for p in (args.model / "tokenizer.json", resolve_model_dir(args.model) / "tokenizer.json")
                          if p.is_file()), None)

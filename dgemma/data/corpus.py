@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dgemma import fsio
-from dgemma.console import Log
 from dgemma.data.shards import DataError, parse_json_row, sha256_file
+from dgemma.io import fsio
+from dgemma.io.console import Log
 
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")  # what a directory walk reads (plus .jsonl)
 

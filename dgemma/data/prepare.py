@@ -25,8 +25,6 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from dgemma import dirkind
-from dgemma.console import Log, Progress
 from dgemma.data.corpus import (
     DEFAULT_CORPUS,
     GPT2_LICENCE,
@@ -62,7 +60,9 @@ from dgemma.data.tokenizer import (
     text_chunks,
     train_bpe_tokenizer,
 )
-from dgemma.lock import check_unlocked, locked
+from dgemma.io import dirkind
+from dgemma.io.console import Log, Progress
+from dgemma.io.lock import check_unlocked, locked
 
 DEFAULT_TOKENIZER = "bpe:8192"  # the LM head dominates a CPU-sized model's cost at GPT-2's 50k (3.7x slower)
 DEFAULT_SHARD_TOKENS = 1 << 24  # 16.8M tokens, 32 MiB at uint16: a few shards per 100M tokens
@@ -242,7 +242,7 @@ def _check_round_trip(tok: Tokenizer, docs: list[str], log: Log) -> None:
 
 def _check_out(out: Path, write: bool) -> None:
     """--out must be a new or empty directory or an existing data directory (never a run's, a checkpoint's or any
-    other non-empty directory: dgemma/dirkind.py) that dgemma can read (to compare with meta.json) and, when
+    other non-empty directory: dgemma/io/dirkind.py) that dgemma can read (to compare with meta.json) and, when
     `write`, write, or a path where one can be created; checked up front, before any fetching or training, as one
     error naming it."""
     if dirkind.require(out, {dirkind.MISSING, dirkind.EMPTY, dirkind.DATA}, "--out") != dirkind.MISSING:

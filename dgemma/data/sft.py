@@ -42,11 +42,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma.attention import FULL, SLIDING
-from dgemma.checkpoint import MODEL_FILES
 from dgemma.data.shards import DataError, parse_json_row
 from dgemma.data.templates import ChatTemplate, ChatTemplateError
 from dgemma.data.tokenizer import Tokenizer, encode_template
+from dgemma.model.attention import FULL, SLIDING
+from dgemma.weights.checkpoint import MODEL_FILES
 
 ASSISTANT_ROLES = ("assistant", "model")
 

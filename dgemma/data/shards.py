@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgemma import fsio
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
+from dgemma.io import fsio
 
 FORMAT = "dgemma-token-shards"
 FORMAT_VERSION = 1  # in the fingerprint: bump when the layout, the split or a reader changes, to re-prepare
@@ -197,7 +197,7 @@ def load_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _check_file_names(path: Path, meta: dict[str, Any]) -> None:
     """Every file meta.json names (the tokenizer, each shard) is a plain file name inside its directory
-    (dgemma/fsio.py's rule, the one checkpoint shards follow): DataError naming the key otherwise."""
+    (dgemma/io/fsio.py's rule, the one checkpoint shards follow): DataError naming the key otherwise."""
     tokenizer, splits = meta["tokenizer"], meta["splits"]
     if not isinstance(tokenizer, dict) or not isinstance(splits, dict):
         raise DataError(f"{path}: 'tokenizer' and 'splits' must be objects")

@@ -23,9 +23,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from dgemma import fsio
 from dgemma.data.tokenizer import BOS, Tokenizer, encode_template, format_chat
 from dgemma.data.tool_prompt import needs_tool_prompt, tool_prompt_messages
+from dgemma.io import fsio
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 

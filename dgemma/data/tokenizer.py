@@ -29,7 +29,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from dgemma import fsio
+from dgemma.io import fsio
 
 BOS, TURN_START, TURN_END = "<bos>", "<|turn>", "<turn|>"
 TEST_SPECIAL_TOKENS = ("<pad>", "<eos>", BOS, TURN_START, TURN_END)  # ids 0..4, as Gemma's pad=0, eos=1, bos=2
@@ -114,7 +114,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     if not file.exists():
         where = f"{path} has no tokenizer.json" if path.is_dir() else f"{file}: no such tokenizer file"
         raise FileNotFoundError(where)
-    fsio.check_regular(file)  # a FIFO or a directory is refused by name (dgemma/fsio.py), never read
+    fsio.check_regular(file)  # a FIFO or a directory is refused by name (dgemma/io/fsio.py), never read
     try:
         backend = _HFTokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON or an unknown model type

@@ -35,15 +35,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dgemma import attention, costs, fsio
-from dgemma.config import PRESETS, ConfigError, ModelConfig
-from dgemma.generate import generate
-from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.loading import DTYPES, init_weights, load_model
-from dgemma.memory import check_memory
-from dgemma.model import DiffusionGemma
-from dgemma.system import git_commit, machine_info, peak_memory, reset_peak_memory
+from dgemma.io import fsio
+from dgemma.io.system import git_commit, machine_info, peak_memory, reset_peak_memory
+from dgemma.model import attention, costs
+from dgemma.model.config import PRESETS, ConfigError, ModelConfig
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.model.memory import check_memory
+from dgemma.sampling.generate import generate
+from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.train import diffusion
+from dgemma.weights.loading import DTYPES, init_weights, load_model
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
 NO_STOP = 1e-38  # confidence_threshold: mean entropy never falls below it, so every canvas runs all its steps
@@ -71,8 +72,8 @@ class BenchSettings:
     train_preset: str | None = None  # default: cpu-small (CPU) / lite-380m (CUDA), tiny with the tiny preset
     train_steps: int | None = None  # timed optimizer steps per objective; default: `repeats`
     threads: int | None = None
-    quantize: str | None = None  # "int8" / "int4": weight-only (dgemma/quantize.py), for dgemma's paths only
-    offload_experts: bool = False  # experts read from a memory-mapped file per layer (dgemma/offload.py)
+    quantize: str | None = None  # "int8" / "int4": weight-only (dgemma/weights/quantize.py), for dgemma's paths only
+    offload_experts: bool = False  # experts read from a memory-mapped file per layer (dgemma/weights/offload.py)
 
     def __post_init__(self) -> None:
         if (self.preset is None) == (self.model_dir is None):
@@ -104,7 +105,7 @@ class BenchSettings:
         if self.quantize is not None and self.quantize not in costs.QUANTIZE_MODES:
             raise ConfigError(f"quantize must be one of {', '.join(costs.QUANTIZE_MODES)}, got {self.quantize!r}")
         if self.quantize is not None:  # before the machine's peaks are measured: int4 has no CPU kernel
-            from dgemma.quantize import check_supported
+            from dgemma.weights.quantize import check_supported
 
             check_supported(self.quantize, self.device, self.torch_dtype)
         if self.quantize is not None and self.compile:
@@ -344,7 +345,7 @@ def bench_generation(s: BenchSettings, peak_flops: float, bandwidth: float) -> d
         else:  # allocated once, in the target dtype, on the device (26B in fp32 first would not fit an H200)
             model = _random_model(PRESETS[s.preset], dtype, s.device, s.seed, s.quantize)  # type: ignore[index]
         if s.offload_experts:
-            from dgemma.offload import offload_experts
+            from dgemma.weights.offload import offload_experts
 
             offload_experts(model, Path(tmp) / "experts.safetensors")
         hf = load_hf_model(path, dtype=dtype, device=s.device, eager=False) if s.compare_transformers else None  # type: ignore[arg-type]
@@ -390,7 +391,7 @@ def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int, 
         model = DiffusionGemma(cfg)
     if quantize is None:
         return randomize_(model.to(dtype).to_empty(device=device), seed).eval()
-    from dgemma import quantize as q
+    from dgemma.weights import quantize as q
 
     q.check_supported(quantize, device, dtype)
     layers, model.layers = model.layers, nn.ModuleList()

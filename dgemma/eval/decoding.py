@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma import sampling
-from dgemma.console import Progress
-from dgemma.generate import Trace, generate
-from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.model import DiffusionGemma
-from dgemma.request_rules import eos_index
+from dgemma.io.console import Progress
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling import rules
+from dgemma.sampling.generate import Trace, generate
+from dgemma.sampling.generation_config import GenerationConfig, offset_seed
+from dgemma.sampling.request_rules import eos_index
 from dgemma.train.nelbo import ar_token_nll
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
@@ -153,22 +153,22 @@ def ar_decode(model: DiffusionGemma, prompt: Tensor, config: GenerationConfig, *
               generator: torch.Generator | None = None, on_token: Callable[[int], None] | None = None) -> list[int]:
     """An autoregressive run's (objective 'ar') continuation of `prompt` (1-D ids) with the KV cache: commit the
     prompt, then per token read the next-token logits `commit` returns, apply `config`'s sampling controls (the
-    penalties and bias, then `temperature`, then top_k / top_p / min_p: sampling.penalize and truncate, as the
+    penalties and bias, then `temperature`, then top_k / top_p / min_p: rules.penalize and truncate, as the
     diffusion sampler's draw), sample and commit it, so that each new token costs one backbone pass over one token.
     Up to `config.max_new_tokens` tokens, the first of `config.eos_token_id` included; `on_token` sees each."""
     ids = prompt.to(model.device)[None]
     cache = model.new_cache(1, ids.shape[1] + config.max_new_tokens)
     logits = model.next_token_logits(ids, cache)  # (1, P, V)
-    seen = sampling.Seen.of(ids, logits.shape[-1]) if config.penalizes else None
+    seen = rules.Seen.of(ids, logits.shape[-1]) if config.penalizes else None
     nothing = torch.zeros(1, 1, dtype=torch.long, device=ids.device)  # no canvas carries a token here
     out: list[int] = []
     for _ in range(config.max_new_tokens):
         z = logits[:, -1:].float()
         if seen is not None:
-            sampling.penalize(z, config, seen, nothing, nothing.bool())
+            rules.penalize(z, config, seen, nothing, nothing.bool())
         z = z.double() / temperature
         if config.truncates:
-            sampling.truncate(z, config)
+            rules.truncate(z, config)
         tok = torch.multinomial(torch.softmax(z[:, 0], dim=-1), 1, generator=generator)  # (1, 1)
         out.append(int(tok))
         if on_token is not None:

@@ -33,10 +33,6 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import dirkind
-from dgemma.checkpoint import CheckpointError, latest_checkpoint, resolve_model_dir
-from dgemma.config import PRESETS
-from dgemma.console import Streamer
 from dgemma.data import prepare
 from dgemma.data.shards import TokenDataset, decode_documents, unigram_cross_entropy
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
@@ -44,13 +40,17 @@ from dgemma.eval.curves import read_metrics, tighter_bound
 from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words, words_per_64_tokens
 from dgemma.eval.demo_training import TrainingJob, train_side_by_side
 from dgemma.eval.judging import prompt_dependence, retokenize
-from dgemma.fsio import write_text
-from dgemma.generate import generate
-from dgemma.loading import load_model
-from dgemma.model import DiffusionGemma
+from dgemma.io import dirkind
+from dgemma.io.console import Streamer
+from dgemma.io.fsio import write_text
+from dgemma.model.config import PRESETS
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling.generate import generate
 from dgemma.train import run_dir
 from dgemma.train.config import TrainConfig
 from dgemma.train.run_dir import METRICS
+from dgemma.weights.checkpoint import CheckpointError, latest_checkpoint, resolve_model_dir
+from dgemma.weights.loading import load_model
 
 DEPENDENCE_SCORER = ("the AR baseline (the demo has no other judge), in float64, on the re-tokenized text; it "
                      "scores its own continuations too")

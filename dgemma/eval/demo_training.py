@@ -27,8 +27,8 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma.console import Console, Eta, duration
 from dgemma.eval.curves import bound_of
+from dgemma.io.console import Console, Eta, duration
 from dgemma.train.config import TrainConfig
 from dgemma.train.loop import train
 from dgemma.train.run_dir import METRICS

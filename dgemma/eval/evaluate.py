@@ -5,7 +5,7 @@ Likelihood (nats per token, with bits per byte beside them), each a loop over th
     x0 cross-entropy     the training objective at t ~ U{1..T}, without self-conditioning (seed 003 section 7).
                          Not a likelihood: it is what the model is trained on, reported as the seed reports it.
     NELBO                an upper bound on the held-out NLL, canvas by canvas given the clean prefix; the maths
-                         (reverse KLs, stratified t, the posteriors) is dgemma/likelihood.py.
+                         (reverse KLs, stratified t, the posteriors) is dgemma/diffusion/likelihood.py.
     AR cross-entropy     next-token loss of an autoregressive run (objective 'ar') on the same held-out tokens.
 
 Cost, speed and sample quality: the frontier (dgemma/eval/frontier.py: the decode runs of dgemma/eval/decoding.py,
@@ -32,14 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma.attention import IMPLS
-from dgemma.console import Progress
-from dgemma.eval.curves import learning_curves
-from dgemma.eval.frontier import decode_frontier, frontier_points
-from dgemma.eval.judging import Z95, judge_description
-from dgemma.generate import Trace
-from dgemma.generation_config import GenerationConfig
-from dgemma.likelihood import (
+from dgemma.diffusion.likelihood import (
     LEVEL_BINS,
     Posterior,
     clean_context_posterior,
@@ -48,7 +41,14 @@ from dgemma.likelihood import (
     window_nelbo,
     window_nelbo_continuous,
 )
-from dgemma.model import DiffusionGemma
+from dgemma.eval.curves import learning_curves
+from dgemma.eval.frontier import decode_frontier, frontier_points
+from dgemma.eval.judging import Z95, judge_description
+from dgemma.io.console import Progress
+from dgemma.model.attention import IMPLS
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling.generate import Trace
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train.nelbo import EvalError, ar_token_nll, estimate, x0_ce_per_canvas
 
 REPORT_FORMAT = "dgemma-eval-1"
@@ -204,8 +204,8 @@ class RunInfo:
 
 def run_info(path: str | Path) -> RunInfo:
     """Resolve a run (RUN/checkpoints/step-*, the newest) or a model directory, with its train config and tokenizer."""
-    from dgemma.checkpoint import resolve_model_dir
     from dgemma.train.config import CONFIG_JSON
+    from dgemma.weights.checkpoint import resolve_model_dir
 
     path = Path(path)
     if not path.exists():
@@ -274,7 +274,7 @@ class EvalSettings:
     ar_temperatures: tuple[float, ...] = (1.0,)  # the AR baseline's frontier
     bootstrap: int = 1000  # resamples of the gen-PPL interval
     progress: bool = True
-    impl: str = "reference"  # the kernels of every model (dgemma/attention.py): diffusion and AR alike
+    impl: str = "reference"  # the kernels of every model (dgemma/model/attention.py): diffusion and AR alike
 
     def check(self) -> None:
         """Each bad setting is an EvalError naming its flag."""
@@ -316,8 +316,8 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     baseline."""
     from dgemma.data.shards import TokenDataset, check_token_range, verify
     from dgemma.data.tokenizer import check_vocab, load_tokenizer
-    from dgemma.loading import load_model
     from dgemma.train.config import CONFIG_JSON
+    from dgemma.weights.loading import load_model
 
     s = settings or EvalSettings()
     s.check()

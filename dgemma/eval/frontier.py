@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dgemma.config import ConfigError
 from dgemma.eval.decoding import (
     DecodeRun,
     ar_job,
@@ -46,10 +45,11 @@ from dgemma.eval.decoding import (
 )
 from dgemma.eval.judging import point_stats, prompt_dependence, retokenize
 from dgemma.eval.viz import renoised_fraction
-from dgemma.generate import Trace
-from dgemma.generation_config import SAMPLERS, GenerationConfig
-from dgemma.model import DiffusionGemma
-from dgemma.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem
+from dgemma.model.config import ConfigError
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling.generate import Trace
+from dgemma.sampling.generation_config import SAMPLERS, GenerationConfig
+from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem
 from dgemma.train.nelbo import EvalError
 
 # What every point shares, so that the points compare: the new-token budget, the stop tokens and padding.

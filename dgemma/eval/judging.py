@@ -30,7 +30,7 @@ from torch import Tensor
 
 from dgemma.eval.curves import METRICS, read_metrics
 from dgemma.eval.decoding import DecodeRun, distinct_n, sample_nlls, unigram_entropy
-from dgemma.request_rules import eos_index
+from dgemma.sampling.request_rules import eos_index
 
 Z95 = 1.959963984540054  # the 97.5% point of the standard normal
 BOOTSTRAP_RESAMPLES = 1000

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from dgemma import fsio
 from dgemma.eval.curves import curves_markdown
 from dgemma.eval.viz import figure, pyplot, save_figure
-from dgemma.generate import Trace
+from dgemma.io import fsio
+from dgemma.sampling.generate import Trace
 
 # --- the report -----------------------------------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from dgemma.adapters import AdapterError, AdapterNameError
 from dgemma.serving.api import parse_json
 from dgemma.serving.engine import EngineError
 from dgemma.serving.errors import APIError
 from dgemma.serving.guards import read_body, require_json
+from dgemma.weights.adapters import AdapterError, AdapterNameError
 
 log = logging.getLogger("dgemma.serve")
 
@@ -47,7 +47,7 @@ def add_adapter_routes(app: FastAPI, state: Any) -> None:
                            param="lora_name")
         try:  # off the event loop and the engine thread: a slow disk holds up only this request
             await run_in_threadpool(state.engine.load_adapter, name, path)
-        except AdapterNameError as e:  # not a safe name (dgemma/adapters.py: check_name), or taken
+        except AdapterNameError as e:  # not a safe name (dgemma/weights/adapters.py: check_name), or taken
             raise APIError(f"lora_name: {e}", param="lora_name") from None
         except AdapterError as e:
             raise APIError(f"lora_path: {e}", param="lora_path") from None

@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dgemma.config import ConfigError, is_int, is_real
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
-from dgemma.generation_config import MIN_TEMPERATURE, SEED_RANGE, GenerationConfig, is_seed, offset_seed
-from dgemma.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem, request_passes
+from dgemma.model.config import ConfigError, is_int, is_real
+from dgemma.sampling.generation_config import MIN_TEMPERATURE, SEED_RANGE, GenerationConfig, is_seed, offset_seed
+from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem, request_passes
 from dgemma.serving.choice import stop_strings
 from dgemma.serving.errors import APIError, as_list, short
 from dgemma.serving.formats import check_call_budget, response_constraint, tool_constraint, tools_of
@@ -116,7 +116,7 @@ class GenerationRequest:
     include_denoising: bool
     stop: tuple[str, ...]
     conventions: tuple[Convention, ...]  # how to split the output (chat with a template that marks spans)
-    constraint: Any = None  # dgemma.constraint.Constraint of response_format json_object / json_schema, or None
+    constraint: Any = None  # sampling.constraint.Constraint of response_format json_object / json_schema, or None
     # the request's own max_tokens field ("max_tokens" or "max_completion_tokens"), None where it gave none (the
     # server's default is then clamped to what fits beside the prompt)
     max_tokens_field: str | None = None

@@ -40,7 +40,7 @@ from dgemma.data.templates import (
     ParsedOutput,
 )
 from dgemma.data.tokenizer import Tokenizer
-from dgemma.generation_config import GenerationConfig
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.adapter_routes import add_adapter_routes
 from dgemma.serving.api import (
     DEFAULT_BODY_TIMEOUT,

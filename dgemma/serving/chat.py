@@ -16,9 +16,9 @@ import torch
 
 from dgemma.data.templates import ChatTemplate
 from dgemma.data.tokenizer import Tokenizer, encode_template
-from dgemma.generate import GenerationResult, generate
-from dgemma.generation_config import GenerationConfig, offset_seed
-from dgemma.request_rules import eos_index, resolve_generation_config
+from dgemma.sampling.generate import GenerationResult, generate
+from dgemma.sampling.generation_config import GenerationConfig, offset_seed
+from dgemma.sampling.request_rules import eos_index, resolve_generation_config
 
 
 class ContextFullError(ValueError):

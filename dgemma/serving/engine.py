@@ -16,7 +16,7 @@ N. Each request draws from its own generator (seeded by its `seed`) with the sam
 row on that row's logits; with the fast kernels a request the fast sampler implements runs its step (`_fast`).
 The batched pass computes each row exactly as a batch of its own (attention per row over its own cache view; the
 routed experts per row, or in whole row blocks with the fast kernels), so a request's tokens never depend on who else
-is served; with the reference kernels they equal `generate(..., impl="reference")`'s (tests/test_engine.py).
+is served; with the reference kernels they equal `generate(..., impl="reference")`'s (tests/serving/test_engine.py).
 
 The canvases that finish at the same step are committed in one batched pass over their rows' views of the pool
 (`KVCache.rows`); a prompt is prefilled on its own when its request is admitted, so a long prompt holds the other rows
@@ -41,21 +41,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dgemma import fast_sampler, kernels
-from dgemma.adapters import AdapterRows, AdapterSet
-from dgemma.attention import Impl, check_impl
-from dgemma.canvas import StagedCanvas, StepInfo
-from dgemma.constraint import Constraint, ConstraintState
-from dgemma.fast_sampler import FastSampler
-from dgemma.generate import CanvasSampler
-from dgemma.generation_config import SEED_MAX, GenerationConfig, GenerationError
-from dgemma.kv_cache import KVCache
-from dgemma.memory import check_memory
-from dgemma.model import DiffusionGemma
-from dgemma.request_rules import check_logit_bias, check_prompt, check_seed, eos_index, new_token_budget, sliding_prefix
-from dgemma.sampling import Seen
+from dgemma.model import kernels
+from dgemma.model.attention import Impl, check_impl
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.model.kv_cache import KVCache
+from dgemma.model.memory import check_memory
+from dgemma.sampling import fast_sampler
+from dgemma.sampling.canvas import StagedCanvas, StepInfo
+from dgemma.sampling.constraint import Constraint, ConstraintState
+from dgemma.sampling.fast_sampler import FastSampler
+from dgemma.sampling.generate import CanvasSampler
+from dgemma.sampling.generation_config import SEED_MAX, GenerationConfig, GenerationError
+from dgemma.sampling.request_rules import (
+    check_logit_bias,
+    check_prompt,
+    check_seed,
+    eos_index,
+    new_token_budget,
+    sliding_prefix,
+)
+from dgemma.sampling.rules import Seen
 from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS, GrammarSteps
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
+from dgemma.weights.adapters import AdapterRows, AdapterSet
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +86,7 @@ class StepEvent:
     argmax: list[int]  # (L,) the model's current prediction for the canvas
     accepted: list[bool]  # (L,) positions the sampler kept this step
     entropy: list[float]  # (L,) nats
-    grammar: list[int] | None = None  # (L,) with a constraint: 0 free, 1 pinned, 2 closed (dgemma/constraint.py)
+    grammar: list[int] | None = None  # (L,) with a constraint: 0 free, 1 pinned, 2 closed (sampling/constraint.py)
 
 
 @dataclass(frozen=True)
@@ -182,8 +190,8 @@ class Engine:
     `max_context` committed tokens each are preallocated (the memory pre-flight refuses a pool larger than free memory
     unless `force`); `max_queue` requests may wait for a row. `impl`: the kernels (default: the model's).
     `prefix_cache`: tokens of prompt K/V kept across requests (0: none; rounded down to whole blocks of
-    `prefix_block` tokens). `adapters` (dgemma/adapters.py:AdapterSet): LoRA adapters of `model` a request may name
-    (`submit(adapter=)`); rows with different adapters, and none, share each batched pass."""
+    `prefix_block` tokens). `adapters` (dgemma/weights/adapters.py:AdapterSet): LoRA adapters of `model` a request may
+    name (`submit(adapter=)`); rows with different adapters, and none, share each batched pass."""
 
     def __init__(self, model: DiffusionGemma, *, max_batch: int = 16, max_context: int = 4096, max_queue: int = 256,
                  impl: Impl | None = None, force: bool = False, prefix_cache: int = 0,
@@ -269,8 +277,9 @@ class Engine:
                adapter: str | None = None) -> Request:
         """Queue a request for whole canvases after `prompt_ids`; its events go to `on_event`, called from the engine
         thread, in order: StepEvents (with `stream_steps`) and CanvasEvents, then one DoneEvent. `constraint`
-        (dgemma/constraint.py): a grammar every committed canvas keeps the output a valid prefix of. `logprobs`:
-        the CanvasEvents carry each token's log-probability and this many alternatives (CanvasEvent.logprobs).
+        (dgemma/sampling/constraint.py): a grammar every committed canvas keeps the output a valid prefix of.
+        `logprobs`: the CanvasEvents carry each token's log-probability and this many alternatives
+        (CanvasEvent.logprobs).
         `adapter`: the name of one of the engine's LoRA `adapters` to run the request on (None: the model itself).
         Raises EngineError for a request that cannot run, QueueFullError when the queue is full."""
         if not isinstance(config, GenerationConfig):

@@ -1,4 +1,4 @@
-"""What a request's output must be, as grammars (dgemma/constraint.py): `response_format` (json_object,
+"""What a request's output must be, as grammars (dgemma/sampling/constraint.py): `response_format` (json_object,
 json_schema) and a forced `tool_choice` ("required", a named function) in the template's tool-call syntax; and the
 `tools` a request gives its template. Pure functions: a body in, a Constraint (or None) out, or an APIError naming the
 field (docs/serving.md)."""
@@ -9,13 +9,13 @@ from typing import Any
 
 from dgemma.data.templates import ChatTemplate, tool_call_grammar
 from dgemma.data.tokenizer import Tokenizer
-from dgemma.generation_config import GenerationConfig
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.errors import APIError, as_list
 
 
 def response_constraint(fmt: Any, tokenizer: Tokenizer, base: GenerationConfig) -> Any:
-    """The Constraint of a request's response_format, chat or completions (dgemma/constraint.py): None for none or
-    {"type": "text"}; {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name",
+    """The Constraint of a request's response_format, chat or completions (dgemma/sampling/constraint.py): None for none
+    or {"type": "text"}; {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema": {"name",
     "schema", "strict", "description"}}: JSON valid against the schema (always strictly: the grammar admits nothing
     else). A schema the grammar engine cannot compile is a 400 naming it."""
     if fmt is None or fmt == {"type": "text"}:
@@ -28,7 +28,7 @@ def response_constraint(fmt: Any, tokenizer: Tokenizer, base: GenerationConfig) 
     if extra or (fmt["type"] != "json_schema" and "json_schema" in fmt):
         raise APIError(f"{where}: unknown field(s) {', '.join(extra or ['json_schema'])} for type "
                        f"{fmt['type']!r}", param=where)
-    from dgemma.constraint import Constraint, ConstraintError
+    from dgemma.sampling.constraint import Constraint, ConstraintError
 
     common = {"eos_token_id": base.eos_token_id}
     try:
@@ -90,8 +90,8 @@ def tool_constraint(body: dict[str, Any], tools: list[dict[str, Any]] | None, te
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise APIError(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
-    from dgemma.constraint import JSON_LAYOUT, Constraint, ConstraintError
-    from dgemma.schema_rules import calendar_dates
+    from dgemma.sampling.constraint import JSON_LAYOUT, Constraint, ConstraintError
+    from dgemma.sampling.schema_rules import calendar_dates
 
     tools = calendar_dates(tools)  # each function's dates as validators read them, as for response_format
     specials = {text: i for i, text in tokenizer.special_tokens().items()}

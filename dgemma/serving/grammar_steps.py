@@ -1,7 +1,7 @@
 """Grammar work off the engine thread: the sampler steps of requests with a grammar (response_format, a forced
-tool_choice; dgemma/constraint.py) run on a small pool of worker threads, so a grammar that is slow to mask holds its
-own row only. The engine hands a row's logits over (`submit`), leaves the row out of its batched passes while the
-step runs (`busy`), and takes the result back between passes (`done`): the staged canvas and its log-probabilities
+tool_choice; dgemma/sampling/constraint.py) run on a small pool of worker threads, so a grammar that is slow to mask
+holds its own row only. The engine hands a row's logits over (`submit`), leaves the row out of its batched passes while
+the step runs (`busy`), and takes the result back between passes (`done`): the staged canvas and its log-probabilities
 when the step finished it (its grammar already advanced over it), else None.
 
 Each step's grammar work has a budget (`step_seconds`, GRAMMAR_STEP_SECONDS by default): past it, or once its

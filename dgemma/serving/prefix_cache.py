@@ -10,8 +10,8 @@ Token identity, by construction. With a prefix cache the engine prefills every p
 (`chunks`): block k is committed on its own, attending to the blocks before it. A position's K/V then depends on
 exactly the tokens its block's digest covers, computed by exactly the same ops, so a stored block holds bit for bit
 what the request would have computed itself, and a request's tokens are the same whether its prefix came from the
-cache or not (tests/test_prefix_cache.py). (Prefilling a prompt whole instead would give K/V that differ from the
-chunked ones in the last bits, so a cached prefix would change tokens now and then; this is why the chunking is part
+cache or not (tests/serving/test_prefix_cache.py). (Prefilling a prompt whole instead would give K/V that differ from
+the chunked ones in the last bits, so a cached prefix would change tokens now and then; this is why the chunking is part
 of the rule rather than a speed choice.)
 
 The store is a fixed pool of `capacity` blocks (every layer's keys and values, as the engine's pool), bounded when it
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dgemma.config import ModelConfig
-from dgemma.kv_cache import KVCache
+from dgemma.model.config import ModelConfig
+from dgemma.model.kv_cache import KVCache
 
 DEFAULT_BLOCK_SIZE = 256  # tokens: chunks this long prefill as fast as a whole prompt on a CPU (docs/benchmarks.md)
 

@@ -7,8 +7,9 @@ It runs on a worker thread, straight on the engine's model and beside the engine
 function of the weights (no KV cache, no module state written, no gradient), which PyTorch runs safely alongside
 the engine's own passes on CPU and CUDA. One scoring pass runs at a time (`_ONE_AT_A_TIME`), so scoring requests
 share the device with generation rather than crowd it. A request naming one of the engine's LoRA adapters is scored
-with it (its rows' deltas are an argument of the pass, dgemma/adapters.py, not a state of the model). Not safe with a
-model whose forward moves state (CUDA expert offload's fetch/evict): such a model must score on the engine's thread.
+with it (its rows' deltas are an argument of the pass, dgemma/weights/adapters.py, not a state of the model). Not safe
+with a model whose forward moves state (CUDA expert offload's fetch/evict): such a model must score on the engine's
+thread.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from dgemma.likelihood import score_continuation
+from dgemma.diffusion.likelihood import score_continuation
 from dgemma.serving.api import GenerationRequest
 from dgemma.serving.errors import APIError
 

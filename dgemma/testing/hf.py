@@ -33,7 +33,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from dgemma.config import ModelConfig
+    from dgemma.model.config import ModelConfig
 
 _LAZY = {"DiffusionGemmaConfig": "transformers", "DiffusionGemmaForBlockDiffusion": "transformers",
          "EntropyBoundSamplerConfig": "transformers.models.diffusion_gemma.generation_diffusion_gemma"}

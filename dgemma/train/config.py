@@ -10,14 +10,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dgemma import lora
-from dgemma.attention import IMPLS
-from dgemma.checkpoint import resolve_model_dir
-from dgemma.config import PRESETS, ConfigError, ModelConfig, read_json
-from dgemma.generation_config import SEED_RANGE, is_seed
+from dgemma.model.attention import IMPLS
+from dgemma.model.config import PRESETS, ConfigError, ModelConfig, read_json
+from dgemma.sampling.generation_config import SEED_RANGE, is_seed
 from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, TIME
 from dgemma.train.distributed import PARALLEL
 from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
+from dgemma.weights import lora
+from dgemma.weights.checkpoint import resolve_model_dir
 
 CONFIG_JSON = "train_config.json"
 # TrainConfig.preset's default, as a constant: on a slots=True dataclass `TrainConfig.preset` is a member descriptor.
@@ -40,7 +40,7 @@ class TrainConfig:
     """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.
     `dgemma train` builds one flag per field."""
 
-    preset: str = _opt("model preset (dgemma.config.PRESETS)", default=DEFAULT_PRESET)
+    preset: str = _opt("model preset (dgemma.model.config.PRESETS)", default=DEFAULT_PRESET)
     vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
     canvas_length: int | None = _opt("override the preset's canvas length L, the tokens denoised together "
                                      "(default: the preset's)", default=None)
@@ -89,8 +89,8 @@ class TrainConfig:
                                        "load in transformers)", default=None)
     observed_likelihood: bool | None = _opt("the posterior p(x0 | x_s) multiplies the network's prediction by the "
                                             "likelihood q(x_s | x0) of each token's own observation (exact Bayes; "
-                                            "dgemma/noise.py), so a clean-looking token is near-certain at low noise "
-                                            "(default: the preset's, or init_from's; such a checkpoint does not "
+                                            "diffusion/noise.py), so a clean-looking token is near-certain at low "
+                                            "noise (default: the preset's, or init_from's; such a checkpoint does not "
                                             "load in transformers)", default=None)
     self_conditioning_prob: float = _opt("probability of the self-conditioning pre-pass", default=0.5)
     ar_weight: float = _opt("weight of a next-token loss on the clean stream (clean-context)", default=0.0)

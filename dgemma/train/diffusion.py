@@ -1,6 +1,6 @@
 """The training side of uniform-state block diffusion (seed 003): the noise levels of a batch and the losses (the
-forward process: dgemma/noise.py; the bound's KLs and the posterior: dgemma/likelihood.py; the masks of each
-objective: dgemma/attention.py).
+forward process: dgemma/diffusion/noise.py; the bound's KLs and the posterior: dgemma/diffusion/likelihood.py; the masks
+of each objective: dgemma/model/attention.py).
 
 Forward process (D3PM, uniform state). A clean canvas x0 at noise level s in [0, 1] is corrupted in one shot:
 
@@ -38,11 +38,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dgemma.attention import causal_masks, clean_context_masks, noisy_context_masks
 from dgemma.data.sft import ChatBatch, sft_masks
-from dgemma.likelihood import continuous_kl, posterior_logits, reverse_kl
-from dgemma.model import DiffusionGemma
-from dgemma.noise import alpha, corrupt, draw_rows, observation_boost, q_sample
+from dgemma.diffusion.likelihood import continuous_kl, posterior_logits, reverse_kl
+from dgemma.diffusion.noise import alpha, corrupt, draw_rows, observation_boost, q_sample
+from dgemma.model.attention import causal_masks, clean_context_masks, noisy_context_masks
+from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.train.head_loss import fused_head_loss
 
 Objective = Literal["clean-context", "noisy-context", "ar"]

@@ -46,12 +46,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgemma import fsio, kernels, quiet
-from dgemma.checkpoint import MODEL_FILES, SHARDED_STATE, STATE, resolve_model_dir, save_pretrained
-from dgemma.config import ConfigError, ModelConfig, read_json
-from dgemma.generation_config import GenerationConfig
-from dgemma.model import DiffusionGemma
+from dgemma.io import fsio, quiet
+from dgemma.io.dirkind import SHARDED_STATE, STATE
+from dgemma.model import kernels
+from dgemma.model.config import ConfigError, ModelConfig, read_json
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import run_dir
+from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
 
 T = TypeVar("T")
 PARALLEL = ("ddp", "fsdp")
@@ -233,7 +235,7 @@ class Dist:
             for block in model.layers:
                 fully_shard(block, **kw)
             fully_shard(net, **kw)  # the root: embedding (tied head), final norm, self-conditioning
-            quiet.fsdp_view_outputs()  # a false alarm for dgemma's modules (dgemma/quiet.py)
+            quiet.fsdp_view_outputs()  # a false alarm for dgemma's modules (dgemma/io/quiet.py)
             if fill_from is not None:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -3,16 +3,16 @@ cross-entropy, with the gradient computed in the forward pass a chunk of rows at
 
     per chunk of rows h (n, D), targets y (n,):
         z = h W^T                          the head (fp32)
-        u = c tanh(z / c)                  Gemma's softcap (dgemma/model.py:DiffusionGemma.logits)
-        u[y_obs] += boost                  the observation's logit boost (dgemma/noise.py:observe), if any
+        u = c tanh(z / c)                  Gemma's softcap (dgemma/model/diffusiongemma.py:DiffusionGemma.logits)
+        u[y_obs] += boost                  the observation's logit boost (dgemma/diffusion/noise.py:observe), if any
         loss += sum(logsumexp(u) - u[y])
         g = softmax(u) - onehot(y)         d loss / d u
         g *= 1 - tanh(z / c)^2             d loss / d z
         dh = g W,   dW += g^T h            kept for backward, which only scales them by the incoming gradient
 
 Its readable twin is `train.diffusion.x0_cross_entropy`'s chunk loss (the model's own head, `F.cross_entropy`,
-autograd, activation checkpointing over chunks), and `tests/test_head_loss.py` pins the two together (loss and both
-gradients to rounding). What it saves on a CPU: the (n, V) passes of autograd's softcap and log-softmax backward
+autograd, activation checkpointing over chunks), and `tests/train/test_head_loss.py` pins the two together (loss and
+both gradients to rounding). What it saves on a CPU: the (n, V) passes of autograd's softcap and log-softmax backward
 (tanh_backward, the division, _log_softmax_backward_data) and, for more rows than one chunk, the checkpoint's second
 forward through the head (docs/benchmarks.md, "Training step"). The gradient of the hidden states and of the tied
 embedding are exact sums over the chunks, computed where the chunk's probabilities are in memory.

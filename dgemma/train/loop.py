@@ -2,7 +2,7 @@
 `dist` argument, dgemma/train/distributed.py: the same loop, with each micro-batch split across the ranks). The same
 loop fine-tunes a checkpoint (`init_from`): on token shards, or with `objective="sft"` on a chat JSONL file
 (dgemma/data/sft.py packs it, `train/diffusion.py:sft_loss` scores the answers), every weight or LoRA adapters
-(`lora_rank`, dgemma/lora.py).
+(`lora_rank`, dgemma/weights/lora.py).
 
     for step in range(start, max_steps):
         lr = warmup then cosine
@@ -51,18 +51,16 @@ from typing import Any, TextIO
 
 import torch
 
-from dgemma import fsio, lock, lora
-from dgemma.checkpoint import resolve_model_dir
-from dgemma.config import ConfigError, ModelConfig
-from dgemma.console import Console, Eta, duration
 from dgemma.data.sft import ChatData
 from dgemma.data.shards import TokenDataset, check_token_range, sha256_file, verify
 from dgemma.data.templates import load_chat_template
 from dgemma.data.tokenizer import check_vocab, load_tokenizer
-from dgemma.generation_config import GenerationConfig
-from dgemma.likelihood import nelbo_per_window
-from dgemma.loading import init_weights, load_model
-from dgemma.model import DiffusionGemma
+from dgemma.diffusion.likelihood import nelbo_per_window
+from dgemma.io import fsio, lock
+from dgemma.io.console import Console, Eta, duration
+from dgemma.model.config import ConfigError, ModelConfig
+from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import distributed, run_dir
 from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate
 from dgemma.train.diffusion import LossOutput, sft_loss, training_loss
@@ -70,6 +68,9 @@ from dgemma.train.distributed import Dist, checkpoint_world_size, load_into, res
 from dgemma.train.nelbo import window_cross_entropy
 from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.train.run_dir import NonFiniteError
+from dgemma.weights import lora
+from dgemma.weights.checkpoint import resolve_model_dir
+from dgemma.weights.loading import init_weights, load_model
 
 # A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
 # steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
@@ -128,7 +129,7 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
 
         val_loss, val_loss_se     the objective's loss (the x0 cross-entropy of a diffusion run: seed 003's held-out
                                   measure; the next-token cross-entropy of an AR run), its SE across micro-batches
-        val_nelbo, val_nelbo_se   diffusion runs with nelbo_steps > 0: the NELBO (dgemma/likelihood.py) at
+        val_nelbo, val_nelbo_se   diffusion runs with nelbo_steps > 0: the NELBO (dgemma/diffusion/likelihood.py) at
                                   T = nelbo_steps (default: the training T of a discrete-time run) with
                                   eval_t_samples stratified t per canvas, an upper bound on the held-out NLL that
                                   compares with the AR run's val_loss; SE across windows

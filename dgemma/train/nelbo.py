@@ -1,6 +1,7 @@
 """The statistics of held-out estimates and the held-out cross-entropies (docs/evaluation.md, section 1): `Estimate`
 (a per-token mean over held-out windows with its standard error), the x0 cross-entropy (`x0_ce_per_canvas`) and the
-next-token one (`ar_token_nll`). The NELBO itself is `dgemma.likelihood`'s; `dgemma.eval.evaluate` runs the loops.
+next-token one (`ar_token_nll`). The NELBO itself is `dgemma.diffusion.likelihood`'s; `dgemma.eval.evaluate` runs the
+loops.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dgemma.attention import causal_masks
-from dgemma.likelihood import posterior_of
-from dgemma.model import DiffusionGemma
-from dgemma.noise import alpha, corrupt, draw_rows, q_sample
+from dgemma.diffusion.likelihood import posterior_of
+from dgemma.diffusion.noise import alpha, corrupt, draw_rows, q_sample
+from dgemma.model.attention import causal_masks
+from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.train.diffusion import sample_canvas_t, sample_levels
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from dgemma import costs
-from dgemma.system import available_memory
+from dgemma.io.system import available_memory
+from dgemma.model import costs
 
 TrainConfig = Any  # dgemma.train.config.TrainConfig (imported from there it would make a cycle)
 

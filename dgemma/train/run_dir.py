@@ -26,8 +26,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from dgemma import dirkind, fsio
-from dgemma.checkpoint import (
+from dgemma.io import dirkind, fsio
+from dgemma.io.dirkind import RECORD
+from dgemma.weights.checkpoint import (
     CHECKPOINTS,
     MODEL_FILES,
     SHARDED_STATE,
@@ -38,7 +39,6 @@ from dgemma.checkpoint import (
     resolve_model_dir,
     save_pretrained,
 )
-from dgemma.dirkind import RECORD
 
 METRICS, LATEST = "metrics.jsonl", "latest"
 T = TypeVar("T")
@@ -122,7 +122,7 @@ def check_writable(run: Path, resume: bool, fingerprint: dict[str, Any], allow_n
     """Whether a writer may train in `run` (read-only): a new or empty directory; with `resume` (or for a run killed
     before its first checkpoint) a run whose recorded config passes `check_config(saved, source)` and whose data is
     the same (unless `allow_new_data`). Returns the run's record (None for a new run). Any other kind of directory
-    (a data directory, a checkpoint, an adapter: dgemma/dirkind.py) is refused as such."""
+    (a data directory, a checkpoint, an adapter: dgemma/io/dirkind.py) is refused as such."""
     run = Path(run)
     dirkind.require(run, {dirkind.MISSING, dirkind.EMPTY, dirkind.RUN, dirkind.OTHER}, "--out")
     record = read_record(run)
