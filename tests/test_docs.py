@@ -164,6 +164,8 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/bench_threads.py --preset cpu-tiny --train-steps 4 --loads 2 --settle 5 --works train --settings "
     "before,after,no-spin,after-1-thread": ["--preset", "tiny", "--train-steps", "1", "--batch-size", "2",
                                             "--seq-len", "32", "--loads", "0", "--settle", "0"],
+    "python runs/bench_demo.py --loads 0,2 --out runs/out/bench-demo": ["--smoke", "--loads", "0", "--settle", "0",
+                                                                        "--out", "out"],
     "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
     "python runs/profile_fast_step.py --preset bench-small": ["--preset", "tiny", "--repeats", "1"],
     "python runs/quant_quality.py": ["--smoke"],
