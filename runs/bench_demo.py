@@ -39,7 +39,6 @@ def run(out: Path, smoke: bool, timeout: float) -> dict:
         shutil.rmtree(out)  # a fresh run: the demo resumes what it finds
     cmd, figures = demo_command(out, smoke)
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
