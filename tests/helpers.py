@@ -49,6 +49,15 @@ def random_model(name: str, seed: int = 0):
     return randomize_(DiffusionGemma(model_config(name)), seed).eval()
 
 
+def random_init_model(name: str = "tiny", seed: int = 0):
+    """A dgemma model of `model_config(name)` as `--random-init` builds it (dgemma's `init_weights` from `seed`),
+    eval."""
+    from dgemma.model.diffusiongemma import DiffusionGemma
+    from dgemma.weights.loading import init_weights
+
+    return init_weights(DiffusionGemma(model_config(name)), seed).eval()
+
+
 def running_server(app):
     """A context manager: serve the ASGI `app` with uvicorn from a background thread on a free port of 127.0.0.1;
     yields its base URL ("http://127.0.0.1:PORT") and stops the server on exit."""
