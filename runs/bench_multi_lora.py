@@ -20,8 +20,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,13 +27,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import dgemma  # noqa: E402
-from dgemma.serving.engine import Engine  # noqa: E402
-from dgemma.weights import lora  # noqa: E402
-from dgemma.weights.adapters import AdapterSet  # noqa: E402
+import dgemma
+from dgemma.io.system import git_commit
+from dgemma.serving.engine import Engine
+from dgemma.weights import lora
+from dgemma.weights.adapters import AdapterSet
 
 NO_STOP = 1e-38  # confidence_threshold: a canvas never counts as confident, so it runs all its steps
 
@@ -138,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             alone["adapter"].append(throughput(engine, [(prompts[0], names[0], 0)], config))
     med = {k: statistics.median(v) for k, v in results.items()}
     single = {k: statistics.median(v) for k, v in alone.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     base = med["all on the base"]
     print(f"{args.preset}: {len(names)} rank-{args.rank} {args.targets} adapters, {c} requests at once, "
           f"{args.max_tokens} new tokens, {args.steps} steps/canvas, median of {args.repeats} rounds")

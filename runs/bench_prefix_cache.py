@@ -24,20 +24,16 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import dgemma  # noqa: E402
-from dgemma.serving.engine import CanvasEvent, DoneEvent, Engine  # noqa: E402
-from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE  # noqa: E402
+import dgemma
+from dgemma.io.system import git_commit
+from dgemma.serving.engine import CanvasEvent, DoneEvent, Engine
+from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
 
 NO_STOP = 1e-38  # confidence_threshold: a canvas never counts as confident, so it runs all its steps
 
@@ -159,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     tput = {k: statistics.median(v) for k, v in throughput.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     result = {"preset": args.preset, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
               "max_tokens": args.max_tokens, "steps": args.steps, "block": args.block, "repeats": args.repeats,
               "threads": torch.get_num_threads(), "ttfc_s": med, "ttfc_all": times,

@@ -29,17 +29,15 @@ import math
 import os
 import platform
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import httpx
+from harness import Server
 
-ROOT = Path(__file__).resolve().parents[1]
+from dgemma.io.system import git_commit
+
 PROMPT_WORDS = ["the", "lighthouse", "keeper", "climbed", "the", "stairs", "at", "dusk", "and", "lit", "the", "lamp",
                 "while", "the", "sea", "turned", "grey", "and", "a", "small", "boat", "rowed", "home", "past"]
 NO_STOP = 1e-38  # confidence_threshold: a canvas never counts as confident, so it runs all its steps
@@ -71,66 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# --- the server ------------------------------------------------------------------------------------------------------
-
-class Server:
-    """`python -m dgemma serve --port 0` in a subprocess; its URL is read from what it prints."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, "-m", "dgemma", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--max-batch", str(args.max_batch)]
-        cmd += ["--model", args.model] if args.model else ["--preset", args.preset, "--random-init"]
-        if getattr(args, "tokenizer", None):  # its directory's chat template too (runs/structured_output.py)
-            cmd += ["--tokenizer", args.tokenizer]
-        if args.impl:
-            cmd += ["--impl", args.impl]
-        if getattr(args, "max_context", None):
-            cmd += ["--max-context", str(args.max_context)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if args.threads:
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        self.command = cmd
-        self.lines: deque[str] = deque(maxlen=200)
-        self.url: str | None = None
-        self._found = threading.Event()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=os.getcwd())
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            m = re.search(r"https?://(?:127\.0\.0\.1|localhost):(\d+)", line)
-            if m and self.url is None:
-                self.url = f"http://127.0.0.1:{m.group(1)}"
-                self._found.set()
-        self._found.set()
-
-    def wait_ready(self, timeout: float = 120) -> str:
-        deadline = time.monotonic() + timeout
-        self._found.wait(timeout)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if self.url:
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        return self.url
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the server did not come up ({' '.join(self.command)}):\n" + "\n".join(self.lines))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
+# --- the server's metrics (the server: harness.Server) ----------------------------------------------------------------
 
 def metrics(url: str) -> dict[str, float]:
     """The unlabelled samples of /metrics (name -> value)."""
@@ -246,21 +185,17 @@ def machine() -> dict:
     with contextlib.suppress(OSError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
     import torch
 
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "commit": commit}
+            "commit": git_commit()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
-    server = Server(args)
+    server = Server(model=args.model, preset=args.preset, max_batch=args.max_batch, impl=args.impl,
+                    threads=args.threads)
     try:
         url = server.wait_ready()
         asyncio.run(warm_up(url, args))

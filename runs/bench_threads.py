@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"before": {"GOMP_SPINCOUNT": "300000"}, "after": {},
             # the alternatives dgemma's choice was measured against (--settings)
             "no-spin": {"GOMP_SPINCOUNT": "0"}, "after-1-thread": {"OMP_NUM_THREADS": "1"}}
@@ -63,7 +62,6 @@ print(json.dumps({"tokens_per_s": batch * seq * steps / sum(times[1:]), "threads
 
 def measure(work: str, setting: str, args: argparse.Namespace) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in WAIT_VARS} | SETTINGS[setting]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     if work == "train":
         cmd = [sys.executable, "-c", TRAIN, args.preset, str(args.train_steps), str(args.batch_size),
                str(args.seq_len), setting]

@@ -50,11 +50,7 @@ PREPARE=()
 AR_ONLY=()  # flags of the AR run that the diffusion run takes from its start checkpoint instead
 if [[ "$SMOKE" == --smoke ]]; then  # toy corpus, tiny model, two steps and a one-setting evaluation
   STEPS=2
-  "$PY" -c "
-from pathlib import Path
-from dgemma.data.tokenizer import toy_corpus
-s = toy_corpus(120); Path('toy').mkdir(exist_ok=True)
-for i in range(150): Path(f'toy/d{i:03d}.txt').write_text(' '.join(s[(7 * i + j) % len(s)] for j in range(12)))"
+  "$PY" -c "from dgemma.data.tokenizer import write_toy_corpus; write_toy_corpus('toy')"
   PREPARE=(--corpus toy --cache-dir .cache -q)
   EVERY=1
   AR_ONLY=(--vocab-size 1024)

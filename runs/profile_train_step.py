@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -35,15 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import dgemma  # noqa: E402
-from dgemma.eval.bench import measure_matmul_peak, training_flops  # noqa: E402
-from dgemma.model import attention, kernels  # noqa: E402
-from dgemma.train import diffusion  # noqa: E402
-from dgemma.train.config import TrainConfig, train_preset  # noqa: E402
-from dgemma.train.diffusion import training_loss  # noqa: E402
+import dgemma
+from dgemma.eval.bench import measure_matmul_peak, training_flops
+from dgemma.model import attention, kernels
+from dgemma.train import diffusion
+from dgemma.train.config import TrainConfig, train_preset
+from dgemma.train.diffusion import training_loss
 
 FUSABLE = diffusion.fusable
 KINDS = (("matmul", ("mm", "bmm", "addmm", "linear", "grouped_mm", "matmul", "baddbmm")),

@@ -77,12 +77,9 @@ def ensure_trained(model: Path, data: Path, steps: int, smoke: bool) -> None:
     if not (data / "meta.json").exists():
         extra = []
         if smoke:
-            from dgemma.data.tokenizer import toy_corpus
+            from dgemma.data.tokenizer import write_toy_corpus
 
-            s, toy = toy_corpus(120), data.parent / "toy"
-            toy.mkdir(parents=True, exist_ok=True)
-            for i in range(150):
-                (toy / f"d{i:03d}.txt").write_text(" ".join(s[(7 * i + j) % len(s)] for j in range(12)))
+            toy = write_toy_corpus(data.parent / "toy")
             extra = ["--corpus", str(toy), "--cache-dir", str(data.parent / ".cache"), "-q"]
         subprocess.run([*dg, "data", "prepare", "--out", str(data), *extra], check=True)
     preset = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1"] if smoke \

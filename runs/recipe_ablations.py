@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from harness import chosen, paired_difference, saved_score, score_once, train_once
 
+from dgemma.data.tokenizer import write_toy_corpus
 from dgemma.io.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,22 +76,12 @@ EVAL_T = (16, 256)
 
 
 def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
-    run = args.out / name
-    if (run / "checkpoints" / "latest").exists():
-        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]).get("step")
-        if last == args.steps:
-            return f"{name}: already trained"
     # The baseline is pinned (cpu-small as it was before these ablations: no time input, no next-token loss), so
     # the rows stay what they say after the preset adopts what they found.
     base = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1"] if args.smoke \
         else ["--preset", "cpu-small", "--no-time-embedding", "--ar-weight", "0"]
-    cmd = [sys.executable, "-m", "dgemma", "train", *base, "--max-steps", str(args.steps), "--data",
-           str(args.out / "data"), "--out", str(run), "--resume", "--eval-every", str(args.eval_every), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    started = time.time()
-    with open(args.out / f"{name}.log", "w") as log:
-        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return f"{name}: trained in {time.time() - started:.0f} s"
+    return train_once(args.out, name, args.steps, [*base, "--data", str(args.out / "data"), "--eval-every",
+                                                   str(args.eval_every), *flags])
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -99,22 +89,9 @@ def _settings(args: argparse.Namespace) -> dict:
             "eval_t": list(EVAL_T)}
 
 
-def cached_score(name: str, args: argparse.Namespace) -> dict | None:
-    """The variant's score from OUT/NAME/score.json when it was made with these settings, else None."""
-    cached = args.out / name / "score.json"
-    if cached.exists():
-        saved = json.loads(cached.read_text())
-        if saved.get("settings") == _settings(args):
-            return saved["result"]
-    return None
-
-
 def score(name: str, args: argparse.Namespace) -> dict:
-    result = cached_score(name, args)
-    if result is None:
-        result = _score(name, args)
-        write_text(args.out / name / "score.json", json.dumps({"settings": _settings(args), "result": result}))
-    return result
+    """The variant's score, kept in OUT/NAME/score.json with the settings that made it."""
+    return score_once(args.out / name / "score.json", _settings(args), lambda: _score(name, args))
 
 
 def _score(name: str, args: argparse.Namespace) -> dict:
@@ -147,11 +124,7 @@ def table(results: list[dict]) -> str:
     what = {n: w for n, w, _ in VARIANTS}
     for r in results:
         cells = [f"{r[f'nelbo_T{T}']['mean']:.3f} ± {r[f'nelbo_T{T}']['se']:.3f}" for T in EVAL_T]
-        if r is base:
-            diff = "–"
-        else:
-            d = np.asarray(r["per_window_T16"]) - np.asarray(base["per_window_T16"])
-            diff = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(len(d)):.3f}" if len(d) > 1 else f"{d.mean():+.3f}"
+        diff = "–" if r is base else paired_difference(r["per_window_T16"], base["per_window_T16"])
         ce = f"{r['x0_ce']['mean']:.3f} ± {r['x0_ce']['se']:.3f}"
         lines.append(f"| {r['name']} | {what[r['name']]} | {cells[0]} | {diff} | {cells[1]} | {ce} |")
     return "\n".join(lines)
@@ -191,22 +164,12 @@ def main() -> int:
         args.steps, args.windows, args.t_samples, args.seq_len, args.eval_every = 2, 2, 1, 32, 1
         variants = [v for v in VARIANTS if v[0] in ("baseline", "time", "baseline@seed1", "time@seed1")]
     if args.only:
-        keep = set(args.only.split(","))
-        unknown = sorted(keep - {name for name, _, _ in VARIANTS})
-        if unknown:
-            p.error(f"--only {','.join(unknown)}: no such variant; choose from {', '.join(n for n, _, _ in VARIANTS)}")
+        keep = chosen(p, args.only, [name for name, _, _ in VARIANTS])
         variants = [v for v in VARIANTS if v[0] in keep or v[0] == "baseline"]
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "data"
     if not (data / "meta.json").exists():
-        extra = []
-        if args.smoke:
-            from dgemma.data.tokenizer import toy_corpus
-            s = toy_corpus(120)
-            (args.out / "toy").mkdir(exist_ok=True)
-            for i in range(150):
-                (args.out / "toy" / f"d{i:03d}.txt").write_text(" ".join(s[(7 * i + j) % len(s)] for j in range(12)))
-            extra = ["--corpus", str(args.out / "toy"), "--tokenizer", "bpe:1024"]
+        extra = ["--corpus", str(write_toy_corpus(args.out / "toy")), "--tokenizer", "bpe:1024"] if args.smoke else []
         subprocess.run([sys.executable, "-m", "dgemma", "data", "prepare", "--out", str(data), "-q", *extra],
                        check=True)
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -214,7 +177,8 @@ def main() -> int:
             print(line, flush=True)
         list(pool.map(score, [v[0] for v in variants], [args] * len(variants)))
     # The table: every variant scored with these settings (earlier --only calls included), in VARIANTS order.
-    results = [r for name, _, _ in VARIANTS if (r := cached_score(name, args)) is not None]
+    results = [r for name, _, _ in VARIANTS if (r := saved_score(args.out / name / "score.json", _settings(args)))
+               is not None]
     md = table(results)
     if seeds := seed_table(results):
         md += "\n\nOver training seeds (NELBO at T = 16, nats/token):\n\n" + seeds

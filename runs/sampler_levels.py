@@ -79,12 +79,9 @@ def train(args: argparse.Namespace) -> None:
     if not (data / "meta.json").exists():
         extra = ["--corpus", "default:shakespeare", "--tokenizer", "bpe:8192"]
         if args.smoke:
-            from dgemma.data.tokenizer import toy_corpus
-            s = toy_corpus(120)
-            (args.out / "toy").mkdir(parents=True, exist_ok=True)
-            for i in range(150):
-                (args.out / "toy" / f"d{i:03d}.txt").write_text(" ".join(s[(7 * i + j) % len(s)] for j in range(12)))
-            extra = ["--corpus", str(args.out / "toy"), "--tokenizer", "bpe:1024"]
+            from dgemma.data.tokenizer import write_toy_corpus
+
+            extra = ["--corpus", str(write_toy_corpus(args.out / "toy")), "--tokenizer", "bpe:1024"]
         subprocess.run([*dgemma, "data", "prepare", "--out", str(data), "-q", *extra], check=True, env=env)
     base = ["--preset", "tiny", "--vocab-size", "1024", "--batch-size", "2", "--eval-batches", "1",
             "--max-steps", "2"] if args.smoke else ["--preset", "cpu-tiny"]

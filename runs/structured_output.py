@@ -22,8 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import Server  # the same server process: `python -m dgemma serve --port 0`
+from harness import Server  # the server process runs/bench_serve.py measures: `python -m dgemma serve --port 0`
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ("date", "email")
@@ -96,8 +95,8 @@ def served(args: argparse.Namespace, schemas: list[dict], tools: list[list[dict]
     (chat / "chat_template.jinja").write_text((ROOT / "examples" / "gemma4_tools.jinja").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<bos>"}}))
     # --smoke's test tokenizer spells the tool template's prompt in ~1,900 tokens: the tiny model's whole context
-    server = Server(argparse.Namespace(max_batch=8, model=args.model, preset="tiny", impl=None, threads=args.threads,
-                                       tokenizer=str(chat / "tokenizer.json"), max_context=args.max_context))
+    server = Server(model=args.model, max_batch=8, threads=args.threads, tokenizer=str(chat / "tokenizer.json"),
+                    max_context=args.max_context)
     try:
         client = OpenAI(base_url=server.wait_ready() + "/v1", api_key="none", max_retries=0, timeout=600)
         model = client.models.list().data[0].id

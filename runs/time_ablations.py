@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -28,7 +26,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from harness import chosen, paired_difference, saved_score, score_once, train_once
 
+from dgemma.data.tokenizer import write_toy_corpus
 from dgemma.io.fsio import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,11 +75,6 @@ CANVAS = {"demo": 16, "cpu-small": 32, "smoke": 16}  # each setting's preset can
 
 
 def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
-    run = args.out / name
-    if (run / "checkpoints" / "latest").exists():
-        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1]).get("step")
-        if last == args.steps:
-            return f"{name}: already trained"
     base = SETTINGS[args.setting]["train"]
     if "ar" in flags:  # the AR objective has no time input
         base = [f for f in base if f not in ("--time-embedding", "--observed-likelihood")]
@@ -87,13 +82,8 @@ def train(name: str, flags: list[str], args: argparse.Namespace) -> str:
         i = base.index("--vocab-size") if "--vocab-size" in base else len(base)
         base = base[:i] + base[i + 2:]
     flags = [str(args.out / "ar") if f == AR_RUN else f for f in flags]
-    cmd = [sys.executable, "-m", "dgemma", "train", *base, "--max-steps", str(args.steps), "--data",
-           str(args.out / "data"), "--out", str(run), "--resume", "--eval-every", str(args.steps),
-           "--save-every", str(args.steps), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    with open(args.out / f"{name}.log", "w") as log:
-        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return f"{name}: trained"
+    return train_once(args.out, name, args.steps, [*base, "--data", str(args.out / "data"), "--eval-every",
+                                                   str(args.steps), "--save-every", str(args.steps), *flags])
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -101,21 +91,9 @@ def _settings(args: argparse.Namespace) -> dict:
             "seq_len": args.seq_len, "eval_t": list(EVAL_T)}
 
 
-def cached_score(name: str, args: argparse.Namespace) -> dict | None:
-    cached = args.out / name / "score.json"
-    if cached.exists():
-        saved = json.loads(cached.read_text())
-        if saved.get("settings") == _settings(args):
-            return saved["result"]
-    return None
-
-
 def score(name: str, args: argparse.Namespace) -> dict:
-    result = cached_score(name, args)
-    if result is None:
-        result = _score(name, args)
-        write_text(args.out / name / "score.json", json.dumps({"settings": _settings(args), "result": result}))
-    return result
+    """The variant's score, kept in OUT/NAME/score.json with the settings that made it."""
+    return score_once(args.out / name / "score.json", _settings(args), lambda: _score(name, args))
 
 
 def _score(name: str, args: argparse.Namespace) -> dict:
@@ -152,11 +130,10 @@ def reference_score(args: argparse.Namespace) -> dict:
     """The `unigram+observed` row: no network at all, the training split's unigram distribution as every
     position's p(x0 | x_s), with the observation term (dgemma/diffusion/noise.py:observe), scored like the variants.
     What the observed likelihood's bound is before any context is learned."""
-    cached = args.out / "unigram+observed.json"
-    if cached.exists():
-        saved = json.loads(cached.read_text())
-        if saved.get("settings") == _settings(args):
-            return saved["result"]
+    return score_once(args.out / "unigram+observed.json", _settings(args), lambda: _reference_score(args))
+
+
+def _reference_score(args: argparse.Namespace) -> dict:
     import torch
 
     from dgemma.data.shards import TokenDataset
@@ -181,7 +158,6 @@ def reference_score(args: argparse.Namespace) -> dict:
                           max_windows=args.windows, seed=0, posterior=posterior, progress=False)
         out[f"nelbo_{key}"] = r["estimate"].to_dict()
         out[f"per_window_{key}"] = r["per_window"]
-    write_text(cached, json.dumps({"settings": _settings(args), "result": out}))
     return out
 
 
@@ -206,9 +182,8 @@ def table(results: list[dict], unigram: float | None) -> str:
         other = by.get(PAIRED_WITH.get(r["name"], "discrete@seed1" if r["name"].endswith("@seed1") else "discrete"))
         diff = "–"
         if other is not None and other is not r:
-            d = np.asarray(r[f"per_window_{h}"]) - np.asarray(other[f"per_window_{headline(other)}"])
-            diff = f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(len(d)):.3f}" if len(d) > 1 else f"{d.mean():+.3f}"
-            diff += f" vs `{other['name']}`"
+            diff = (f"{paired_difference(r[f'per_window_{h}'], other[f'per_window_{headline(other)}'])} "
+                    f"vs `{other['name']}`")
         value = r[f"nelbo_{h}"]["mean"]
         ratio = f"{value / ar:.3f}" if ar else "–"
         share = f"{(unigram - value) / (unigram - ar):.0%}" if ar and unigram else "–"
@@ -240,22 +215,14 @@ def main() -> int:
     args.out = args.out or ROOT / "runs" / "out" / f"time-ablations-{args.setting}"
     variants = [v for v in VARIANTS if v[0] != "unigram+observed"]  # the reference row is scored, not trained
     if args.only:
-        keep = set(args.only.split(","))
-        unknown = sorted(keep - {name for name, _, _ in VARIANTS})
-        if unknown:
-            p.error(f"--only {','.join(unknown)}: no such variant; choose from {', '.join(n for n, _, _ in VARIANTS)}")
+        keep = chosen(p, args.only, [name for name, _, _ in VARIANTS])
         variants = [v for v in variants if v[0] in keep]
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "data"
     if not (data / "meta.json").exists():
         corpus = SETTINGS[args.setting]["corpus"]
         if corpus is None:  # the smoke test's toy corpus
-            from dgemma.data.tokenizer import toy_corpus
-            s = toy_corpus(120)
-            (args.out / "toy").mkdir(exist_ok=True)
-            for i in range(150):
-                (args.out / "toy" / f"d{i:03d}.txt").write_text(" ".join(s[(7 * i + j) % len(s)] for j in range(12)))
-            corpus = ["--corpus", str(args.out / "toy"), "--tokenizer", "bpe:1024"]
+            corpus = ["--corpus", str(write_toy_corpus(args.out / "toy")), "--tokenizer", "bpe:1024"]
         subprocess.run([sys.executable, "-m", "dgemma", "data", "prepare", "--out", str(data), "-q", *corpus],
                        check=True)
     later = [v for v in variants if AR_RUN in v[2]]  # started from the `ar` run: trained once it is
@@ -268,7 +235,8 @@ def main() -> int:
         list(pool.map(score, [v[0] for v in first + later], [args] * len(first + later)))
     from dgemma.data.shards import unigram_cross_entropy
 
-    results = [r for name, _, _ in VARIANTS if (r := cached_score(name, args)) is not None]
+    results = [r for name, _, _ in VARIANTS if (r := saved_score(args.out / name / "score.json", _settings(args)))
+               is not None]
     results.append(reference_score(args))
     md = table(results, unigram_cross_entropy(data))
     write_text(args.out / "time_ablations.md", md + "\n")

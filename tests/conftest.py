@@ -94,6 +94,14 @@ def tok_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok(tok_path):
+    """The toy chat tokenizer of `tok_path`, loaded as a checkpoint's is (`load_tokenizer`)."""
+    from dgemma.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tok_path)
+
+
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared data directory (`dgemma.data.prepare.prepare`, a 512-id BPE): 200 documents, each 12 sentences drawn
     from 26 toy sentences, so held-out documents share the training text's sentences and a model that learns the corpus

@@ -49,6 +49,15 @@ def random_model(name: str, seed: int = 0):
     return randomize_(DiffusionGemma(model_config(name)), seed).eval()
 
 
+def random_init_model(name: str = "tiny", seed: int = 0):
+    """A dgemma model of `model_config(name)` as `--random-init` builds it (dgemma's `init_weights` from `seed`),
+    eval."""
+    from dgemma.model.diffusiongemma import DiffusionGemma
+    from dgemma.weights.loading import init_weights
+
+    return init_weights(DiffusionGemma(model_config(name)), seed).eval()
+
+
 def running_server(app):
     """A context manager: serve the ASGI `app` with uvicorn from a background thread on a free port of 127.0.0.1;
     yields its base URL ("http://127.0.0.1:PORT") and stops the server on exit."""
@@ -94,3 +103,30 @@ def randomize_adapter_(model: torch.nn.Module, rank: int, alpha: float, targets:
             if ".lora_" in name:
                 p.copy_(scale * torch.randn(p.shape, generator=g))
     return config
+
+
+def after_each_training_step(fn):
+    """A context manager: while it is open, `fn(kwargs, out)` runs after the forward of every training micro-step a
+    trainer in this process takes, with the keyword arguments the trainer gave the loss (`generator`,
+    `self_conditioning_prob`, ...) and the step's LossOutput, before its backward and update: `fn` may poison
+    `out.loss`, or stall (a process to kill inside a step). The hook is torch's global forward hook on the module the
+    trainer calls (dgemma/train/distributed.py:LossModule); held-out passes (the model in eval mode) are no steps."""
+    import contextlib
+
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from dgemma.train.distributed import LossModule
+
+    def hook(module, args, kwargs, output):
+        if isinstance(module, LossModule) and module.model.training and output[1] is not None:
+            fn(kwargs, output[1])
+
+    @contextlib.contextmanager
+    def hooked():
+        handle = register_module_forward_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    return hooked()

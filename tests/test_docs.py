@@ -169,7 +169,7 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
     "python runs/profile_fast_step.py --preset bench-small": ["--preset", "tiny", "--repeats", "1"],
     "python runs/quant_quality.py": ["--smoke"],
-    "python runs/fuzz_cli.py --cases 300 --seed 0": ["--cases", "3", "--only", "inspect", "data inspect", "export"],
+    "python -m pytest tests/cli/test_fuzz_cli.py -m integration": ["-k", "inspect or export"],  # 9 of its 42 cases
     "bash runs/gpu_check.sh --dry-run": [],  # already the CPU smoke mode of the GPU script
     "python runs/step_variants.py --preset bench-small --threads 1": ["--preset", "tiny", "--rounds", "1"],
     # README: quantized and offloaded generation at 3 denoising steps
@@ -314,11 +314,18 @@ def test_named_files_exist(doc: Path) -> None:
     assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
 
 
+RUNS_HELPER = ROOT / "runs" / "harness.py"  # what the scripts of runs/ share: a module, not a script
+
+
+def runs_scripts() -> list[Path]:
+    return sorted(p for p in (ROOT / "runs").glob("*") if p.suffix in (".py", ".sh") and p != RUNS_HELPER)
+
+
 def test_every_runs_script_is_quoted_and_exercised():
     """Each script under runs/ is quoted as a command in a doc, and that command runs: in the integration tier (in
     its tiny mode, TINY_ARGS) or, marked [long], under --runslow. A doc may name only scripts that exist
     (test_named_files_exist)."""
-    scripts = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "runs").glob("*") if p.suffix in (".py", ".sh"))
+    scripts = [p.relative_to(ROOT).as_posix() for p in runs_scripts()]
     assert scripts, "runs/ has no scripts"
     commands = [(code, marker) for _, cmds in doc_blocks() for code, marker in cmds]
     for script in scripts:
@@ -326,6 +333,28 @@ def test_every_runs_script_is_quoted_and_exercised():
         assert quoted, f"{script} is quoted in no doc's command block"
         assert any(m == "[long]" or (not m and c in TINY_ARGS) for c, m in quoted), (
             f"{script}: no quoted command runs it in a test (add its tiny flags to TINY_ARGS, or mark it [long])")
+
+
+def test_runs_scripts_import_no_script_and_edit_no_path():
+    """A script of runs/ imports dgemma as installed and what the scripts share from runs/harness.py, never another
+    script, and leaves sys.path (and its children's PYTHONPATH) alone."""
+    import ast
+
+    scripts = {p.stem for p in runs_scripts() if p.suffix == ".py"}
+    wrong = []
+    for path in [*runs_scripts(), RUNS_HELPER]:
+        if path.suffix != ".py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            wrong += [f"{path.name} imports the script {n}" for n in names if n.split(".")[0] in scripts]
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                wrong.append(f"{path.name}:{node.lineno} uses sys.path")
+            if isinstance(node, ast.Constant) and node.value == "PYTHONPATH":
+                wrong.append(f"{path.name}:{node.lineno} sets PYTHONPATH")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_recipe_ablations_refuses_an_unknown_variant(tmp_path):
@@ -444,13 +473,9 @@ def _block_params():
 def test_doc_commands_run(where, commands, tmp_path):
     import torch
 
-    toy = tmp_path / "toy-corpus"
-    toy.mkdir()
-    from dgemma.data.tokenizer import toy_corpus
+    from dgemma.data.tokenizer import write_toy_corpus
 
-    sentences = toy_corpus(120)
-    for i in range(150):  # enough held-out text for a few windows of cpu-small's 128 tokens
-        (toy / f"d{i:03d}.txt").write_text(" ".join(sentences[(7 * i + j) % len(sentences)] for j in range(12)))
+    toy = write_toy_corpus(tmp_path / "toy-corpus")
     for name, text in DOC_FILES.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)

@@ -200,6 +200,18 @@ def toy_corpus(n: int = 400) -> list[str]:
     return out
 
 
+def write_toy_corpus(directory: str | os.PathLike[str], documents: int = 150) -> Path:
+    """`toy_corpus(120)` as a folder of text documents (what `dgemma data prepare --corpus DIR` reads): document i is
+    sentences 7i .. 7i + 11 (cyclically), so held-out documents share the training text's sentences, and 150 of them
+    hold enough held-out text for a few windows of `cpu-small`'s 128 tokens. The smoke modes of runs/ and the test of
+    the documented commands train on it. Returns `directory`."""
+    out, sentences = Path(directory), toy_corpus(120)
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(documents):
+        (out / f"d{i:03d}.txt").write_text(" ".join(sentences[(7 * i + j) % len(sentences)] for j in range(12)))
+    return out
+
+
 # A pre-token longer than MAX_TRAINING_WORD_CHARS holds a run of that many characters that the pre-tokenizer (Rust's
 # Unicode \s) counts as non-space (Python's \S, plus \x1c-\x1f, which Python but not Rust calls space), or is a
 # longer run of whitespace. A text without such a run is passed to the trainer untouched.
@@ -347,4 +359,5 @@ def build_gpt2_tokenizer(encoder_json: bytes, vocab_bpe: bytes, source: str = "<
 
 
 __all__ = ["MAX_TRAINING_WORD_CHARS", "Tokenizer", "bpe_training_texts", "build_gpt2_tokenizer", "build_test_tokenizer",
-           "check_vocab", "encode_template", "format_chat", "load_tokenizer", "train_bpe_tokenizer"]
+           "check_vocab", "encode_template", "format_chat", "load_tokenizer", "toy_corpus", "train_bpe_tokenizer",
+           "write_toy_corpus"]

@@ -366,8 +366,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
         adapter = adapter_config(cfg)
         write_weights = lambda path: lora.save_adapter(model, adapter, path, model.generation_config)
     model.train()
-    # `training_loss` (in batch_loss) is looked up at each call, so that tests can wrap it.
-    net = d.wrap(model, lambda *a, **kw: batch_loss(*a, **kw), parallel=cfg.parallel, use_bf16=use_bf16,
+    net = d.wrap(model, batch_loss, parallel=cfg.parallel, use_bf16=use_bf16,
                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda",
                  fill_from=cfg.init_from if deferred else None)
     optimizer = make_optimizer(model, cfg, device)

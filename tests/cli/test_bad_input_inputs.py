@@ -335,8 +335,8 @@ def test_a_large_document_in_pieces_gives_the_whole_documents_ids():
 
 
 def test_bench_checks_the_memory_a_batch_needs_before_allocating_it(capsys):
-    """`bench --batch 1000000000` asked the allocator for 96 GB and died with its traceback (runs/fuzz_cli.py found
-    it); the memory pre-flight now refuses it in one line, naming what it needs."""
+    """`bench --batch 1000000000` asked the allocator for 96 GB and died with its traceback (tests/cli/test_fuzz_cli.py
+    found it); the memory pre-flight now refuses it in one line, naming what it needs."""
     assert cli.main(["bench", "--preset", "tiny", "--denoising-steps", "1", "--canvases", "1", "--repeats", "1",
                      "--no-train", "--batch", "1000000000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

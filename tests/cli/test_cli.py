@@ -17,6 +17,7 @@ from dgemma.data.tokenizer import load_tokenizer
 from dgemma.eval.viz import load_trace
 from dgemma.train.config import TRAIN_PRESETS
 from dgemma.weights.checkpoint import latest_checkpoint
+from tests.helpers import random_init_model
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L, V = TINY.canvas_length, TINY.vocab_size
@@ -28,11 +29,6 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = cli.main([*argv])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def random_tiny() -> dgemma.DiffusionGemma:
-    """The model `--preset tiny --random-init` builds."""
-    return dgemma.init_weights(dgemma.DiffusionGemma(TINY)).eval()
 
 
 # --- generate -------------------------------------------------------------------------------------------------
@@ -47,7 +43,7 @@ def test_generate_json_is_what_the_library_generates(capsys):
     canvases = len(rec["steps_per_canvas"])  # 2, or 1 where the random model drew its EOS in the first
     assert canvases in (1, 2) and len(rec["stop_reasons"]) == canvases
     assert all(1 <= s <= 3 for s in rec["steps_per_canvas"])
-    lib = dgemma.generate(random_tiny(), torch.tensor([[2, 45, 300]]), seed=0, max_new_tokens=32,
+    lib = dgemma.generate(random_init_model(), torch.tensor([[2, 45, 300]]), seed=0, max_new_tokens=32,
                           max_denoising_steps=3, eos_token_id=(1,), pad_token_id=0, impl="fast")  # --impl's default
     assert ids == lib.new_tokens()[0]
     assert rec["steps_per_canvas"] == [c[0] for c in lib.steps_per_canvas]
@@ -88,7 +84,7 @@ def test_generate_batch_file_left_pads_like_the_unpadded_prompt(capsys, tok_path
     trace = load_trace(tmp_path / "t")
     first = trace.arrays["input_canvas"][0]  # (B, L): the first pass's canvas, step 0 of canvas 0
     assert trace.arrays["canvas"][0] == 0 and trace.batch_size == 2
-    model = random_tiny()
+    model = random_init_model()
     for row, rec in enumerate(recs):
         logits = model(torch.tensor([rec["prompt_ids"]]), torch.from_numpy(first[row:row + 1]).long())
         assert torch.equal(logits.argmax(-1)[0], torch.from_numpy(trace.arrays["argmax"][0][row]).long()), row

@@ -28,11 +28,6 @@ TINY = dgemma.preset("tiny")  # vocab 512, canvas 16, pad 0, eos 1, bos 2
 L = TINY.canvas_length
 
 
-@pytest.fixture(scope="module")
-def tok(tok_path):
-    return load_tokenizer(tok_path)
-
-
 # --- tokenizer and template -----------------------------------------------------------------------------------
 
 def test_test_tokenizer_round_trip(tok, tok_path, tmp_path):

@@ -8,14 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgemma import generate, preset
+from dgemma import generate
 from dgemma.eval.viz import CHANGES, step_changes
 from dgemma.model.config import ConfigError
-from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling import rules as S
 from dgemma.sampling.generation_config import GenerationConfig
-from dgemma.testing.hf import randomize_
-from tests.helpers import traced_cli_settings
+from tests.helpers import random_model, traced_cli_settings
 
 
 def test_threshold_commits_take_every_confident_position_and_the_quota():
@@ -49,10 +47,6 @@ def test_a_committing_sampler_stops_once_every_position_is_committed():
     assert S.stop_rows(config, state, committed.long(), committed.long(), entropy, committed).tolist() == [True, False]
 
 
-def _model() -> DiffusionGemma:
-    return randomize_(DiffusionGemma(preset("tiny")), 0).eval()
-
-
 def _prompt() -> torch.Tensor:
     return torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(1))
 
@@ -65,7 +59,7 @@ def _committed_per_step(trace):
 def test_confidence_commits_at_least_one_a_step_and_stops_when_all_are_in(threshold, steps):
     """commit_threshold 1 (no probability exceeds it): exactly one position a step, so a canvas of L takes L steps;
     0: every position at the first step."""
-    model = _model()
+    model = random_model("tiny")
     L = model.config.canvas_length
     out = generate(model, _prompt(), seed=0, max_new_tokens=L, sampler="confidence", commit_threshold=threshold,
                    max_denoising_steps=2 * L, trace=True)
@@ -80,7 +74,7 @@ def test_confidence_commits_at_least_one_a_step_and_stops_when_all_are_in(thresh
 def test_block_refinement_commits_its_quota_and_committed_tokens_stay():
     """Threshold 1: exactly ceil(L k / N) committed after step k, all L at step N; a committed token is the input of
     every later step and the output."""
-    model = _model()
+    model = random_model("tiny")
     L, N = model.config.canvas_length, 5
     out = generate(model, _prompt(), seed=0, max_new_tokens=L, sampler="block-refinement", commit_threshold=1.0,
                    max_denoising_steps=N, trace=True)
@@ -99,7 +93,7 @@ def test_block_refinement_commits_its_quota_and_committed_tokens_stay():
 def test_editing_lets_committed_tokens_change():
     """With an edit threshold every committed position whose new draw differs (at any probability above it) takes
     it; without, none does. On a random model at temperature ~1 the draws differ often."""
-    model = _model()
+    model = random_model("tiny")
     L, N = model.config.canvas_length, 6
 
     def changed(edit):

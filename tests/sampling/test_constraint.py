@@ -11,12 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from dgemma import generate, preset
-from dgemma.data.tokenizer import build_test_tokenizer, load_tokenizer
-from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma import generate
 from dgemma.sampling.constraint import CLOSED, FREE, PINNED, Constraint, ConstraintError
 from dgemma.sampling.generation_config import SAMPLERS, GenerationError
-from dgemma.testing.hf import randomize_
+from tests.helpers import random_model
 
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -40,14 +38,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def model():
-    return randomize_(DiffusionGemma(preset("tiny")), 0).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    build_test_tokenizer(512, path)
-    return load_tokenizer(path)
+    return random_model("tiny")
 
 
 def _prompt(rows: int = 2) -> torch.Tensor:

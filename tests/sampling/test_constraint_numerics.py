@@ -11,13 +11,12 @@ import queue
 import pytest
 import torch
 
-from dgemma import cli, generate, preset
+from dgemma import cli, generate
 from dgemma.data.tokenizer import build_test_tokenizer, load_tokenizer
-from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.constraint import Constraint
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.engine import CanvasEvent, DoneEvent, Engine
-from dgemma.testing.hf import randomize_
+from tests.helpers import random_model
 
 llguidance = pytest.importorskip("llguidance")
 
@@ -27,14 +26,7 @@ GREEDY = dict(t_min=0.0, t_max=1e-6)  # the server's temperature 0 (api.scaled_s
 
 @pytest.fixture(scope="module")
 def model():
-    return randomize_(DiffusionGemma(preset("tiny")), 0).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    build_test_tokenizer(512, path)
-    return load_tokenizer(path)
+    return random_model("tiny")
 
 
 def _one(tok, text: str) -> int:

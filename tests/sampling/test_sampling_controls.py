@@ -11,6 +11,7 @@ from openai import OpenAI
 import dgemma
 from dgemma.sampling import rules
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
+from tests.helpers import random_init_model
 
 V = 40
 
@@ -106,7 +107,7 @@ def test_seen_counts_prompts_without_their_padding_and_committed_rows():
 
 @pytest.fixture(scope="module")
 def model():
-    return dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
+    return random_init_model()
 
 
 def test_neutral_values_change_nothing_and_the_controls_act_through_generate(model):

@@ -20,14 +20,12 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-import dgemma
 from dgemma.data.templates import ChatTemplate
-from dgemma.data.tokenizer import load_tokenizer
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.api import parse_completion_request
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import Engine
-from tests.helpers import running_server
+from tests.helpers import random_init_model, running_server
 
 KEY = "sk-test"
 STEPS = 4
@@ -36,12 +34,7 @@ USER = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def model():
-    return dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tok_path):
-    return load_tokenizer(tok_path)
+    return random_init_model()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from dgemma.data.templates import (
     load_chat_template,
     parse_output,
 )
-from dgemma.data.tokenizer import encode_template, format_chat, load_tokenizer
+from dgemma.data.tokenizer import encode_template, format_chat
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.api import APIError, parse_chat_request, parse_completion_request, parse_json
 
@@ -30,11 +30,6 @@ BASE = GenerationConfig(max_new_tokens=32, max_denoising_steps=8, eos_token_id=(
 # A small template in the style of Gemma 4's: turns, a system turn listing the tools, Gemma's tool-call syntax and
 # its thinking channel (which the parser then recognizes).
 GEMMA_LIKE = (Path(__file__).resolve().parents[2] / "examples" / "gemma4_tools.jinja").read_text()
-
-
-@pytest.fixture(scope="module")
-def tok(tok_path):
-    return load_tokenizer(tok_path)
 
 
 def chat(tok, template=None, **body):

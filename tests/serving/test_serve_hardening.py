@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-import dgemma
 from dgemma import cli
 from dgemma.data.templates import ChatTemplate
 from dgemma.data.tokenizer import build_test_tokenizer
@@ -32,7 +31,7 @@ from dgemma.serving.api import Limits
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import Engine
 from dgemma.serving.guards import allowed_hosts
-from tests.helpers import running_server
+from tests.helpers import random_init_model, running_server
 
 JSON = {"Content-Type": "application/json"}
 USER = [{"role": "user", "content": "Hi"}]
@@ -41,7 +40,7 @@ LIMITS = Limits(max_n=2, max_denoising_steps=8, max_request_steps=64)
 
 @pytest.fixture(scope="module")
 def model():
-    return dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
+    return random_init_model()
 
 
 @pytest.fixture(scope="module")

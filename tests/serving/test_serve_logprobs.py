@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 import dgemma
-from dgemma.data.tokenizer import load_tokenizer
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.sampling.rules import LOGPROB_FLOOR
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import CanvasEvent, DoneEvent, Engine
-from tests.helpers import running_server
+from tests.helpers import random_init_model, running_server
 
 USER = [{"role": "user", "content": "Hello there"}]
 CUTS = [dict(top_p=0.01), dict(extra_body={"top_k": 3}), dict(extra_body={"min_p": 0.99}),
@@ -28,12 +27,7 @@ CUT_IDS = ["top_p", "top_k", "min_p", "temperature 0 + top_p", "temperature 0"]
 
 @pytest.fixture(scope="module")
 def model():
-    return dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tok_path):
-    return load_tokenizer(tok_path)
+    return random_init_model()
 
 
 @pytest.fixture(scope="module")

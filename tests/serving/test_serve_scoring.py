@@ -12,25 +12,18 @@ import pytest
 import torch
 from openai import OpenAI
 
-import dgemma
-from dgemma.data.tokenizer import load_tokenizer
 from dgemma.diffusion.likelihood import clean_context_posterior, score_continuation, window_nelbo
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.app import create_app
 from dgemma.serving.engine import Engine
-from tests.helpers import running_server
+from tests.helpers import random_init_model, running_server
 
 KEY = "sk-test"
 
 
 @pytest.fixture(scope="module")
 def model():
-    return dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
-
-
-@pytest.fixture(scope="module")
-def tok(tok_path):
-    return load_tokenizer(tok_path)
+    return random_init_model()
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.train import run_dir
 from dgemma.weights.checkpoint import latest_checkpoint, list_checkpoints
 from dgemma.weights.loading import init_weights
+from tests.helpers import after_each_training_step
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = C.train_preset("tiny").replace(batch_size=2, max_steps=4, warmup_steps=2, eval_every=100, eval_batches=1,
@@ -186,18 +187,14 @@ def test_a_nonfinite_loss_on_the_first_steps_stops_the_run(tiny_data, tmp_path, 
     assert [m["event"] for m in metrics(run) if "event" in m][-1] == "stopped_nonfinite"
 
 
-def test_nonfinite_steps_in_a_row_stop_the_run(tiny_data, tmp_path, monkeypatch):
-    real = T.training_loss
-
-    def poisoned(*args, **kw):
-        out = real(*args, **kw)
-        if kw["self_conditioning_prob"] > 0 and kw["generator"].initial_seed() >= 4:  # micro-steps 4.. (steps 5..)
+def test_nonfinite_steps_in_a_row_stop_the_run(tiny_data, tmp_path):
+    def poisoned(kwargs, out):
+        if kwargs["generator"].initial_seed() >= 4:  # micro-steps 4.. (steps 5..)
             out.loss = out.loss * float("nan")
-        return out
 
-    monkeypatch.setattr(T, "training_loss", poisoned)
     run = tmp_path / "run"
-    with pytest.raises(run_dir.NonFiniteError, match=f"{T.NONFINITE_STREAK} steps in a row"):
+    with after_each_training_step(poisoned), \
+            pytest.raises(run_dir.NonFiniteError, match=f"{T.NONFINITE_STREAK} steps in a row"):
         quiet_train(BASE.replace(max_steps=20), tiny_data, run)
     assert latest_checkpoint(run).name == f"step-{3 + T.NONFINITE_STREAK:07d}"  # skipped steps change nothing
     skipped = [m["step"] for m in metrics(run) if m.get("event") == "skipped_nonfinite"]
@@ -228,23 +225,19 @@ def test_the_lock_refuses_a_second_writer_in_process(tiny_data, tmp_path):
 # creating argv[2]: a writer holding its run's lock for as long as the test needs.
 GATED = """
 import os, sys, time
-import dgemma.train.loop as T
 from dgemma import cli
-from dgemma.io import lock
+from tests.helpers import after_each_training_step
 gate, flag = sys.argv[1], sys.argv[2]
-real, calls = T.training_loss, [0]
-def gated(*args, **kw):
-    out = real(*args, **kw)
-    if kw["self_conditioning_prob"] > 0:
-        calls[0] += 1
-        if calls[0] == 3:
-            open(flag, "w").close()
-            deadline = time.monotonic() + 300
-            while not os.path.exists(gate) and time.monotonic() < deadline:
-                time.sleep(0.05)
-    return out
-T.training_loss = gated
-sys.exit(cli.main(sys.argv[3:]))
+calls = [0]
+def gated(kwargs, out):
+    calls[0] += 1
+    if calls[0] == 3:
+        open(flag, "w").close()
+        deadline = time.monotonic() + 300
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+with after_each_training_step(gated):
+    sys.exit(cli.main(sys.argv[3:]))
 """
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

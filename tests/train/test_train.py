@@ -28,6 +28,7 @@ from dgemma.train.config import TrainConfig, learning_rate
 from dgemma.train.loop import train
 from dgemma.weights.checkpoint import latest_checkpoint, list_checkpoints, resolve_model_dir
 from dgemma.weights.loading import load_model
+from tests.helpers import after_each_training_step
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 3  # steps before the interruption; the uninterrupted run does 2N
@@ -86,18 +87,16 @@ import sys, time, json, torch
 torch.set_num_threads(1)
 import dgemma.train.config as C
 import dgemma.train.loop as T
+from tests.helpers import after_each_training_step
 cfg = C.TrainConfig.from_json(json.loads(sys.argv[1]))
-real, calls = T.training_loss, [0]
-def slow(*args, **kw):
-    out = real(*args, **kw)
-    if kw["self_conditioning_prob"] > 0:  # a training micro-step (evaluation passes 0)
-        calls[0] += 1
-        if calls[0] == int(sys.argv[4]):
-            open(sys.argv[5], "w").close()  # inside the step: the forward is done, backward and update are not
-            time.sleep(600)
-    return out
-T.training_loss = slow
-T.train(cfg, sys.argv[2], sys.argv[3])
+calls = [0]
+def slow(kwargs, out):
+    calls[0] += 1
+    if calls[0] == int(sys.argv[4]):
+        open(sys.argv[5], "w").close()  # inside the step: the forward is done, backward and update are not
+        time.sleep(600)
+with after_each_training_step(slow):
+    T.train(cfg, sys.argv[2], sys.argv[3])
 """
 
 
@@ -138,21 +137,18 @@ def test_keep_last_prunes_old_checkpoints(corpus, tmp_path):
                 "trainer_state.pt"} <= {p.name for p in ckpt.iterdir()}
 
 
-def test_nan_guard_skips_the_step_and_logs_it(corpus, tmp_path, monkeypatch):
-    real, calls = T.training_loss, []
+def test_nan_guard_skips_the_step_and_logs_it(corpus, tmp_path):
+    calls = []
 
-    def poisoned(*args, **kw):
-        out = real(*args, **kw)
-        if kw["self_conditioning_prob"] > 0:
-            calls.append(1)
-            if len(calls) == 5:  # step 5's loss (after the first NONFINITE_FIRST_STEPS, which stop the run)
-                out.loss = out.loss * float("nan")
-        return out
+    def poisoned(kwargs, out):
+        calls.append(1)
+        if len(calls) == 5:  # step 5's loss (after the first NONFINITE_FIRST_STEPS, which stop the run)
+            out.loss = out.loss * float("nan")
 
     assert T.NONFINITE_FIRST_STEPS < 5 and T.NONFINITE_STREAK > 1
-    monkeypatch.setattr(T, "training_loss", poisoned)
     run = tmp_path / "run"
-    quiet_train(BASE.replace(max_steps=6, save_every=1), corpus, run)
+    with after_each_training_step(poisoned):
+        quiet_train(BASE.replace(max_steps=6, save_every=1), corpus, run)
     ckpts = {p.name: load_file(p / "model.safetensors") for p in list_checkpoints(run)}
     assert_bit_identical(ckpts["step-0000004"], ckpts["step-0000005"])  # step 5 changed nothing
     assert not torch.equal(ckpts["step-0000005"]["model.decoder.embed_tokens.weight"],

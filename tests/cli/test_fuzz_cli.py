@@ -1,10 +1,10 @@
 """Fuzz every `dgemma` subcommand's command line as an adversary would, and count how each case ended.
 
-Each case starts from a command that works (on tiny fixtures this script builds: a checkpoint, a data directory, a
+Each case starts from a command that works (on tiny fixtures built once per module: a checkpoint, a data directory, a
 training run, a chat data file, a trace) and replaces one or two of its flags with a hostile value: non-finite,
 negative, huge or malformed numbers, and paths that are FIFOs, devices, directories, symlinks to a file that must
 not change, missing parents, a directory of someone else's files (standing in for `/` or a home directory, which
-the script never writes to), or another command's directory. Every case runs `python -m dgemma` in a fresh process
+no case ever writes to), or another command's directory. Every case runs `python -m dgemma` in a fresh process
 under a memory and time limit and is classified:
 
     ok         exit 0, no traceback
@@ -16,15 +16,17 @@ under a memory and time limit and is classified:
     long       still running, having been asked for more than an hour (`--minutes 1e32`): accepted by design
     damage     a file outside the case's own output changed (the victim of a symlink, a fixture's files)
 
-Every case that is not ok, refused or long is a finding; the script prints a table of counts and each finding's command.
+Every case that is not ok, refused or long is a finding, and fails its subcommand's test with each finding's command.
+Case i of a subcommand draws from its own seed (`fuzz_case`), so a finding comes back whatever ran before it.
 
-    python runs/fuzz_cli.py --cases 300 --seed 0          # about 15 minutes on 2 cores
-    python runs/fuzz_cli.py --cases 40 --json out.json   # what tests/test_fuzz_cli.py runs (marked integration)
+    python -m pytest tests/cli/test_fuzz_cli.py -m integration   # QUICK cases per subcommand (the integration tier)
+    python -m pytest tests/cli/test_fuzz_cli.py --runslow        # FULL cases per subcommand: about 20 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -33,11 +35,12 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
+QUICK, FULL = 3, 20  # cases per subcommand: the integration tier's, and --runslow's (the first QUICK of them included)
 MEMORY_LIMIT = 6 * 2**30  # bytes of address space per case: a runaway allocation is killed, not the machine
 NUMBERS = ["nan", "inf", "-inf", "-1", "0", "1e308", "4e38", "-4e38", "1e-320", "5e-324", "1e-300", "0.01", "1",
            "18446744073709551615", "18446744073709551616",
@@ -117,7 +120,7 @@ def build_world(root: Path) -> World:
                  ["export", str(w.run), "--out", str(w.ckpt)]):
         done = dgemma(*argv, cwd=root)
         if done.returncode != 0:
-            raise SystemExit(f"fixture command failed: dgemma {' '.join(argv)}\n{done.stderr}")
+            raise AssertionError(f"fixture command failed: dgemma {' '.join(argv)}\n{done.stderr}")
     w.chats = root / "chats.jsonl"
     w.chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "the king"},
                                                         {"role": "assistant", "content": "love the queen"}]}) + "\n"
@@ -127,7 +130,7 @@ def build_world(root: Path) -> World:
                   "--max-new-tokens",
                   "16", "--seed", "0", "--trace", str(w.trace), cwd=root)
     if done.returncode != 0:
-        raise SystemExit(f"fixture trace failed:\n{done.stderr}")
+        raise AssertionError(f"fixture trace failed:\n{done.stderr}")
     w.victim = root / "victim.txt"
     w.victim.write_text("this file must never change\n")
     w.foreign = root / "home"
@@ -203,10 +206,11 @@ def base_commands(w: World, out: Path) -> dict[str, list[str]]:
     }
 
 
+@functools.cache
 def flags(command: str) -> dict[str, str]:
     """The subcommand's options and what kind of value each takes: number, path, text or switch."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dgemma.cli import build_parser
+
     parser = build_parser()
     for name in command.split():
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -295,54 +299,80 @@ def run_case(argv: list[str], cwd: Path, timeout: float, stdin: str) -> subproce
         return None
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", type=int, default=300, help="how many cases (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="the fuzzer's seed (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=120, help="seconds per case (default: %(default)s)")
-    p.add_argument("--only", nargs="*", default=None, help="subcommands to fuzz (default: all)")
-    p.add_argument("--json", type=Path, default=None, help="write every case and its outcome here")
-    args = p.parse_args()
-    rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(prefix="dgemma-fuzz-") as tmp:
-        root = Path(tmp)
-        print("building fixtures ...", flush=True)
-        w = build_world(root)
+def fuzz_case(command: str, case: int, w: World) -> dict:
+    """Case `case` of `command` (its draws seeded by both), run in its own directory, which is removed after."""
+    rng = random.Random(f"{command}:{case}")
+    case_dir = w.root / f"case-{command.replace(' ', '-')}-{case:02d}"
+    case_dir.mkdir()
+    try:
+        argv = mutate(command, base_commands(w, case_dir / "out")[command], flags(command), rng, case_dir, w)
+        timeout = 600 if command == "demo" else 120  # the demo trains for minutes
         before = w.protected()
-        commands = sorted(base_commands(w, root / "x"))
-        if args.only:
-            commands = [c for c in commands if c in args.only]
-        kinds = {c: flags(c) for c in commands}
-        results, started = [], time.monotonic()
-        for i in range(args.cases):
-            command = commands[i % len(commands)]
-            case_dir = root / f"case-{i:04d}"
-            case_dir.mkdir()
-            argv = mutate(command, base_commands(w, case_dir / "out")[command], kinds[command], rng, case_dir, w)
-            timeout = max(args.timeout, 600) if command == "demo" else args.timeout  # the demo trains for minutes
-            done = run_case(argv, case_dir, timeout, stdin="the king\n")
-            after = {f: _digest(Path(f)) for f in before}
-            damaged = after != before
-            outcome = classify(argv, done, damaged)
-            if damaged:
-                before = after  # report the damage once, then watch for more
-            tail = "" if done is None else (done.stderr.strip().splitlines() or [""])[-1][:300]
-            results.append({"case": i, "command": command, "argv": argv, "outcome": outcome,
-                            "exit": None if done is None else done.returncode, "stderr_tail": tail})
-            print(f"[{i + 1}/{args.cases} {time.monotonic() - started:.0f}s] {outcome:9} dgemma {' '.join(argv)[:160]}",
-                  flush=True)
-            shutil.rmtree(case_dir, ignore_errors=True)
+        done = run_case(argv, case_dir, timeout, stdin="the king\n")
+        damaged = {f: _digest(Path(f)) for f in before} != before  # files added since (a resumed run's) are no damage
+    finally:
+        shutil.rmtree(case_dir, ignore_errors=True)
+    tail = "" if done is None else (done.stderr.strip().splitlines() or [""])[-1][:300]
+    return {"case": case, "argv": argv, "outcome": classify(argv, done, damaged), "stderr_tail": tail}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    return build_world(tmp_path_factory.mktemp("fuzz-cli"))
+
+
+COMMANDS = ("bench", "chat", "data inspect", "data prepare", "demo", "eval", "export", "finetune", "generate",
+            "generate chat", "generate grammar", "inspect", "train", "viz")
+
+
+def check_fuzzed(command: str, cases: range, w: World) -> None:
+    results = [fuzz_case(command, case, w) for case in cases]
     counts: dict[str, int] = {}
     for r in results:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    print("\noutcome counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    print(f"dgemma {command}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     findings = [r for r in results if r["outcome"] not in {"ok", "refused", "long"}]
-    for r in findings:
-        print(f"FINDING {r['outcome']}: dgemma {' '.join(r['argv'])}\n    {r['stderr_tail']}")
-    if args.json:
-        args.json.write_text(json.dumps({"counts": counts, "cases": results}, indent=1) + "\n")
-    return 1 if findings else 0
+    assert not findings, "\n".join(f"{r['outcome']} (case {r['case']}): dgemma {' '.join(r['argv'])}\n    "
+                                   f"{r['stderr_tail']}" for r in findings)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+@pytest.mark.integration
+@pytest.mark.parametrize("command", COMMANDS)
+def test_hostile_command_lines_end_ok_or_refused(command, world):
+    check_fuzzed(command, range(QUICK), world)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("command", COMMANDS)
+def test_hostile_command_lines_end_ok_or_refused_full_round(command, world):
+    check_fuzzed(command, range(QUICK, FULL), world)
+
+
+def test_every_subcommand_is_fuzzed():
+    """COMMANDS are the working commands base_commands builds: every subcommand but `serve`, whose HTTP surface has
+    its own fuzz (tests/serving/test_serve_hardening.py)."""
+    from dgemma.cli import build_parser
+
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    w = World(Path("w"))
+    w.ckpt = w.data = w.run = w.chats = w.trace = w.corpus = Path("x")
+    assert set(base_commands(w, Path("out"))) == set(COMMANDS)
+    assert {c.split()[0] for c in COMMANDS} == set(subs.choices) - {"serve"}
+
+
+def test_each_ending_is_classified():
+    def ended(code: int, err: str = "") -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess([], code, "", err)
+
+    refusal = "step 1 ...\ndgemma train: error: --lr: must be finite, got nan\n"
+    assert classify(["train"], ended(0), damaged=False) == "ok"
+    assert classify(["train"], ended(2, refusal), damaged=False) == "refused"
+    assert classify(["train"], ended(2, "usage: ...\nerror: no\n"), damaged=False) == "unclear"
+    assert classify(["train"], ended(2, refusal + "dgemma train: error: again\n"), damaged=False) == "unclear"
+    assert classify(["train"], ended(1, "Traceback (most recent call last):\n"), damaged=False) == "traceback"
+    assert classify(["train"], ended(3), damaged=False) == "traceback"
+    assert classify(["train"], ended(-9), damaged=False) == "killed"
+    assert classify(["train"], None, damaged=False) == "timeout"
+    assert classify(["demo", "--minutes", "1e32"], None, damaged=False) == "long"
+    assert classify(["train"], ended(0), damaged=True) == "damage"
