@@ -33,8 +33,7 @@ from torch import Tensor
 from dgemma.diffusion.noise import observation_levels, observe
 from dgemma.io import dirkind, fsio
 from dgemma.model.attention import Impl, check_impl
-from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.model.inputs import check_token_ids
+from dgemma.model.diffusiongemma import DiffusionGemma, check_token_ids
 from dgemma.model.kv_cache import KVCache
 from dgemma.model.memory import check_memory
 from dgemma.sampling import fast_sampler, rules
@@ -379,8 +378,9 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
              constraint: Constraint | None = None, **overrides: Any) -> GenerationResult:
     """Generate whole canvases after `input_ids` (B, T).
 
-    Settings come from `overrides` (any GenerationConfig field), then `generation_config`, then the checkpoint's
-    generation_config.json. Randomness: `generator`, else a generator seeded with `seed`, else torch's global
+    Settings come from `overrides` (any GenerationConfig field), then `generation_config` (a checkpoint's:
+    `dgemma.load_generation_config(path)`), else `GenerationConfig.for_model(model.config)`.
+    Randomness: `generator`, else a generator seeded with `seed`, else torch's global
     generator (what transformers uses: seeding it with torch.manual_seed(s) and passing seed=s draw the same
     numbers on CPU). `attention_mask` (B, T) marks left padding. `cache`: continue from a cache (multi-turn);
     `input_ids` are then only the tokens not yet committed. `decoder_input_ids` replaces the first canvas's

@@ -21,9 +21,10 @@ MAX_CANVAS_PASSES = 1024  # the default cap on one canvas's model passes (`dgemm
 
 def resolve_generation_config(model: DiffusionGemma, generation_config: GenerationConfig | None,
                               overrides: dict[str, Any]) -> GenerationConfig:
-    """The settings of a request. Precedence: `overrides` > `generation_config` > the model's generation_config.json
-    > GenerationConfig's defaults."""
-    base = generation_config or model.generation_config or GenerationConfig()
+    """The settings of a request. Precedence: `overrides` > `generation_config` (a checkpoint's:
+    `dgemma.load_generation_config`) > transformers' defaults with the model's special tokens
+    (`GenerationConfig.for_model`)."""
+    base = generation_config or GenerationConfig.for_model(model.config)
     return base.replace(**overrides) if overrides else base
 
 

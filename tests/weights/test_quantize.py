@@ -21,6 +21,7 @@ from torch import nn
 
 import dgemma
 from dgemma.model import costs
+from dgemma.model.kv_cache import RowCaches
 from dgemma.model.memory import check_memory
 from dgemma.weights import offload, quantize
 from tests.helpers import random_ids, random_model
@@ -89,9 +90,9 @@ def test_int8_one_row_caches_are_batch_invariant(models):
     rows = [pool.rows(r, r + 1, length=n) for r, n in enumerate(lengths)]
     canvas = random_ids(512, 3, 16, seed=9)
     for impl in ("reference", "fast"):
-        batched = q.denoise(canvas, rows, impl=impl)
+        batched = q.denoise(canvas, RowCaches(rows), impl=impl)
         for r in range(3):
-            alone = q.denoise(canvas[r:r + 1], rows[r] if impl == "reference" else [rows[r]], impl=impl)
+            alone = q.denoise(canvas[r:r + 1], rows[r] if impl == "reference" else RowCaches([rows[r]]), impl=impl)
             assert torch.equal(batched[r:r + 1], alone), (impl, r)
 
 
