@@ -46,7 +46,7 @@ def dequantized(model: nn.Module) -> nn.Module:
         module._parameters.pop(attr, None)
         module._modules.pop(attr, None)
         module._parameters[attr] = nn.Parameter(value, requires_grad=False)
-    out.quantization = None
+    assert quantize.quantization_of(out) is None
     return out
 
 
@@ -137,7 +137,7 @@ def test_loading_quantizes_each_tensor_as_quantize_model_does(tmp_path, models):
     model, q = models
     dgemma.save_pretrained(model, tmp_path)
     loaded = dgemma.load_model(tmp_path, quantize="int8")
-    assert loaded.quantization == "int8"
+    assert quantize.quantization_of(loaded) == quantize.quantization_of(q) == "int8"
     prompt, canvas = random_ids(512, 1, 12, seed=5), random_ids(512, 1, 16, seed=6)
     assert torch.equal(loaded(prompt, canvas), q(prompt, canvas))
     with pytest.raises(ValueError, match="quantized to int8 cannot be saved"):
@@ -176,7 +176,8 @@ def test_offloaded_experts_are_bit_identical(tmp_path, models, impl):
     want = model(prompt, canvas, impl=impl)
     mapped = offload.offload_experts(copy.deepcopy(model), tmp_path / "experts.safetensors")
     loaded = dgemma.load_model(tmp_path / "ckpt", offload_experts=True)  # mapped from the checkpoint itself
-    assert loaded.offloaded == str(tmp_path / "ckpt" / "model.safetensors")
+    assert offload.offloaded_to(loaded) == str(tmp_path / "ckpt" / "model.safetensors")
+    assert offload.offloaded_to(mapped) == str(tmp_path / "experts.safetensors") and offload.offloaded_to(model) is None
     for m in (mapped, loaded):
         assert not any(p.ndim == 3 for p in m.parameters())  # no expert tensor left in memory
         assert torch.equal(m(prompt, canvas, impl=impl), want)
@@ -193,9 +194,11 @@ def test_cuda_int4_and_offload():
     prompt, canvas = random_ids(512, 2, 12, seed=1).cuda(), random_ids(512, 2, 16, seed=2).cuda()
     q = quantize.quantize_model(copy.deepcopy(model), "int4")
     assert isinstance(q.layers[0].experts.gate_up_proj, quantize.ExpertMatrices)
+    assert quantize.quantization_of(q) == "int4"
     twin = dequantized(q)
     for impl in ("reference", "fast"):
         torch.testing.assert_close(q(prompt, canvas, impl=impl), twin(prompt, canvas, impl=impl), rtol=0.02, atol=0.5)
     off = offload.offload_experts(copy.deepcopy(model), "unused")
+    assert offload.offloaded_to(off) == "pinned host memory"
     for impl in ("reference", "fast"):
         assert torch.equal(off(prompt, canvas, impl=impl), model(prompt, canvas, impl=impl)), impl
