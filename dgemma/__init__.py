@@ -8,9 +8,9 @@ from dgemma.io.threads import bound_spin
 bound_spin()
 
 from dgemma.model.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset
+from dgemma.model.costs import MemoryPreflightError
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.model.kv_cache import KVCache
-from dgemma.model.memory import MemoryPreflightError
 from dgemma.sampling.generate import GenerationResult, generate
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
 from dgemma.weights.checkpoint import CheckpointError, save_pretrained

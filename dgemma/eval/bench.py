@@ -39,8 +39,8 @@ from dgemma.io import fsio
 from dgemma.io.system import git_commit, machine_info, peak_memory, reset_peak_memory
 from dgemma.model import attention, costs
 from dgemma.model.config import PRESETS, ConfigError, ModelConfig
+from dgemma.model.costs import check_memory
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.model.memory import check_memory
 from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.train import diffusion

@@ -33,9 +33,9 @@ from torch import Tensor
 from dgemma.diffusion.noise import observation_levels, observe
 from dgemma.io import dirkind, fsio
 from dgemma.model.attention import Impl, check_impl
+from dgemma.model.costs import check_memory
 from dgemma.model.diffusiongemma import DiffusionGemma, check_token_ids
 from dgemma.model.kv_cache import KVCache
-from dgemma.model.memory import check_memory
 from dgemma.sampling import fast_sampler, rules
 from dgemma.sampling.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.sampling.constraint import Constraint, ConstraintState

@@ -43,9 +43,9 @@ import torch
 
 from dgemma.model import kernels
 from dgemma.model.attention import Impl, check_impl
+from dgemma.model.costs import check_memory
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.model.kv_cache import KVCache, RowCaches
-from dgemma.model.memory import check_memory
 from dgemma.sampling import fast_sampler
 from dgemma.sampling.canvas import StagedCanvas, StepInfo
 from dgemma.sampling.constraint import Constraint, ConstraintState

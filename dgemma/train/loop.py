@@ -62,11 +62,10 @@ from dgemma.model.config import ConfigError, ModelConfig
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import distributed, run_dir
-from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate
+from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate, preflight
 from dgemma.train.diffusion import LossOutput, sft_loss, training_loss
 from dgemma.train.distributed import Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.train.nelbo import window_cross_entropy
-from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.train.run_dir import NonFiniteError
 from dgemma.weights import lora
 from dgemma.weights.checkpoint import resolve_model_dir

@@ -17,8 +17,8 @@ import torch
 
 from dgemma.model.attention import Impl
 from dgemma.model.config import ModelConfig, preset
+from dgemma.model.costs import check_memory
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.model.memory import check_memory
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.weights import checkpoint, lora, offload
 from dgemma.weights.offload import check_combination, offload_experts

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import dgemma
 from dgemma import cli
 from dgemma.model.config import ConfigError, ModelConfig, RopeConfig
-from dgemma.model.memory import MemoryPreflightError, check_memory
+from dgemma.model.costs import MemoryPreflightError, check_memory
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
 from dgemma.weights.checkpoint import CheckpointError
 

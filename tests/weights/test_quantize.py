@@ -21,8 +21,8 @@ from torch import nn
 
 import dgemma
 from dgemma.model import costs
+from dgemma.model.costs import check_memory
 from dgemma.model.kv_cache import RowCaches
-from dgemma.model.memory import check_memory
 from dgemma.weights import offload, quantize
 from tests.helpers import random_ids, random_model
 
