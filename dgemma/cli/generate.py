@@ -193,7 +193,7 @@ def run_autoregressive(args: argparse.Namespace, model: Any, gcfg: GenerationCon
                          "--t-max as the temperature, --top-k, --top-p, --min-p, the penalties, --logit-bias and "
                          "--seed do)")
     rows, texts = read_prompts(args, tok, model.config.vocab_size)
-    config = resolve_generation_config(model, gcfg, overrides(args, gcfg))
+    config = resolve_generation_config(gcfg, overrides(args, gcfg))
     started, new = time.perf_counter(), []
     for i, row in enumerate(rows):
         g = None if args.seed is None else torch.Generator(model.device).manual_seed(offset_seed(args.seed, i))

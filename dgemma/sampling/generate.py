@@ -379,7 +379,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     """Generate whole canvases after `input_ids` (B, T).
 
     Settings come from `overrides` (any GenerationConfig field), then `generation_config` (a checkpoint's:
-    `dgemma.load_generation_config(path)`), else `GenerationConfig.for_model(model.config)`.
+    `dgemma.load_generation_config(path)`), else GenerationConfig's defaults (transformers').
     Randomness: `generator`, else a generator seeded with `seed`, else torch's global
     generator (what transformers uses: seeding it with torch.manual_seed(s) and passing seed=s draw the same
     numbers on CPU). `attention_mask` (B, T) marks left padding. `cache`: continue from a cache (multi-turn);
@@ -404,7 +404,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     grammar, the others' committed canvases are projected onto it."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
-    config = resolve_generation_config(model, generation_config, overrides)
+    config = resolve_generation_config(generation_config, overrides)
     if loop is None:  # the sync-free loop where it implements the settings: impl="fast" is fast on every sampler
         loop = "sync-free" if impl == "fast" and constraint is None and not fast_sampler.unsupported(config) \
             else "readable"

@@ -82,7 +82,7 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
                limits: Limits | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                allowed_hosts: Sequence[str] | None = None, allow_runtime_lora: bool = False) -> FastAPI:
     """The app over a started `engine`. `generation_config` holds the defaults a request overrides (the checkpoint's:
-    `dgemma.load_generation_config`; default `GenerationConfig.for_model` of the engine's model); `template` the chat
+    `dgemma.load_generation_config`; default GenerationConfig's, transformers' defaults); `template` the chat
     template (default: dgemma's Gemma template); `api_key`, when given, is required as `Authorization: Bearer KEY` on
     /v1/*; `limits` caps the work of one request (default: `Limits()`), `body_timeout` the seconds its body may take to
     arrive; `allowed_hosts` (`guards.allowed_hosts`), when given, are the only Host names answered. The engine's LoRA
@@ -93,7 +93,7 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
     if not body_timeout > 0:
         raise ValueError(f"--body-timeout: must be > 0 seconds, got {body_timeout!r}")
     limits = limits or Limits()
-    config = generation_config or GenerationConfig.for_model(engine.model.config)
+    config = generation_config or GenerationConfig()
     try:
         limits.check_steps(config)
     except APIError as e:

@@ -29,7 +29,7 @@ class ChatSession:
     """A conversation with `model`: `reply(text)` generates the model's answer to one user turn, keeping the KV cache
     between turns; `reset()` forgets the history. `template`: the chat template (default: dgemma's built-in Gemma
     template; `dgemma chat` passes the checkpoint's, `serving.templates.load_chat_template`). `generation_config`:
-    the model's settings (`dgemma.load_generation_config`; default `GenerationConfig.for_model`); `overrides` are
+    the model's settings (`dgemma.load_generation_config`; default GenerationConfig's); `overrides` are
     generate()'s keyword overrides for every turn; turn k draws with seed `seed + k` (None: unseeded)."""
 
     def __init__(self, model: Any, tokenizer: Tokenizer, *, system: str | None = None, max_context: int = 8192,
@@ -42,7 +42,7 @@ class ChatSession:
         self.max_context = min(max_context, model.config.max_position_embeddings)
         L = model.config.canvas_length
         settings = {k: v for k, v in overrides.items() if k in GenerationConfig.__dataclass_fields__}
-        max_new = resolve_generation_config(model, generation_config, settings).max_new_tokens
+        max_new = resolve_generation_config(generation_config, settings).max_new_tokens
         self.answer_room = -(-max_new // L) * L  # every canvas but the last is committed: whole canvases of room
         self.cache = model.new_cache(batch_size=1, max_length=self.max_context)
         self.pending: list[int] | None = None  # None: no history; else the last answer's uncommitted canvas
