@@ -26,8 +26,7 @@ from dgemma.diffusion.noise import q_sample
 from dgemma.train.config import TrainConfig
 from dgemma.train.diffusion import sample_canvas_t, sft_loss
 from dgemma.train.loop import train
-
-from .helpers import random_model
+from tests.helpers import random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dgemma.preset("tiny")  # canvas 16, sliding window 8, vocab 512, pad 0
