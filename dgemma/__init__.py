@@ -8,13 +8,13 @@ from dgemma.io.threads import bound_spin
 bound_spin()
 
 from dgemma.model.config import PRESETS, ConfigError, ModelConfig, RopeConfig, preset
+from dgemma.model.costs import MemoryPreflightError
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.model.kv_cache import KVCache
-from dgemma.model.memory import MemoryPreflightError
 from dgemma.sampling.generate import GenerationResult, generate
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
 from dgemma.weights.checkpoint import CheckpointError, save_pretrained
-from dgemma.weights.loading import build_model, init_weights, load_model
+from dgemma.weights.loading import build_model, init_weights, load_generation_config, load_model
 
 __version__ = "0.1.0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "build_model",
     "generate",
     "init_weights",
+    "load_generation_config",
     "load_model",
     "preset",
     "save_pretrained",

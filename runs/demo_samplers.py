@@ -34,7 +34,7 @@ from dgemma.eval.demo import DEMO
 from dgemma.eval.judging import prompt_dependence, retokenize
 from dgemma.sampling.generate import generate
 from dgemma.weights.checkpoint import resolve_model_dir
-from dgemma.weights.loading import load_model
+from dgemma.weights.loading import load_generation_config, load_model
 
 SETTINGS = {  # name -> generate() overrides of the checkpoint's generation config
     "entropy-bound (checkpoint's: bound 0.1, 48 steps)": {},
@@ -53,7 +53,8 @@ def one_seed(run: Path, draws: int) -> list[dict]:
     model = load_model(resolve_model_dir(run / "diffusion"), impl="fast").eval()
     ar = load_model(resolve_model_dir(run / "ar")).eval()
     tok = load_tokenizer(run / "diffusion" / "tokenizer.json")
-    eos = model.generation_config.eos_token_id
+    settings = load_generation_config(run / "diffusion")
+    eos = settings.eos_token_id
     scorer = copy.deepcopy(ar).to(torch.float64)
     vocabulary = {w for doc in decode_documents(run / "data") for w in words(doc)}
     prompts = [torch.tensor([eos[0], *tok.encode(p, add_special_tokens=False)]) for p in DEMO.prompts]
@@ -63,7 +64,8 @@ def one_seed(run: Path, draws: int) -> list[dict]:
         for k in range(draws):
             samples, texts = [], []
             for i, ids in enumerate(prompts):
-                result = generate(model, ids[None], max_new_tokens=64, seed=1000 * k + i, **overrides)
+                result = generate(model, ids[None], generation_config=settings, max_new_tokens=64, seed=1000 * k + i,
+                                  **overrides)
                 new = result.new_tokens()[0]
                 samples.append(new)
                 texts.append(tok.decode(new, skip_special_tokens=True))

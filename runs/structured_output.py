@@ -157,18 +157,19 @@ def cost(args: argparse.Namespace, schemas: list[dict]) -> dict:
     from dgemma.data.tokenizer import load_tokenizer
     from dgemma.sampling.constraint import Constraint
     from dgemma.weights.checkpoint import resolve_model_dir
-    from dgemma.weights.loading import load_model
+    from dgemma.weights.loading import load_generation_config, load_model
 
-    model = load_model(args.model)
+    model, settings = load_model(args.model), load_generation_config(args.model)
     tok = load_tokenizer(args.tokenizer or resolve_model_dir(args.model) / "tokenizer.json")
-    eos = model.generation_config.eos_token_id
+    eos = settings.eos_token_id
     prompt = torch.tensor([tok.encode("Reply with JSON.")])
     runs = {"with": [], "without": []}
     for i, schema in enumerate(schemas[:args.cost_schemas]):
         c = Constraint.json_schema(schema, tok, eos_token_id=eos)
         for name in ("without", "with"):
             t = time.perf_counter()
-            out = generate(model, prompt, seed=i, max_new_tokens=args.max_tokens, max_denoising_steps=args.steps,
+            out = generate(model, prompt, generation_config=settings, seed=i, max_new_tokens=args.max_tokens,
+                           max_denoising_steps=args.steps,
                            constraint=c if name == "with" else None, loop="readable")
             seconds = time.perf_counter() - t
             new = len(out.new_tokens()[0])
@@ -223,13 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:  # a tiny random checkpoint with the test tokenizer, written where the results go
         from dgemma.data.tokenizer import build_test_tokenizer
+        from dgemma.sampling.generation_config import GenerationConfig
         from dgemma.weights.checkpoint import save_pretrained
         from dgemma.weights.loading import build_model
 
         model_dir = args.out / "tiny-model"
         model_dir.mkdir(parents=True, exist_ok=True)
         model = build_model("tiny")
-        save_pretrained(model, model_dir, generation_config=model.generation_config.replace(eos_token_id=(1,)))
+        save_pretrained(model, model_dir,
+                        generation_config=GenerationConfig.for_model(model.config).replace(eos_token_id=(1,)))
         build_test_tokenizer(512, model_dir / "tokenizer.json")
         args.model = str(model_dir)
         args.schemas, args.tool_sets, args.cost_schemas, args.max_tokens, args.steps = 3, 2, 2, 256, 4

@@ -3,7 +3,7 @@ docs/training.md (cpu-small recipe: 1,016 MiB measured, 1,236 MiB estimated, 1.2
 
 Each configuration trains for 3 steps (one thread, eager fp32 on the CPU) with `dgemma.train.loop.train` in its own
 process; the measured figure is that whole process's peak resident set (ru_maxrss), the estimate the sum of
-`dgemma.train.loop.estimate_memory`, the number the pre-flight compares with the free memory.
+`dgemma.train.config.estimate_memory`, the number the pre-flight compares with the free memory.
 
     python runs/train_memory.py DATA    # DATA: a bpe:8192 directory from `dgemma data prepare`
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from dgemma.train.config import train_preset
-from dgemma.train.loop import estimate_memory, train
+from dgemma.train.config import estimate_memory, train_preset
+from dgemma.train.loop import train
 
 # (label, TrainConfig overrides of the cpu-small recipe)
 CONFIGS = [

@@ -1,5 +1,5 @@
 """The docs stay true to the code: every `file.py:Dotted.Path` pointer in docs/*.md and README.md resolves to a real
-attribute of the dgemma package, and docs/architecture.md covers the `# Gemma:` quirks of
+attribute of the dgemma package, and docs/architecture.md covers the `# Gemma:` quirks of dgemma/model/layers.py and
 dgemma/model/diffusiongemma.py."""
 
 from __future__ import annotations
@@ -62,11 +62,12 @@ def test_code_pointers_resolve(doc: Path) -> None:
 
 def test_architecture_doc_covers_the_gemma_quirks() -> None:
     assert ARCHITECTURE.is_file(), "docs/architecture.md is missing"
-    lines = (PACKAGE / "model/diffusiongemma.py").read_text(encoding="utf-8").splitlines()
-    marks = [(n, line.split("# Gemma:", 1)[1].strip()) for n, line in enumerate(lines, 1) if "# Gemma:" in line]
-    assert marks, "dgemma/model/diffusiongemma.py has no `# Gemma:` comments"
-    empty = [n for n, text in marks if not text]
-    assert not empty, f"empty `# Gemma:` comments in dgemma/model/diffusiongemma.py at lines {empty}"
+    for module in ("model/layers.py", "model/diffusiongemma.py"):
+        lines = (PACKAGE / module).read_text(encoding="utf-8").splitlines()
+        marks = [(n, line.split("# Gemma:", 1)[1].strip()) for n, line in enumerate(lines, 1) if "# Gemma:" in line]
+        assert marks, f"dgemma/{module} has no `# Gemma:` comments"
+        empty = [n for n, text in marks if not text]
+        assert not empty, f"empty `# Gemma:` comments in dgemma/{module} at lines {empty}"
     doc = ARCHITECTURE.read_text(encoding="utf-8")
     missing = [k for k in QUIRK_KEYWORDS if k not in doc]
     assert not missing, f"docs/architecture.md does not mention {missing}"

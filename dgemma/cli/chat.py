@@ -37,12 +37,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     refuse_autoregressive(args, "dgemma chat")
-    model, tok = load(args)
+    model, gcfg, tok = load(args)
     if tok is None:
         raise UsageError("chat needs a tokenizer: pass --tokenizer PATH or put tokenizer.json in the model directory")
-    gcfg = model.generation_config
     session = ChatSession(model, tok, system=args.system, max_context=args.max_context, seed=args.seed,
-                          template=chat_template(args),
+                          template=chat_template(args), generation_config=gcfg,
                           force=args.force, **overrides(args, gcfg))  # force: generate's memory pre-flight
     interactive = sys.stdin.isatty()
     while True:

@@ -295,8 +295,9 @@ def constraint_flag(args: argparse.Namespace) -> str | None:
                  if getattr(args, f, None) not in (None, False)), None)
 
 
-def constraint_from(args: argparse.Namespace, tok: Tokenizer | None, model: Any) -> Any:
-    """The Constraint the flags ask for (None without one); a UsageError naming the flag for what cannot be built."""
+def constraint_from(args: argparse.Namespace, tok: Tokenizer | None, gcfg: GenerationConfig) -> Any:
+    """The Constraint the flags ask for (None without one), ending at `gcfg`'s EOS; a UsageError naming the flag for
+    what cannot be built."""
     from dgemma.sampling.constraint import Constraint, ConstraintError
 
     name = constraint_flag(args)
@@ -306,7 +307,7 @@ def constraint_from(args: argparse.Namespace, tok: Tokenizer | None, model: Any)
     if tok is None:
         raise UsageError(f"{name} needs the model's tokenizer (the grammar is compiled against it): pass --tokenizer "
                          "PATH or put tokenizer.json in the model directory")
-    common = dict(eos_token_id=model.generation_config.eos_token_id)
+    common = dict(eos_token_id=gcfg.eos_token_id)
     try:
         if flag == "json_object":
             return Constraint.json_object(tok, **common)
@@ -359,27 +360,29 @@ def chat_template(args: argparse.Namespace) -> ChatTemplate:
     return load_chat_template(*dirs)
 
 
-def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
-    """The model (from --model, or --preset --random-init) running on --impl with --threads, and its tokenizer (None
-    if there is none)."""
+def load(args: argparse.Namespace) -> tuple[Any, GenerationConfig, Tokenizer | None]:
+    """The model (from --model, or --preset --random-init) running on --impl with --threads, the generation settings
+    that travel beside it (the checkpoint's generation_config.json; a random preset's: `GenerationConfig.for_model`)
+    and its tokenizer (None if there is none)."""
     if (args.model is None) == (args.preset is None):
         raise UsageError("give exactly one of --model DIR and --preset NAME")
     args.device = device_of(args.device)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES.get(args.dtype)
-    weights = dict(dtype=dtype, device=args.device, force=getattr(args, "force", False),
+    weights = dict(dtype=dtype, device=args.device, impl=args.impl, force=getattr(args, "force", False),
                    quantize=getattr(args, "quantize", None), offload_experts=getattr(args, "offload_experts", False))
     set_threads(args.threads)
     if args.preset is not None:
         if not args.random_init:
             raise UsageError(f"--preset {args.preset} has no weights: add --random-init, or load one with --model")
         model = loading.build_model(args.preset, **weights)
+        gcfg = GenerationConfig.for_model(model.config)
     else:
         if args.random_init:
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
         model = loading.load_model(args.model, **weights)
-    model.impl = args.impl  # the kernels every commit and denoise of this model uses (generate's default)
+        gcfg = loading.load_generation_config(args.model)
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):
@@ -389,8 +392,8 @@ def load(args: argparse.Namespace) -> tuple[Any, Tokenizer | None]:
         except ValueError as e:
             raise UsageError(str(e)) from None
         if args.preset is not None:  # a random model with a chat tokenizer stops at <turn|>, as Gemma's does
-            model.generation_config = model.generation_config.stopping_at(tok.token_to_id(TURN_END))
-    return model, tok
+            gcfg = gcfg.stopping_at(tok.token_to_id(TURN_END))
+    return model, gcfg, tok
 
 
 def autoregressive(args: argparse.Namespace) -> bool:

@@ -21,6 +21,7 @@ from dgemma.model.config import ConfigError
 from dgemma.train.distributed import export
 from dgemma.weights import lora
 from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
+from dgemma.weights.loading import load_generation_config, load_model
 
 
 def register(subparsers: Any) -> None:
@@ -45,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--base goes with a LoRA adapter; {ckpt} is a whole checkpoint")
     with publishing(args.out) as tmp:
         if adapter:
-            model = lora.load_merged(ckpt, base=args.base, dtype=DTYPES[args.dtype])
-            save_pretrained(model, tmp)
+            model = load_model(ckpt, base=args.base, dtype=DTYPES[args.dtype])
+            save_pretrained(model, tmp, generation_config=load_generation_config(ckpt, base=args.base))
             for name in MODEL_FILES:  # the tokenizer and the chat template the run was fine-tuned with
                 if (ckpt / name).is_file():
                     fsio.copy_file(ckpt / name, tmp / name)

@@ -31,7 +31,7 @@ from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.io import fsio
 from dgemma.io.console import Progress
 from dgemma.sampling.generate import check_trace_path, generate
-from dgemma.sampling.generation_config import offset_seed
+from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.sampling.request_rules import resolve_generation_config
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
@@ -121,12 +121,11 @@ def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: in
 def run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         check_trace_path(args.trace)  # before the model is loaded and anything generated
-    model, tok = load(args)
+    model, gcfg, tok = load(args)
     if autoregressive(args):
-        return run_autoregressive(args, model, tok)
+        return run_autoregressive(args, model, gcfg, tok)
     rows, texts = read_prompts(args, tok, model.config.vocab_size)
-    constraint = constraint_from(args, tok, model)
-    gcfg = model.generation_config
+    constraint = constraint_from(args, tok, gcfg)
     kw = overrides(args, gcfg)
     input_ids, mask = left_pad(rows, gcfg.pad_token_id or 0, model.device)
     streamer = Streamer(tok, gcfg.eos_token_id, gcfg.pad_token_id, len(rows), quiet=args.json)
@@ -135,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
                         "canvases", enabled=sys.stderr.isatty() and not streamer.live)
     t0 = time.perf_counter()
     try:
-        result = generate(model, input_ids, attention_mask=mask, seed=args.seed, on_step=streamer.on_step,
+        result = generate(model, input_ids, generation_config=gcfg, attention_mask=mask, seed=args.seed,
+                          on_step=streamer.on_step,
                           on_canvas=lambda i, t: (streamer.on_canvas(i, t), canvases.update(1)),
                           trace=args.trace is not None, force=args.force, constraint=constraint, **kw)
     finally:
@@ -180,7 +180,7 @@ DIFFUSION_ONLY = ("sampler", "time_level", "lite_commit", "corrector_steps", "co
                   "grammar")
 
 
-def run_autoregressive(args: argparse.Namespace, model: Any, tok: Tokenizer | None) -> int:
+def run_autoregressive(args: argparse.Namespace, model: Any, gcfg: GenerationConfig, tok: Tokenizer | None) -> int:
     """An AR run's generation: each prompt decoded token by token (`ar_decode`) at temperature `t_max` (the
     diffusion schedule's first temperature, what `dgemma demo` samples its baseline at), with the sampling controls,
     --max-new-tokens and --seed (prompt i: seed + i); the text streamed as it comes."""
@@ -193,7 +193,7 @@ def run_autoregressive(args: argparse.Namespace, model: Any, tok: Tokenizer | No
                          "--t-max as the temperature, --top-k, --top-p, --min-p, the penalties, --logit-bias and "
                          "--seed do)")
     rows, texts = read_prompts(args, tok, model.config.vocab_size)
-    config = resolve_generation_config(model, None, overrides(args, model.generation_config))
+    config = resolve_generation_config(gcfg, overrides(args, gcfg))
     started, new = time.perf_counter(), []
     for i, row in enumerate(rows):
         g = None if args.seed is None else torch.Generator(model.device).manual_seed(offset_seed(args.seed, i))

@@ -13,7 +13,7 @@ import torch
 from dgemma.cli.common import add_quantize_arg, nonnegative_int
 from dgemma.model import costs
 from dgemma.model.config import ModelConfig, preset, read_json
-from dgemma.model.memory import memory_needed
+from dgemma.model.costs import memory_needed
 from dgemma.weights.checkpoint import resolve_model_dir
 
 

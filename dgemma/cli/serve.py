@@ -120,10 +120,10 @@ def run(args: argparse.Namespace) -> int:
     args.device = device_of(args.device)
     if args.threads is None and args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
         args.threads = max(1, usable_cores() - 1)
-    model, tok = load(args)
+    model, gcfg, tok = load(args)
     if tok is None:
         tok = _toy_tokenizer(args, model)
-    gcfg = model.generation_config
+        gcfg = gcfg.stopping_at(tok.token_to_id(TURN_END))
     config = gcfg.replace(**overrides(args, gcfg))
     template = chat_template(args)
     name = args.model_name or (Path(args.model).resolve().name if args.model is not None else args.preset)
@@ -202,6 +202,4 @@ def _toy_tokenizer(args: argparse.Namespace, model: Any) -> Any:
         raise UsageError("serve needs a tokenizer: pass --tokenizer PATH or put tokenizer.json in the model "
                          "directory" + (f" (the model's vocabulary has {vocab} ids)" if args.preset else ""))
     print("dgemma serve: no --tokenizer; using dgemma's toy tokenizer (build_test_tokenizer(512))", file=sys.stderr)
-    tok = build_test_tokenizer(512)
-    model.generation_config = model.generation_config.stopping_at(tok.token_to_id(TURN_END))
-    return tok
+    return build_test_tokenizer(512)

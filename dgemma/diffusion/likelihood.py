@@ -31,7 +31,7 @@ from torch import Tensor
 
 from dgemma.diffusion.noise import alpha, alpha_bar, alpha_rate, corrupt, observe, q_sample
 from dgemma.model.attention import clean_context_masks, noisy_context_masks
-from dgemma.model.inputs import check_token_ids
+from dgemma.model.diffusiongemma import check_token_ids
 
 if TYPE_CHECKING:  # the model is only passed through: importing it would put the bound above the model's layer
     from dgemma.model.adapter_rows import AdapterRows

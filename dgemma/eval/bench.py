@@ -39,12 +39,13 @@ from dgemma.io import fsio
 from dgemma.io.system import git_commit, machine_info, peak_memory, reset_peak_memory
 from dgemma.model import attention, costs
 from dgemma.model.config import PRESETS, ConfigError, ModelConfig
+from dgemma.model.costs import check_memory
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.model.memory import check_memory
 from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.train import diffusion
 from dgemma.weights.loading import DTYPES, init_weights, load_model
+from dgemma.weights.offload import check_combination
 
 IMPLS_ORDER = ("reference", "fast", "transformers")
 NO_STOP = 1e-38  # confidence_threshold: mean entropy never falls below it, so every canvas runs all its steps
@@ -108,12 +109,7 @@ class BenchSettings:
             from dgemma.weights.quantize import check_supported
 
             check_supported(self.quantize, self.device, self.torch_dtype)
-        if self.quantize is not None and self.compile:
-            raise ConfigError("--compile does not take a quantized model (the compiled step's expert op reads plain "
-                              "tensors); drop one of --compile and --quantize")
-        if self.offload_experts and (self.quantize is not None or self.compile):
-            raise ConfigError("--offload-experts runs the unquantized model without --compile; drop --quantize / "
-                              "--compile")
+        check_combination(self.quantize, self.offload_experts, self.compile)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -401,7 +397,6 @@ def _random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int, 
         for name in list(q.quantized_names(part)):
             q.replace(part, name, quantize)
     model.layers = layers
-    model.quantization = quantize
     return model.eval()
 
 

@@ -46,11 +46,12 @@ from dgemma.io.fsio import write_text
 from dgemma.model.config import PRESETS
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generate import generate
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import run_dir
 from dgemma.train.config import TrainConfig
 from dgemma.train.run_dir import METRICS
 from dgemma.weights.checkpoint import CheckpointError, latest_checkpoint, resolve_model_dir
-from dgemma.weights.loading import load_model
+from dgemma.weights.loading import load_generation_config, load_model
 
 DEPENDENCE_SCORER = ("the AR baseline (the demo has no other judge), in float64, on the re-tokenized text; it "
                      "scores its own continuations too")
@@ -229,9 +230,10 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     say(f"\n== 3/4 continuations (prompt i samples with seed {seed} + i - 1): diffusion, canvases denoising live, "
         "then AR")
     diffusion = load_model(resolve_model_dir(diff_run)).eval()
+    settings = load_generation_config(diff_run)
     ar = load_model(resolve_model_dir(ar_run)).eval()
     tok = load_tokenizer(diff_run / "tokenizer.json")
-    eos = diffusion.generation_config.eos_token_id
+    eos = settings.eos_token_id
     ids_of, d_samples, a_samples, d_texts, a_texts, per_forward = [], [], [], [], [], []
     trace = None
     for i, prompt in enumerate(prompts):
@@ -240,7 +242,7 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
         ids_of.append(ids)
         say(f"\n[{i + 1}/{len(prompts)}] diffusion: {prompt}")
         prompt_seed = (seed + i) % 2**64  # its own draws: one seed for all gave the prompts one skeleton
-        result = _generate_live(diffusion, tok, ids[None], max_new_tokens, prompt_seed, out_stream, live,
+        result = _generate_live(diffusion, settings, tok, ids[None], max_new_tokens, prompt_seed, out_stream, live,
                                 trace=i == 0, sampling=dict(recipe.sampling))
         trace = trace or result.trace
         new = result.new_tokens()[0]
@@ -282,13 +284,13 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     return DemoResult(figures, d_texts, a_texts, written, d_samples, a_samples)
 
 
-def _generate_live(model: DiffusionGemma, tok: Tokenizer, ids: torch.Tensor, max_new_tokens: int, seed: int,
-                   out: TextIO, live: bool | None, trace: bool, sampling: dict[str, Any]) -> Any:
-    streamer = Streamer(tok, model.generation_config.eos_token_id, model.generation_config.pad_token_id, 1,
-                        stream=out, live=live)
+def _generate_live(model: DiffusionGemma, settings: GenerationConfig, tok: Tokenizer, ids: torch.Tensor,
+                   max_new_tokens: int, seed: int, out: TextIO, live: bool | None, trace: bool,
+                   sampling: dict[str, Any]) -> Any:
+    streamer = Streamer(tok, settings.eos_token_id, settings.pad_token_id, 1, stream=out, live=live)
     out.write(tok.decode(ids[0, 1:].tolist()))
     try:
-        return generate(model, ids, max_new_tokens=max_new_tokens, seed=seed, trace=trace,
+        return generate(model, ids, generation_config=settings, max_new_tokens=max_new_tokens, seed=seed, trace=trace,
                         on_step=streamer.on_step, on_canvas=streamer.on_canvas, **sampling)
     finally:
         streamer.close()

@@ -48,7 +48,6 @@ from dgemma.io.console import Progress
 from dgemma.model.attention import IMPLS
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generate import Trace
-from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train.nelbo import EvalError, ar_token_nll, estimate, x0_ce_per_canvas
 
 REPORT_FORMAT = "dgemma-eval-1"
@@ -317,7 +316,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     from dgemma.data.shards import TokenDataset, check_token_range, verify
     from dgemma.data.tokenizer import check_vocab, load_tokenizer
     from dgemma.train.config import CONFIG_JSON
-    from dgemma.weights.loading import load_model
+    from dgemma.weights.loading import load_generation_config, load_model
 
     s = settings or EvalSettings()
     s.check()
@@ -384,7 +383,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     prompts = pick_prompts(val, s.num_prompts, s.prompt_tokens)
     max_new = s.max_new_tokens or 2 * L
     eos = (val.eot_id,)
-    gcfg = (model.generation_config or GenerationConfig()).replace(
+    gcfg = load_generation_config(info.model_dir).replace(
         max_new_tokens=max_new, eos_token_id=eos, pad_token_id=None, truncate=False)
     scorer, judged_by = (judge, judge_info) if judge is not None else (baseline, base)
     frontier, ar_frontier, traces, timing = decode_frontier(model, baseline, scorer, tokenizer, prompts, gcfg, s, log)

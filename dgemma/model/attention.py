@@ -68,21 +68,41 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
 
 
 ATTENTION = {"reference": reference_attention, "fast": sdpa_attention}
-Past = tuple[Tensor, Tensor] | None  # a layer's visible cached keys and values (B, K, T, Dh), or None
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, past: Past | list[Past], mask: Mask | list[Mask], impl: Impl) -> Tensor:
-    """This pass's queries q (B, H, S, Dh) over the visible cached keys and values `past`, then the pass's own k, v
-    (B, K, S, Dh); returns (B, S, H, Dh). When `past` and `mask` are lists, one entry per row (rows at different
-    committed lengths: continuous batching), each row attends on its own, so it computes exactly what it would in a
-    batch of its own."""
-    if isinstance(past, list):
-        assert isinstance(mask, list) and len(past) == len(mask) == q.shape[0]
-        return torch.cat([attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], p, m, impl)
-                          for r, (p, m) in enumerate(zip(past, mask, strict=True))])
-    assert not isinstance(mask, list)
-    keys, values = (k, v) if past is None else (torch.cat([past[0], k], -2), torch.cat([past[1], v], -2))
-    return ATTENTION[impl](q, keys, values, mask)
+class Past:
+    """What one layer reads in one pass besides its own new keys and values: the visible cached keys and values
+    `kv` (B, K, T, Dh each; None without a cache: a first commit, training) and the mask over [those keys ; the
+    pass's own]. The layers call only `attend` and `rows_apart`, which `RowPasts` implements too."""
+
+    rows_apart = False  # the rows are one batch: a kernel may round them together
+
+    def __init__(self, kv: tuple[Tensor, Tensor] | None, mask: Mask):
+        self.kv, self.mask = kv, mask
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, impl: Impl) -> Tensor:
+        """This pass's queries q (B, H, S, Dh) over the visible cached keys and values, then the pass's own k, v
+        (B, K, S, Dh); returns (B, S, H, Dh)."""
+        keys, values = (k, v) if self.kv is None else (torch.cat([self.kv[0], k], -2), torch.cat([self.kv[1], v], -2))
+        return ATTENTION[impl](q, keys, values, self.mask)
+
+
+class RowPasts:
+    """One `Past` per row, for rows at different committed lengths (continuous batching: `kv_cache.RowCaches`). Each
+    row attends on its own, and `rows_apart` tells the layer to run each row's experts on their own too, so that a
+    row computes exactly what it would in a batch of its own."""
+
+    rows_apart = True
+
+    def __init__(self, rows: list[Past]):
+        self.rows = rows
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, impl: Impl) -> Tensor:
+        assert len(self.rows) == q.shape[0]
+        return torch.cat([p.attend(q[r:r + 1], k[r:r + 1], v[r:r + 1], impl) for r, p in enumerate(self.rows)])
+
+
+LayerPast = Past | RowPasts  # what a layer reads of the cache in one pass
 
 
 # --- masks -------------------------------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
-"""Parameter, KV-cache and FLOP counts as pure functions of a `ModelConfig`: no model is built, so they are instant
-even for the 26B geometry.
+"""What a model costs, in one place: parameter, KV-cache, FLOP and weight-byte counts as pure functions of a
+`ModelConfig` (no model is built, so they are instant even for the 26B geometry), the bytes a load, a generation or a
+training step needs from them, and the memory pre-flight that compares those bytes with what is free. The pre-flight
+lives here rather than in a module of its own because it is this accounting plus one comparison: loading, `generate`,
+the serving engine, `dgemma inspect` and the training step (train/config.py) all count with the same functions.
 
 Notation: D = hidden_size, V = vocab_size, H = num_attention_heads, I = intermediate_size, Ie = moe_intermediate_size,
 E = num_experts, k = top_k_experts, L = canvas_length, and per layer i: Dh(i) = layer_head_dim(i),
@@ -12,9 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from dgemma.io.system import available_memory
 from dgemma.model.config import ModelConfig
 
-TIME_FEATURES = 256  # dgemma.model.diffusiongemma.TIME_FEATURES (not imported: costs needs no torch)
+TIME_FEATURES = 256  # dgemma.model.layers.TIME_FEATURES (not imported: counting builds no layer)
 
 
 def _attention_params(cfg: ModelConfig, i: int) -> int:
@@ -220,6 +226,95 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int = 2, quantize: str | None = 
     return {**parts, "total": sum(parts.values())}
 
 
-__all__ = ["flops_per_committed_token", "flops_per_denoise_step", "kv_cache_bytes", "kv_cache_bytes_breakdown",
-           "kv_cache_bytes_per_token", "parameter_counts", "per_layer_table", "quantized_matrices",
-           "weight_bytes"]
+# --- the memory pre-flight ------------------------------------------------------------------------------------------
+
+class MemoryPreflightError(ValueError):
+    """A load or a generation would need more memory than is free; the message gives the numbers."""
+
+
+RUNTIME_BYTES = 256 * 2**20  # allocator slack, the interpreter, small temporaries
+
+
+def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = False, batch_size: int = 0,
+                  cache_length: int = 0, prompt_length: int = 0, quantize: str | None = None,
+                  offload_experts: bool = False, prefix_tokens: int = 0) -> dict[str, int]:
+    """Bytes by part (nothing is built): the weights in `dtype` (or `quantize`d; without the experts if they are
+    offloaded), a KVCache of `cache_length` slots for `batch_size` rows (every layer is preallocated at full length),
+    the sampler's (batch, canvas, vocab) buffers (fp32 logits and probabilities, the self-conditioning logits, the
+    entropy's temporary), the prefill's attention scores for a `prompt_length`-token prompt, and a serving prefix
+    cache of `prefix_tokens` slots."""
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    B, L, V = batch_size, config.canvas_length, config.vocab_size
+    w = weight_bytes(config, nbytes, quantize)
+    parts = {"weights": w["total"] - (w["experts"] if offload_experts else 0) if weights else 0,
+             "kv_cache": B * cache_length * kv_cache_bytes_per_token(config, nbytes),
+             "prefix_cache": prefix_tokens * kv_cache_bytes_per_token(config, nbytes),
+             "sampler": B * L * V * (3 * 4 + nbytes),
+             "activations": 2 * B * config.num_attention_heads * prompt_length * max(prompt_length, L) * 4,
+             "runtime": RUNTIME_BYTES}
+    return {k: v for k, v in parts.items() if v}
+
+
+def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                 weights: bool = False, batch_size: int = 0, cache_length: int = 0, prompt_length: int = 0,
+                 force: bool = False, quantize: str | None = None, offload_experts: bool = False,
+                 prefix_tokens: int = 0) -> dict[str, int]:
+    """The memory pre-flight of loading and generating: refuse (MemoryPreflightError, with the numbers) when
+    `memory_needed` exceeds what `system.available_memory` says is free (RAM, or free device memory on CUDA), unless
+    `force`. Returns the parts."""
+    parts = memory_needed(config, dtype, weights=weights, batch_size=batch_size, cache_length=cache_length,
+                          prompt_length=prompt_length, quantize=quantize, offload_experts=offload_experts,
+                          prefix_tokens=prefix_tokens)
+    device = torch.device(device)
+    free = available_memory(device) if device.type in ("cpu", "cuda") else None
+    need = sum(parts.values())
+    if not force and free is not None and need > free:
+        gb = lambda b: f"{b / 1e9:.2f} GB"
+        detail = ", ".join(f"{k} {gb(v)}" for k, v in parts.items())
+        raise MemoryPreflightError(f"needs about {gb(need)} ({detail}) but only {gb(free)} is free on {device.type}; "
+                                   "use a smaller model, dtype (or --quantize), batch or max_new_tokens, or --force / "
+                                   "force=True to try anyway")
+    return parts
+
+
+def training_step_bytes(cfg: ModelConfig, *, batch_size: int, seq_len: int, paired: bool, chunk_rows: int,
+                        use_bf16: bool = False, compiled: bool = False, eager_scores: bool = False,
+                        activation_checkpointing: bool = False, lora: bool = False, shards: int = 1
+                        ) -> dict[str, int]:
+    """Peak bytes of one training step of one rank, by part (train/config.py:estimate_memory says it of a
+    TrainConfig). `paired`: each window is fed as [x0 ; x_t] (clean-context and sft objectives). Activations: values
+    autograd keeps per token and layer, fitted to measured eager fp32 CPU peaks (runs/train_memory.py: ~68 D-wide
+    values per token and layer for cpu-small; this formula gives ~75) and assumed 3x fewer when each block is
+    `compiled` (torch.compile fuses the fp32 norm and GELU intermediates away; not measured: no GPU here). Plus each
+    layer's saved attention mask (and its scores with `eager_scores`: the reference attention keeps them), the
+    (chunk_rows, V) loss logits, and the runtime itself. `batch_size` is a rank's micro-batch; with FSDP over `shards`
+    ranks parameters, gradients and AdamW state are divided by `shards`, plus the blocks gathered whole at once (the
+    root's embedding and two blocks, with their gradients). Activation checkpointing keeps one block's activations
+    and each block's input; `lora`: gradients and AdamW state of the adapters only (negligible)."""
+    L = cfg.num_hidden_layers
+    P = parameter_counts(cfg)["total"]
+    S = seq_len * (2 if paired else 1)
+    N, act = batch_size * S, 2 if use_bf16 else 4
+    D, H, Dh = cfg.hidden_size, cfg.num_attention_heads, max(cfg.head_dim, cfg.global_head_dim)
+    per_token = 44 * D + 6 * cfg.intermediate_size + 4 * H * Dh
+    if cfg.is_moe:
+        per_token += cfg.top_k_experts * (6 * cfg.moe_intermediate_size + 4 * D)
+    if compiled:
+        per_token //= 3
+    scores = 2 * batch_size * H * S * S * 4 if eager_scores else 0
+    kept = 1 if activation_checkpointing else L  # layers whose activations are alive at once
+    trained = 0 if lora else P
+    parts = {"parameters": 4 * P // shards, "gradients": 4 * trained // shards, "adamw": 8 * trained // shards}
+    if shards > 1:
+        per_layer = (P - cfg.vocab_size * D) // L
+        parts["gathered"] = 2 * (cfg.vocab_size * D + 2 * per_layer) * (2 if use_bf16 else 4)
+    return {**parts,
+            "activations": N * kept * per_token * act + L * (S * S * act + scores)
+                           + (N * L * D * act if activation_checkpointing else 0),
+            "loss_logits": 4 * min(chunk_rows, N) * cfg.vocab_size * 4,
+            "runtime": 500 * 2**20}
+
+
+__all__ = ["MemoryPreflightError", "check_memory", "flops_per_committed_token", "flops_per_denoise_step",
+           "kv_cache_bytes", "kv_cache_bytes_breakdown", "kv_cache_bytes_per_token", "memory_needed",
+           "parameter_counts", "per_layer_table", "quantized_matrices", "training_step_bytes", "weight_bytes"]

@@ -17,11 +17,13 @@ memory on long contexts (see `dgemma inspect` for bytes per token).
 
 Continuous batching (dgemma/serving/engine.py) keeps one cache as a pool of rows, one request per row, each with its
 own committed length: `rows(start, stop, length)` is a cache over some rows that shares the pool's storage (a commit
-through it writes into the pool), and `model.denoise(canvas, [one-row caches])` runs one batched pass in which each
-row reads its own.
+through it writes into the pool), and `model.denoise(canvas, RowCaches([one-row caches]))` runs one batched pass in
+which each row reads its own (`attention.RowPasts` is what its layers see).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -134,3 +136,26 @@ class KVCache:
 
     def finish_write(self, end: int) -> None:
         self.length = end
+
+
+class RowCaches:
+    """B one-row caches (`KVCache.rows` views of a pool), each at its own committed length, batched for one pass:
+    `model.commit(ids, rows)` appends each row at its own end and `model.denoise(canvas, rows)` reads each row's own
+    prefix, each row computing what it would in a batch of its own (continuous batching: dgemma/serving/engine.py)."""
+
+    def __init__(self, rows: Sequence[KVCache]):
+        if not rows or any(not isinstance(c, KVCache) or c.batch_size != 1 for c in rows):
+            raise ValueError(f"RowCaches takes one-row KVCaches, got {[getattr(c, 'batch_size', c) for c in rows]}")
+        self.rows = list(rows)
+
+    def __repr__(self) -> str:
+        return f"RowCaches(lengths={[c.length for c in self.rows]})"
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def check_batch(self, ids: Tensor, name: str) -> None:
+        if ids.ndim != 2 or ids.shape[0] != self.batch_size:
+            raise ValueError(f"{name} must have shape (rows={self.batch_size}, length), one row per cache, got "
+                             f"{tuple(ids.shape)}")

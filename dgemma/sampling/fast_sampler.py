@@ -72,9 +72,6 @@ class DenoiseStep:
         self.model, self.cache, self.sliding_prefix = model, cache, sliding_prefix
         self.static = static or bool(compile)
         self._fn: Callable[..., Tensor] = _static_hidden
-        if compile and (model.quantization or model.offloaded):
-            raise ValueError("compile=True (--compile) does not take a quantized model or offloaded experts: the "
-                             "compiled step's expert op reads plain tensors; run such a model without it")
         if compile:
             self._fn = compiled_static_hidden(model.device, cache, compile if isinstance(compile, str) else "inductor")
         self._end = torch.zeros((), dtype=torch.long, device=model.device)
@@ -126,12 +123,12 @@ def _static_hidden(model: DiffusionGemma, keys: list[Tensor], values: list[Tenso
     masks = attention.static_denoise_masks(is_token, end, L, slots, window)
     kinds = model.config.layer_types
 
-    def past(i: int) -> tuple[Tensor, Tensor]:
+    def past(i: int) -> attention.Past:
         if kinds[i] == SLIDING:
-            return keys[i].index_select(2, slots), values[i].index_select(2, slots)
-        return keys[i], values[i]
+            return attention.Past((keys[i].index_select(2, slots), values[i].index_select(2, slots)), masks[SLIDING])
+        return attention.Past((keys[i], values[i]), masks[kinds[i]])
 
-    hidden = model.run_layers(x, (end + torch.arange(L, device=device))[None], "decoder", masks, "fast", past=past)
+    hidden = model.run_layers(x, (end + torch.arange(L, device=device))[None], "decoder", past, "fast")
     return model.final_hidden(hidden, soft)
 
 

@@ -33,10 +33,9 @@ from torch import Tensor
 from dgemma.diffusion.noise import observation_levels, observe
 from dgemma.io import dirkind, fsio
 from dgemma.model.attention import Impl, check_impl
-from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.model.inputs import check_token_ids
+from dgemma.model.costs import check_memory
+from dgemma.model.diffusiongemma import DiffusionGemma, check_token_ids
 from dgemma.model.kv_cache import KVCache
-from dgemma.model.memory import check_memory
 from dgemma.sampling import fast_sampler, rules
 from dgemma.sampling.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.sampling.constraint import Constraint, ConstraintState
@@ -379,8 +378,9 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
              constraint: Constraint | None = None, **overrides: Any) -> GenerationResult:
     """Generate whole canvases after `input_ids` (B, T).
 
-    Settings come from `overrides` (any GenerationConfig field), then `generation_config`, then the checkpoint's
-    generation_config.json. Randomness: `generator`, else a generator seeded with `seed`, else torch's global
+    Settings come from `overrides` (any GenerationConfig field), then `generation_config` (a checkpoint's:
+    `dgemma.load_generation_config(path)`), else GenerationConfig's defaults (transformers').
+    Randomness: `generator`, else a generator seeded with `seed`, else torch's global
     generator (what transformers uses: seeding it with torch.manual_seed(s) and passing seed=s draw the same
     numbers on CPU). `attention_mask` (B, T) marks left padding. `cache`: continue from a cache (multi-turn);
     `input_ids` are then only the tokens not yet committed. `decoder_input_ids` replaces the first canvas's
@@ -404,7 +404,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     grammar, the others' committed canvases are projected onto it."""
     impl = model.impl if impl is None else impl
     check_impl(impl)
-    config = resolve_generation_config(model, generation_config, overrides)
+    config = resolve_generation_config(generation_config, overrides)
     if loop is None:  # the sync-free loop where it implements the settings: impl="fast" is fast on every sampler
         loop = "sync-free" if impl == "fast" and constraint is None and not fast_sampler.unsupported(config) \
             else "readable"

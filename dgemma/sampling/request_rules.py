@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dgemma.model.config import ModelConfig
 from dgemma.sampling.generation_config import SEED_RANGE, GenerationConfig, GenerationError, is_seed
-
-if TYPE_CHECKING:
-    from dgemma.model.diffusiongemma import DiffusionGemma
 
 TRANSFORMERS_MAX_NEW_TOKENS = 256  # transformers' default max_new_tokens: only at this value does max_length apply
 MAX_CANVAS_PASSES = 1024  # the default cap on one canvas's model passes (`dgemma serve --limit-denoising-steps`, and
 # every point of `dgemma eval`'s decoding grid)
 
 
-def resolve_generation_config(model: DiffusionGemma, generation_config: GenerationConfig | None,
-                              overrides: dict[str, Any]) -> GenerationConfig:
-    """The settings of a request. Precedence: `overrides` > `generation_config` > the model's generation_config.json
-    > GenerationConfig's defaults."""
-    base = generation_config or model.generation_config or GenerationConfig()
+def resolve_generation_config(generation_config: GenerationConfig | None, overrides: dict[str, Any]
+                              ) -> GenerationConfig:
+    """The settings of a request. Precedence: `overrides` > `generation_config` (a checkpoint's:
+    `dgemma.load_generation_config`) > GenerationConfig's defaults (transformers')."""
+    base = generation_config or GenerationConfig()
     return base.replace(**overrides) if overrides else base
 
 

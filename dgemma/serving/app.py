@@ -81,19 +81,19 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
                limits: Limits | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                allowed_hosts: Sequence[str] | None = None, allow_runtime_lora: bool = False) -> FastAPI:
-    """The app over a started `engine`. `generation_config` holds the defaults a request overrides (default: the
-    engine's model's); `template` the chat template (default: dgemma's Gemma template); `api_key`, when given, is
-    required as `Authorization: Bearer KEY` on /v1/*; `limits` caps the work of one request (default: `Limits()`),
-    `body_timeout` the seconds its body may take to arrive; `allowed_hosts` (`guards.allowed_hosts`), when given,
-    are the only Host names answered. The engine's LoRA adapters (`Engine(adapters=)`) are each served as a model
-    of their own (a request names one in `model`); `allow_runtime_lora` adds the routes that load and unload them
-    while serving (dgemma/serving/adapter_routes.py). Raises ValueError for a setting that cannot work (an empty
-    key, a default config over `limits`)."""
+    """The app over a started `engine`. `generation_config` holds the defaults a request overrides (the checkpoint's:
+    `dgemma.load_generation_config`; default GenerationConfig's, transformers' defaults); `template` the chat
+    template (default: dgemma's Gemma template); `api_key`, when given, is required as `Authorization: Bearer KEY` on
+    /v1/*; `limits` caps the work of one request (default: `Limits()`), `body_timeout` the seconds its body may take to
+    arrive; `allowed_hosts` (`guards.allowed_hosts`), when given, are the only Host names answered. The engine's LoRA
+    adapters (`Engine(adapters=)`) are each served as a model of their own (a request names one in `model`);
+    `allow_runtime_lora` adds the routes that load and unload them while serving (dgemma/serving/adapter_routes.py).
+    Raises ValueError for a setting that cannot work (an empty key, a default config over `limits`)."""
     check_api_key(api_key)
     if not body_timeout > 0:
         raise ValueError(f"--body-timeout: must be > 0 seconds, got {body_timeout!r}")
     limits = limits or Limits()
-    config = generation_config or engine.model.generation_config
+    config = generation_config or GenerationConfig()
     try:
         limits.check_steps(config)
     except APIError as e:

@@ -28,18 +28,21 @@ class ContextFullError(ValueError):
 class ChatSession:
     """A conversation with `model`: `reply(text)` generates the model's answer to one user turn, keeping the KV cache
     between turns; `reset()` forgets the history. `template`: the chat template (default: dgemma's built-in Gemma
-    template; `dgemma chat` passes the checkpoint's, `serving.templates.load_chat_template`). `overrides` are
+    template; `dgemma chat` passes the checkpoint's, `serving.templates.load_chat_template`). `generation_config`:
+    the model's settings (`dgemma.load_generation_config`; default GenerationConfig's); `overrides` are
     generate()'s keyword overrides for every turn; turn k draws with seed `seed + k` (None: unseeded)."""
 
     def __init__(self, model: Any, tokenizer: Tokenizer, *, system: str | None = None, max_context: int = 8192,
-                 seed: int | None = None, template: ChatTemplate | None = None, **overrides: Any):
+                 seed: int | None = None, template: ChatTemplate | None = None,
+                 generation_config: GenerationConfig | None = None, **overrides: Any):
         self.model, self.tokenizer, self.system, self.seed, self.overrides = model, tokenizer, system, seed, overrides
+        self.generation_config = generation_config
         self.template = template or ChatTemplate(None)
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.max_context = min(max_context, model.config.max_position_embeddings)
         L = model.config.canvas_length
         settings = {k: v for k, v in overrides.items() if k in GenerationConfig.__dataclass_fields__}
-        max_new = resolve_generation_config(model, None, settings).max_new_tokens
+        max_new = resolve_generation_config(generation_config, settings).max_new_tokens
         self.answer_room = -(-max_new // L) * L  # every canvas but the last is committed: whole canvases of room
         self.cache = model.new_cache(batch_size=1, max_length=self.max_context)
         self.pending: list[int] | None = None  # None: no history; else the last answer's uncommitted canvas
@@ -82,7 +85,8 @@ class ChatSession:
         seed = None if self.seed is None else offset_seed(self.seed, self.turn)
         self.cache.truncate(start)
         result = generate(self.model, torch.tensor([ids], device=self.model.device), cache=self.cache, seed=seed,
-                          on_step=on_step, on_canvas=keep_last, **self.overrides)
+                          on_step=on_step, on_canvas=keep_last, generation_config=self.generation_config,
+                          **self.overrides)
         row = last[0] if last else []
         self.pending = row[:eos_index(row, result.eos_token_id)]  # cut before EOS
         answer = result.new_tokens()[0]

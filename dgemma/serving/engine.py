@@ -43,9 +43,9 @@ import torch
 
 from dgemma.model import kernels
 from dgemma.model.attention import Impl, check_impl
+from dgemma.model.costs import check_memory
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.model.kv_cache import KVCache
-from dgemma.model.memory import check_memory
+from dgemma.model.kv_cache import KVCache, RowCaches
 from dgemma.sampling import fast_sampler
 from dgemma.sampling.canvas import StagedCanvas, StepInfo
 from dgemma.sampling.constraint import Constraint, ConstraintState
@@ -503,7 +503,7 @@ class Engine:
         if model.config.time_embedding:
             level = torch.cat([t for _, _, t in inputs])  # each row's own level (B,)
         del inputs
-        caches = [self._view(r) for r in rows]
+        caches = RowCaches([self._view(r) for r in rows])
         prefix = sliding_prefix(model.config, rows[0].config)
         final = model.denoise_hidden(x, caches, soft=soft, sliding_prefix=prefix, t=level, impl=self.impl,
                                      adapters=self._adapters(rows))
@@ -539,11 +539,11 @@ class Engine:
     def _commit_canvases(self, going_on: list[tuple[Request, list[int]]]) -> None:
         """One batched commit of the canvases that finished at this step, each at its row's end; then their next."""
         if going_on:
-            views = [self._view(r) for r, _ in going_on]
+            views = RowCaches([self._view(r) for r, _ in going_on])
             ids = torch.tensor([tokens for _, tokens in going_on], device=self.model.device)
             self.model.commit(ids, views, impl=self.impl, adapters=self._adapters([r for r, _ in going_on]))
             self._count("commits")
-            for (r, _), view in zip(going_on, views, strict=True):
+            for (r, _), view in zip(going_on, views.rows, strict=True):
                 r.length = view.length
                 r.canvas += 1
                 self._start_canvas(r)

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from dgemma.diffusion.likelihood import score_continuation
 from dgemma.serving.api import GenerationRequest
 from dgemma.serving.errors import APIError
+from dgemma.weights.offload import offloaded_to
 
 _ONE_AT_A_TIME = threading.Lock()
 NOTE = ("token_logprobs are minus per-token NELBO terms (nats) of a block-diffusion model, not log-probabilities: "
@@ -44,7 +45,7 @@ class ScoringRun:
 
     def submit(self) -> None:
         """No engine request (`complete` scores on a worker thread); refused where that would not be safe."""
-        if self.state.engine.model.offloaded:
+        if offloaded_to(self.state.engine.model):
             raise APIError("echo: scoring is not available on a server with offloaded experts (--offload-experts: "
                            "the engine's passes move the expert weights while a scoring pass would read them)",
                            param="echo")

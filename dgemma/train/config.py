@@ -1,6 +1,7 @@
 """A training run's recipe: `TrainConfig` (one frozen, validated dataclass: every field a `dgemma train` flag, saved as
-train_config.json in each checkpoint), the presets of `TRAIN_PRESETS`, the learning-rate schedule, and which fields
-a resumed run may change. The loop that runs it is train/loop.py."""
+train_config.json in each checkpoint), the presets of `TRAIN_PRESETS`, the learning-rate schedule, which fields
+a resumed run may change, and what a step of it needs in memory (`estimate_memory`, `preflight`: the recipe's terms
+in dgemma/model/costs.py's accounting). The loop that runs it is train/loop.py."""
 
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from dgemma.io.system import available_memory
+from dgemma.model import costs
 from dgemma.model.attention import IMPLS
 from dgemma.model.config import PRESETS, ConfigError, ModelConfig, read_json
 from dgemma.sampling.generation_config import SEED_RANGE, is_seed
 from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, TIME
 from dgemma.train.distributed import PARALLEL
-from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.weights import lora
 from dgemma.weights.checkpoint import resolve_model_dir
 
@@ -253,3 +257,31 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# --- the memory pre-flight of a training step -------------------------------------------------------------------------
+
+def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False, shards: int = 1
+                    ) -> dict[str, int]:
+    """Peak bytes of one training step of `cfg` on one rank, by part (`costs.training_step_bytes`: parameters,
+    gradients, AdamW state, activations, the saved attention masks, the loss logits). Blocks are compiled on CUDA when
+    `cfg.compile`; the reference attention keeps its scores; `shards`: the ranks FSDP shards over."""
+    return costs.training_step_bytes(
+        cfg.model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+        paired=cfg.objective in ("clean-context", "sft"), chunk_rows=cfg.chunk_rows, use_bf16=use_bf16,
+        compiled=cfg.compile and device_type == "cuda", eager_scores=cfg.impl == "reference",
+        activation_checkpointing=cfg.activation_checkpointing, lora=bool(cfg.lora_rank), shards=shards)
+
+
+def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool, shards: int = 1) -> str:
+    """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free, naming the flags that
+    lower it; else a summary line."""
+    parts = estimate_memory(cfg, device.type, use_bf16, shards)
+    need, free = sum(parts.values()), available_memory(device)
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    if free is not None and need > free:
+        raise ValueError(f"estimated peak memory {gib(need)} ({detail}) exceeds the {gib(free)} available on "
+                         f"{device.type}; lower --batch-size or --seq-len (raise --grad-accum to keep the tokens "
+                         f"per step), lower --chunk-rows, or pick a smaller preset")
+    return f"memory: estimated peak {gib(need)} of {gib(free) if free is not None else 'unknown'} available"

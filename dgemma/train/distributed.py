@@ -54,6 +54,7 @@ from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import run_dir
 from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
+from dgemma.weights.loading import load_generation_config, load_model
 
 T = TypeVar("T")
 PARALLEL = ("ddp", "fsdp")
@@ -240,8 +241,7 @@ class Dist:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
                 model.to_empty(device=self.device)
-                full = (DiffusionGemma.from_pretrained(fill_from, dtype=torch.float32).state_dict() if self.is_main
-                        else {})
+                full = load_model(fill_from, dtype=torch.float32).state_dict() if self.is_main else {}
                 set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                            broadcast_from_rank0=True))
         elif fill_from is not None:
@@ -296,16 +296,18 @@ class Dist:
 
     def save_checkpoint(self, run: Path, model: DiffusionGemma, optimizer: torch.optim.Optimizer,
                         train_config: dict[str, Any], keep_last: int, state: dict[str, Any], last: bool,
-                        write_weights: Callable[[Path], None] | None = None) -> Path:
-        """One process: run_dir.save_checkpoint (the Hugging Face layout, or what `write_weights` writes: a LoRA
-        run's adapter, + trainer_state.pt); several ranks: save_sharded, with the consolidated weights in the `last`
-        one."""
+                        generation_config: GenerationConfig, write_weights: Callable[[Path], None] | None = None
+                        ) -> Path:
+        """One process: run_dir.save_checkpoint (the Hugging Face layout with `generation_config`, or what
+        `write_weights` writes: a LoRA run's adapter, + trainer_state.pt); several ranks: save_sharded, with the
+        consolidated weights in the `last` one."""
         if self.world_size == 1:
-            return run_dir.save_checkpoint(run, model, optimizer, train_config, keep_last, state,
+            return run_dir.save_checkpoint(run, model, optimizer, train_config, keep_last, state, generation_config,
                                            write_weights=write_weights)
         if write_weights is not None:
             raise ValueError("LoRA checkpoints are written by one process only (several ranks: not supported yet)")
-        return save_sharded(self, run, model, optimizer, train_config, keep_last, state, consolidate=last)
+        return save_sharded(self, run, model, optimizer, train_config, keep_last, state, generation_config,
+                            consolidate=last)
 
     @contextlib.contextmanager
     def peers_lost(self) -> Iterator[None]:
@@ -347,16 +349,12 @@ def rescale_for_world(cfg: Any, saved_world: int, world: int) -> Any:
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def meta_model(path: str | os.PathLike[str], impl: str = "reference") -> DiffusionGemma:
-    """The model of checkpoint `path` on the meta device (no memory), with its generation config: to be sharded and
-    filled by `Dist.wrap(..., fill_from=path)`."""
+    """The model of checkpoint `path` on the meta device (no memory): to be sharded and filled by
+    `Dist.wrap(..., fill_from=path)`."""
     ckpt = resolve_model_dir(path)
     config = ModelConfig.from_hf(read_json(ckpt / "config.json"), source=str(ckpt / "config.json"))
     with torch.device("meta"):
-        model = DiffusionGemma(config, impl=impl)  # type: ignore[arg-type]
-    gen = ckpt / "generation_config.json"
-    model.generation_config = GenerationConfig.from_hf(read_json(gen), source=str(gen)) if gen.is_file() \
-        else GenerationConfig()
-    return model
+        return DiffusionGemma(config, impl=impl)  # type: ignore[arg-type]
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -382,7 +380,8 @@ def _nonfinite(sd: dict[str, Any]) -> str | None:
 
 
 def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.optim.Optimizer,
-                 train_config: dict[str, Any], keep_last: int, state: dict[str, Any], consolidate: bool) -> Path:
+                 train_config: dict[str, Any], keep_last: int, state: dict[str, Any],
+                 generation_config: GenerationConfig, consolidate: bool) -> Path:
     """Write checkpoints/step-XXXXXXX with torch.distributed.checkpoint from every rank, published atomically by rank
     0 (temporary directory, rename, `latest`, pruning), as run_dir.save_checkpoint does for one process. With
     `consolidate`, also the Hugging Face weights (gathered on rank 0): what `dgemma generate --model RUN` loads."""
@@ -402,12 +401,10 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
             with torch.device("meta"):
                 plain = DiffusionGemma(model.config)
             plain.load_state_dict(full, assign=True)
-            plain.generation_config = model.generation_config
-            save_pretrained(plain, tmp)
+            save_pretrained(plain, tmp, generation_config=generation_config)
         else:  # the configs, so that `dgemma export` knows the model (and load_model names the way out)
-            gen = model.generation_config or GenerationConfig()
             fsio.write_text(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
-            fsio.write_text(tmp / "generation_config.json", json.dumps(gen.to_hf(), indent=2) + "\n")
+            fsio.write_text(tmp / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2) + "\n")
         fsio.write_text(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")
 
     publish = lambda: run_dir.publish_checkpoint(run, tmp, final, train_config, keep_last, fill,
@@ -457,7 +454,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         if read_weights is not None:  # part of the model (LoRA): every other tensor is already in place
             weights = {**model.state_dict(), **read_weights(ckpt)}
         else:
-            weights = DiffusionGemma.from_pretrained(ckpt, dtype=torch.float32, device="cpu").state_dict()
+            weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
             set_state_dict(model, optimizer, model_state_dict=weights,
                            optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),
@@ -500,7 +497,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
     Peak memory: the whole model in fp32 (26B-A4B: ~101 GB)."""
     ckpt = Path(ckpt)
     if not is_sharded_checkpoint(ckpt):
-        model = DiffusionGemma.from_pretrained(ckpt, dtype=dtype)
+        model = load_model(ckpt, dtype=dtype)
     else:
         import torch.distributed.checkpoint as dcp
 
@@ -513,10 +510,7 @@ def export(ckpt: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
             dcp.load(sd, checkpoint_id=ckpt)
         model.load_state_dict(sd["model"])
         model = model.to(dtype)
-    gen = ckpt / "generation_config.json"
-    if gen.is_file():
-        model.generation_config = GenerationConfig.from_hf(read_json(gen), source=str(gen))
-    save_pretrained(model, out)
+    save_pretrained(model, out, generation_config=load_generation_config(ckpt))
     for name in MODEL_FILES:
         if (ckpt / name).is_file():
             fsio.copy_file(ckpt / name, Path(out) / name)

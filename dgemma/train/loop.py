@@ -62,15 +62,14 @@ from dgemma.model.config import ConfigError, ModelConfig
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import distributed, run_dir
-from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate
+from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate, preflight
 from dgemma.train.diffusion import LossOutput, sft_loss, training_loss
 from dgemma.train.distributed import Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.train.nelbo import window_cross_entropy
-from dgemma.train.preflight import estimate_memory, preflight  # noqa: F401 (estimate_memory: part of this API)
 from dgemma.train.run_dir import NonFiniteError
 from dgemma.weights import lora
 from dgemma.weights.checkpoint import resolve_model_dir
-from dgemma.weights.loading import init_weights, load_model
+from dgemma.weights.loading import init_weights, load_generation_config, load_model
 
 # A non-finite loss or gradient norm on one of the first NONFINITE_FIRST_STEPS steps of a run, or on NONFINITE_STREAK
 # steps in a row later, stops training (NonFiniteError); a lone one later is skipped (the NaN guard).
@@ -332,8 +331,18 @@ def with_diffusion_switches(model: DiffusionGemma, config: ModelConfig, device: 
     with torch.no_grad():
         for name in missing:
             new.get_parameter(name).zero_()
-    new.generation_config = model.generation_config
     return new
+
+
+def generation_config(cfg: TrainConfig, eot_id: int) -> GenerationConfig:
+    """The generation settings the run's checkpoints carry. Documents end with the data's end-of-text id `eot_id`
+    (answers with the chat template's end of turn): generation stops there. A fine-tuned checkpoint keeps its sampler
+    settings."""
+    mc = cfg.model_config
+    if cfg.init_from is None:
+        return GenerationConfig(eos_token_id=(eot_id,), pad_token_id=mc.pad_token_id, bos_token_id=mc.bos_token_id)
+    gen = load_generation_config(cfg.init_from).stopping_at(eot_id)
+    return gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
 
 
 def adapter_config(cfg: TrainConfig) -> Any:
@@ -353,18 +362,11 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                           "likelihood) under --parallel fsdp: FSDP fills the checkpoint's own model; start the "
                           "diffusion run with ddp or one process, then continue it with fsdp")
     model = distributed.meta_model(cfg.init_from, cfg.impl) if deferred else initial_model(cfg, device)
-    # Documents end with the data's end-of-text id (answers with the chat template's end of turn): generation stops
-    # there. A fine-tuned checkpoint keeps its sampler settings.
-    if cfg.init_from is None:
-        model.generation_config = GenerationConfig(eos_token_id=(train_set.eot_id,), pad_token_id=mc.pad_token_id,
-                                                   bos_token_id=mc.bos_token_id)
-    else:
-        gen = model.generation_config.stopping_at(train_set.eot_id)
-        model.generation_config = gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
+    gen = generation_config(cfg, train_set.eot_id)  # what each checkpoint's generation_config.json holds
     write_weights = None
     if cfg.lora_rank:  # a LoRA checkpoint holds the adapter, not the frozen base
         adapter = adapter_config(cfg)
-        write_weights = lambda path: lora.save_adapter(model, adapter, path, model.generation_config)
+        write_weights = lambda path: lora.save_adapter(model, adapter, path, gen)
     model.train()
     net = d.wrap(model, batch_loss, parallel=cfg.parallel, use_bf16=use_bf16,
                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda",
@@ -486,7 +488,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     state.update(step=step, elapsed_s=elapsed_before + time.monotonic() - t_start,
                                  cpu_s=cpu_before + time.process_time() - cpu_start)
                     saved = d.save_checkpoint(run, model, optimizer, cfg.to_json(), cfg.keep_last, state, last,
-                                              write_weights=write_weights)
+                                              gen, write_weights=write_weights)
                 if last:
                     break
         finally:

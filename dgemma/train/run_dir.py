@@ -28,6 +28,7 @@ import torch
 
 from dgemma.io import dirkind, fsio
 from dgemma.io.dirkind import RECORD
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.weights.checkpoint import (
     CHECKPOINTS,
     MODEL_FILES,
@@ -151,11 +152,11 @@ def check_writable(run: Path, resume: bool, fingerprint: dict[str, Any], allow_n
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
 def save_checkpoint(run: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_config: dict[str, Any],
-                    keep_last: int, state: dict[str, Any],
+                    keep_last: int, state: dict[str, Any], generation_config: GenerationConfig | None = None,
                     write_weights: Callable[[Path], None] | None = None) -> Path:
     """Write checkpoints/step-XXXXXXX atomically (`publish_checkpoint`). Refuses (NonFiniteError) weights or
     optimizer state with a non-finite value. `write_weights(dir)` writes the weights (default:
-    `save_pretrained(model, dir)`; a LoRA run: its adapter)."""
+    `save_pretrained(model, dir, generation_config=generation_config)`; a LoRA run: its adapter)."""
     opt_state = optimizer.state_dict()
     bad = nonfinite_tensor(iter(model.state_dict().items())) or nonfinite_tensor(iter([("optimizer", opt_state)]))
     if bad:
@@ -166,7 +167,7 @@ def save_checkpoint(run: Path, model: torch.nn.Module, optimizer: torch.optim.Op
              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
     def fill() -> None:
-        (write_weights or (lambda path: save_pretrained(model, path)))(tmp)
+        (write_weights or (lambda path: save_pretrained(model, path, generation_config=generation_config)))(tmp)
         with open(tmp / STATE, "xb") as f:  # a Python file, so that a failed write keeps its errno (ENOSPC)
             torch.save(state, f)
 

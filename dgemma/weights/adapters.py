@@ -31,6 +31,8 @@ from dgemma.model.adapter_rows import AdapterRows, Factors
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.weights import lora
 from dgemma.weights.lora import AdapterError
+from dgemma.weights.offload import offloaded_to
+from dgemma.weights.quantize import quantization_of
 
 Pair = tuple[Tensor, Tensor]  # one adapter's (A, B) of one weight, the scale folded into B
 
@@ -56,7 +58,7 @@ def read_factors(model: DiffusionGemma, path: str | os.PathLike[str]) -> dict[tu
     with torch.device("meta"):
         meta = DiffusionGemma(model.config)
     lora._check_rank(meta, config, path / lora.CONFIG)
-    if config.target_parameters and (model.quantization or model.offloaded):
+    if config.target_parameters and (quantization_of(model) or offloaded_to(model)):
         raise AdapterError(f"{path / lora.CONFIG}: field 'target_parameters' = {config.target_parameters!r}: an "
                            "adapter on the routed experts needs plain expert weights, not quantized or offloaded ones")
     lora.attach(meta, config)

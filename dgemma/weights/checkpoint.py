@@ -1,5 +1,6 @@
-"""Hugging Face checkpoint I/O: `load(dir, build)` (what `DiffusionGemma.from_pretrained` and `dgemma.load_model`
-call) and `save_pretrained(model, dir)`. This module knows the file layout and the key table, not the model class.
+"""Hugging Face checkpoint I/O: `load(dir, build)` (what `dgemma.load_model` calls), `read_generation_config(dir)`
+and `save_pretrained(model, dir, generation_config=)`. This module knows the file layout and the key table, not the
+model class. A checkpoint's generation settings travel beside the model, never on it.
 
 Layout (what transformers 5.23 writes for `DiffusionGemmaForBlockDiffusion`): `config.json`,
 `generation_config.json`, and `model.safetensors` or shards with `model.safetensors.index.json`. Text weights live
@@ -39,6 +40,7 @@ from dgemma.io import fsio
 from dgemma.io.dirkind import ADAPTER_CONFIG, CHECKPOINTS, INDEX, SHARDED_STATE, SINGLE, STATE
 from dgemma.model.config import ConfigError, ModelConfig, read_json
 from dgemma.sampling.generation_config import GenerationConfig
+from dgemma.weights.quantize import quantization_of
 
 DECODER = "model.decoder."
 IGNORED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "model.encoder.language_model.", "lm_head.")
@@ -146,28 +148,15 @@ def resolve_model_dir(path: str | os.PathLike[str]) -> Path:
     return ckpt
 
 
-def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.Module],
-         dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-         preflight: Callable[[ModelConfig, torch.dtype], None] | None = None,
-         stream: tuple[Callable[[torch.nn.Module], set[str]], Callable[..., None]] | None = None) -> Any:
-    """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint, into the module
-    `build(config)` makes (on the meta device; `DiffusionGemma.from_pretrained` passes the class). `dtype` defaults
-    to the checkpoint's (that of `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises
-    `CheckpointError`: a malformed config, a shard outside the directory, a missing, misshapen or non-finite tensor.
-    `preflight(config, dtype)` runs once the config and dtype are known, before any memory is allocated (the
-    memory pre-flight of `dgemma.load_model`). `stream = (names, place)`: the state-dict names `names(model)` are
-    not allocated; `place(model, name, read, file, key)` puts each in the model instead, from `read()` (the checked
-    tensor) or from the file itself (a quantized load: `weights/quantize.py`; expert offload: `weights/offload.py`)."""
-    path = resolve_model_dir(path)
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+def read_model_config(path: Path) -> ModelConfig:
+    """The ModelConfig of the checkpoint directory `path` (its config.json); CheckpointError naming the file for a
+    directory that is not a checkpoint, a LoRA adapter, or a malformed config."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory" + ("" if path.exists() else " (does not exist)"))
-    config_path, gen_path = path / "config.json", path / "generation_config.json"
+    config_path = path / "config.json"
     if not config_path.exists() and (path / ADAPTER_CONFIG).is_file():
-        raise CheckpointError(f"{path}: a LoRA adapter, not a whole checkpoint: load it "
-                              "with dgemma.weights.lora.load_merged(path), or write a merged checkpoint with "
-                              "`dgemma export`")
+        raise CheckpointError(f"{path}: a LoRA adapter, not a whole checkpoint: load it with dgemma.load_model(path) "
+                              "(merged into its base), or write a merged checkpoint with `dgemma export`")
     try:
         raw = read_json(config_path)
         text = raw.get("text_config", raw)
@@ -175,21 +164,57 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
             raise ConfigError(f"{config_path}: no text_config and no model geometry (hidden_size, num_hidden_layers, "
                               "vocab_size): not a DiffusionGemma config.json")
         config = ModelConfig.from_hf(raw, source=str(config_path))
-        generation_config = (GenerationConfig.from_hf(read_json(gen_path), source=str(gen_path))
-                             if gen_path.exists() else GenerationConfig())
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    V = config.vocab_size
-    for source, cfg, names in ((config_path, config, ("pad_token_id", "bos_token_id", "eos_token_id")),
-                               (gen_path, generation_config, ("pad_token_id", "bos_token_id", "eos_token_id"))):
-        for name in names:
-            v = getattr(cfg, name)
-            ids = v if isinstance(v, tuple) else () if v is None else (v,)
-            bad = [i for i in ids if i >= V]
-            if bad:
-                raise CheckpointError(f"{source}: {name}={v} is outside the vocabulary (token ids {bad} >= "
-                                      f"vocab_size={V} in {config_path.name})")
+    _check_token_ids(config, config_path, config)
+    return config
 
+
+def read_generation_config(path: Path, config: ModelConfig) -> GenerationConfig | None:
+    """The generation_config.json of the directory `path` (a checkpoint, or a LoRA adapter that carries its own),
+    its token ids checked against `config`'s vocabulary; None when there is none. CheckpointError naming the file."""
+    gen_path = path / "generation_config.json"
+    if not gen_path.exists():
+        return None
+    try:
+        generation_config = GenerationConfig.from_hf(read_json(gen_path), source=str(gen_path))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    _check_token_ids(generation_config, gen_path, config)
+    return generation_config
+
+
+def _check_token_ids(settings: ModelConfig | GenerationConfig, source: Path, config: ModelConfig) -> None:
+    """The special token ids of `settings` (read from `source`) lie inside `config`'s vocabulary."""
+    V = config.vocab_size
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        v = getattr(settings, name)
+        ids = v if isinstance(v, tuple) else () if v is None else (v,)
+        bad = [i for i in ids if i >= V]
+        if bad:
+            raise CheckpointError(f"{source}: {name}={v} is outside the vocabulary (token ids {bad} >= "
+                                  f"vocab_size={V} in config.json)")
+
+
+def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.Module],
+         dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+         preflight: Callable[[ModelConfig, torch.dtype], None] | None = None,
+         stream: tuple[Callable[[torch.nn.Module], set[str]], Callable[..., None]] | None = None) -> Any:
+    """Load a Hugging Face-format DiffusionGemma directory, or a training run's newest checkpoint, into the module
+    `build(config)` makes (on the meta device; `dgemma.load_model` builds a DiffusionGemma). `dtype` defaults
+    to the checkpoint's (that of `model.decoder.embed_tokens.weight`). Every problem with the checkpoint raises
+    `CheckpointError`: a malformed config or generation_config.json, a shard outside the directory, a missing,
+    misshapen or non-finite tensor.
+    `preflight(config, dtype)` runs once the config and dtype are known, before any memory is allocated (the
+    memory pre-flight of `dgemma.load_model`). `stream = (names, place)`: the state-dict names `names(model)` are
+    not allocated; `place(model, name, read, file, key)` puts each in the model instead, from `read()` (the checked
+    tensor) or from the file itself (a quantized load: `weights/quantize.py`; expert offload: `weights/offload.py`)."""
+    path = resolve_model_dir(path)
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    config = read_model_config(path)
+    read_generation_config(path, config)  # checked here too: a checkpoint loads whole or not at all
+    config_path = path / "config.json"
     files, listing = _weight_files(path)
     with torch.device("meta"):
         model = build(config)
@@ -236,7 +261,6 @@ def load(path: str | os.PathLike[str], build: Callable[[ModelConfig], torch.nn.M
                 stream[1](model, name, read, files[key], key)  # type: ignore[index]
             else:
                 target[name].copy_(read())  # casts to the model dtype and moves to its device
-    model.generation_config = generation_config
     return model.eval()
 
 
@@ -285,21 +309,22 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: Any, path: str | os.PathLike[str], *, max_shard_bytes: int = 5 * 2**30,
                     generation_config: GenerationConfig | None = None) -> None:
-    """Write the transformers layout (config.json, generation_config.json, safetensors, sharded above
-    `max_shard_bytes`). Every file is written to a temporary name, flushed to disk and renamed, so an interrupted
-    save never leaves a file that looks complete (dgemma/io/fsio.py: `atomic_write`; a full disk is one NoSpaceError).
-    A tensor with a NaN or an infinity is refused (NonFiniteError) before anything is written. The vision tower is
-    not written (text-only).
+    """Write the transformers layout: config.json, generation_config.json (`generation_config`, default
+    transformers' defaults) and safetensors, sharded above `max_shard_bytes`. Every file is written to a temporary
+    name, flushed to disk and renamed, so an interrupted save never leaves a file that looks complete
+    (dgemma/io/fsio.py: `atomic_write`; a full disk is one NoSpaceError). A tensor with a NaN or an infinity is
+    refused (NonFiniteError) before anything is written. The vision tower is not written (text-only).
 
     Weights are written before the configs. A save interrupted part-way leaves the earlier weights loadable (or, when
     it was overwriting the shards of an earlier sharded save, no index at all, so nothing half-old half-new loads)."""
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
-    if model.quantization:
-        raise ValueError(f"a model quantized to {model.quantization} cannot be saved in the checkpoint layout (its "
-                         "weights are no longer float tensors): save the unquantized model, quantize when loading")
+    mode = quantization_of(model)
+    if mode is not None:
+        raise ValueError(f"a model quantized to {mode} cannot be saved in the checkpoint layout (its weights are no "
+                         "longer float tensors): save the unquantized model, quantize when loading")
     path = Path(path)
-    generation_config = generation_config or model.generation_config or GenerationConfig()
+    generation_config = generation_config or GenerationConfig()
     state = checkpoint_state(model)
     bad = nonfinite_tensor(iter(state.items()))
     if bad:

@@ -153,8 +153,8 @@ def config_json(config: Any) -> dict[str, Any]:
 
 def save_adapter(model: torch.nn.Module, config: Any, path: str | os.PathLike[str],
                  generation_config: GenerationConfig | None = None) -> None:
-    """Write adapter_config.json and adapter_model.safetensors (and `generation_config`, for `load_merged`) into
-    `path`, each atomically (temporary name, fsync, rename), weights first."""
+    """Write adapter_config.json and adapter_model.safetensors (and `generation_config`, which
+    `load_generation_config` reads) into `path`, each atomically (temporary name, fsync, rename), weights first."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = adapter_state(model)
@@ -324,22 +324,3 @@ def base_of(path: Path, config: Any, base: str | os.PathLike[str] | None) -> Pat
         raise AdapterError(f"{path / CONFIG}: its base checkpoint {where} (base_model_name_or_path) does not exist; "
                            "pass the base checkpoint")
     return resolve_model_dir(where)
-
-
-def load_merged(path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None,
-                dtype: torch.dtype | None = None, device: torch.device | str | None = None, impl: str = "reference",
-                force: bool = False) -> DiffusionGemma:
-    """A plain model: the adapter in `path` (a directory, or a LoRA run's newest checkpoint) merged into its base
-    checkpoint (`base`, or adapter_config.json's base_model_name_or_path), in `dtype` (default: the base's). A
-    generation_config.json next to the adapter (a fine-tuning run writes one: it stops at the chat template's
-    end-of-turn token) replaces the base's."""
-    path = resolve_model_dir(path)  # a run: its newest checkpoint
-    base_dir = base_of(path, read_config(path), base)
-    model = DiffusionGemma.from_pretrained(base_dir, dtype=dtype, device=device, impl=impl, force=force)  # type: ignore[arg-type]
-    generation_config = model.generation_config
-    load_adapter(model, path)
-    model = merge(model)
-    gen = path / "generation_config.json"
-    model.generation_config = (GenerationConfig.from_hf(read_json(gen), str(gen)) if gen.is_file()
-                               else generation_config)
-    return model.eval()

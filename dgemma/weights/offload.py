@@ -12,7 +12,9 @@ device's memory and are brought in layer by layer, only the experts a canvas tou
 `OffloadedExperts` stands in for a 3-D expert tensor (E, out, in), as `quantize.ExpertMatrices` does: `w[e]` and
 `w.shape` are all the expert loops read (`model.Experts.forward`, `kernels.moe_experts` "loop" and "padded"), and
 the kernels call `fetch(touched)` first when it exists. Results are bit-identical to the in-memory model (same
-tensors, same kernels): tests/weights/test_quantize.py checks it.
+tensors, same kernels): tests/weights/test_quantize.py checks it. Whether and where a model's experts are offloaded is
+read off its modules (`offloaded_to`); `check_combination` is the one rule of what combines with offload,
+quantization and torch.compile.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dgemma.io import fsio
+from dgemma.weights.quantize import quantization_of
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -39,9 +42,13 @@ class OffloadedExperts(nn.Module):
     """E expert matrices kept in host storage (`host`, (E, out, in): a memory-mapped file on CPU, pinned memory for
     CUDA), handed to the expert loop one expert at a time on `device`."""
 
-    def __init__(self, host: Tensor, device: torch.device | str, mapping: np.memmap | None = None):
+    def __init__(self, host: Tensor, device: torch.device | str, mapping: np.memmap | None = None,
+                 file: str | os.PathLike[str] | None = None):
         super().__init__()
         self.host, self.device, self._mapping = host, torch.device(device), mapping
+        # where the experts live: the mapped file, else host memory (pinned for CUDA)
+        self.location = str(file) if mapping is not None else "pinned host memory" if host.is_pinned() \
+            else "host memory"
         self.shape = host.shape
         self.dtype = host.dtype
         self._fetched: dict[int, tuple[Tensor, torch.cuda.Event]] = {}
@@ -118,12 +125,23 @@ def map_safetensors(path: str | os.PathLike[str], key: str) -> tuple[Tensor, np.
     return flat.view(dtype).view(info["shape"]), mapping
 
 
-def check_offload_combination(quantize: str | None, offload: bool) -> None:
-    """The one rule of what combines with offloading: quantized weights and offloaded experts do not (torchao's
-    tensors cannot be memory-mapped from the checkpoint's file). ValueError naming both otherwise."""
-    if quantize is not None and offload:
+def check_combination(quantize: str | None, offload_experts: bool, compile: bool = False) -> None:
+    """The one rule of what combines, checked wherever a combination is asked for (loading, `dgemma bench`): quantized
+    weights and offloaded experts do not (torchao's tensors cannot be memory-mapped from the checkpoint's file), and
+    torch.compile takes neither (the compiled step's expert op reads plain tensors). ValueError naming both."""
+    if quantize is not None and offload_experts:
         raise ValueError(f"quantize={quantize!r} (--quantize) and offload_experts (--offload-experts) do not "
                          "combine: pick one")
+    if compile and (quantize is not None or offload_experts):
+        what, flag = (f"a model quantized to {quantize}", "--quantize") if quantize else ("offloaded experts",
+                                                                                       "--offload-experts")
+        raise ValueError(f"compile=True (--compile) does not take {what}: the compiled step's expert op reads plain "
+                         f"tensors; drop one of --compile and {flag}")
+
+
+def offloaded_to(model: nn.Module) -> str | None:
+    """Where `model`'s routed experts live when they are offloaded (the mapped file, or host memory), else None."""
+    return next((m.location for m in model.modules() if isinstance(m, OffloadedExperts)), None)
 
 
 def expert_names(model: nn.Module) -> list[str]:
@@ -137,7 +155,7 @@ def offload_experts(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module
     names = expert_names(model)
     if not names:
         raise ValueError("--offload-experts: this model has no routed experts (a dense model)")
-    check_offload_combination(model.quantization, True)
+    check_combination(quantization_of(model), True)
     device = model.embed_tokens.weight.device
     path = Path(path)
     if device.type == "cpu":
@@ -151,9 +169,8 @@ def offload_experts(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module
             host, mapping = map_safetensors(path, name)
         else:
             host, mapping = w.detach().to("cpu").pin_memory(), None
-        setattr(module, attr, OffloadedExperts(host, device, mapping))
+        setattr(module, attr, OffloadedExperts(host, device, mapping, path))
         del w
-    model.offloaded = str(path) if device.type == "cpu" else "pinned host memory"
     return model
 
 
@@ -179,8 +196,7 @@ def streaming_loader() -> tuple[Callable[[nn.Module], set[str]], Callable[..., N
         if host is None:
             host = read().to(dtype)
             host = host.pin_memory() if device.type == "cuda" else host
-        setattr(module, attr, OffloadedExperts(host, device, mapping))
-        model.offloaded = str(file) if mapping is not None else "host memory"
+        setattr(module, attr, OffloadedExperts(host, device, mapping, file))
 
     return names, place
 

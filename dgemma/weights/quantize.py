@@ -36,6 +36,7 @@ from dgemma.io import quiet
 from dgemma.model.costs import INT4_GROUP, QUANTIZE_MODES
 
 INSTALL_HINT = "pip install 'dgemma[quant]'"
+QUANTIZED_TENSORS = {"Int8Tensor": "int8", "Int4TilePackedTo4dTensor": "int4"}  # torchao's tensor type -> mode
 
 
 class QuantizationError(ValueError):
@@ -146,6 +147,16 @@ def replace(module: nn.Module, name: str, mode: str) -> None:
     _set(module, name, quantize_weight(module.get_parameter(name), mode))
 
 
+def quantization_of(model: nn.Module) -> str | None:
+    """"int8" or "int4" when `model`'s weights are quantized (what its parameters are: torchao's tensor types), else
+    None. A fact about the module tree, so nothing needs to remember it."""
+    for p in model.parameters():
+        for cls in type(p).__mro__:
+            if cls.__name__ in QUANTIZED_TENSORS:
+                return QUANTIZED_TENSORS[cls.__name__]
+    return None
+
+
 def quantize_model(model: nn.Module, mode: str | None) -> nn.Module:
     """Quantize a built model in place (random weights, a model already in memory); returns it. Loading with
     `load_model(..., quantize=)` instead quantizes each tensor as it is read (`streaming_loader`), so the model
@@ -155,7 +166,6 @@ def quantize_model(model: nn.Module, mode: str | None) -> nn.Module:
     check_supported(mode, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)
     for name in list(quantized_names(model)):
         replace(model, name, mode)
-    model.quantization = mode
     return model
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import dgemma
 from dgemma import cli
 from dgemma.model.config import ConfigError, ModelConfig, RopeConfig
-from dgemma.model.memory import MemoryPreflightError, check_memory
+from dgemma.model.costs import MemoryPreflightError, check_memory
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
 from dgemma.weights.checkpoint import CheckpointError
 
@@ -38,7 +38,7 @@ FAST = ["--max-denoising-steps", "2", "--max-new-tokens", "16"]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bad") / "tiny"
-    dgemma.init_weights(dgemma.DiffusionGemma(TINY)).save_pretrained(path)
+    dgemma.save_pretrained(dgemma.init_weights(dgemma.DiffusionGemma(TINY)), path)
     return path
 
 
@@ -244,7 +244,6 @@ def _nan_model(model):
     bad.load_state_dict(model.state_dict())
     with torch.no_grad():
         bad.layers[0].mlp.down_proj.weight.fill_(math.nan)
-    bad.generation_config = model.generation_config
     return bad.eval()
 
 

@@ -31,7 +31,7 @@ FAST = ["--max-denoising-steps", "2", "--max-new-tokens", "16"]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("files") / "tiny"
-    dgemma.init_weights(dgemma.DiffusionGemma(TINY)).save_pretrained(path)
+    dgemma.save_pretrained(dgemma.init_weights(dgemma.DiffusionGemma(TINY)), path)
     return path
 
 
@@ -57,7 +57,7 @@ def test_the_hugging_face_cache_layout_loads(ckpt, tmp_path, capsys):
     """snapshots/REV/* are symlinks to ../../blobs/HASH: sharded or not, it loads as its `cp -rL` copy does."""
     staged = tmp_path / "staged"
     model = dgemma.load_model(ckpt)
-    model.save_pretrained(staged, max_shard_bytes=1 << 20)
+    dgemma.save_pretrained(model, staged, max_shard_bytes=1 << 20)
     assert len(list(staged.glob("model-*-of-*.safetensors"))) >= 2
     snap = tmp_path / "hub" / "snapshots" / "r1"
     (tmp_path / "hub" / "blobs").mkdir(parents=True)
@@ -248,7 +248,7 @@ def test_copies_and_saves_replace_a_symlink_instead_of_writing_its_target(tiny_d
     shutil.copytree(ckpt, model)
     (model / "config.json").unlink()
     (model / "config.json").symlink_to(victim)
-    dgemma.load_model(ckpt).save_pretrained(model)
+    dgemma.save_pretrained(dgemma.load_model(ckpt), model)
     assert victim.read_text() == "precious" and not (model / "config.json").is_symlink()
 
 
@@ -259,7 +259,7 @@ def test_save_pretrained_refuses_a_non_finite_tensor(ckpt, tmp_path):
     with torch.no_grad():
         model.norm.weight[0] = math.nan
     with pytest.raises(NonFiniteError, match=r"model\.decoder\.norm\.weight has non-finite values"):
-        model.save_pretrained(tmp_path / "out")
+        dgemma.save_pretrained(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -48,7 +48,7 @@ def error_line(capsys, argv: list[str]) -> str:
 def base(tmp_path_factory) -> Path:
     """A tiny random checkpoint with the test tokenizer (512 ids): what `finetune --model` and `eval` read."""
     path = tmp_path_factory.mktemp("base") / "tiny"
-    dgemma.init_weights(dgemma.DiffusionGemma(TINY)).save_pretrained(path)
+    dgemma.save_pretrained(dgemma.init_weights(dgemma.DiffusionGemma(TINY)), path)
     build_test_tokenizer(512, path)
     return path
 

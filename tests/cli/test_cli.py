@@ -118,7 +118,7 @@ def test_an_ar_run_is_decoded_token_by_token_as_eval_decodes_it(capsys, ar_run):
     """`dgemma generate --model AR_RUN` (the demo's footer invites it) once ran the diffusion sampler on the AR
     model: it decodes as `dgemma demo` / `dgemma eval` do (eval.decoding.run_ar), with the sampling controls."""
     from dgemma.eval.decoding import run_ar
-    from dgemma.weights.loading import load_model
+    from dgemma.weights.loading import load_generation_config, load_model
 
     tok = load_tokenizer(ar_run / "tokenizer.json")
     model = load_model(latest_checkpoint(ar_run)).eval()
@@ -128,8 +128,8 @@ def test_an_ar_run_is_decoded_token_by_token_as_eval_decodes_it(capsys, ar_run):
                          "--max-new-tokens", "12", "--json")
     assert code == 0 and "autoregressively" in err
     rec = json.loads(out)
-    t = model.generation_config.t_max
-    eos = model.generation_config.eos_token_id
+    settings = load_generation_config(ar_run)
+    t, eos = settings.t_max, settings.eos_token_id
     assert rec["token_ids"] == run_ar(model, [torch.tensor(prompt)], max_new_tokens=12, eos=eos, seed=3,
                                       temperature=t, progress=False).samples[0]
     code, out, _ = run(capsys, "generate", "--model", str(ar_run), "--prompt-ids", ids, "--seed", "3",

@@ -246,7 +246,7 @@ def test_importing_peft_for_lora_is_quiet():
     import subprocess
 
     pytest.importorskip("peft")
-    done = subprocess.run([sys.executable, "-c", "from dgemma import lora; lora._peft(); print('ok')"],
+    done = subprocess.run([sys.executable, "-c", "from dgemma.weights import lora; lora._peft(); print('ok')"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     assert not re.search(r"Failed to load|Enum subclass", done.stderr), done.stderr

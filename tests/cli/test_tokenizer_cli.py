@@ -97,7 +97,7 @@ RANDOM = ["--preset", "tiny", "--random-init"]
 
 def test_generate_json_chat_from_model_dir(tok, tok_path, tmp_path, capsys):
     model, ckpt = dgemma.init_weights(dgemma.DiffusionGemma(TINY)), tmp_path / "ckpt"
-    model.save_pretrained(ckpt, generation_config=dgemma.GenerationConfig(eos_token_id=(1, 4), pad_token_id=0))
+    dgemma.save_pretrained(model, ckpt, generation_config=dgemma.GenerationConfig(eos_token_id=(1, 4), pad_token_id=0))
     (ckpt / "tokenizer.json").write_bytes(tok_path.read_bytes())  # found next to the weights
     assert cli.main(["generate", "--model", str(ckpt), "--prompt", "Hello", "--chat", "--json", "--seed", "0",
                      "--max-denoising-steps", "2", "--max-new-tokens", "32", "--trace", str(tmp_path / "t.npz")]) == 0

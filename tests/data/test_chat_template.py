@@ -26,7 +26,7 @@ OWN = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content | trim
 
 def checkpoint(tmp_path, tok_path, template: str):
     ckpt = tmp_path / "ckpt"
-    dgemma.init_weights(dgemma.DiffusionGemma(TINY)).save_pretrained(ckpt)
+    dgemma.save_pretrained(dgemma.init_weights(dgemma.DiffusionGemma(TINY)), ckpt)
     (ckpt / "tokenizer.json").write_bytes(tok_path.read_bytes())
     (ckpt / "chat_template.jinja").write_text(template)
     return ckpt

@@ -175,7 +175,7 @@ def test_a_diffusion_run_starts_from_an_ar_checkpoint_computing_what_it_computes
     from dgemma.eval.curves import eval_points
     from dgemma.train.config import TrainConfig
     from dgemma.train.loop import initial_model, train
-    from dgemma.weights.loading import load_model
+    from dgemma.weights.loading import load_generation_config, load_model
 
     root, runs = pair
     ar = load_model(runs["ar"]).eval()
@@ -202,7 +202,7 @@ def test_a_diffusion_run_starts_from_an_ar_checkpoint_computing_what_it_computes
                          "tokens": 8 * 4 * 32, "cpu_s": start_state["cpu_s"]}
     curve = eval_points(tmp_path / "run", "val_nelbo_continuous")
     assert [p["tokens"] for p in curve] == [8 * 4 * 32 + step * 2 * 32 for step in (0, 2)]
-    g = model.generation_config
+    g = load_generation_config(tmp_path / "run")
     assert (g.sampler, g.max_denoising_steps, g.t_min, g.t_max) == ("entropy-bound", 48, 0.4, 0.8)
     assert train(cfg.replace(max_steps=3), root / "data", tmp_path / "run", resume=True, stream=io.StringIO()).step == 3
     assert json.loads((tmp_path / "run" / "run.json").read_text())["inherited"] == inherited  # kept on resume

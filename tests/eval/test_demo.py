@@ -29,7 +29,7 @@ from dgemma.eval.demo import DEMO, DemoRecipe, interrupted_before, run_demo, sch
 from dgemma.sampling.generate import generate
 from dgemma.train.loop import train
 from dgemma.weights.checkpoint import latest_checkpoint
-from dgemma.weights.loading import load_model
+from dgemma.weights.loading import load_generation_config, load_model
 
 
 def _toy_recipe(tiny_data, steps=12, ar_steps=20):
@@ -95,9 +95,10 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     # Each prompt samples with its own seed (seed + its index), with the recipe's sampler: prompt 2's is seed 1's.
     diffusion = load_model(tmp_path / "a" / "diffusion").eval()
     tok0 = load_tokenizer(tmp_path / "a" / "diffusion" / "tokenizer.json")
-    eos0 = diffusion.generation_config.eos_token_id[0]
+    settings = load_generation_config(tmp_path / "a" / "diffusion")
+    eos0 = settings.eos_token_id[0]
     second = torch.tensor([[eos0, *tok0.encode(recipe.prompts[1], add_special_tokens=False)]])
-    again = generate(diffusion, second, max_new_tokens=12, seed=1, **dict(recipe.sampling))
+    again = generate(diffusion, second, generation_config=settings, max_new_tokens=12, seed=1, **dict(recipe.sampling))
     assert again.new_tokens()[0] == result.diffusion_samples[1]
     assert "prompt dependence       " in text and "prompt agreement" not in text
     for prompt, d, a in zip(recipe.prompts, result.diffusion_texts, result.ar_texts, strict=True):
@@ -106,7 +107,7 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     # Prompt dependence by hand: the AR baseline's NLL per token of each re-tokenized continuation given each prompt.
     ar = load_model(tmp_path / "a" / "ar").eval().to(torch.float64)
     tok = load_tokenizer(tmp_path / "a" / "diffusion" / "tokenizer.json")
-    eos = ar.generation_config.eos_token_id
+    eos = load_generation_config(tmp_path / "a" / "ar").eos_token_id
     prompt_ids = [[eos[0], *tok.encode(p, add_special_tokens=False)] for p in recipe.prompts]
     for side, texts, samples in (("diffusion", result.diffusion_texts, result.diffusion_samples),
                                  ("ar", result.ar_texts, result.ar_samples)):

@@ -260,9 +260,7 @@ def test_estimate_reports_per_token_mean_se_and_windows_needed():
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
-    model.generation_config = GenerationConfig()
-    return model
+    return dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
 
 
 @pytest.mark.parametrize("sampler", ["entropy-bound", "lite"])
@@ -309,7 +307,6 @@ class CountingGemma(DiffusionGemma):
 def test_decode_counts_match_the_passes_the_model_ran(tiny):
     counting = CountingGemma(tiny.config).eval()
     counting.load_state_dict(tiny.state_dict())
-    counting.generation_config = tiny.generation_config
     L = tiny.config.canvas_length
     prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7)]
     cfg = GenerationConfig(max_new_tokens=3 * L, max_denoising_steps=5, confidence_threshold=50.0,

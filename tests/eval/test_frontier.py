@@ -85,9 +85,7 @@ def test_the_frontier_is_the_entropy_bound_grid_then_each_spec_over_the_step_gri
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
-    model.generation_config = GenerationConfig()
-    return model
+    return dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny")), seed=0).eval()
 
 
 @pytest.mark.parametrize("correctors", [1, 2])

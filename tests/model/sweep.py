@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from dgemma.sampling.generate import generate
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.testing.hf import EntropyBoundSamplerConfig, build_hf_model, load_hf_model, save_hf_model
-from dgemma.weights.loading import load_model
+from dgemma.weights.loading import load_generation_config, load_model
 
 S, F = "sliding_attention", "full_attention"
 
@@ -202,7 +203,7 @@ def _check_forward(case: Case, hf: Any, hf_default: Any, model: Any, dtype: torc
                            f"{noise:.3g}, transformers' default vs eager)\ncase: {case.describe()}")
 
 
-def _check_generate(case: Case, hf: Any, model: Any, where: str) -> None:
+def _check_generate(case: Case, hf: Any, model: Any, settings: GenerationConfig, where: str) -> None:
     ids, mask = _prompt(case)
     drafts = _Drafts()
     torch.manual_seed(case.seed)
@@ -210,7 +211,8 @@ def _check_generate(case: Case, hf: Any, model: Any, where: str) -> None:
     want = hf.generate(ids, streamer=drafts, **padding, **_hf_kwargs(case.generation))
     steps: list[list[torch.Tensor]] = []
     on_step = lambda info: (steps.append([]) if info.step == 1 else None, steps[-1].append(info.argmax.clone()))
-    got = generate(model, ids, attention_mask=mask, seed=case.seed, on_step=on_step, **case.generation)
+    got = generate(model, ids, generation_config=settings, attention_mask=mask, seed=case.seed, on_step=on_step,
+                   **case.generation)
     if torch.equal(got.sequences, want.sequences) and \
             torch.equal(got.tokens_per_forward, want.tokens_per_forward.to(got.tokens_per_forward.dtype)) and \
             [len(c) for c in steps] == [len(c) for c in drafts.canvases]:
@@ -252,7 +254,7 @@ def run_case(case: Case) -> None:
                 default = load_hf_model(path, dtype=dtype, eager=False) if dtype == torch.float32 else None
                 _check_forward(case, hf, default, model, dtype, where)
             with torch.random.fork_rng(devices=[]):
-                _check_generate(case, hf, model, where)
+                _check_generate(case, hf, model, load_generation_config(path), where)
 
 
 def _seeds(spec: str) -> list[int]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dgemma.cli import main
 from dgemma.model import kernels
 from dgemma.model.config import preset
-from dgemma.model.diffusiongemma import Experts
+from dgemma.model.layers import Experts
 from dgemma.sampling import rules
 from dgemma.testing.hf import randomize_
 from tests.helpers import GEOMETRY_NAMES, random_ids, random_model

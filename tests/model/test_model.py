@@ -7,7 +7,7 @@ import torch
 
 from dgemma import DiffusionGemma, init_weights, preset
 from dgemma.model.config import FULL
-from dgemma.model.diffusiongemma import rope_cos_sin, rope_inv_freq
+from dgemma.model.layers import rope_cos_sin, rope_inv_freq
 from tests.helpers import random_ids
 
 

@@ -241,7 +241,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 def test_grouped_mm_bf16_experts_match_the_loop_on_cuda():
     from dgemma.model import kernels
-    from dgemma.model.diffusiongemma import Experts
+    from dgemma.model.layers import Experts
 
     config = preset("tiny").replace(num_experts=16, top_k_experts=4, hidden_size=128, moe_intermediate_size=64)
     experts = randomize_(Experts(config), seed=1).to("cuda", torch.bfloat16)

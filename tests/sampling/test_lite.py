@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dgemma import DiffusionGemma, generate, init_weights, load_model, preset, save_pretrained
+from dgemma import DiffusionGemma, generate, init_weights, load_generation_config, load_model, preset, save_pretrained
 from dgemma.model.attention import clean_context_masks
 from dgemma.model.costs import parameter_counts
 from dgemma.train.diffusion import chunked_soft_embedding, training_loss
@@ -74,6 +74,6 @@ def test_lite_trains_saves_loads_and_generates(tmp_path):
     for a, b in zip(m.state_dict().values(), back.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     for sampler in ("entropy-bound", "lite"):
-        result = generate(back, random_ids(CFG.vocab_size, 1, 5, seed=9), seed=0, max_new_tokens=32,
-                          max_denoising_steps=4, sampler=sampler)
+        result = generate(back, random_ids(CFG.vocab_size, 1, 5, seed=9), generation_config=load_generation_config(
+            tmp_path), seed=0, max_new_tokens=32, max_denoising_steps=4, sampler=sampler)
         assert result.sequences.shape == (1, 5 + 32)

@@ -20,22 +20,21 @@ FAST = {"max_denoising_steps": 3, "max_new_tokens": 32}
 def chat_model(tok_path):
     model = dgemma.init_weights(dgemma.DiffusionGemma(dgemma.preset("tiny"))).eval()
     tok = load_tokenizer(tok_path)
-    model.generation_config = GenerationConfig.for_model(model.config).stopping_at(tok.token_to_id(TURN_END))
-    return model, tok
+    return model, GenerationConfig.for_model(model.config).stopping_at(tok.token_to_id(TURN_END)), tok
 
 
 def test_first_turn_is_generate_on_the_chat_template(chat_model):
-    model, tok = chat_model
-    session = ChatSession(model, tok, seed=7, **FAST)
+    model, settings, tok = chat_model
+    session = ChatSession(model, tok, seed=7, generation_config=settings, **FAST)
     answer = session.reply("Hello there")
     ids = torch.tensor([ChatTemplate(None).encode(tok, [{"role": "user", "content": "Hello there"}])])
-    direct = dgemma.generate(model, ids, seed=7, **FAST)
+    direct = dgemma.generate(model, ids, generation_config=settings, seed=7, **FAST)
     assert torch.equal(answer.sequences, direct.sequences)
 
 
 def test_later_turns_reuse_the_cache_and_reset_starts_afresh(chat_model):
-    model, tok = chat_model
-    session = ChatSession(model, tok, system="Be brief.", seed=3, **FAST)
+    model, settings, tok = chat_model
+    session = ChatSession(model, tok, system="Be brief.", seed=3, generation_config=settings, **FAST)
     first = session.reply("Hi")
     committed = session.cache.length
     assert committed == first.sequences.shape[1] - model.config.canvas_length  # the last canvas is pending
@@ -54,8 +53,8 @@ def test_later_turns_reuse_the_cache_and_reset_starts_afresh(chat_model):
 
 
 def test_a_turn_that_does_not_fit_leaves_the_session_unchanged(chat_model):
-    model, tok = chat_model
-    session = ChatSession(model, tok, max_context=40, seed=0, **FAST)
+    model, settings, tok = chat_model
+    session = ChatSession(model, tok, max_context=40, seed=0, generation_config=settings, **FAST)
     with pytest.raises(ContextFullError, match="context full"):
         session.reply("Hello there, how are you today?")
     assert session.cache.length == 0 and session.pending is None and session.turn == 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dgemma
+from dgemma.model.kv_cache import RowCaches
 from dgemma.serving.engine import CanvasEvent, DoneEvent, Engine, EngineError, QueueFullError, StepEvent
 from dgemma.testing.hf import randomize_
 from tests.helpers import random_ids, random_model
@@ -204,8 +205,9 @@ def test_bad_requests_are_refused_with_the_field_named():
 
 
 def test_a_batched_pass_over_rows_of_different_lengths_equals_each_rows_own_bit_for_bit():
-    """model.denoise(canvas, [one-row caches]): each row reads its own committed prefix (sliding layers their own
-    window) and computes exactly what it would alone, which is what makes a request's tokens batch-independent."""
+    """model.denoise(canvas, RowCaches([one-row caches])): each row reads its own committed prefix (sliding layers
+    their own window) and computes exactly what it would alone, which is what makes a request's tokens
+    batch-independent."""
     V, L = 512, 16
     for name in ("tiny", "lite"):
         model = random_model("tiny") if name == "tiny" else lite_model()
@@ -217,20 +219,23 @@ def test_a_batched_pass_over_rows_of_different_lengths_equals_each_rows_own_bit_
         canvas = random_ids(V, 3, L, seed=9)
         sc = torch.randn(3, L, V, generator=torch.Generator().manual_seed(0))
         for impl in ("reference", "fast"):
-            batched = model.denoise(canvas, rows, self_conditioning_logits=sc, t=torch.tensor([0.2, 0.5, 1.0]),
+            batched = model.denoise(canvas, RowCaches(rows), self_conditioning_logits=sc,
+                                    t=torch.tensor([0.2, 0.5, 1.0]),
                                     self_conditioning_mask=torch.tensor([True, False, True]), impl=impl)
             for r in range(3):
                 # reference: what generate computes for that row alone; fast: the same row alone through the
                 # batch-invariant kernels (its experts in whole blocks of rows)
-                alone = model.denoise(canvas[r:r + 1], rows[r] if impl == "reference" else [rows[r]],
+                alone = model.denoise(canvas[r:r + 1], rows[r] if impl == "reference" else RowCaches([rows[r]]),
                                       self_conditioning_logits=sc[r:r + 1] if r != 1 else None,
                                       t=[0.2, 0.5, 1.0][r], impl=impl)
                 assert torch.equal(batched[r:r + 1], alone), (name, impl, r)
             if impl == "fast":
                 plain = model.denoise(canvas[:1], rows[0], self_conditioning_logits=sc[:1], t=0.2, impl="fast")
                 torch.testing.assert_close(batched[:1], plain, rtol=0, atol=1e-4)
-    with pytest.raises(ValueError, match="one-row KVCaches, one per canvas row"):
-        model.denoise(canvas, rows[:2])
+    with pytest.raises(ValueError, match=r"canvas must have shape \(rows=2, length\), one row per cache"):
+        model.denoise(canvas, RowCaches(rows[:2]))
+    with pytest.raises(ValueError, match="RowCaches takes one-row KVCaches"):
+        RowCaches([pool])
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])
@@ -243,15 +248,15 @@ def test_a_batched_commit_over_rows_of_different_lengths_writes_what_each_row_wo
             model.commit(random_ids(V, 1, n, seed=r), pool.rows(r, r + 1, length=0))
     canvas = random_ids(V, 3, 16, seed=5)
     batched = [pools[0].rows(r, r + 1, length=n) for r, n in enumerate(lengths)]
-    model.commit(canvas, batched, impl=impl)
+    model.commit(canvas, RowCaches(batched), impl=impl)
     for r, n in enumerate(lengths):  # reference: generate's own lone commit; fast: the same row alone
         view = pools[1].rows(r, r + 1, length=n)
-        model.commit(canvas[r:r + 1], view if impl == "reference" else [view], impl=impl)
+        model.commit(canvas[r:r + 1], view if impl == "reference" else RowCaches([view]), impl=impl)
         assert batched[r].length == view.length == n + 16
     for a, b in zip(pools[0].keys + pools[0].values, pools[1].keys + pools[1].values, strict=True):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="no start or attention_mask"):
-        model.commit(canvas, batched, start=0)
+        model.commit(canvas, RowCaches(batched), start=0)
 
 
 def test_row_views_share_the_pool():

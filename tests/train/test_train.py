@@ -268,7 +268,7 @@ def test_cli_bad_input(case, corpus, tmp_path, capsys, monkeypatch):
     elif case == "non-empty run":
         expected = "exists and is not an empty directory: pass --resume"
     else:
-        monkeypatch.setattr("dgemma.train.preflight.available_memory", lambda device: 10 * 2**20)
+        monkeypatch.setattr("dgemma.train.config.available_memory", lambda device: 10 * 2**20)
         expected = r"estimated peak memory .* GiB .* exceeds the 0.01 GiB available on cpu"
     before = tree(run)
     code, err = run_cli(capsys, *args)

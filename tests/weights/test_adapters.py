@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from dgemma.model.kv_cache import RowCaches
 from dgemma.weights import lora
 from dgemma.weights.adapters import AdapterError, AdapterSet
 from tests.helpers import random_ids, random_model, randomize_adapter_
@@ -53,7 +54,7 @@ def run(model, ids, canvas, impl: str, rows: bool, adapters=None) -> list[torch.
     B = ids.shape[0]
     if rows:
         pool = model.new_cache(B, 48)
-        cache = [pool.rows(i, i + 1) for i in range(B)]
+        cache = RowCaches([pool.rows(i, i + 1) for i in range(B)])
     else:
         cache = model.new_cache(B, 48)
     model.commit(ids, cache, adapters=adapters, impl=impl)

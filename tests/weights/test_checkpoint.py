@@ -26,9 +26,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dgemma.weights.checkpoint as ckpt
+from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.testing.hf import build_hf_model, hf_logits, load_hf_model, save_hf_model
 from dgemma.weights.checkpoint import CheckpointError, checkpoint_state, save_pretrained
-from dgemma.weights.loading import load_model
+from dgemma.weights.loading import load_generation_config, load_model
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 TEXT_KEY = re.compile(r"^model\.decoder\.|^model\.encoder\.language_model\.layers\.\d+\.layer_scalar$")
@@ -186,8 +187,8 @@ def test_safetensors_are_loaded_and_a_pickle_next_to_them_is_never_touched(ckpt_
 # --- saving ---------------------------------------------------------------------------------------------------------
 
 def test_save_writes_exactly_the_text_tensors_transformers_writes(hf_dir, hf_tensors, tmp_path):
-    model = load_model(hf_dir)
-    save_pretrained(model, tmp_path)
+    model, settings = load_model(hf_dir), load_generation_config(hf_dir)
+    save_pretrained(model, tmp_path, generation_config=settings)
     assert files_in(tmp_path) == ["config.json", "generation_config.json", SINGLE]
     saved = load_file(tmp_path / SINGLE)
     assert set(saved) == text_keys(hf_tensors)
@@ -197,7 +198,7 @@ def test_save_writes_exactly_the_text_tensors_transformers_writes(hf_dir, hf_ten
         assert f.metadata() == {"format": "pt"}
     reloaded = load_model(tmp_path)
     assert reloaded.config == model.config
-    assert reloaded.generation_config == model.generation_config
+    assert load_generation_config(tmp_path) == settings != GenerationConfig()
 
 
 def test_sharded_save_round_trips_and_later_saves_remove_stale_shards(hf_dir, hf_tensors, tmp_path):
@@ -487,23 +488,19 @@ def test_a_training_run_directory_loads_its_newest_complete_checkpoint(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values(), strict=True))
 
 
-# --- the Hugging Face-style methods -------------------------------------------------------------------------------
+# --- one loader, one saver ----------------------------------------------------------------------------------------
 
-def test_model_save_pretrained_and_from_pretrained_round_trip(tmp_path):
-    """`model.save_pretrained(dir)` and `DiffusionGemma.from_pretrained(dir, dtype=, device=)` are the functions'
-    twins: the same files, the same weights, the same logits, the generation config carried along."""
-    from dgemma import DiffusionGemma, GenerationConfig, init_weights, preset
+def test_save_and_load_round_trip_with_the_generation_settings_beside_the_model(tmp_path):
+    """`save_pretrained(model, dir, generation_config=)` and `load_model(dir, dtype=, device=)` /
+    `load_generation_config(dir)`: the same weights, the same logits, the settings carried beside the model."""
+    from dgemma import DiffusionGemma, GenerationConfig, init_weights, load_generation_config, preset
 
     model = init_weights(DiffusionGemma(preset("tiny")), seed=3).eval()
-    model.generation_config = GenerationConfig(eos_token_id=(1, 4), pad_token_id=0, max_denoising_steps=7)
-    model.save_pretrained(tmp_path / "method")
-    save_pretrained(model, tmp_path / "function")
-    for name in ("config.json", "generation_config.json", SINGLE):
-        assert (tmp_path / "method" / name).read_bytes() == (tmp_path / "function" / name).read_bytes(), name
-
-    loaded = DiffusionGemma.from_pretrained(tmp_path / "method")
+    settings = GenerationConfig(eos_token_id=(1, 4), pad_token_id=0, max_denoising_steps=7)
+    save_pretrained(model, tmp_path / "ckpt", generation_config=settings)
+    loaded = load_model(tmp_path / "ckpt")
     assert type(loaded) is DiffusionGemma and loaded.config == model.config
-    assert loaded.generation_config == model.generation_config
+    assert load_generation_config(tmp_path / "ckpt") == settings
     state, again = model.state_dict(), loaded.state_dict()
     assert state.keys() == again.keys() and all(torch.equal(state[k], again[k]) for k in state)
     g = torch.Generator().manual_seed(0)
@@ -511,9 +508,11 @@ def test_model_save_pretrained_and_from_pretrained_round_trip(tmp_path):
     canvas = torch.randint(0, 512, (2, 16), generator=g)
     assert torch.equal(loaded(ids, canvas), model(ids, canvas))
 
-    bf16 = DiffusionGemma.from_pretrained(str(tmp_path / "method"), dtype=torch.bfloat16, device="cpu")
+    bf16 = load_model(str(tmp_path / "ckpt"), dtype=torch.bfloat16, device="cpu")
     assert bf16.dtype == torch.bfloat16 and bf16.device.type == "cpu"
-    ref = load_model(tmp_path / "method", dtype=torch.bfloat16)
-    assert torch.equal(bf16(ids, canvas), ref(ids, canvas))
-    with pytest.raises(CheckpointError, match="does not exist"):
-        DiffusionGemma.from_pretrained(tmp_path / "nowhere")
+    assert torch.equal(bf16(ids, canvas), model.to(torch.bfloat16)(ids, canvas))
+    save_pretrained(loaded, tmp_path / "default")  # no settings given: transformers' defaults
+    assert load_generation_config(tmp_path / "default") == GenerationConfig()
+    for read in (load_model, load_generation_config):
+        with pytest.raises(CheckpointError, match="does not exist"):
+            read(tmp_path / "nowhere")

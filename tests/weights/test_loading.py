@@ -1,7 +1,9 @@
 """The library loader (dgemma/weights/loading.py) does what the CLI's --model / --preset --random-init / --quantize /
 --offload-experts do: `dgemma.load_model` takes a LoRA adapter (merged into its base) as `dgemma generate --model`
-does, `dgemma.build_model` a preset with random weights; quantization and offload are declared attributes of the
-model, and the rule that they do not combine has one home (offload.check_offload_combination)."""
+does, `dgemma.build_model` a preset with random weights. The model stays a pure module: its generation settings travel
+beside it (`dgemma.load_generation_config`), its quantization and offload are read off its modules
+(`quantize.quantization_of`, `offload.offloaded_to`), and the rule of what combines has one home
+(offload.check_combination)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import dgemma
 from dgemma import cli
 from dgemma.weights import lora
+from dgemma.weights.offload import offloaded_to
+from dgemma.weights.quantize import quantization_of
 
 peft = pytest.importorskip("peft")
 TINY = dgemma.preset("tiny")
@@ -28,14 +32,22 @@ def test_load_model_merges_a_lora_adapter_as_the_cli_does(tmp_path, capsys):
         for name, p in model.named_parameters():
             if ".lora_" in name:
                 p.fill_(0.05)
-    lora.save_adapter(model, config, tmp_path / "adapter")
+    settings = dgemma.GenerationConfig(eos_token_id=(1, 7), pad_token_id=0, max_denoising_steps=3)
+    lora.save_adapter(model, config, tmp_path / "adapter", settings)
     merged = dgemma.load_model(tmp_path / "adapter")
-    want = lora.load_merged(tmp_path / "adapter")
+    want = dgemma.load_model(base)
+    lora.load_adapter(want, tmp_path / "adapter")
+    want = lora.merge(want)
     assert not lora.has_lora(merged)
     for (name, x), (_, y) in zip(merged.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
     q_proj = lambda m: m.layers[0].self_attn.q_proj.weight
     assert not torch.equal(q_proj(merged), q_proj(dgemma.load_model(base)))
+    # The adapter's generation_config.json, else its base's (transformers' defaults there: none was written)
+    assert dgemma.load_generation_config(tmp_path / "adapter") == settings
+    assert dgemma.load_generation_config(base) == dgemma.GenerationConfig()
+    (tmp_path / "adapter" / "generation_config.json").unlink()
+    assert dgemma.load_generation_config(tmp_path / "adapter") == dgemma.GenerationConfig()
     # The CLI loads the same thing through the same call.
     assert cli.main(["generate", "--model", str(tmp_path / "adapter"), "--prompt-ids", "2,3", "--max-new-tokens",
                      "4", "--max-denoising-steps", "2", "--seed", "0"]) == 0
@@ -44,8 +56,7 @@ def test_load_model_merges_a_lora_adapter_as_the_cli_does(tmp_path, capsys):
 def test_build_model_is_the_random_preset_model():
     model = dgemma.build_model("tiny")
     assert model.config == TINY and not model.training
-    assert model.quantization is None and model.offloaded is None
-    assert model.generation_config == dgemma.GenerationConfig.for_model(TINY)
+    assert quantization_of(model) is None and offloaded_to(model) is None
 
 
 def test_quantize_and_offload_do_not_combine_by_one_rule(tmp_path, capsys):
@@ -58,9 +69,26 @@ def test_quantize_and_offload_do_not_combine_by_one_rule(tmp_path, capsys):
     assert len(err) == 1 and re.match(r"dgemma generate: error: .*do not combine", err[0]), err
 
 
-def test_a_fresh_model_declares_its_modes():
-    model = dgemma.DiffusionGemma(TINY)
-    assert (model.quantization, model.offloaded, model.generation_config) == (None, None, None)
+def test_the_model_carries_no_loading_state_and_the_modes_are_read_off_its_modules(tmp_path):
+    """Quantization, offload and generation settings are never attributes of the model: load_model(quantize=,
+    offload_experts=) leaves none of them on it, and `quantization_of` / `offloaded_to` report what was done."""
+    pytest.importorskip("torchao")
+    ckpt = tmp_path / "ckpt"
+    settings = dgemma.GenerationConfig(eos_token_id=(1, 4), pad_token_id=0, max_denoising_steps=7)
+    dgemma.save_pretrained(dgemma.init_weights(dgemma.DiffusionGemma(TINY)), ckpt, generation_config=settings)
+    plain = dgemma.load_model(ckpt)
+    quantized = dgemma.load_model(ckpt, quantize="int8")
+    offloaded = dgemma.load_model(ckpt, offload_experts=True)
+    for model in (dgemma.DiffusionGemma(TINY), plain, quantized, offloaded):
+        found = [a for a in ("generation_config", "quantization", "offloaded", "from_pretrained", "save_pretrained")
+                 if hasattr(model, a)]
+        assert not found, found
+    assert (quantization_of(plain), offloaded_to(plain)) == (None, None)
+    assert (quantization_of(quantized), offloaded_to(quantized)) == ("int8", None)
+    assert (quantization_of(offloaded), offloaded_to(offloaded)) == (None, str(ckpt / "model.safetensors"))
+    assert dgemma.load_generation_config(ckpt) == settings
+    (ckpt / "generation_config.json").unlink()  # none: transformers' defaults with the model's special tokens
+    assert dgemma.load_generation_config(ckpt) == dgemma.GenerationConfig.for_model(TINY)
 
 
 def test_offloaded_experts_are_written_atomically_never_through_a_symlink(tmp_path):
@@ -76,5 +104,5 @@ def test_offloaded_experts_are_written_atomically_never_through_a_symlink(tmp_pa
     want = model(torch.tensor([[2, 3, 4]]), torch.tensor([[5] * TINY.canvas_length]))
     offload_experts(model, link)
     assert victim.read_text() == "not yours" and not link.is_symlink() and link.is_file()
-    assert model.offloaded == str(link)
+    assert offloaded_to(model) == str(link)
     assert torch.equal(model(torch.tensor([[2, 3, 4]]), torch.tensor([[5] * TINY.canvas_length])), want)

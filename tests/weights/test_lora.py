@@ -88,7 +88,7 @@ def test_an_adapter_that_does_not_fit_is_one_error(tmp_path, base, capsys):
     file = tmp_path / "adapter" / lora.WEIGHTS
     with pytest.raises(lora.AdapterError, match=r"adapter_model\.safetensors: does not fit this model.*"
                                                 r"layers\.\d\.self_attn\.\w_proj\.lora_\w\.weight has shape"):
-        lora.load_merged(tmp_path / "adapter", base=other)
+        dgemma.load_model(tmp_path / "adapter", base=other)
     capsys.readouterr()  # what building the checkpoints printed
     assert cli.main(["export", str(tmp_path / "adapter"), "--base", str(other), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -101,4 +101,4 @@ def test_an_adapter_that_does_not_fit_is_one_error(tmp_path, base, capsys):
     tensors[key] = tensors[key] + 1
     save_file(tensors, str(file))
     with pytest.raises(lora.AdapterError, match="differs from its decoder copy"):
-        lora.load_merged(tmp_path / "adapter")
+        dgemma.load_model(tmp_path / "adapter")

@@ -21,7 +21,8 @@ from torch import nn
 
 import dgemma
 from dgemma.model import costs
-from dgemma.model.memory import check_memory
+from dgemma.model.costs import check_memory
+from dgemma.model.kv_cache import RowCaches
 from dgemma.weights import offload, quantize
 from tests.helpers import random_ids, random_model
 
@@ -45,7 +46,7 @@ def dequantized(model: nn.Module) -> nn.Module:
         module._parameters.pop(attr, None)
         module._modules.pop(attr, None)
         module._parameters[attr] = nn.Parameter(value, requires_grad=False)
-    out.quantization = None
+    assert quantize.quantization_of(out) is None
     return out
 
 
@@ -89,9 +90,9 @@ def test_int8_one_row_caches_are_batch_invariant(models):
     rows = [pool.rows(r, r + 1, length=n) for r, n in enumerate(lengths)]
     canvas = random_ids(512, 3, 16, seed=9)
     for impl in ("reference", "fast"):
-        batched = q.denoise(canvas, rows, impl=impl)
+        batched = q.denoise(canvas, RowCaches(rows), impl=impl)
         for r in range(3):
-            alone = q.denoise(canvas[r:r + 1], rows[r] if impl == "reference" else [rows[r]], impl=impl)
+            alone = q.denoise(canvas[r:r + 1], rows[r] if impl == "reference" else RowCaches([rows[r]]), impl=impl)
             assert torch.equal(batched[r:r + 1], alone), (impl, r)
 
 
@@ -136,7 +137,7 @@ def test_loading_quantizes_each_tensor_as_quantize_model_does(tmp_path, models):
     model, q = models
     dgemma.save_pretrained(model, tmp_path)
     loaded = dgemma.load_model(tmp_path, quantize="int8")
-    assert loaded.quantization == "int8"
+    assert quantize.quantization_of(loaded) == quantize.quantization_of(q) == "int8"
     prompt, canvas = random_ids(512, 1, 12, seed=5), random_ids(512, 1, 16, seed=6)
     assert torch.equal(loaded(prompt, canvas), q(prompt, canvas))
     with pytest.raises(ValueError, match="quantized to int8 cannot be saved"):
@@ -175,7 +176,8 @@ def test_offloaded_experts_are_bit_identical(tmp_path, models, impl):
     want = model(prompt, canvas, impl=impl)
     mapped = offload.offload_experts(copy.deepcopy(model), tmp_path / "experts.safetensors")
     loaded = dgemma.load_model(tmp_path / "ckpt", offload_experts=True)  # mapped from the checkpoint itself
-    assert loaded.offloaded == str(tmp_path / "ckpt" / "model.safetensors")
+    assert offload.offloaded_to(loaded) == str(tmp_path / "ckpt" / "model.safetensors")
+    assert offload.offloaded_to(mapped) == str(tmp_path / "experts.safetensors") and offload.offloaded_to(model) is None
     for m in (mapped, loaded):
         assert not any(p.ndim == 3 for p in m.parameters())  # no expert tensor left in memory
         assert torch.equal(m(prompt, canvas, impl=impl), want)
@@ -192,9 +194,11 @@ def test_cuda_int4_and_offload():
     prompt, canvas = random_ids(512, 2, 12, seed=1).cuda(), random_ids(512, 2, 16, seed=2).cuda()
     q = quantize.quantize_model(copy.deepcopy(model), "int4")
     assert isinstance(q.layers[0].experts.gate_up_proj, quantize.ExpertMatrices)
+    assert quantize.quantization_of(q) == "int4"
     twin = dequantized(q)
     for impl in ("reference", "fast"):
         torch.testing.assert_close(q(prompt, canvas, impl=impl), twin(prompt, canvas, impl=impl), rtol=0.02, atol=0.5)
     off = offload.offload_experts(copy.deepcopy(model), "unused")
+    assert offload.offloaded_to(off) == "pinned host memory"
     for impl in ("reference", "fast"):
         assert torch.equal(off(prompt, canvas, impl=impl), model(prompt, canvas, impl=impl)), impl
