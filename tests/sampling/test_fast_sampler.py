@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dgemma.model import kernels
 from dgemma.model.config import FULL, SLIDING, preset
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.sampling import fast_sampler
+from dgemma.sampling import fast_sampler, kernels
 from dgemma.sampling.generate import denoise_canvas, generate
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.testing.hf import randomize_
