@@ -15,7 +15,7 @@ import numpy as np
 
 from dgemma.io import dirkind, fsio
 from dgemma.sampling.canvas import StepInfo
-from dgemma.sampling.generation_config import GenerationError
+from dgemma.sampling.generation_config import GenerationConfig, GenerationError
 
 TRACE_FORMAT = "dgemma-trace-1"  # in every trace summary; bump when the arrays change meaning
 
@@ -27,6 +27,26 @@ class Trace:
 
     steps: list[StepInfo]
     summary: dict[str, Any]
+
+    @classmethod
+    def of(cls, steps: list[StepInfo], config: GenerationConfig, *, seed: int | None, batch_size: int,
+           prompt_length: int, canvas_length: int, steps_per_canvas: list[list[int]], stop_reasons: list[list[str]],
+           tokens_per_forward: list[float]) -> Trace:
+        """The trace of a generation: its steps and the summary `generate` writes beside them."""
+        return cls(steps, {
+            "format": TRACE_FORMAT, "batch_size": batch_size, "prompt_length": prompt_length,
+            "canvas_length": canvas_length, "num_canvases": len(steps_per_canvas),
+            "steps_per_canvas": steps_per_canvas, "stop_reasons": stop_reasons,
+            "tokens_per_forward": tokens_per_forward, "generation_config": config.to_hf() | {
+                k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
+                                                "adaptive", "stability_steps", "posterior_rule",
+                                                "initial_self_conditioning", "time_level", "lite_commit",
+                                                "corrector_steps", "commit_threshold", "edit_threshold")}
+                                                | {"seed": seed},
+            "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
+                      "(S, B, L); mean_entropy, done, active, level (S, B); with a constraint, grammar (S, B, L): "
+                      "0 free, 1 pinned (the only token the grammar allows), 2 closed (the budget's closer chose it)",
+        })
 
     def arrays(self) -> dict[str, np.ndarray]:
         s = self.steps

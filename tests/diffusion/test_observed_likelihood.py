@@ -17,8 +17,9 @@ from dgemma.diffusion.noise import MAX_BOOST, alpha, observation_boost, observat
 from dgemma.model.config import ConfigError, ModelConfig
 from dgemma.model.kernels import logits_into
 from dgemma.sampling import kernels, rules
-from dgemma.sampling.generate import denoise_canvas, generate
+from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig
+from dgemma.sampling.sampler import denoise_canvas
 from tests.eval import test_evaluate
 from tests.helpers import random_ids
 
