@@ -205,7 +205,7 @@ class FastSampler:
         kernels, whatever `impl`)."""
         return DenoiseStep(self.model, cache, sliding_prefix=sliding_prefix, compile=compile)
 
-    def soft(self, self_conditioning: Tensor | None) -> Tensor | None:
+    def soft_embedding(self, self_conditioning: Tensor | None) -> Tensor | None:
         """The soft embedding, as `inputs` hands it over."""
         return self_conditioning
 

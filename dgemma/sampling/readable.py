@@ -86,7 +86,7 @@ class ReadableSampler:
         return lambda x, sc, t: self.model.denoise(x, cache, self_conditioning_logits=sc,
                                                    sliding_prefix=sliding_prefix, t=t, impl=impl)
 
-    def soft(self, self_conditioning: Tensor | None) -> Tensor | None:
+    def soft_embedding(self, self_conditioning: Tensor | None) -> Tensor | None:
         """The self-conditioning logits as the soft embedding a batched pass reads (`model.soft_embedding`)."""
         return None if self_conditioning is None else self.model.soft_embedding(self_conditioning)
 

@@ -3,9 +3,9 @@
 A sampler holds one canvas of B rows while it is denoised. A step is one denoising pass between `inputs` and `step`:
 
     x, sc, level = sampler.inputs()                   begin the step: the canvas, self-conditioning, noise level
-    out = sampler.denoiser(cache)(x, sc, level)       a lone pass (`denoise_canvas`), or, batched with other samplers
-                                                      (the serving engine): sampler.read(final) of the pass's final
-                                                      hidden state, with sampler.soft(sc) as its soft embedding
+    out = sampler.denoiser(cache)(x, sc, level)       a lone pass (`denoise_canvas`); or a pass batched with other
+                                                      samplers (the serving engine) reads soft_embedding(sc), and
+                                                      out = sampler.read(final), of its final hidden state
     done = sampler.step(out)                          the sampler's rules on what it reads; whether the canvas ended
     staged = sampler.staged()                         the finished canvas (StagedCanvas), never written to the cache
 
@@ -57,7 +57,7 @@ class Sampler(Protocol):
         """A lone pass over `cache`: (canvas, self-conditioning, level) -> what `step` reads."""
         ...
 
-    def soft(self, self_conditioning: Tensor | None) -> Tensor | None:
+    def soft_embedding(self, self_conditioning: Tensor | None) -> Tensor | None:
         """The self-conditioning of `inputs` as the soft embedding (B, L, D) that a pass batched with other
         samplers reads."""
         ...

@@ -487,7 +487,7 @@ class Engine:
         samplers = [r.sampler for r in rows if r.sampler is not None]  # all of them: the rows stepping
         inputs = [s.inputs() for s in samplers]
         x = torch.cat([canvas for canvas, _, _ in inputs])
-        softs = [s.soft(sc) for s, (_, sc, _) in zip(samplers, inputs, strict=True)]
+        softs = [s.soft_embedding(sc) for s, (_, sc, _) in zip(samplers, inputs, strict=True)]
         soft = level = None
         if any(s is not None for s in softs):
             D = model.config.hidden_size

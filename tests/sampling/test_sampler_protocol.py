@@ -1,6 +1,7 @@
 """dgemma/sampling/sampler.py: both samplers driven through the `Sampler` protocol alone, as the serving engine
-drives them (a pass batched by hand from `soft` and `read`), take the steps the inner loop `denoise_canvas` takes with
-their own lone pass; and a new family (dgemma/sampling/families.py) plugs into the readable sampler as one class."""
+drives them (a pass batched by hand from `soft_embedding` and `read`), take the steps the inner loop `denoise_canvas`
+takes with their own lone pass; and a new family (dgemma/sampling/families.py) plugs into the readable sampler as one
+class."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ def _prefilled(model, B: int = 2):
 
 
 def _drive(sampler: Sampler, model, cache) -> tuple[object, int]:
-    """The canvas to its end through the protocol's batched path only: inputs, soft, one `denoise_hidden`, read,
-    step. No name of an implementation."""
+    """The canvas to its end through the protocol's batched path only: inputs, soft_embedding, one
+    `denoise_hidden`, read, step. No name of an implementation."""
     passes = 0
     while True:
         x, sc, level = sampler.inputs()
-        final = model.denoise_hidden(x, cache, soft=sampler.soft(sc), t=level, impl="fast")
+        final = model.denoise_hidden(x, cache, soft=sampler.soft_embedding(sc), t=level, impl="fast")
         passes += 1
         if sampler.step(sampler.read(final)):
             return sampler.staged(), passes
