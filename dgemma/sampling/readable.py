@@ -111,9 +111,9 @@ class ReadableSampler:
         # Keep only the stopped rows of the previous logits (they ride along on them); `_posterior` frees the rest.
         sc_done = self.sc[was_done] if self.sc is not None and bool(was_done.any()) else None
         z, temp = self._posterior(logits, n)
-        step, marks = self._propose(z, temp, n, was_done, active)
-        new_x, draw, accepted = self.family.update(step)
-        new_argmax, entropy, z = step.argmax, step.entropy, step.z
+        proposal, marks = self._propose(z, temp, n, was_done, active)
+        new_x, draw, accepted = self.family.update(proposal)
+        new_argmax, entropy, z = proposal.argmax, proposal.entropy, proposal.z
         if sc_done is not None:  # rows that already stopped keep everything; they only ride along in the batch
             keep = was_done[:, None]
             new_argmax = torch.where(keep, state.argmax, new_argmax)
