@@ -76,10 +76,10 @@ class Sequences:
         before, rows = self.finished, new.tolist()
         cuts = [eos_index(row, self.config.eos_token_id) for row in rows]
         rooms = [self.budget - e for e in self.emitted]
-        output = [[] if done else row[:min(cut, room)]
-                  for row, cut, room, done in zip(rows, cuts, rooms, before.tolist(), strict=True)]
-        eos = [not done and cut < L and cut < room
-               for cut, room, done in zip(cuts, rooms, before.tolist(), strict=True)]
+        ended = before.tolist()
+        output = [[] if done else row[:min(cut, room)] for row, cut, room, done in zip(rows, cuts, rooms, ended,
+                                                                                      strict=True)]
+        eos = [not done and cut < L and cut < room for cut, room, done in zip(cuts, rooms, ended, strict=True)]
         self.emitted = [e + len(o) for e, o in zip(self.emitted, output, strict=True)]
         self.length += L
         this = torch.tensor([e >= self.budget for e in self.emitted], device=before.device)
