@@ -2,9 +2,9 @@
 
 Times, on a random model of a preset (default bench-small, fp32, batch 1, the bench's prompt length): the layers
 (`fast_sampler.DenoiseStep`, final norm included), one vocabulary matmul (the tied head over the canvas), the fused
-sampler pass (`kernels.head_and_sample`: head, temperature, stats, draw, next soft embedding), the two ways to
+sampler pass (`sampling_kernels.head_and_sample`: head, temperature, stats, draw, next soft embedding), the two ways to
 draw one token per position: `torch.multinomial` (the readable path and transformers) against the two-level
-inverse-CDF draw (`kernels.draw_cdf`), and the layers by part (attention, dense MLP, router, routed experts, norms;
+inverse-CDF draw (`draw_cdf`), and the layers by part (attention, dense MLP, router, routed experts, norms;
 forward hooks). Medians over --repeats (the parts: means), printed as one JSON object. Run it on a quiet machine.
 
     python runs/profile_fast_step.py --preset bench-small
@@ -24,6 +24,7 @@ from dgemma.model import kernels
 from dgemma.model.config import PRESETS
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling import fast_sampler, rules
+from dgemma.sampling import kernels as sampling_kernels
 from dgemma.testing.hf import randomize_
 
 
@@ -65,10 +66,10 @@ def main() -> None:
             "preset": args.preset, "threads": torch.get_num_threads(), "load": os.getloadavg()[0],
             "ms_layers": median_ms(lambda: step(canvas), args.repeats),
             "ms_head_matmul": median_ms(lambda: head(final.view(-1, D), None), args.repeats),
-            "ms_head_and_sample": median_ms(lambda: kernels.head_and_sample(
+            "ms_head_and_sample": median_ms(lambda: sampling_kernels.head_and_sample(
                 final, head, temp, generator=g, embed=weight, embed_scale=D**0.5), args.repeats),
             "ms_multinomial": median_ms(lambda: torch.multinomial(probs, 1, generator=g), args.repeats),
-            "ms_draw_cdf": median_ms(lambda: kernels.draw_cdf(probs, uniforms), args.repeats),
+            "ms_draw_cdf": median_ms(lambda: sampling_kernels.draw_cdf(probs, uniforms), args.repeats),
         }
         result["ms_layers_by_part"] = layers_by_part(model, lambda: step(canvas), args.repeats)
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}))

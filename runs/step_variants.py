@@ -10,7 +10,7 @@ reversing the order every other round, so drift on a shared machine hits all of 
       int8                                  weight-only int8 (dgemma/weights/quantize.py)
       offload (warm)                        experts memory-mapped from a file, pages in the page cache
       offload (cold)                        the same with the file's pages dropped before every step (a read from disk)
-    head + sampler (kernels.head_and_sample), fp32 and bf16, and fp32 with the previous `kernels.tempered_stats`
+    head + sampler (sampling kernels: head_and_sample), fp32 and bf16, and fp32 with the previous `tempered_stats`
 
 Prints one JSON object (medians in ms, the load average before and after).
 
@@ -34,6 +34,7 @@ from dgemma.model import kernels
 from dgemma.model.config import PRESETS
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling import fast_sampler, rules
+from dgemma.sampling import kernels as sampling_kernels
 from dgemma.testing.hf import randomize_
 from dgemma.weights import offload, quantize
 
@@ -86,14 +87,14 @@ def main() -> None:
         final = fast_sampler.DenoiseStep(m, caches[name])(canvas)
         weight, cap = m.embed_tokens.weight, cfg.final_logit_softcapping
         fn = lambda rows, out: kernels.logits_into(rows, weight, cap, out)
-        ws = kernels.Workspace(L, V, final.device)
-        return lambda: kernels.head_and_sample(final, fn, temp, generator=g, embed=weight, embed_scale=D**0.5,
+        ws = sampling_kernels.Workspace(L, V, final.device)
+        return lambda: sampling_kernels.head_and_sample(final, fn, temp, generator=g, embed=weight, embed_scale=D**0.5,
                                                workspace=ws)
 
     def previous_stats(z: torch.Tensor, work: torch.Tensor | None = None):
-        """kernels.tempered_stats as it was before this change: argmax, then amax, and a batched dot product."""
+        """`tempered_stats` as it was before this change: argmax, then amax, and a batched dot product."""
         argmax = z.argmax(-1)
-        d = z.sub_(z.amax(-1, keepdim=True)).clamp_(min=kernels.SHIFTED_LOGIT_FLOOR)
+        d = z.sub_(z.amax(-1, keepdim=True)).clamp_(min=sampling_kernels.SHIFTED_LOGIT_FLOOR)
         e = torch.exp(d, out=work) if work is not None else d.exp()
         s = e.sum(-1, keepdim=True)
         ed = torch.matmul(e[:, None, :], d[:, :, None]).view(-1)
@@ -101,11 +102,11 @@ def main() -> None:
 
     def with_stats(fn, stats):
         def run() -> None:
-            original, kernels.tempered_stats = kernels.tempered_stats, stats
+            original, sampling_kernels.tempered_stats = sampling_kernels.tempered_stats, stats
             try:
                 fn()
             finally:
-                kernels.tempered_stats = original
+                sampling_kernels.tempered_stats = original
         return run
 
     variants = {"layers fp32 experts=loop": layers("fp32", "loop"),

@@ -30,9 +30,10 @@ from dgemma.cli.common import (
 from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.io import fsio
 from dgemma.io.console import Progress
-from dgemma.sampling.generate import check_trace_path, generate
+from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.sampling.request_rules import resolve_generation_config
+from dgemma.sampling.trace import check_trace_path
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
 MAX_BATCH_PROMPTS = 4096  # prompts in one --batch-file batch (every prompt is a row of the same generate call)

@@ -1,6 +1,6 @@
 """The noise schedule of uniform-state diffusion, its forward process and what the model's posterior takes from it,
 shared by training (dgemma/train/diffusion.py), the bounds (dgemma/diffusion/likelihood.py) and the samplers
-(dgemma/sampling/generate.py, dgemma/sampling/fast_sampler.py).
+(dgemma/sampling/readable.py, dgemma/sampling/fast_sampler.py).
 
     alpha(s) = cos^2(pi/2 * s)       probability that a token is still clean at level s in [0, 1] (1: clean, 0: noise);
                                      the discrete chain's step t of T is the level t / T

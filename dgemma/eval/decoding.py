@@ -29,9 +29,10 @@ from torch import Tensor
 from dgemma.io.console import Progress
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling import rules
-from dgemma.sampling.generate import Trace, generate
+from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.sampling.request_rules import eos_index
+from dgemma.sampling.trace import Trace
 from dgemma.train.nelbo import ar_token_nll
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------

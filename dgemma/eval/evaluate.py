@@ -47,7 +47,7 @@ from dgemma.eval.judging import Z95, judge_description
 from dgemma.io.console import Progress
 from dgemma.model.attention import IMPLS
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.sampling.generate import Trace
+from dgemma.sampling.trace import Trace
 from dgemma.train.nelbo import EvalError, ar_token_nll, estimate, x0_ce_per_canvas
 
 REPORT_FORMAT = "dgemma-eval-1"

@@ -47,9 +47,9 @@ from dgemma.eval.judging import point_stats, prompt_dependence, retokenize
 from dgemma.eval.viz import renoised_fraction
 from dgemma.model.config import ConfigError
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.sampling.generate import Trace
 from dgemma.sampling.generation_config import SAMPLERS, GenerationConfig
 from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem
+from dgemma.sampling.trace import Trace
 from dgemma.train.nelbo import EvalError
 
 # What every point shares, so that the points compare: the new-token budget, the stop tokens and padding.

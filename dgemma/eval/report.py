@@ -22,7 +22,7 @@ import numpy as np
 from dgemma.eval.curves import curves_markdown
 from dgemma.eval.viz import figure, pyplot, save_figure
 from dgemma.io import fsio
-from dgemma.sampling.generate import Trace
+from dgemma.sampling.trace import Trace
 
 # --- the report -----------------------------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from dgemma.io import fsio
-from dgemma.sampling.generate import TRACE_FORMAT, Trace
+from dgemma.sampling.trace import TRACE_FORMAT, Trace
 from dgemma.train.nelbo import EvalError
 
 FIGURE_INCHES = (12.0, 8.0)  # every PNG: 1200 x 800 pixels at DPI

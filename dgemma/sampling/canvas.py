@@ -1,6 +1,6 @@
-"""The bookkeeping of one canvas's denoising loop, shared by the readable loop (dgemma/sampling/generate.py) and the
+"""The bookkeeping of one canvas's denoising, shared by the readable sampler (dgemma/sampling/readable.py) and the
 fast one (dgemma/sampling/fast_sampler.py): per-row step and pass counts, the stop rule and its reasons, per-step
-records for callbacks and traces, and the staged result. The loops differ only in how a step computes its numbers.
+records for callbacks and traces, and the staged result. The samplers differ only in how a step computes its numbers.
 
     state = CanvasState.start((B, L), V, device, config, ...)
     for n in N..1:

@@ -1,15 +1,17 @@
-"""The fast entropy-bound sampler loop: `generate.denoise_canvas` with every decision taken on the device.
+"""The fast sampler (the "sync-free" loop): the entropy-bound family with every decision taken on the device, an
+implementation of dgemma/sampling/sampler.py:Sampler beside the readable one (dgemma/sampling/readable.py).
 
 Per step: `DenoiseStep` (the model's denoise up to the final hidden state, optionally with fixed shapes for
 torch.compile and CUDA graphs) -> `kernels.head_and_sample` (head, temperature, draw, argmax, entropy and the next
-self-conditioning input, row-chunked, in reused buffers) -> the readable loop's own rules on device tensors:
-`rules.accept_by_entropy`, `rules.renoise`, and the stop rule and step accounting of `canvas.CanvasState`.
-Rows that stopped keep their state through `torch.where`, not a branch on a host value, and the host reads
-`done.all()` only once every `sync_every` steps.
+self-conditioning input, row-chunked, in reused buffers; dgemma/sampling/kernels.py) -> the readable sampler's own
+rules on device tensors: `rules.accept_by_entropy`, `rules.renoise`, and the stop rule and step accounting of
+`canvas.CanvasState`. Rows that stopped keep their state through `torch.where`, not a branch on a host value, and
+`step(..., sync=False)` skips the host read of `done.all()` (`sampler.denoise_canvas` reads once every `sync_every`
+steps).
 
-Same decisions as the readable loop given the same logits and noise (tests/sampling/test_fast_sampler.py); the random
-draws differ (inverse-CDF or exponential race instead of torch.multinomial). `generate(..., loop="sync-free")` (the
-default with impl="fast") runs it; settings it does not implement (`unsupported`) are an error naming them, and
+Same decisions as the readable sampler given the same logits and noise (tests/sampling/test_fast_sampler.py); the
+random draws differ (inverse-CDF or exponential race instead of torch.multinomial). `generate(..., loop="sync-free")`
+(the default with impl="fast") runs it; settings it does not implement (`unsupported`) are an error naming them, and
 `loop="readable"` runs those on the fast kernels.
 """
 
@@ -23,13 +25,22 @@ from torch import Tensor
 
 from dgemma.diffusion.noise import observation_boost, observation_levels
 from dgemma.model import attention, kernels
+from dgemma.model.attention import Impl
 from dgemma.model.config import SLIDING
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.model.kv_cache import KVCache
 from dgemma.sampling import rules
 from dgemma.sampling.canvas import CanvasState, StagedCanvas, StepInfo
+from dgemma.sampling.constraint import ConstraintState
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
-from dgemma.sampling.request_rules import sliding_prefix
+from dgemma.sampling.kernels import (
+    Draw,
+    StepDraws,
+    Workspace,
+    default_chunk_rows,
+    head_and_sample,
+    one_pass_head_and_sample,
+)
 
 IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
 # the sampling controls (rules.penalize, truncate), implemented by the readable loop only: at their neutral values
@@ -133,20 +144,25 @@ def _static_hidden(model: DiffusionGemma, keys: list[Tensor], values: list[Tenso
 
 
 class FastSampler:
-    """The sync-free loop's state and step for one canvas of B rows, the twin of `generate.CanvasSampler`:
-    `inputs()` is what the next denoising pass reads (the canvas, the self-conditioning soft embedding (B, L, D) or
-    None, the noise level), `step(final)` applies the sampler to that pass's final hidden state (B, L, D) without a
-    host read, `check()` is the host read (an error for non-finite logits; whether every row stopped).
-    `denoise_canvas` drives one over a batch; the serving engine drives one per request (B = 1), each with its own
-    generator, sharing one `workspace` (dgemma/serving/engine.py)."""
+    """The sync-free loop's state and step for one canvas of B rows (dgemma/sampling/sampler.py:Sampler), the twin
+    of dgemma/sampling/readable.py:ReadableSampler: its self-conditioning input is the soft embedding (B, L, D) it
+    computes from the probabilities it already holds, and `step` reads a pass's final hidden state (B, L, D).
+    `sampler.denoise_canvas` drives one over a batch; the serving engine drives one per request (B = 1), each with
+    its own generator, sharing one `workspace` (dgemma/serving/engine.py), the rows that fit stepped together.
+    `head`: rows -> fp32 logits (default the model's tied head); `draw`: "cdf" (default on CPU) or "race" (default
+    on CUDA); `chunk_rows`: rows of (rows, V) logits per chunk; `keep_final`: keep what `logprobs` reads."""
 
     def __init__(self, model: DiffusionGemma, config: GenerationConfig, batch_size: int, *,
                  generator: torch.Generator | None = None, canvas: Tensor | None = None,
                  finished: Tensor | None = None, canvas_index: int = 0,
                  on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
-                 head: Callable[[Tensor, Tensor | None], Tensor] | None = None, draw: kernels.Draw | None = None,
-                 chunk_rows: int | None = None, workspace: kernels.Workspace | None = None, keep_final: bool = False):
+                 constraint: ConstraintState | None = None, seen: rules.Seen | None = None,
+                 workspace: Workspace | None = None, keep_final: bool = False,
+                 head: Callable[[Tensor, Tensor | None], Tensor] | None = None, draw: Draw | None = None,
+                 chunk_rows: int | None = None):
         check_supported(config)
+        if constraint is not None or seen is not None:
+            raise GenerationError("the sync-free sampler runs no grammar and no penalties: pass loop='readable'")
         B, L, V = batch_size, model.config.canvas_length, model.config.vocab_size
         device = model.device
         self.model, self.config, self.generator, self.vocab_size = model, config, generator, V
@@ -161,8 +177,8 @@ class FastSampler:
             head = lambda rows, out: kernels.logits_into(rows, self.weight, self.softcap, out)
         self.head = head
         self.draw = draw or ("race" if device.type == "cuda" else "cdf")
-        self.chunk_rows = min(B * L, chunk_rows or kernels.default_chunk_rows(V, device))
-        self.workspace = workspace or kernels.Workspace(self.chunk_rows, V, device)
+        self.chunk_rows = min(B * L, chunk_rows or default_chunk_rows(V, device))
+        self.workspace = workspace or Workspace(self.chunk_rows, V, device)
         self.scale = model.config.hidden_size**0.5
         self.soft: Tensor | None = None
         self.entropy = torch.zeros(B, L, device=device)
@@ -180,6 +196,20 @@ class FastSampler:
         self._begun = self.state.begin_step()
         return self.state.x, self.soft, self.state.level if self.model.config.time_embedding else None
 
+    def denoiser(self, cache: KVCache, *, impl: Impl | None = None, sliding_prefix: int | None = None,
+                 compile: bool = False) -> Callable[[Tensor, Tensor | None, Tensor | None], Tensor]:
+        """A lone pass, (canvas, soft embedding, level) -> final hidden state: `DenoiseStep` (always the fast
+        kernels, whatever `impl`)."""
+        return DenoiseStep(self.model, cache, sliding_prefix=sliding_prefix, compile=compile)
+
+    def soft_embedding(self, self_conditioning: Tensor | None) -> Tensor | None:
+        """The soft embedding, as `inputs` hands it over."""
+        return self_conditioning
+
+    def read(self, final: Tensor) -> Tensor:
+        """The final hidden state itself (the head is part of `step`)."""
+        return final
+
     def temperature(self) -> Tensor:
         """This step's temperature (0-d, on the device)."""
         N = self.config.max_denoising_steps
@@ -190,9 +220,9 @@ class FastSampler:
         samplers' rows in one call)."""
         return self.one_pass and not self.model.config.observed_likelihood and rows <= self.chunk_rows
 
-    def step(self, final: Tensor) -> None:
-        """The sampler on the pass's final hidden state (B, L, D): head, draw, accept, renoise, stop rule; no host
-        read."""
+    def step(self, final: Tensor, *, sync: bool = True) -> bool:
+        """The sampler on the pass's final hidden state (B, L, D): head, draw, accept, renoise, stop rule; then, with
+        `sync` or at the last step, the host read `finished()` (else False, without reading)."""
         state, V, n = self.state, self.vocab_size, self.remaining
         temp = self.temperature()
         observed = None
@@ -201,16 +231,16 @@ class FastSampler:
             observed = (state.x, observation_boost(levels, V))
         self.keep(final, temp, observed)
         if self.batchable(final.shape[0] * final.shape[1]):
-            out = kernels.one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=self.generator,
-                                                   embed_scale=self.scale if n > 1 else None,
-                                                   workspace=self.workspace)
+            out = one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=self.generator,
+                                           embed_scale=self.scale if n > 1 else None, workspace=self.workspace)
         else:
-            out = kernels.head_and_sample(final, self.head, temp, generator=self.generator, draw=self.draw,
-                                          embed=self.weight if n > 1 else None, embed_scale=self.scale,
-                                          chunk_rows=self.chunk_rows, workspace=self.workspace, observed=observed)
+            out = head_and_sample(final, self.head, temp, generator=self.generator, draw=self.draw,
+                                  embed=self.weight if n > 1 else None, embed_scale=self.scale,
+                                  chunk_rows=self.chunk_rows, workspace=self.workspace, observed=observed)
         self.apply(out, temp)
+        return self.finished() if sync or self.remaining == 0 else False
 
-    def apply(self, out: kernels.StepDraws, temp: Tensor) -> None:
+    def apply(self, out: StepDraws, temp: Tensor) -> None:
         """The rest of a step given its draws: accept by entropy, renoise, freeze the rows that stopped, stop rule."""
         state, config, V, N = self.state, self.config, self.vocab_size, self.config.max_denoising_steps
         was_done, active = self._begun
@@ -236,7 +266,7 @@ class FastSampler:
 
     def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
         """`rules.token_logprobs` of `tokens` (B, L) under the distribution the last step read: its logits (this
-        sampler's head on the kept final hidden state) over its temperature, as `generate.CanvasSampler.logprobs`
+        sampler's head on the kept final hidden state) over its temperature, as `ReadableSampler.logprobs`
         reads for these settings. Computed once the canvas is finished, from no random number, so a request's
         tokens are the same with and without log-probabilities. Needs `keep_final`."""
         assert self.final is not None, "FastSampler.logprobs needs keep_final=True and a step"
@@ -247,7 +277,7 @@ class FastSampler:
             logits.scatter_add_(-1, observed[0][..., None], observed[1][..., None].to(logits.dtype))
         return rules.token_logprobs(logits / temp, tokens, top)
 
-    def check(self) -> bool:
+    def finished(self) -> bool:
         """The host read: GenerationError if a step so far had non-finite logits; whether the canvas is finished
         (every row stopped, or no step left)."""
         if not bool(self.finite):
@@ -259,66 +289,37 @@ class FastSampler:
     def staged(self) -> StagedCanvas:
         return self.state.staged(self.state.x)
 
+    @classmethod
+    @torch.no_grad()
+    def step_together(cls, samplers: list[FastSampler], final: Tensor) -> None:
+        """`sampler.step(final[i:i + 1], sync=False)` for each of `samplers` (one-row samplers of one model, all
+        `batchable`), with one head pass over all their rows: each row keeps its own temperature and its own generator
+        (its uniforms are drawn from it first, its renoising after, as in `step`), and the one pass computes every row
+        as it would alone, so a row's draws do not depend on the others (the serving engine's batch invariance,
+        tests/serving/test_engine.py). The rows go through in groups that fit the first sampler's workspace (the engine
+        gives all its samplers one), so no step allocates (rows, V) buffers; the self-conditioning product is left out
+        when no row of a group needs it (every row at its last step). No host read: `finished()` is each one's."""
+        first, L = samplers[0], final.shape[1]
+        per_pass = max(1, first.workspace.logits.shape[0] // L)
+        for lo in range(0, len(samplers), per_pass):
+            group, rows = samplers[lo:lo + per_pass], final[lo:lo + per_pass]
+            temps = [s.temperature() for s in group]
+            uniforms = torch.cat([torch.rand(L, generator=s.generator, device=final.device, dtype=torch.float64)
+                                  for s in group])
+            temperature = torch.stack(temps).repeat_interleave(L)[:, None]  # (rows, 1)
+            soft = any(s.remaining > 1 for s in group)
+            fits = first.workspace.logits.shape[0] >= L * len(group)
+            out = one_pass_head_and_sample(rows, first.weight, first.softcap, temperature, uniforms=uniforms,
+                                           embed_scale=first.scale if soft else None,
+                                           workspace=first.workspace if fits else None)
+            for i, (s, temp) in enumerate(zip(group, temps, strict=True)):
+                s.keep(rows[i:i + 1], temp)
+                s.apply(StepDraws(out.draw[i:i + 1], out.argmax[i:i + 1], out.entropy[i:i + 1],
+                                  None if out.soft is None else out.soft[i:i + 1]), temp)
+
 
 def one_pass_applies(model: DiffusionGemma) -> bool:
-    """Whether the fast sampler's head runs the one pass over the vocabulary (`kernels.one_pass_head_and_sample`)
+    """Whether the fast sampler's head runs the one pass over the vocabulary (`one_pass_head_and_sample`)
     for `model` with its own head and inverse-CDF draws: an fp32 tied head on a CPU. Only such samplers can be
     stepped together (`step_together`)."""
     return model.embed_tokens.weight.dtype == torch.float32 and model.device.type == "cpu"
-
-
-@torch.no_grad()
-def step_together(samplers: list[FastSampler], final: Tensor) -> None:
-    """`sampler.step(final[i:i + 1])` for each of `samplers` (one-row samplers of one model, all `batchable`), with
-    one head pass over all their rows: each row keeps its own temperature and its own generator (its uniforms are
-    drawn from it first, its renoising after, as in `step`), and the one pass computes every row as it would alone,
-    so a row's draws do not depend on the others (the serving engine's batch invariance, tests/serving/test_engine.py).
-    The rows go through in groups that fit the first sampler's workspace (the engine gives all its samplers one), so
-    no step allocates (rows, V) buffers; the self-conditioning product is left out when no row of a group needs it
-    (every row at its last step)."""
-    first, L = samplers[0], final.shape[1]
-    per_pass = max(1, first.workspace.logits.shape[0] // L)
-    for lo in range(0, len(samplers), per_pass):
-        group, rows = samplers[lo:lo + per_pass], final[lo:lo + per_pass]
-        temps = [s.temperature() for s in group]
-        uniforms = torch.cat([torch.rand(L, generator=s.generator, device=final.device, dtype=torch.float64)
-                              for s in group])
-        temperature = torch.stack(temps).repeat_interleave(L)[:, None]  # (rows, 1)
-        soft = any(s.remaining > 1 for s in group)
-        fits = first.workspace.logits.shape[0] >= L * len(group)
-        out = kernels.one_pass_head_and_sample(rows, first.weight, first.softcap, temperature, uniforms=uniforms,
-                                               embed_scale=first.scale if soft else None,
-                                               workspace=first.workspace if fits else None)
-        for i, (s, temp) in enumerate(zip(group, temps, strict=True)):
-            s.keep(rows[i:i + 1], temp)
-            s.apply(kernels.StepDraws(out.draw[i:i + 1], out.argmax[i:i + 1], out.entropy[i:i + 1],
-                                      None if out.soft is None else out.soft[i:i + 1]), temp)
-
-
-@torch.no_grad()
-def denoise_canvas(model: DiffusionGemma, cache: KVCache, config: GenerationConfig, *,
-                   generator: torch.Generator | None = None, canvas: Tensor | None = None,
-                   finished: Tensor | None = None, canvas_index: int = 0,
-                   on_step: Callable[[StepInfo], None] | None = None, trace: bool = False,
-                   step: Callable[..., Tensor] | None = None,
-                   head: Callable[[Tensor, Tensor | None], Tensor] | None = None,
-                   draw: kernels.Draw | None = None, sync_every: int | None = None, chunk_rows: int | None = None,
-                   compile: bool = False) -> StagedCanvas:
-    """Twin of `generate.denoise_canvas` for the settings `check_supported` accepts (module docstring). `step`: the
-    denoise step (default `DenoiseStep`); `head`: rows -> fp32 logits (default the model's tied head); `draw`:
-    "cdf" (default on CPU) or "race" (default on CUDA); `sync_every`: steps between host reads of `done.all()`
-    (default: every step on CPU, where a read costs nothing; every 4 on CUDA; steps run after the whole batch stopped
-    are discarded, so the per-row step counts are the readable loop's); `chunk_rows`: rows of (rows, V) logits per
-    chunk."""
-    sampler = FastSampler(model, config, cache.batch_size, generator=generator, canvas=canvas, finished=finished,
-                          canvas_index=canvas_index, on_step=on_step, trace=trace, head=head, draw=draw,
-                          chunk_rows=chunk_rows)
-    if step is None:
-        step = DenoiseStep(model, cache, sliding_prefix=sliding_prefix(model.config, config), compile=compile)
-    sync_every = sync_every or (1 if model.device.type == "cpu" else 4)
-    N = config.max_denoising_steps
-    for i in range(N):
-        sampler.step(step(*sampler.inputs()))
-        if ((i + 1) % sync_every == 0 or i == N - 1) and sampler.check():  # the only host reads in the loop
-            break
-    return sampler.staged()

@@ -6,14 +6,17 @@ preallocated KV cache.
         drop cancelled rows                               their slots are free at once
         admit waiting requests into free rows             prefill: commit(prompt) into the row
         one batched denoising pass over every active row  each row at its own committed length (`denoise(x, rows)`)
-        each row's own sampler step                       with B = 1 and its own generator: fast_sampler.FastSampler
-                                                          (the fast rows' heads in one call) or generate.CanvasSampler
+        each row's own sampler step                       with B = 1 and its own generator, through the sampler
+                                                          protocol (dgemma/sampling/sampler.py; the rows that can,
+                                                          stepped together)
         rows whose canvas finished: emit its tokens, then end (EOS, max_new_tokens) or commit it and start the next
+                                                          (the outer loop: dgemma/sampling/sequence.py)
 
 Requests join and leave between denoising steps, so N concurrent requests cost about one batched pass per step, not
 N. Each request draws from its own generator (seeded by its `seed`) with the same draws, in the same order, as
 `dgemma.generate(prompt, seed=seed)` of that request alone: with the reference kernels the readable sampler runs per
-row on that row's logits; with the fast kernels a request the fast sampler implements runs its step (`_fast`).
+row on that row's logits; with the fast kernels a request the fast sampler implements runs its step
+(`sampler.choose_loop`, as `generate` chooses).
 The batched pass computes each row exactly as a batch of its own (attention per row over its own cache view; the
 routed experts per row, or in whole row blocks with the fast kernels), so a request's tokens never depend on who else
 is served; with the reference kernels they equal `generate(..., impl="reference")`'s (tests/serving/test_engine.py).
@@ -41,26 +44,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dgemma.model import kernels
 from dgemma.model.attention import Impl, check_impl
 from dgemma.model.costs import check_memory
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.model.kv_cache import KVCache, RowCaches
-from dgemma.sampling import fast_sampler
 from dgemma.sampling.canvas import StagedCanvas, StepInfo
 from dgemma.sampling.constraint import Constraint, ConstraintState
-from dgemma.sampling.fast_sampler import FastSampler
-from dgemma.sampling.generate import CanvasSampler
 from dgemma.sampling.generation_config import SEED_MAX, GenerationConfig, GenerationError
+from dgemma.sampling.kernels import Workspace
 from dgemma.sampling.request_rules import (
     check_logit_bias,
     check_prompt,
     check_seed,
-    eos_index,
     new_token_budget,
     sliding_prefix,
 )
 from dgemma.sampling.rules import Seen
+from dgemma.sampling.sampler import Sampler, choose_loop, new_sampler, new_workspace
+from dgemma.sampling.sequence import Sequences
 from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS, GrammarSteps
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from dgemma.weights.adapters import AdapterRows, AdapterSet
@@ -160,11 +161,11 @@ class Request:
     slot: int = -1
     length: int = 0  # committed tokens in the row
     cached: int = 0  # prompt tokens copied from the prefix cache
-    canvas: int = 0  # index of the canvas being denoised
-    sampler: CanvasSampler | None = None
+    loop: str = "readable"  # its sampler (`sampler.choose_loop`)
+    out: Sequences | None = None  # its output canvas after canvas: the outer loop's state (grammar, penalties)
+    sampler: Sampler | None = None
     generator: torch.Generator | None = None
     constraint: ConstraintState | None = None  # the request's grammar state, at the end of what it committed
-    seen: Seen | None = None  # what its penalties count: its prompt and output so far (with a penalty set)
     logprobs: int | None = None  # None: no log-probabilities; k: each token's and its k most probable alternatives
     adapter: str | None = None  # the LoRA adapter it runs on (None: the model itself)
     emitted: int = 0
@@ -231,7 +232,7 @@ class Engine:
                                       "requests_failed", "denoise_forwards", "denoise_rows", "commits",
                                       "generated_tokens"), 0)
         self._busy = 0.0
-        self._buffers: kernels.Workspace | None = None
+        self._buffers: Workspace | None = None
         self.grammar = GrammarSteps(self._wake, grammar_step_seconds)  # grammar steps, on their own threads
 
     # --- the public side (any thread) ---------------------------------------------------------------------------
@@ -308,7 +309,8 @@ class Engine:
                                      f"{max(free, 0)} free rows)")
             request = Request(self._next_id, prompt, config, seed, on_event, stream_steps, max_new, engine=self,
                               constraint=None if constraint is None else constraint.start(1, max_new),
-                              logprobs=logprobs, adapter=adapter)
+                              logprobs=logprobs, adapter=adapter,
+                              loop=choose_loop(config, self.impl, constraint=constraint))
             self._next_id += 1
             self._waiting.append(request)
             self._counts["requests_submitted"] += 1
@@ -417,8 +419,10 @@ class Engine:
             r.queue_s = time.perf_counter() - r.submitted_at
             self._active[r.slot] = r
             r.generator = torch.Generator(device=self.model.device).manual_seed(r.seed)
-            if r.config.penalizes:
-                r.seen = Seen.of(torch.tensor([r.prompt], device=self.model.device), self.model.config.vocab_size)
+            seen = Seen.of(torch.tensor([r.prompt], device=self.model.device), self.model.config.vocab_size) \
+                if r.config.penalizes else None
+            r.out = Sequences(r.config, 1, r.max_new, self.canvas_length, self.model.device, grammar=r.constraint,
+                              seen=seen)
             self._prefill(r)
             self._start_canvas(r)
         rows = [r for r in self._active.values() if r.sampler is not None and not self.grammar.busy(r)]
@@ -462,28 +466,16 @@ class Engine:
     def _start_canvas(self, r: Request) -> None:
         r.canvas_started_at = time.perf_counter()
         on_step = (lambda info, r=r: self._on_step(r, info)) if r.stream_steps else None
-        if self._fast(r):
-            r.sampler = FastSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
-                                    on_step=on_step, workspace=self._workspace(), keep_final=r.logprobs is not None)
-        else:
-            r.sampler = CanvasSampler(self.model, r.config, 1, generator=r.generator, canvas_index=r.canvas,
-                                      on_step=on_step, constraint=r.constraint, seen=r.seen)
+        r.sampler = new_sampler(self.model, r.config, 1, loop=r.loop, generator=r.generator, on_step=on_step,
+                                workspace=self._workspace(), keep_final=r.logprobs is not None,
+                                **r.out.sampler_options())  # type: ignore[union-attr]
 
-    def _fast(self, r: Request) -> bool:
-        """Whether the request's canvases run on the fast sampler (with the fast kernels, for the settings it
-        implements, without a grammar; with or without log-probabilities, which draw nothing) rather than the
-        readable one."""
-        return self.impl == "fast" and r.constraint is None and not fast_sampler.unsupported(r.config)
-
-    def _workspace(self) -> kernels.Workspace:
-        """The fast samplers' (rows, V) buffers, one pair for the engine, reused by every step: a row's own step and,
+    def _workspace(self) -> Workspace:
+        """The samplers' (rows, V) buffers, one pair for the engine, reused by every step: a row's own step and,
         where samplers are stepped together, those passes over several rows (as many canvases as fit, up to
         `max_batch`) run one at a time."""
         if self._buffers is None:
-            V, device = self.model.config.vocab_size, self.model.device
-            canvases = self.max_batch if fast_sampler.one_pass_applies(self.model) else 1
-            rows = min(canvases * self.canvas_length, kernels.default_chunk_rows(V, device))
-            self._buffers = kernels.Workspace(rows, V, device)
+            self._buffers = new_workspace(self.model, self.max_batch)
         return self._buffers
 
     def _denoise_step(self, rows: list[Request]) -> None:
@@ -492,17 +484,18 @@ class Engine:
         alone computes (per row, or for the fast rows in one row-wise call), so no row's numbers depend on the
         others'."""
         model, device = self.model, self.model.device
-        inputs = [r.sampler.inputs() for r in rows]  # type: ignore[union-attr]
+        samplers = [r.sampler for r in rows if r.sampler is not None]  # all of them: the rows stepping
+        inputs = [s.inputs() for s in samplers]
         x = torch.cat([canvas for canvas, _, _ in inputs])
+        softs = [s.soft_embedding(sc) for s, (_, sc, _) in zip(samplers, inputs, strict=True)]
         soft = level = None
-        if any(s is not None for _, s, _ in inputs):  # the fast sampler hands over the soft embedding itself
+        if any(s is not None for s in softs):
             D = model.config.hidden_size
             zero = torch.zeros(1, self.canvas_length, D, dtype=model.dtype, device=device)  # = no signal, exactly
-            soft = torch.cat([zero if s is None else s if isinstance(r.sampler, FastSampler) else
-                              model.soft_embedding(s) for (_, s, _), r in zip(inputs, rows, strict=True)])
+            soft = torch.cat([zero if s is None else s for s in softs])
         if model.config.time_embedding:
             level = torch.cat([t for _, _, t in inputs])  # each row's own level (B,)
-        del inputs
+        del inputs, softs
         caches = RowCaches([self._view(r) for r in rows])
         prefix = sliding_prefix(model.config, rows[0].config)
         final = model.denoise_hidden(x, caches, soft=soft, sliding_prefix=prefix, t=level, impl=self.impl,
@@ -510,28 +503,29 @@ class Engine:
         del soft
         self._count("denoise_forwards")
         self._count("denoise_rows", len(rows))
+        together: dict[type, list[int]] = {}  # the rows whose samplers step together, by kind (one head pass each)
+        for i, s in enumerate(samplers):
+            if s.batchable(self.canvas_length):
+                together.setdefault(type(s), []).append(i)
+        for kind, group in together.items():
+            kind.step_together([samplers[i] for i in group], final[group])
+        stepped = {i for group in together.values() for i in group}
         going_on: list[tuple[Request, list[int]]] = []
-        together = [i for i, r in enumerate(rows)  # the fast rows' heads in one pass over the vocabulary
-                    if isinstance(r.sampler, FastSampler) and r.sampler.batchable(self.canvas_length)]
-        if together:
-            fast_sampler.step_together([rows[i].sampler for i in together], final[together])  # type: ignore[misc]
-        for i, r in enumerate(rows):
+        for i, (r, s) in enumerate(zip(rows, samplers, strict=True)):
             r.passes += 1
             try:
-                if isinstance(r.sampler, FastSampler):
-                    if i not in together:
-                        r.sampler.step(final[i:i + 1])
-                    finished = r.sampler.check()
+                if i in stepped:
+                    finished = s.finished()
                 elif r.constraint is not None:  # its grammar's work runs on a worker meanwhile
-                    self.grammar.submit(r, model.logits(final[i:i + 1]))
+                    self.grammar.submit(r, s.read(final[i:i + 1]))
                     continue
                 else:
-                    finished = r.sampler.step(model.logits(final[i:i + 1]))  # type: ignore[union-attr]
+                    finished = s.step(s.read(final[i:i + 1]))
             except ValueError as e:  # GenerationError: non-finite logits in this row
                 self._finish(r, "error", error=str(e))
                 continue
             if finished:
-                tokens = self._end_canvas(r, r.sampler.staged())  # type: ignore[union-attr]
+                tokens = self._end_canvas(r, s.staged())
                 if tokens is not None:
                     going_on.append((r, tokens))
         self._commit_canvases(going_on)
@@ -545,38 +539,34 @@ class Engine:
             self._count("commits")
             for (r, _), view in zip(going_on, views.rows, strict=True):
                 r.length = view.length
-                r.canvas += 1
                 self._start_canvas(r)
 
     def _end_canvas(self, r: Request, staged: StagedCanvas, scores: tuple[list, list] | None = None
                     ) -> list[int] | None:
-        """Emit a finished canvas (`scores`: its log-probabilities if a grammar step took them); end the request or
+        """Emit a finished canvas (`scores`: its log-probabilities if a grammar step took them), taken into the
+        request's output by the outer loop (`Sequences.end_canvas`: cut at EOS and the budget); end the request or
         return the tokens to commit before its next canvas."""
         if scores is None and r.logprobs is not None:
             scores = r.sampler.logprobs(staged.tokens, r.logprobs)  # type: ignore[union-attr]
         r.sampler = None
-        tokens = staged.tokens[0].tolist()
-        if r.seen is not None:
-            r.seen.add(staged.tokens)
-        cut = eos_index(tokens, r.config.eos_token_id)
-        room = r.max_new - r.emitted
-        out = tokens[:min(cut, room)]
+        index = r.out.canvas  # type: ignore[union-attr]
+        end = r.out.end_canvas(staged)  # type: ignore[union-attr]
+        out, eos = end.output[0], end.eos[0]  # eos: an EOS drawn within the budget (it counts as generated)
         r.emitted += len(out)
         if r.first_canvas_s is None:
             r.first_canvas_s = time.perf_counter() - r.submitted_at
         self._count("generated_tokens", len(out))
         logprobs, top = (None, None) if scores is None else (scores[0][0][:len(out)], scores[1][0][:len(out)])
-        self._emit(r, CanvasEvent(r.canvas, out, int(staged.steps[0]), time.perf_counter() - r.canvas_started_at,
+        self._emit(r, CanvasEvent(index, out, int(staged.steps[0]), time.perf_counter() - r.canvas_started_at,
                                   logprobs, top))
-        eos = cut < len(tokens) and cut < room  # an EOS drawn within the budget (it counts as generated)
         if r.constraint is not None and r.constraint.failed[0] is not None:  # the grammar gave up or ran out of
             self._finish(r, "length", error=r.constraint.failed[0])  # time: an honest incomplete answer
         elif eos or (r.constraint is not None and r.constraint.complete()[0]):  # or the grammar's sentence is complete
             self._finish(r, "stop", eos=eos)
-        elif r.emitted >= r.max_new:
+        elif bool(end.ended[0]):  # its budget is spent
             self._finish(r, "length")
         elif not r.cancelled:
-            return tokens
+            return end.tokens[0].tolist()
         return None
 
     def _on_step(self, r: Request, info: StepInfo) -> None:

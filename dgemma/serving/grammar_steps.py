@@ -23,17 +23,19 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def _step(sampler: Any, constraint: Any, logits: Any, rid: int, logprobs: int | None) -> Any:
-    """One sampler step (on a worker). If it finished the canvas: (the staged canvas, its `sampler.logprobs` with
-    `logprobs` alternatives or None), the grammar then advanced over it (the log-probabilities read the masks from
-    the state before it); else None."""
+def _step(sampler: Any, out: Any, logits: Any, rid: int, logprobs: int | None) -> Any:
+    """One sampler step (on a worker; dgemma/sampling/sampler.py:Sampler). If it finished the canvas: (the staged
+    canvas, its `sampler.logprobs` with `logprobs` alternatives or None), the grammar then advanced over it by the
+    request's outer loop (`out`, dgemma/sampling/sequence.py:Sequences; the log-probabilities read the masks from the
+    state before it); else None."""
+    constraint = out.grammar
     failed = constraint.failed[0]
     try:
         if not sampler.step(logits):
             return None
         staged = sampler.staged()
         scores = None if logprobs is None else sampler.logprobs(staged.tokens, logprobs)
-        constraint.commit(staged.tokens, marks=staged.grammar)
+        out.advance_grammar(staged)
         return staged, scores
     finally:
         if failed is None and constraint.failed[0] not in (None, "cancelled"):
@@ -54,7 +56,7 @@ class GrammarSteps:
     def submit(self, r: Any, logits: Any) -> None:
         """Run request `r`'s sampler step on `logits` on a worker, under the step budget and its cancel flag."""
         r.constraint.step_seconds, r.constraint.cancelled = self.step_seconds, r._cancelled.is_set
-        future = self._pool.submit(_step, r.sampler, r.constraint, logits, r.id, r.logprobs)
+        future = self._pool.submit(_step, r.sampler, r.out, logits, r.id, r.logprobs)
         self._running[r.id] = (r, future)
         future.add_done_callback(lambda _: self._wake())
 

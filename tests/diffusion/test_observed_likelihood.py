@@ -14,11 +14,12 @@ import torch
 import dgemma
 from dgemma.diffusion.likelihood import clean_context_posterior, posterior_logits
 from dgemma.diffusion.noise import MAX_BOOST, alpha, observation_boost, observation_levels, observe
-from dgemma.model import kernels
 from dgemma.model.config import ConfigError, ModelConfig
-from dgemma.sampling import rules
-from dgemma.sampling.generate import denoise_canvas, generate
+from dgemma.model.kernels import logits_into
+from dgemma.sampling import kernels, rules
+from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig
+from dgemma.sampling.sampler import denoise_canvas
 from tests.eval import test_evaluate
 from tests.helpers import random_ids
 
@@ -106,7 +107,7 @@ def test_the_fast_kernel_adds_the_observation_before_tempering():
     final, weight = torch.randn(B, L, D, generator=g), torch.randn(V, D, generator=g)
     tokens = torch.randint(0, V, (B, L), generator=g)
     boost = observation_boost(torch.tensor([[0.1, 0.5, 1.0], [0.3, 0.0, 0.7]]), V)
-    head = lambda rows, out: kernels.logits_into(rows, weight, 30.0, out)
+    head = lambda rows, out: logits_into(rows, weight, 30.0, out)
     temp = torch.tensor(0.8)
     for chunk_rows in (None, 4):
         got = kernels.head_and_sample(final, head, temp, generator=torch.Generator().manual_seed(1),

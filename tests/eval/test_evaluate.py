@@ -33,8 +33,8 @@ from dgemma.eval.evaluate import run_info
 from dgemma.eval.judging import prompt_dependence, retokenize
 from dgemma.eval.viz import renoise_counts
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.sampling.generate import TRACE_FORMAT
 from dgemma.sampling.generation_config import GenerationConfig
+from dgemma.sampling.trace import TRACE_FORMAT
 from dgemma.train.nelbo import EvalError, estimate
 
 # --- an exactly solvable case: V = 3 tokens, canvases of 2, a known correlated data distribution --------------------

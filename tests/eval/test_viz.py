@@ -16,7 +16,7 @@ import torch
 import dgemma
 from dgemma.cli import main
 from dgemma.data.tokenizer import build_test_tokenizer
-from dgemma.sampling.generate import TRACE_FORMAT
+from dgemma.sampling.trace import TRACE_FORMAT
 
 pytest.importorskip("matplotlib", reason="dgemma[viz] not installed")
 from PIL import Image

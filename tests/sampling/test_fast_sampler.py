@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dgemma.model import kernels
 from dgemma.model.config import FULL, SLIDING, preset
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.sampling import fast_sampler
-from dgemma.sampling.generate import denoise_canvas, generate
+from dgemma.sampling import fast_sampler, kernels
+from dgemma.sampling.fast_sampler import FastSampler
+from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig
+from dgemma.sampling.sampler import denoise_canvas
 from dgemma.testing.hf import randomize_
 from tests.helpers import random_ids, random_model
 from tests.sampling.live_tensors import LiveVocabTensors
@@ -128,10 +129,10 @@ def test_fast_sampler_takes_the_reference_decisions(stop_rule, sync_every):
     ref_model, fast_model = _Scripted(script), _Scripted(script)
     want = denoise_canvas(ref_model, cache, config, generator=torch.Generator().manual_seed(0), finished=finished,
                           on_step=records["reference"].append)
-    got = fast_sampler.denoise_canvas(fast_model, cache, config, generator=torch.Generator().manual_seed(1),
-                                 finished=finished, on_step=records["fast"].append, sync_every=sync_every,
-                                 step=lambda x, soft, t: fast_model.next(),
-                                 head=lambda rows, out: rows.clone() if out is None else out.copy_(rows))
+    got = denoise_canvas(fast_model, cache, config, loop="sync-free", generator=torch.Generator().manual_seed(1),
+                         finished=finished, on_step=records["fast"].append, sync_every=sync_every,
+                         step=lambda x, soft, t: fast_model.next(),
+                         head=lambda rows, out: rows.clone() if out is None else out.copy_(rows))
     ref, fast = records["reference"], records["fast"]
     assert len(ref) < N and len(fast) >= len(ref)  # every row stopped early; the fast loop may notice later
     for a, b in zip(ref, fast, strict=False):
@@ -174,8 +175,8 @@ def test_fast_sampler_tells_a_time_embedding_model_the_reference_levels(time_lev
         fast_model.levels.append(t)
         return fast_model.next()
 
-    fast_sampler.denoise_canvas(fast_model, cache, config, generator=torch.Generator().manual_seed(1), step=step,
-                                head=lambda rows, out: rows.clone() if out is None else out.copy_(rows))
+    denoise_canvas(fast_model, cache, config, loop="sync-free", generator=torch.Generator().manual_seed(1), step=step,
+                   head=lambda rows, out: rows.clone() if out is None else out.copy_(rows))
     ref, fast = ref_model.levels, fast_model.levels
     assert len(ref) == len(fast) > 2
     for k, (a, b) in enumerate(zip(ref, fast, strict=True)):
@@ -195,8 +196,8 @@ def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
     model.commit(random_ids(V, B, 11, seed=20), cache)
     rows = chunk_rows or B * L
     with LiveVocabTensors(V, {p.untyped_storage().data_ptr() for p in model.parameters()}) as mode:
-        fast_sampler.denoise_canvas(model, cache, GenerationConfig(max_denoising_steps=3), chunk_rows=chunk_rows,
-                               generator=torch.Generator().manual_seed(0))
+        denoise_canvas(model, cache, GenerationConfig(max_denoising_steps=3), loop="sync-free", chunk_rows=chunk_rows,
+                       generator=torch.Generator().manual_seed(0))
     assert mode.peak <= 2 * rows * V * 4, f"peak {mode.peak / (rows * V * 4):.2f} chunks"
 
 
@@ -265,8 +266,8 @@ def test_fast_loop_on_cuda_takes_the_reference_step_counts(sync_every):
     ref = generate(model, prompt, seed=0, **config)
     cache = model.new_cache(2, 11 + 16)
     model.commit(prompt, cache, impl="fast")
-    staged = fast_sampler.denoise_canvas(model, cache, GenerationConfig(**config), sync_every=sync_every,
-                                         generator=torch.Generator("cuda").manual_seed(0))
+    staged = denoise_canvas(model, cache, GenerationConfig(**config), loop="sync-free", sync_every=sync_every,
+                            generator=torch.Generator("cuda").manual_seed(0))
     assert staged.steps.tolist() == ref.steps_per_canvas[0]
 
 
@@ -314,7 +315,7 @@ def test_samplers_stepped_together_take_the_steps_they_take_alone(per_pass):
         assert all(s.batchable(L) for s in together)
         existing = {t.untyped_storage().data_ptr() for t in (workspace.logits, workspace.probs, *model.parameters())}
         with LiveVocabTensors(V, existing) as mode:
-            fast_sampler.step_together(together, final)
+            FastSampler.step_together(together, final)
         assert mode.peak == 0  # every pass in the shared workspace: no (rows, V) buffer of its own
         for a, b in zip(alone, together, strict=True):
             assert torch.equal(a.state.x, b.state.x) and torch.equal(a.state.argmax, b.state.argmax)

@@ -20,7 +20,10 @@ import torch
 from dgemma import ConfigError, DiffusionGemma, GenerationConfig, init_weights, preset
 from dgemma.model.kv_cache import KVCache
 from dgemma.sampling import rules as S
-from dgemma.sampling.generate import GenerationResult, StepInfo, Trace, denoise_canvas, generate
+from dgemma.sampling.canvas import StepInfo
+from dgemma.sampling.generate import GenerationResult, generate
+from dgemma.sampling.sampler import denoise_canvas
+from dgemma.sampling.trace import Trace
 from tests.helpers import random_ids
 from tests.sampling.live_tensors import LiveVocabTensors
 

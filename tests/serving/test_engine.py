@@ -282,7 +282,7 @@ def test_with_the_fast_kernels_fast_and_readable_rows_batch_together_and_stay_ba
             for i, c in enumerate(configs)]
     with Engine(model, max_batch=1, max_context=128, impl="fast") as engine:
         alone = [engine.complete(p, c, seed=s) for p, c, s in jobs]
-        kinds = [engine._fast(engine.submit(p, c, seed=s, on_event=lambda e: None)) for p, c, s in jobs]
+        kinds = [engine.submit(p, c, seed=s, on_event=lambda e: None).loop == "sync-free" for p, c, s in jobs]
     assert kinds == [True, False, False, True, True]
     with Engine(model, max_batch=5, max_context=128, impl="fast") as engine:
         crowd = run_concurrently(engine, jobs)
@@ -290,7 +290,7 @@ def test_with_the_fast_kernels_fast_and_readable_rows_batch_together_and_stay_ba
     assert [t for t, _ in crowd] == [t for t, _ in alone]
     with Engine(model, max_batch=5, max_context=128, impl="fast") as engine:  # logprobs: the fast sampler too
         request = engine.submit(*jobs[0][:2], seed=1, logprobs=2, on_event=lambda e: None)
-        assert engine._fast(request)
+        assert request.loop == "sync-free"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
