@@ -32,7 +32,7 @@ from dgemma.io import fsio
 from dgemma.io.console import Progress
 from dgemma.sampling.generate import check_trace_path, generate
 from dgemma.sampling.generation_config import offset_seed
-from dgemma.sampling.request_rules import resolve_generation_config
+from dgemma.sampling.request_rules import canvas_count, resolve_generation_config
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
 MAX_BATCH_PROMPTS = 4096  # prompts in one --batch-file batch (every prompt is a row of the same generate call)
@@ -131,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
     input_ids, mask = left_pad(rows, gcfg.pad_token_id or 0, model.device)
     streamer = Streamer(tok, gcfg.eos_token_id, gcfg.pad_token_id, len(rows), quiet=args.json)
     # Where the text does not show it live (redirected, --json), a terminal on stderr shows the canvases done.
-    canvases = Progress("generating", -(-kw.get("max_new_tokens", gcfg.max_new_tokens) // model.config.canvas_length),
-                        "canvases", enabled=sys.stderr.isatty() and not streamer.live)
+    total = canvas_count(kw.get("max_new_tokens", gcfg.max_new_tokens), model.config.canvas_length)
+    canvases = Progress("generating", total, "canvases", enabled=sys.stderr.isatty() and not streamer.live)
     t0 = time.perf_counter()
     try:
         result = generate(model, input_ids, attention_mask=mask, seed=args.seed, on_step=streamer.on_step,

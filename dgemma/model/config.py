@@ -48,6 +48,14 @@ def is_token_ids(v: Any) -> bool:
     return all(is_int(i) and i >= 0 for i in ids)
 
 
+def setting(help: str, default: Any, **meta: Any) -> Any:
+    """A config field that says what it is: its `help` (without the default, which whoever shows the field reads from
+    the dataclass) and `meta` (its `choices`, and the keys its config documents: GenerationConfig's say which flag,
+    request field and group it is). `dgemma`'s flags, the server's request fields and the trace summaries are built
+    from these, so a field is named once: where it is declared."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
 PARSE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)
 
 

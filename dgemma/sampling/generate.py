@@ -40,10 +40,12 @@ from dgemma.model.memory import check_memory
 from dgemma.sampling import fast_sampler, rules
 from dgemma.sampling.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.sampling.constraint import Constraint, ConstraintState
-from dgemma.sampling.generation_config import CHAINS, COMMITTING, GenerationConfig, GenerationError
+from dgemma.sampling.generation_config import CHAINS, COMMITTING, GenerationConfig, GenerationError, non_finite_logits
 from dgemma.sampling.request_rules import (
+    canvas_count,
     check_logit_bias,
     check_seed,
+    committed_length,
     eos_index,
     new_token_budget,
     resolve_generation_config,
@@ -199,7 +201,7 @@ class CanvasSampler:
                                  torch.zeros(B, V, device=model.device))
         self.seen = seen
         self.marks: Tensor | None = None  # with a constraint: what the grammar did at each committed position
-        self.untruncated: Tensor | None = None  # with a constraint and a truncation: the last step's logits before it
+        self.unfiltered: Tensor | None = None  # with a constraint and a filter: the last step's logits before it
         device = model.device
         self.config, self.generator, self.vocab_size, self.dtype = config, generator, V, model.dtype
         self.time_embedding = model.config.time_embedding
@@ -257,24 +259,24 @@ class CanvasSampler:
             levels = torch.tensor(n / N) if self.ancestral else \
                 observation_levels(rules.canvas_level(state.clean), state.carried)
             observe(logits, state.x, levels, inplace=True)
-        if config.penalizes:  # the sampling controls (rules.penalize, truncate): none at their neutral values
+        if config.penalizes:  # the sampling controls (rules.penalize, filter_tokens): none at their neutral values
             rules.penalize(logits, config, self.seen, state.x, state.carried)
         # Keep only the stopped rows of the previous logits (they ride along on them); free the rest now.
         sc_done = sc[was_done] if sc is not None and bool(was_done.any()) else None
         self.sc = sc = None
         temp = rules.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
-        # under a grammar, the tempered logits before the truncation: where it cut every token the grammar allows
-        self.untruncated = z.clone() if config.truncates and self.constraint is not None else None
-        if config.truncates:
-            rules.truncate(z, config)
+        # under a grammar, the tempered logits before the filter: where it cut every token the grammar allows
+        self.unfiltered = z.clone() if config.filters_tokens and self.constraint is not None else None
+        if config.filters_tokens:
+            rules.filter_tokens(z, config)
         constrained = new_draw = confidence = None
         if self.constraint is not None and not self.ancestral:  # left to right under the grammar's masks
             # (dgemma/sampling/constraint.py): the draw, the grammar's argmax, the entropy of what it allows and what
             # the grammar did at each position. Entropy-bound reads all four; Lite and the committing samplers draw
             # their proposals so and read the posterior as it is (their committed canvas is projected: `staged`)
             rows = (active & ~was_done).nonzero().flatten().tolist()
-            new_draw, greedy, masked_entropy, marks = self.constraint.draw(z, generator, rows, self.untruncated)
+            new_draw, greedy, masked_entropy, marks = self.constraint.draw(z, generator, rows, self.unfiltered)
             self.marks = marks if sc_done is None else torch.where(was_done[:, None], self.marks, marks)
             if not (lite or self.committing):
                 constrained = greedy, masked_entropy
@@ -338,9 +340,9 @@ class CanvasSampler:
     def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
         """`rules.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`); with a
         grammar, the masked distribution each token was drawn from (the masks along `tokens`, from the parser's
-        committed state; where a truncation cut every allowed token, the untruncated logits', as the draw)."""
+        committed state; where the filter cut every allowed token, the unfiltered logits', as the draw)."""
         z = self.sc if self.constraint is None else \
-            self.constraint.masked_logits(tokens, self.sc, self.untruncated)
+            self.constraint.masked_logits(tokens, self.sc, self.unfiltered)
         return rules.token_logprobs(z, tokens, top)
 
     def staged(self) -> StagedCanvas:
@@ -354,7 +356,7 @@ class CanvasSampler:
             if self.config.sampler != "entropy-bound" or self.config.commit_rule == "sample":
                 rows = (~self.state.finished).nonzero().flatten().tolist()
                 staged.tokens, self.marks = self.constraint.project(staged.tokens, self.sc.float(), rows,
-                                                                    self.untruncated)
+                                                                    self.unfiltered)
             staged.grammar = self.marks
         return staged
 
@@ -365,8 +367,7 @@ def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:
     finite = torch.isfinite(logits.sum(-1))  # (B, L): NaN or inf anywhere in a row of V makes its sum non-finite
     if not bool(finite.all()):
         rows = (~finite).any(-1).nonzero().flatten().tolist()
-        raise GenerationError(f"non-finite logits at canvas {canvas_index}, step {step} (batch rows {rows[:8]}): the "
-                              "model's weights or activations hold NaN or inf (check the checkpoint; try float32)")
+        raise non_finite_logits(canvas_index, step, rows)
 
 
 def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: GenerationConfig | None = None,
@@ -427,7 +428,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     past = cache.length if cache is not None else 0
     cur_len = past + T
     max_new = new_token_budget(config, cur_len)
-    num_canvases = math.ceil(max_new / L)
+    num_canvases = canvas_count(max_new, L)
     end = cur_len + num_canvases * L
     if end > model.config.max_position_embeddings:
         raise ValueError(f"{cur_len} context tokens + {num_canvases} canvases of {L} = {end} positions exceed the "
@@ -440,13 +441,14 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
         check_token_ids(decoder_input_ids, model.config.vocab_size, "decoder_input_ids")
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(check_seed(seed))
-    new_slots = end - L - (cache.max_length if cache is not None else 0)
+    committed = committed_length(cur_len, max_new, L)
+    new_slots = committed - (cache.max_length if cache is not None else 0)
     check_memory(model.config, model.dtype, device, batch_size=B, cache_length=max(new_slots, 0), prompt_length=T,
                  force=force)
     if cache is None:
-        cache = model.new_cache(B, end - L)  # the last canvas is never committed
+        cache = model.new_cache(B, committed)
     else:
-        cache.ensure_capacity(end - L)
+        cache.ensure_capacity(committed)
 
     commit = around_commit or (lambda run: run())
     commit(lambda: model.commit(input_ids, cache, attention_mask=attention_mask, impl=impl))  # prefill
@@ -501,12 +503,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
             "format": TRACE_FORMAT, "batch_size": B, "prompt_length": T, "canvas_length": L,
             "num_canvases": len(steps_per_canvas),
             "steps_per_canvas": steps_per_canvas, "stop_reasons": stop_reasons,
-            "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.to_hf() | {
-                k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
-                                                "adaptive", "stability_steps", "posterior_rule",
-                                                "initial_self_conditioning", "time_level", "lite_commit",
-                                                "corrector_steps", "commit_threshold", "edit_threshold")}
-                                                | {"seed": seed},
+            "tokens_per_forward": tokens_per_forward.tolist(), "generation_config": config.summary() | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
                       "(S, B, L); mean_entropy, done, active, level (S, B); with a constraint, grammar (S, B, L): "
                       "0 free, 1 pinned (the only token the grammar allows), 2 closed (the budget's closer chose it)",

@@ -20,7 +20,7 @@ from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.model.config import ConfigError, is_int, is_real
 from dgemma.sampling.generation_config import MIN_TEMPERATURE, SEED_RANGE, GenerationConfig, is_seed, offset_seed
-from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem, request_passes
+from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_count, canvas_passes_problem, request_passes
 from dgemma.serving.choice import stop_strings
 from dgemma.serving.errors import APIError, as_list, short
 from dgemma.serving.formats import check_call_budget, response_constraint, tool_constraint, tools_of
@@ -387,7 +387,7 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
     if canvas_length is not None:
         work = request_passes(config, canvas_length, choices)
         if work > limits.max_request_steps:
-            canvases = -(-config.max_new_tokens // canvas_length)
+            canvases = canvas_count(config.max_new_tokens, canvas_length)
             # the corrector passes are named when they are what takes the request over the cap
             field = max_tokens_field if work // (1 + config.corrector_passes) > limits.max_request_steps \
                 else "corrector_steps"
