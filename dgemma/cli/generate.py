@@ -13,23 +13,19 @@ from typing import Any
 
 import torch
 
-from dgemma.cli.common import (
-    Streamer,
+from dgemma.cli.flags import (
     UsageError,
     add_constraint_args,
     add_model_args,
     add_runtime_args,
     add_sampler_args,
-    autoregressive,
-    chat_template,
     constraint_flag,
-    constraint_from,
-    load,
     overrides,
 )
+from dgemma.cli.loading import autoregressive, chat_template, constraint_from, load
 from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.io import fsio
-from dgemma.io.console import Progress
+from dgemma.io.console import Progress, Streamer
 from dgemma.sampling.generate import check_trace_path, generate
 from dgemma.sampling.generation_config import offset_seed
 from dgemma.sampling.request_rules import canvas_count, resolve_generation_config

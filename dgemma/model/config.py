@@ -3,7 +3,8 @@
 `ModelConfig.from_hf(config_json)` reads a Hugging Face `config.json` (a top-level `diffusion_gemma` config
 with a `text_config`, or a bare text config); `GenerationConfig.from_hf(generation_config_json)` reads
 `generation_config.json`. Both write the same layout back with `to_hf()`. Invalid values fail at
-construction with the field's name. Named presets live in `PRESETS`.
+construction with the field's name. Named presets live in `PRESETS`. What every config shares lives here too:
+`ConfigError`, the value checks, and `setting`, the field that carries its help (GenerationConfig, TrainConfig).
 """
 
 from __future__ import annotations

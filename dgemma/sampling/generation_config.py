@@ -84,11 +84,12 @@ LITE_COMMITS = ("scheduled", "seed")
 # defaults below without one. Every other field is dgemma's, never written to the file.
 CHECKPOINT_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
                    "stability_threshold", "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")
-# The groups of the command line's sampler flags (a field's `group`, "sampler" unless it says), and what each is
-GROUPS = {"sampler": "which sampler and its schedule (docs/sampling.md)",
-          "switches": "between the documented reference implementations (docs/sampling.md, \"Switches\")",
-          "controls": "sampling controls on every denoising step's draw, as OpenAI's and vLLM's fields mean them "
-                      "(docs/sampling.md, \"Sampling controls\"); their defaults are off"}
+# The groups of the command line's sampler flags by title (a field's `group`, "sampler" unless it says), and what
+# each holds; every flag overrides the checkpoint's generation_config.json for the run
+GROUPS = {"sampler": "the sampler and its schedule (docs/sampling.md)",
+          "reference switches": "between the documented reference implementations (docs/sampling.md, \"Switches\")",
+          "sampling controls": "on every denoising step's draw, as OpenAI's and vLLM's fields mean them "
+                               "(docs/sampling.md, \"Sampling controls\")"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +124,7 @@ class GenerationConfig:
     # "block-refinement" (diffusers: commit the positions above `commit_threshold` and at least ceil(L * k / N) after
     # step k; `edit_threshold` lets a committed token change) or "confidence" (Fast-dLLM: commit the positions above
     # `commit_threshold`, at least one a step).
-    sampler: str = setting("the sampler (entropy-bound: transformers')", "entropy-bound", choices=SAMPLERS)
+    sampler: str = setting("the sampler; entropy-bound is transformers'", "entropy-bound", choices=SAMPLERS)
     corrector_steps: int = setting("predictor-corrector: corrector passes after each ancestral step", 1, metavar="K")
     commit_threshold: float = setting("block-refinement, confidence: a drawn token at least this probable commits "
                                       "(diffusers' threshold)", 0.95, metavar="P")
@@ -133,26 +134,26 @@ class GenerationConfig:
     # dgemma's switches between the documented reference implementations (defaults = transformers), docs/sampling.md
     commit: str | None = setting("what a finished canvas commits: argmax (transformers, vLLM) or sample (the JAX "
                                  "reference's final canvas; for lite, seed 003's committed tokens, else the last "
-                                 "draw)", None, choices=(None, "argmax", "sample"), group="switches",
+                                 "draw)", None, choices=(None, "argmax", "sample"), group="reference switches",
                                  shown="sample for lite, the chains and the committing samplers, else argmax",
                                  traced_as="commit_rule")
     stop_rule: str = setting("hf: argmax stable over history and confident; jax: argmax equal to the input canvas "
-                             "and confident", "hf", choices=("hf", "jax"), group="switches")
+                             "and confident", "hf", choices=("hf", "jax"), group="reference switches")
     sliding_prefix: str = setting("committed tokens a canvas sees in sliding layers: hf sliding_window - 1, jax "
-                                  "sliding_window", "hf", choices=("hf", "jax"), group="switches")
+                                  "sliding_window", "hf", choices=("hf", "jax"), group="reference switches")
     truncate: bool = setting("cut the output to max_new_tokens (transformers keeps whole canvases)", False,
-                             flag=False, request=False)  # the server and the CLI cut at max_new_tokens anyway
+                             flag=False, request=False)  # generate()'s; the server cuts at max_tokens itself
     adaptive: bool = setting("lite: stop once the mean entropy stays under confidence_threshold for stability_steps "
-                             "steps", True, group="switches")
-    stability_steps: int = setting("lite: calm steps in a row before the adaptive stop", 2, group="switches")
+                             "steps", True, group="reference switches")
+    stability_steps: int = setting("lite: calm steps in a row before the adaptive stop", 2, group="reference switches")
     posterior: str | None = setting("which distribution entropy, confidence and the self-conditioning input read: "
                                     "tempered (logits / T, as transformers) or raw (the untempered posterior, seed "
                                     "003 section 4.2); the draw is always tempered", None,
-                                    choices=(None, "tempered", "raw"), group="switches",
+                                    choices=(None, "tempered", "raw"), group="reference switches",
                                     shown="raw for lite, else tempered", traced_as="posterior_rule")
     initial_self_conditioning: str = setting("the first step's self-conditioning input: zeros (transformers: the MLP "
                                              "adds nothing) or uniform (seed 000: the mean token embedding)", "zeros",
-                                             choices=("zeros", "uniform"), group="switches")
+                                             choices=("zeros", "uniform"), group="reference switches")
     # dgemma's own choices, measured in docs/sampling.md (transformers' models have no time embedding and no Lite)
     time_level: str = setting("noise level told to a time-embedding model (rules.time_level): canvas (what the "
                               "canvas holds), schedule (n/N, DiffusionGemma's original) or noise (always 1)",
@@ -162,21 +163,22 @@ class GenerationConfig:
                                choices=LITE_COMMITS)
     # Sampling controls on every step's draw (docs/sampling.md, "Sampling controls"); their neutral values (the
     # defaults) leave the transformers-identical path untouched. Not part of generation_config.json.
-    top_k: int = setting("keep each position's K most probable tokens (0: all)", 0, metavar="K", group="controls")
+    top_k: int = setting("keep each position's K most probable tokens (0: all)", 0, metavar="K",
+                         group="sampling controls")
     top_p: float = setting("keep the fewest most probable tokens of each position that reach probability P", 1.0,
-                           metavar="P", group="controls")
+                           metavar="P", group="sampling controls")
     min_p: float = setting("keep the tokens at least P times as probable as the position's most probable one", 0.0,
-                           metavar="P", group="controls")
+                           metavar="P", group="sampling controls")
     repetition_penalty: float = setting("> 1 makes tokens of the prompt and the output so far less likely (their "
                                         "logits divided, or multiplied when negative, by it)", 1.0,
-                                        group="controls")
+                                        group="sampling controls")
     presence_penalty: float = setting("subtracted from the logits of tokens the output holds ([-2, 2])", 0.0,
-                                      group="controls")
+                                      group="sampling controls")
     frequency_penalty: float = setting("subtracted once per occurrence in the output ([-2, 2])", 0.0,
-                                       group="controls")
-    logit_bias: tuple[tuple[int, float], ...] = setting("added to those tokens' logits ([-100, 100]); a dict is "
-                                                        "accepted", (), metavar="ID=BIAS[,ID=BIAS]",
-                                                        group="controls")
+                                       group="sampling controls")
+    logit_bias: tuple[tuple[int, float], ...] = setting("added to those tokens' logits ([-100, 100])", (),
+                                                        metavar="ID=BIAS[,ID=BIAS]", group="sampling controls",
+                                                        shown="none")  # (id, bias) pairs; a dict is accepted
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id

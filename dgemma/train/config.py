@@ -35,14 +35,14 @@ class TrainConfig:
     """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.
     `dgemma train` builds one flag per field."""
 
-    preset: str = setting("model preset (dgemma.model.config.PRESETS)", default=DEFAULT_PRESET)
+    preset: str = setting("model preset (dgemma.model.config.PRESETS)", default=DEFAULT_PRESET, metavar="PRESET")
     vocab_size: int | None = setting("override the preset's vocabulary size (default: the preset's)", default=None)
     canvas_length: int | None = setting("override the preset's canvas length L, the tokens denoised together "
                                         "(default: the preset's)", default=None)
     objective: str = setting("training objective (sft: chats, with init_from)", default="clean-context",
                              choices=(*OBJECTIVES, "sft"))
     init_from: str | None = setting("start from this checkpoint (HF layout, or a run) instead of random weights; its "
-                                    "geometry replaces the preset's", default=None)
+                                    "geometry replaces the preset's", default=None, metavar="DIR")
     lora_rank: int = setting("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
                              default=0)
     lora_alpha: float = setting("LoRA alpha: the update B A is scaled by alpha / rank", default=16.0)

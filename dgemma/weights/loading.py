@@ -1,7 +1,7 @@
 """The model loader of the library and of every subcommand: a checkpoint, a training run or a LoRA adapter (merged
 into its base), or a preset with random weights, optionally quantized (dgemma/weights/quantize.py) or with its experts
 offloaded (dgemma/weights/offload.py). `dgemma.load_model` and `dgemma.build_model` are these functions; the CLI calls
-them in one line (dgemma/cli/common.py:load), so what `--model`, `--preset --random-init`, `--quantize` and
+them in one line (dgemma/cli/loading.py:load), so what `--model`, `--preset --random-init`, `--quantize` and
 `--offload-experts` do is reachable from Python too."""
 
 from __future__ import annotations
