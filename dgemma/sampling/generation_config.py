@@ -1,5 +1,7 @@
 """Sampler settings: `GenerationConfig`, read from and written to transformers' `generation_config.json`, plus
-dgemma's switches between the documented reference samplers (docs/sampling.md), and `GenerationError`."""
+dgemma's switches between the documented reference samplers (docs/sampling.md), each field declared once with its
+help and where it goes (the command line's sampler flags, the server's request fields, a trace's summary are built
+from it); `GenerationError` and the messages every caller shares (a seed out of range, non-finite logits)."""
 
 from __future__ import annotations
 
