@@ -18,7 +18,7 @@ from dgemma.cli import inspect as inspect_cmd
 from dgemma.cli import serve as serve_cmd
 from dgemma.cli import train as train_cmd
 from dgemma.cli import viz as viz_cmd
-from dgemma.cli.common import Parser
+from dgemma.cli.flags import Parser
 from dgemma.train.distributed import should_print
 
 COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_cmd, export_cmd, eval_cmd, viz_cmd,

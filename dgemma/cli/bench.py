@@ -9,16 +9,16 @@ import shlex
 import sys
 from typing import Any
 
-from dgemma.cli.common import (
+from dgemma.cli.flags import (
     IMPL_HELP,
     MODEL_HELP,
     add_dtype_device_args,
     add_quantize_arg,
     add_threads_arg,
-    device_of,
     positive_int,
     seed,
 )
+from dgemma.cli.loading import device_of
 from dgemma.eval import bench
 from dgemma.model.attention import IMPLS
 

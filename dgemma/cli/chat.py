@@ -9,18 +9,9 @@ import argparse
 import sys
 from typing import Any
 
-from dgemma.cli.common import (
-    Streamer,
-    UsageError,
-    add_model_args,
-    add_runtime_args,
-    add_sampler_args,
-    chat_template,
-    load,
-    overrides,
-    positive_int,
-    refuse_autoregressive,
-)
+from dgemma.cli.flags import UsageError, add_model_args, add_runtime_args, add_sampler_args, overrides, positive_int
+from dgemma.cli.loading import chat_template, load, refuse_autoregressive
+from dgemma.io.console import Streamer
 from dgemma.serving.chat import ChatSession, ContextFullError
 
 

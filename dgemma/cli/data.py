@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import finite_float, positive_int, seed
+from dgemma.cli.flags import finite_float, positive_int, seed
 from dgemma.data import prepare
 from dgemma.data import shards as data
 

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import positive_float, positive_int, seed
+from dgemma.cli.flags import positive_float, positive_int, seed
 from dgemma.eval.demo import DEMO, run_demo
 
 

@@ -11,7 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from dgemma.cli.common import MODEL_HELP, add_runtime_args, finite_float, int_value, seed, set_threads, shown_path
+from dgemma.cli.flags import MODEL_HELP, add_runtime_args, finite_float, int_value, seed, shown_path
+from dgemma.cli.loading import set_threads
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import DTYPES
 from dgemma.io import dirkind, fsio
 from dgemma.model.config import ConfigError
 from dgemma.train.distributed import export
 from dgemma.weights import lora
 from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
-from dgemma.weights.loading import load_generation_config, load_model
+from dgemma.weights.loading import DTYPES, load_generation_config, load_model
 
 
 def register(subparsers: Any) -> None:

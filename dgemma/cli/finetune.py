@@ -11,7 +11,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import MODEL_HELP, add_config_args, positive_float, positive_int, run_training
+from dgemma.cli.flags import MODEL_HELP, add_config_args, positive_float, positive_int
+from dgemma.cli.train import run_training
 from dgemma.train.config import TrainConfig
 from dgemma.train.run_dir import read_record
 

@@ -13,26 +13,22 @@ from typing import Any
 
 import torch
 
-from dgemma.cli.common import (
-    Streamer,
+from dgemma.cli.flags import (
     UsageError,
     add_constraint_args,
     add_model_args,
     add_runtime_args,
     add_sampler_args,
-    autoregressive,
-    chat_template,
     constraint_flag,
-    constraint_from,
-    load,
     overrides,
 )
+from dgemma.cli.loading import autoregressive, chat_template, constraint_from, load
 from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.io import fsio
-from dgemma.io.console import Progress
+from dgemma.io.console import Progress, Streamer
 from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
-from dgemma.sampling.request_rules import resolve_generation_config
+from dgemma.sampling.request_rules import canvas_count, resolve_generation_config
 from dgemma.sampling.trace import check_trace_path
 
 MAX_BATCH_FILE_BYTES = 1 << 24  # 16 MiB of prompts: far more than one batch, far less than memory
@@ -131,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     input_ids, mask = left_pad(rows, gcfg.pad_token_id or 0, model.device)
     streamer = Streamer(tok, gcfg.eos_token_id, gcfg.pad_token_id, len(rows), quiet=args.json)
     # Where the text does not show it live (redirected, --json), a terminal on stderr shows the canvases done.
-    canvases = Progress("generating", -(-kw.get("max_new_tokens", gcfg.max_new_tokens) // model.config.canvas_length),
-                        "canvases", enabled=sys.stderr.isatty() and not streamer.live)
+    total = canvas_count(kw.get("max_new_tokens", gcfg.max_new_tokens), model.config.canvas_length)
+    canvases = Progress("generating", total, "canvases", enabled=sys.stderr.isatty() and not streamer.live)
     t0 = time.perf_counter()
     try:
         result = generate(model, input_ids, generation_config=gcfg, attention_mask=mask, seed=args.seed,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dgemma.cli.common import add_quantize_arg, nonnegative_int
+from dgemma.cli.flags import add_quantize_arg, nonnegative_int
 from dgemma.model import costs
 from dgemma.model.config import ModelConfig, preset, read_json
 from dgemma.model.costs import memory_needed

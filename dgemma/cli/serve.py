@@ -8,25 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import (
-    UsageError,
-    add_model_args,
-    add_runtime_args,
-    add_sampler_args,
-    chat_template,
-    device_of,
-    load,
-    overrides,
-    refuse_autoregressive,
-)
+from dgemma.cli.flags import UsageError, add_model_args, add_runtime_args, add_sampler_args, overrides
+from dgemma.cli.loading import chat_template, device_of, load, refuse_autoregressive
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.io.threads import usable_cores
-from dgemma.serving.api import (
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_MAX_DENOISING_STEPS,
-    DEFAULT_MAX_REQUEST_STEPS,
-)
+from dgemma.sampling.request_rules import MAX_CANVAS_PASSES
+from dgemma.serving.api import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_REQUEST_STEPS
 from dgemma.serving.grammar_steps import GRAMMAR_STEP_SECONDS
 from dgemma.serving.prefix_cache import DEFAULT_BLOCK_SIZE
 
@@ -71,9 +58,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body, else 413 (default 1 MiB)")
     p.add_argument("--max-n", type=int, default=8, metavar="N", help="the largest `n` a request may ask (default 8)")
-    p.add_argument("--limit-denoising-steps", type=int, default=DEFAULT_MAX_DENOISING_STEPS, metavar="N",
-                   help="the largest max_denoising_steps (per canvas) a request may ask "
-                        f"(default {DEFAULT_MAX_DENOISING_STEPS})")
+    p.add_argument("--limit-denoising-steps", type=int, default=MAX_CANVAS_PASSES, metavar="N",
+                   help="the most model passes one canvas of a request may cost: its max_denoising_steps, "
+                   f"times (1 + corrector_steps) for predictor-corrector (default {MAX_CANVAS_PASSES})")
     p.add_argument("--max-request-steps", type=int, default=DEFAULT_MAX_REQUEST_STEPS, metavar="N",
                    help="the most denoising steps one request may run: choices x canvases x steps per canvas "
                         f"(default {DEFAULT_MAX_REQUEST_STEPS})")
@@ -133,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                     prefix_block=args.prefix_block, adapters=adapters,
                     grammar_step_seconds=args.grammar_step_seconds).start()
     try:
-        limits = Limits(max_n=args.max_n, max_denoising_steps=args.limit_denoising_steps,
+        limits = Limits(max_n=args.max_n, max_canvas_passes=args.limit_denoising_steps,
                         max_request_steps=args.max_request_steps)
         app = create_app(engine, tok, name, template=template, generation_config=config, api_key=args.api_key,
                          max_request_bytes=args.max_request_bytes, max_concurrency=args.max_concurrency,

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dgemma.cli.common import add_config_args, positive_float, positive_int, run_training
+from dgemma.cli.flags import add_config_args, positive_float, positive_int
+from dgemma.model.config import ConfigError
 from dgemma.train.config import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train_preset
 from dgemma.train.distributed import rescale_for_world
 from dgemma.train.run_dir import read_record
@@ -61,3 +62,34 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     return run_training(args, train_config, f"generate with: dgemma generate --model {args.out} --prompt ...")
+
+
+def run_training(args: argparse.Namespace, config_from_args: Any, next_step: str) -> int:
+    """What `dgemma train` and `dgemma finetune` do with their parsed flags: resolve the TrainConfig (every rank of a
+    torchrun job parses the same flags and files, so rank 0 alone shows what is wrong with them), run the trainer as
+    this rank of the job (or as the one process), and print where to go next."""
+    from dgemma.train.distributed import Dist, shared
+    from dgemma.train.loop import train
+
+    allow_new_data = getattr(args, "allow_new_data", False)
+    try:
+        cfg = config_from_args(args)
+        if args.print_config:
+            print(json.dumps(cfg.to_json(), indent=2))
+            return 0
+        if allow_new_data and not args.resume:
+            raise ConfigError("--allow-new-data goes with --resume")
+        dist = Dist.from_env(cfg.device)  # under torchrun: this rank of the job (the process group); else one process
+    except Exception as e:
+        shared(e)
+        raise
+    try:
+        with dist.peers_lost():
+            result = train(cfg, args.data, args.out, resume=args.resume, allow_new_data=allow_new_data,
+                           max_minutes=args.minutes, until_step=args.until_step, dist=dist)
+    finally:
+        dist.close()
+    val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+    if dist.is_main:
+        print(f"done: step {result.step}{val}; {next_step}")
+    return 0

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dgemma.cli.common import MODEL_HELP, UsageError, nonnegative_int, shown_path
+from dgemma.cli.flags import MODEL_HELP, UsageError, nonnegative_int, shown_path
 
 
 def register(sub: argparse._SubParsersAction) -> None:

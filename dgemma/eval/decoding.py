@@ -31,7 +31,7 @@ from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling import rules
 from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
-from dgemma.sampling.request_rules import eos_index
+from dgemma.sampling.request_rules import canvas_count, eos_index
 from dgemma.sampling.trace import Trace
 from dgemma.train.nelbo import ar_token_nll
 
@@ -118,7 +118,7 @@ def sampler_job(model: DiffusionGemma, config: GenerationConfig, *, seed: int = 
     untimed canvas: first calls pay for allocations and lazy initialisation."""
     L = model.config.canvas_length
     max_new = config.max_new_tokens
-    num_canvases = math.ceil(max_new / L)
+    num_canvases = canvas_count(max_new, L)
     run = DecodeRun(name, [], [], settings={"max_denoising_steps": config.max_denoising_steps,
                                             "entropy_bound": config.entropy_bound, "sampler": config.sampler,
                                             "max_new_tokens": max_new})
@@ -154,7 +154,7 @@ def ar_decode(model: DiffusionGemma, prompt: Tensor, config: GenerationConfig, *
               generator: torch.Generator | None = None, on_token: Callable[[int], None] | None = None) -> list[int]:
     """An autoregressive run's (objective 'ar') continuation of `prompt` (1-D ids) with the KV cache: commit the
     prompt, then per token read the next-token logits `commit` returns, apply `config`'s sampling controls (the
-    penalties and bias, then `temperature`, then top_k / top_p / min_p: rules.penalize and truncate, as the
+    penalties and bias, then `temperature`, then top_k / top_p / min_p: rules.penalize and filter_tokens, as the
     diffusion sampler's draw), sample and commit it, so that each new token costs one backbone pass over one token.
     Up to `config.max_new_tokens` tokens, the first of `config.eos_token_id` included; `on_token` sees each."""
     ids = prompt.to(model.device)[None]
@@ -168,8 +168,8 @@ def ar_decode(model: DiffusionGemma, prompt: Tensor, config: GenerationConfig, *
         if seen is not None:
             rules.penalize(z, config, seen, nothing, nothing.bool())
         z = z.double() / temperature
-        if config.truncates:
-            rules.truncate(z, config)
+        if config.filters_tokens:
+            rules.filter_tokens(z, config)
         tok = torch.multinomial(torch.softmax(z[:, 0], dim=-1), 1, generator=generator)  # (1, 1)
         out.append(int(tok))
         if on_token is not None:

@@ -3,7 +3,8 @@
 `ModelConfig.from_hf(config_json)` reads a Hugging Face `config.json` (a top-level `diffusion_gemma` config
 with a `text_config`, or a bare text config); `GenerationConfig.from_hf(generation_config_json)` reads
 `generation_config.json`. Both write the same layout back with `to_hf()`. Invalid values fail at
-construction with the field's name. Named presets live in `PRESETS`.
+construction with the field's name. Named presets live in `PRESETS`. What every config shares lives here too:
+`ConfigError`, the value checks, and `setting`, the field that carries its help (GenerationConfig, TrainConfig).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def is_token_ids(v: Any) -> bool:
     """None, an int >= 0, or a list/tuple of them."""
     ids = () if v is None else (v,) if not isinstance(v, (list, tuple)) else tuple(v)
     return all(is_int(i) and i >= 0 for i in ids)
+
+
+def setting(help: str, default: Any, **meta: Any) -> Any:
+    """A config field that says what it is: its `help` (without the default, which whoever shows the field reads from
+    the dataclass) and `meta` (its `choices`, and the keys its config documents: GenerationConfig's say which flag,
+    request field and group it is). `dgemma`'s flags, the server's request fields and the trace summaries are built
+    from these, so a field is named once: where it is declared."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
 PARSE_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError)

@@ -313,9 +313,9 @@ MASS_FLOOR = 1e-20  # below this masked share of p (float32 probabilities), the 
 
 def _allowed_logits(i: int, allowed: np.ndarray, z: np.ndarray, full: np.ndarray | None) -> np.ndarray:
     """Position i's logits (float64, (n,)) with the tokens the grammar forbids at -inf: from `z`, or where `z` holds
-    -inf at every allowed token (top_k/top_p/min_p cut them all), from `full`, the logits before the truncation (the
-    masked distribution of the untruncated logits); where that is -inf too, every allowed token alike. So the
-    grammar's draw and argmax are defined for every temperature, truncation and bias."""
+    -inf at every allowed token (top_k/top_p/min_p cut them all), from `full`, the logits before the filter (the
+    masked distribution of the unfiltered logits); where that is -inf too, every allowed token alike. So the
+    grammar's draw and argmax are defined for every temperature, filter and bias."""
     out = np.where(allowed, z[i].astype(np.float64), -np.inf)
     if np.isneginf(out.max()) and full is not None:
         out = np.where(allowed, full[i].astype(np.float64), -np.inf)
@@ -372,12 +372,12 @@ class ConstraintState:
         return started
 
     def draw(self, z: Tensor, generator: torch.Generator | None, rows: Sequence[int] | None = None,
-             untruncated: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             unfiltered: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For each row, left to right: position i drawn from softmax(z[b, i]) restricted to what the grammar allows
         after the tokens drawn before it, then the greedy canvas under the same rule. Returns the draw, the greedy
         canvas (B, L), the entropy of each position's masked distribution along the draw (B, L), and what the
         grammar did at each position of the greedy canvas (B, L) int8: FREE, PINNED or CLOSED. `z`: the tempered
-        logits (B, L, V), unchanged; `untruncated`: the same before top_k/top_p/min_p, read where the truncation cut
+        logits (B, L, V), unchanged; `unfiltered`: the same before top_k/top_p/min_p, read where the filter cut
         every token the grammar allows (`_allowed_logits`). The parser is left where it was.
 
         A row with a budget (`left`) is kept closable within it: a token after which the closer (`Closer.path`)
@@ -389,17 +389,17 @@ class ConstraintState:
         greedy, entropy = draw.clone(), torch.zeros(B, L, dtype=torch.float32, device=z.device)
         marks = torch.zeros(B, L, dtype=torch.int8, device=z.device)
         for b in self._going(range(B) if rows is None else rows):
-            full = None if untruncated is None else untruncated[b]
+            full = None if unfiltered is None else unfiltered[b]
             self._walk(b, z[b], generator, draw[b], entropy[b], None, full=full)
             self._walk(b, z[b], None, greedy[b], None, marks[b], full=full)
         self.seconds += time.perf_counter() - started
         return draw, greedy, entropy, marks
 
     def project(self, canvas: Tensor, z: Tensor, rows: Sequence[int] | None = None,
-                untruncated: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                unfiltered: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """A sampler's own canvas (B, L) made a valid continuation, left to right: each token is kept where the
         grammar allows it (and the budget's closer can still finish after it), else replaced by the grammar's argmax
-        of `z` (B, L, V) there (`untruncated`: as `draw`'s). Returns the canvas and what the grammar did (B, L), as
+        of `z` (B, L, V) there (`unfiltered`: as `draw`'s). Returns the canvas and what the grammar did (B, L), as
         `draw`'s greedy canvas; the parser is left where it was. The samplers that commit their own draws (Lite, the
         committing samplers, the chains) commit this."""
         started = self._begin()
@@ -407,7 +407,7 @@ class ConstraintState:
         marks = torch.zeros(canvas.shape, dtype=torch.int8, device=canvas.device)
         for b in self._going(range(canvas.shape[0]) if rows is None else rows):
             self._walk(b, z[b], None, out[b], None, marks[b], proposal=canvas[b].tolist(),
-                       full=None if untruncated is None else untruncated[b])
+                       full=None if unfiltered is None else unfiltered[b])
         self.seconds += time.perf_counter() - started
         return out, marks
 
@@ -420,7 +420,7 @@ class ConstraintState:
         The draw is exact for the masked distribution q = p / p(allowed) without a full masked softmax per position:
         the unmasked draw is kept when the grammar allows it, else the position is drawn from q by inverse CDF (the
         two together give q(t) = p(t) + (1 - p(allowed)) q(t)). Where p(allowed) is below MASS_FLOOR (temperature 0
-        puts all of p on one token; a bias or a truncation may leave the allowed tokens almost nothing), q is the
+        puts all of p on one token; a bias or a filter may leave the allowed tokens almost nothing), q is the
         softmax of the allowed tokens' logits (`_allowed_logits`), so the draw at temperature 0 is the allowed argmax.
         Likewise the greedy token is the unmasked argmax when allowed, else the argmax of `_allowed_logits`. Each row
         takes 2L uniforms, used or not, so the random stream does not depend on the grammar's answers."""
@@ -504,9 +504,9 @@ class ConstraintState:
                 marks[i] = mark
         m.rollback(taken)
 
-    def masked_logits(self, tokens: Tensor, z: Tensor, untruncated: Tensor | None = None) -> Tensor:
+    def masked_logits(self, tokens: Tensor, z: Tensor, unfiltered: Tensor | None = None) -> Tensor:
         """The logits (B, L, V) fp32 of the masked distributions a canvas `tokens` (B, L), from the rows' committed
-        state, was drawn from: at each position `_allowed_logits` of `z` (B, L, V) (`untruncated`: as `draw`'s), the
+        state, was drawn from: at each position `_allowed_logits` of `z` (B, L, V) (`unfiltered`: as `draw`'s), the
         rule the draw and the greedy canvas follow; `z` as it is once the grammar has stopped (or from a token it
         refuses on). The log-probabilities a server reports under a grammar. The parser is left where it was."""
         out = z.detach().float().cpu().clone()
@@ -514,7 +514,7 @@ class ConstraintState:
         n = min(V, self.constraint.tokenizer.vocab_size)
         for b in range(tokens.shape[0]):
             z_np = out[b, :, :n].numpy().copy()
-            full_np = None if untruncated is None else untruncated[b].detach().float().cpu()[:, :n].numpy()
+            full_np = None if unfiltered is None else unfiltered[b].detach().float().cpu()[:, :n].numpy()
             m, taken = self.matchers[b], 0
             for i, t in enumerate(tokens[b].tolist()):
                 if m.is_stopped():

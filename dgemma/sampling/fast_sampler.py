@@ -32,7 +32,7 @@ from dgemma.model.kv_cache import KVCache
 from dgemma.sampling import rules
 from dgemma.sampling.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.sampling.constraint import ConstraintState
-from dgemma.sampling.generation_config import GenerationConfig, GenerationError
+from dgemma.sampling.generation_config import GenerationConfig, GenerationError, non_finite_logits
 from dgemma.sampling.kernels import (
     Draw,
     StepDraws,
@@ -43,7 +43,7 @@ from dgemma.sampling.kernels import (
 )
 
 IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
-# the sampling controls (rules.penalize, truncate), implemented by the readable loop only: at their neutral values
+# the sampling controls (rules.penalize, filter_tokens), implemented by the readable loop only: at their neutral values
 CONTROLS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
@@ -281,9 +281,7 @@ class FastSampler:
         """The host read: GenerationError if a step so far had non-finite logits; whether the canvas is finished
         (every row stopped, or no step left)."""
         if not bool(self.finite):
-            raise GenerationError(f"non-finite logits at canvas {self.state.canvas_index}, step {int(self.first_bad)}: "
-                                  "the model's weights or activations hold NaN or inf (check the checkpoint; try "
-                                  "float32)")
+            raise non_finite_logits(self.state.canvas_index, int(self.first_bad))
         return self.remaining == 0 or self.state.all_done()
 
     def staged(self) -> StagedCanvas:

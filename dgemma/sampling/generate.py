@@ -17,7 +17,6 @@ choose between dgemma's measured rules and seed 003's.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +33,10 @@ from dgemma.sampling.canvas import StepInfo
 from dgemma.sampling.constraint import Constraint
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
 from dgemma.sampling.request_rules import (
+    canvas_count,
     check_logit_bias,
     check_seed,
+    committed_length,
     eos_index,
     new_token_budget,
     resolve_generation_config,
@@ -123,7 +124,7 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
     past = cache.length if cache is not None else 0
     cur_len = past + T
     max_new = new_token_budget(config, cur_len)
-    num_canvases = math.ceil(max_new / L)
+    num_canvases = canvas_count(max_new, L)
     end = cur_len + num_canvases * L
     if end > model.config.max_position_embeddings:
         raise ValueError(f"{cur_len} context tokens + {num_canvases} canvases of {L} = {end} positions exceed the "
@@ -136,13 +137,14 @@ def generate(model: DiffusionGemma, input_ids: Tensor, *, generation_config: Gen
         check_token_ids(decoder_input_ids, model.config.vocab_size, "decoder_input_ids")
     if generator is None and seed is not None:
         generator = torch.Generator(device=device).manual_seed(check_seed(seed))
-    new_slots = end - L - (cache.max_length if cache is not None else 0)
+    committed = committed_length(cur_len, max_new, L)
+    new_slots = committed - (cache.max_length if cache is not None else 0)
     check_memory(model.config, model.dtype, device, batch_size=B, cache_length=max(new_slots, 0), prompt_length=T,
                  force=force)
     if cache is None:
-        cache = model.new_cache(B, end - L)  # the last canvas is never committed
+        cache = model.new_cache(B, committed)
     else:
-        cache.ensure_capacity(end - L)
+        cache.ensure_capacity(committed)
 
     commit = around_commit or (lambda run: run())
     commit(lambda: model.commit(input_ids, cache, attention_mask=attention_mask, impl=impl))  # prefill

@@ -1,5 +1,7 @@
 """Sampler settings: `GenerationConfig`, read from and written to transformers' `generation_config.json`, plus
-dgemma's switches between the documented reference samplers (docs/sampling.md), and `GenerationError`."""
+dgemma's switches between the documented reference samplers (docs/sampling.md), each field declared once with its
+help and where it goes (the command line's sampler flags, the server's request fields, a trace's summary are built
+from it); `GenerationError` and the messages every caller shares (a seed out of range, non-finite logits)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dgemma.model.config import ConfigError, ModelConfig, is_int, is_real, is_token_ids, parse_json_object, require
+from dgemma.model.config import (
+    ConfigError,
+    ModelConfig,
+    is_int,
+    is_real,
+    is_token_ids,
+    parse_json_object,
+    require,
+    setting,
+)
 
 MIN_TEMPERATURE = 1e-6  # below this, logits / T overflow float32 (softcapped logits reach 30)
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: a larger setting overflows to inf there
@@ -26,6 +37,14 @@ def is_seed(v: Any) -> bool:
     by every place that checks a seed (their messages say SEED_RANGE), so a seed is refused up front rather than
     silently drawing another seed's stream."""
     return is_int(v) and 0 <= v <= SEED_MAX
+
+
+def seed_problem(seed: Any, given: str | None = None) -> str | None:
+    """None for a seed dgemma accepts (`is_seed`), else what every seed error says after the seed's name: "must be
+    <SEED_RANGE>, got <the seed>" (`given`: the text the command line parsed it from)."""
+    if is_seed(seed):
+        return None
+    return f"must be {SEED_RANGE}, got {repr(seed) if given is None else repr(given)}"
 
 
 def offset_seed(seed: int, k: int) -> int:
@@ -50,66 +69,118 @@ class GenerationError(ValueError):
     message names the canvas and step, or the argument and its value."""
 
 
+def non_finite_logits(canvas_index: int, step: int, rows: list[int] | None = None) -> GenerationError:
+    """The error of NaN or inf logits at a denoising step (`rows`: the batch rows holding them, where known), which
+    every sampler loop raises before the draw: torch.multinomial would fail obscurely or a sampler pick token 0."""
+    where = f"canvas {canvas_index}, step {step}" + (f" (batch rows {rows[:8]})" if rows is not None else "")
+    return GenerationError(f"non-finite logits at {where}: the model's weights or activations hold NaN or inf (check "
+                           "the checkpoint; try float32)")
+
+
+SAMPLERS = ("entropy-bound", "lite", "ancestral", "predictor-corrector", "block-refinement", "confidence")
+CHAINS = ("ancestral", "predictor-corrector")  # samplers that run the reverse chain to s = 0, N steps a canvas
+COMMITTING = ("block-refinement", "confidence")  # samplers whose committed positions are final (unless edited)
+TIME_LEVELS = ("canvas", "schedule", "noise")
+LITE_COMMITS = ("scheduled", "seed")
+# The settings generation_config.json carries (entropy_bound under sampler_config): a checkpoint's own values, the
+# defaults below without one. Every other field is dgemma's, never written to the file.
+CHECKPOINT_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
+                   "stability_threshold", "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")
+# The groups of the command line's sampler flags by title (a field's `group`, "sampler" unless it says), and what
+# each holds; every flag overrides the checkpoint's generation_config.json for the run
+GROUPS = {"sampler": "the sampler and its schedule (docs/sampling.md)",
+          "reference switches": "between the documented reference implementations (docs/sampling.md, \"Switches\")",
+          "sampling controls": "on every denoising step's draw, as OpenAI's and vLLM's fields mean them "
+                               "(docs/sampling.md, \"Sampling controls\")"}
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationConfig:
     """Sampler settings, read from `generation_config.json` (`entropy_bound` sits under `sampler_config`).
-    Defaults are transformers' global defaults for DiffusionGemma."""
+    Defaults are transformers' global defaults for DiffusionGemma.
 
-    max_new_tokens: int = 256
-    max_length: int | None = None
-    max_denoising_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-    eos_token_id: tuple[int, ...] = ()
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    # dgemma's switches between the documented reference implementations (defaults = transformers). Not part of
-    # generation_config.json.
-    # "entropy-bound" (transformers), "lite" (seed 003: monotone commits), "ancestral" (the D3PM chain the NELBO
-    # bounds: each step draws x_{s - 1/N} from the model's reverse step), "predictor-corrector" (each ancestral step
-    # followed by `corrector_steps` forward-backward corrector passes), "block-refinement" (diffusers: commit the
-    # positions above `commit_threshold` and at least ceil(L * k / N) after step k; `edit_threshold` lets a committed
-    # token change) or "confidence" (Fast-dLLM: commit the positions above `commit_threshold`, at least one a step).
-    sampler: str = "entropy-bound"
-    corrector_steps: int = 1  # predictor-corrector: corrector passes after each ancestral step
-    commit_threshold: float = 0.95  # block-refinement, confidence: a drawn token this probable commits (diffusers')
-    edit_threshold: float | None = None  # block-refinement, confidence: a committed token changes to a new draw this
-    # probable (None: never; diffusers' editing_threshold)
-    # What a finished canvas commits: "argmax" (transformers, vLLM) or "sample" (the JAX reference's final canvas;
-    # for Lite, seed 003's committed tokens, else the last draw). None: "sample" for lite, "argmax" otherwise.
-    commit: str | None = None
-    stop_rule: str = "hf"  # "hf": argmax stable over history + confident; "jax": argmax == input canvas + confident
-    sliding_prefix: str = "hf"  # committed tokens a canvas sees in sliding layers: "hf" sw - 1, "jax" sw
-    truncate: bool = False  # cut the output to max_new_tokens (transformers keeps whole canvases)
-    adaptive: bool = True  # lite: stop once mean entropy < confidence_threshold for `stability_steps` steps
-    stability_steps: int = 2  # lite
-    # Which distribution entropy, confidence and the self-conditioning input read: "tempered" (logits / T, as
-    # transformers) or "raw" (the untempered posterior, seed 003 section 4.2); the draw is always tempered. None:
-    # "raw" for lite, "tempered" otherwise.
-    posterior: str | None = None
-    # The first step's self-conditioning input: "zeros" (transformers: the MLP sees 0 and adds nothing) or "uniform"
-    # (seed 000: the softmax of all-equal logits, i.e. the mean token embedding).
-    initial_self_conditioning: str = "zeros"
-    # dgemma's own choices, measured in docs/sampling.md (transformers' models have no time embedding and no Lite).
-    # The noise level a time-embedding model is told (sampling.time_level): "canvas" (the level consistent with the
-    # share of the input canvas carried over clean), "schedule" (the seed's n / N) or "noise" (always 1).
-    time_level: str = "canvas"
-    # Lite's commit rule (sampling.lite_commit): "scheduled" (the most confident of the seed's candidates, up to
-    # ceil(L * k / N) committed after step k) or "seed" (every candidate at once: seed 003).
-    lite_commit: str = "scheduled"
-    # Sampling controls on every step's draw (docs/sampling.md, "Sampling controls"), as OpenAI's and vLLM's fields
-    # mean them; their neutral values (the defaults) leave the transformers-identical path untouched. Not part of
-    # generation_config.json (transformers' DiffusionGemma sampler has none of them).
-    top_k: int = 0  # keep each position's k most probable tokens (0: all)
-    top_p: float = 1.0  # keep the smallest set of each position's most probable tokens reaching this probability
-    min_p: float = 0.0  # keep the tokens at least this share of the position's most probable token's probability
-    repetition_penalty: float = 1.0  # > 1: the logits of tokens in the prompt or the output so far, / (or x) it
-    presence_penalty: float = 0.0  # subtracted from the logits of tokens the output holds
-    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is accepted
+    Each field is declared once, with what the command line and the server say of it (model/config.py: `setting`):
+    its help, its `choices`, and in `metadata` where it goes. Every field is, unless it says otherwise, a flag of
+    `dgemma generate`, `chat` and `serve` (`flag=False`: none), a field a server request may set (`request=False`:
+    not one; `request_settings`), and a key of a trace's summary (`summary`); `group` places its flag in `--help`
+    (GROUPS), `metavar` names its value there and `shown` says its default in words."""
+
+    max_new_tokens: int = setting("tokens to generate", 256, metavar="N",
+                                  request=False)  # the server's requests name it as OpenAI does: max_tokens
+    max_length: int | None = setting("the most tokens of context and output together (transformers' rule: it "
+                                     "applies only while max_new_tokens is 256)", None, flag=False, request=False)
+    max_denoising_steps: int = setting("the most denoising steps per canvas; the sampler may stop earlier", 48,
+                                       metavar="N")
+    entropy_bound: float = setting("entropy budget of a denoising step", 0.1)
+    t_min: float = setting("final temperature", 0.4)
+    t_max: float = setting("initial temperature", 0.8)
+    stability_threshold: int = setting("stop rule: steps the argmax must stay unchanged before a canvas stops", 1,
+                                       metavar="N")
+    confidence_threshold: float = setting("stop rule: the mean entropy (nats) under which a canvas may stop", 0.005)
+    eos_token_id: tuple[int, ...] = setting("the tokens that end the output", (), flag=False, request=False)
+    pad_token_id: int | None = setting("the token after the end of a finished row", None, flag=False, request=False)
+    bos_token_id: int | None = setting("the token that begins a sequence", None, flag=False, request=False)
+    # The samplers (docs/sampling.md): "entropy-bound" (transformers), "lite" (seed 003: monotone commits),
+    # "ancestral" (the D3PM chain the NELBO bounds: each step draws x_{s - 1/N} from the model's reverse step),
+    # "predictor-corrector" (each ancestral step followed by `corrector_steps` forward-backward corrector passes),
+    # "block-refinement" (diffusers: commit the positions above `commit_threshold` and at least ceil(L * k / N) after
+    # step k; `edit_threshold` lets a committed token change) or "confidence" (Fast-dLLM: commit the positions above
+    # `commit_threshold`, at least one a step).
+    sampler: str = setting("the sampler; entropy-bound is transformers'", "entropy-bound", choices=SAMPLERS)
+    corrector_steps: int = setting("predictor-corrector: corrector passes after each ancestral step", 1, metavar="K")
+    commit_threshold: float = setting("block-refinement, confidence: a drawn token at least this probable commits "
+                                      "(diffusers' threshold)", 0.95, metavar="P")
+    edit_threshold: float | None = setting("block-refinement, confidence: a committed token changes to a new draw "
+                                           "this probable (diffusers' editing_threshold)", None, metavar="P",
+                                           shown="never")
+    # dgemma's switches between the documented reference implementations (defaults = transformers), docs/sampling.md
+    commit: str | None = setting("what a finished canvas commits: argmax (transformers, vLLM) or sample (the JAX "
+                                 "reference's final canvas; for lite, seed 003's committed tokens, else the last "
+                                 "draw)", None, choices=(None, "argmax", "sample"), group="reference switches",
+                                 shown="sample for lite, the chains and the committing samplers, else argmax",
+                                 traced_as="commit_rule")
+    stop_rule: str = setting("hf: argmax stable over history and confident; jax: argmax equal to the input canvas "
+                             "and confident", "hf", choices=("hf", "jax"), group="reference switches")
+    sliding_prefix: str = setting("committed tokens a canvas sees in sliding layers: hf sliding_window - 1, jax "
+                                  "sliding_window", "hf", choices=("hf", "jax"), group="reference switches")
+    truncate: bool = setting("cut the output to max_new_tokens (transformers keeps whole canvases)", False,
+                             flag=False, request=False)  # generate()'s; the server cuts at max_tokens itself
+    adaptive: bool = setting("lite: stop once the mean entropy stays under confidence_threshold for stability_steps "
+                             "steps", True, group="reference switches")
+    stability_steps: int = setting("lite: calm steps in a row before the adaptive stop", 2, group="reference switches")
+    posterior: str | None = setting("which distribution entropy, confidence and the self-conditioning input read: "
+                                    "tempered (logits / T, as transformers) or raw (the untempered posterior, seed "
+                                    "003 section 4.2); the draw is always tempered", None,
+                                    choices=(None, "tempered", "raw"), group="reference switches",
+                                    shown="raw for lite, else tempered", traced_as="posterior_rule")
+    initial_self_conditioning: str = setting("the first step's self-conditioning input: zeros (transformers: the MLP "
+                                             "adds nothing) or uniform (seed 000: the mean token embedding)", "zeros",
+                                             choices=("zeros", "uniform"), group="reference switches")
+    # dgemma's own choices, measured in docs/sampling.md (transformers' models have no time embedding and no Lite)
+    time_level: str = setting("noise level told to a time-embedding model (rules.time_level): canvas (what the "
+                              "canvas holds), schedule (n/N, DiffusionGemma's original) or noise (always 1)",
+                              "canvas", choices=TIME_LEVELS)
+    lite_commit: str = setting("Lite's commit rule (rules.lite_commit): scheduled (the most confident candidates, "
+                               "up to ceil(L * k / N) after step k) or seed (all at once, as seed 003)", "scheduled",
+                               choices=LITE_COMMITS)
+    # Sampling controls on every step's draw (docs/sampling.md, "Sampling controls"); their neutral values (the
+    # defaults) leave the transformers-identical path untouched. Not part of generation_config.json.
+    top_k: int = setting("keep each position's K most probable tokens (0: all)", 0, metavar="K",
+                         group="sampling controls")
+    top_p: float = setting("keep the fewest most probable tokens of each position that reach probability P", 1.0,
+                           metavar="P", group="sampling controls")
+    min_p: float = setting("keep the tokens at least P times as probable as the position's most probable one", 0.0,
+                           metavar="P", group="sampling controls")
+    repetition_penalty: float = setting("> 1 makes tokens of the prompt and the output so far less likely (their "
+                                        "logits divided, or multiplied when negative, by it)", 1.0,
+                                        group="sampling controls")
+    presence_penalty: float = setting("subtracted from the logits of tokens the output holds ([-2, 2])", 0.0,
+                                      group="sampling controls")
+    frequency_penalty: float = setting("subtracted once per occurrence in the output ([-2, 2])", 0.0,
+                                       group="sampling controls")
+    logit_bias: tuple[tuple[int, float], ...] = setting("added to those tokens' logits ([-100, 100])", (),
+                                                        metavar="ID=BIAS[,ID=BIAS]", group="sampling controls",
+                                                        shown="none")  # (id, bias) pairs; a dict is accepted
 
     def __post_init__(self) -> None:
         eos = self.eos_token_id
@@ -144,14 +215,11 @@ class GenerationConfig:
             require(v is None or (is_int(v) and v >= 0), name, f"must be an int >= 0 or None, got {v!r}")
         for name in ("truncate", "adaptive"):
             require(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
-        switches = (("sampler", SAMPLERS), ("commit", (None, "argmax", "sample")),
-                    ("stop_rule", ("hf", "jax")), ("sliding_prefix", ("hf", "jax")),
-                    ("posterior", (None, "tempered", "raw")),
-                    ("initial_self_conditioning", ("zeros", "uniform")), ("time_level", TIME_LEVELS),
-                    ("lite_commit", LITE_COMMITS))
-        for name, choices in switches:
-            v = getattr(self, name)
-            require(v in choices, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            v = getattr(self, f.name)
+            require(choices is None or v in choices, f.name,
+                    f"must be one of {', '.join(map(repr, choices or ()))}, got {v!r}")
         require(is_int(self.stability_steps) and self.stability_steps >= 1, "stability_steps",
                f"must be an int >= 1, got {self.stability_steps!r}")
         require(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an int >= 0 (0: off), got {self.top_k!r}")
@@ -172,8 +240,8 @@ class GenerationConfig:
                 or bool(self.logit_bias))
 
     @property
-    def truncates(self) -> bool:
-        """Whether top_k, top_p or min_p cuts the tempered distribution."""
+    def filters_tokens(self) -> bool:
+        """Whether top_k, top_p or min_p filters the tempered distribution (`rules.filter_tokens`)."""
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     @property
@@ -195,6 +263,22 @@ class GenerationConfig:
     def posterior_rule(self) -> str:
         """The resolved `posterior` switch."""
         return self.posterior or ("raw" if self.sampler == "lite" else "tempered")
+
+    @classmethod
+    def flags(cls) -> tuple[dataclasses.Field[Any], ...]:
+        """The fields with a command-line flag (`dgemma generate`, `chat`, `serve`), in declaration order."""
+        return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("flag", True))
+
+    @classmethod
+    def request_settings(cls) -> tuple[str, ...]:
+        """The fields a server request may set, by name (docs/serving.md): each checked as `replace` checks it."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("request", True))
+
+    def summary(self) -> dict[str, Any]:
+        """The settings a trace records: generation_config.json's (`to_hf`), then every other field, a switch left
+        to the sampler as the value it resolved to (`commit` as `commit_rule`, `posterior` as `posterior_rule`)."""
+        names = [f.metadata.get("traced_as", f.name) for f in dataclasses.fields(self) if f.name not in CHECKPOINT_KEYS]
+        return self.to_hf() | {name: getattr(self, name) for name in names}
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A copy with `changes`; unknown names raise a ConfigError listing the valid ones."""
@@ -235,7 +319,7 @@ class GenerationConfig:
     def _from_hf(cls, d: dict[str, Any], source: str) -> GenerationConfig:
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name in _HF_GENERATION_KEYS and d.get(f.name) is not None:
+            if f.name in CHECKPOINT_KEYS and f.name != "entropy_bound" and d.get(f.name) is not None:
                 kw[f.name] = d[f.name]
         sc = d.get("sampler_config")
         if sc is not None:
@@ -282,11 +366,3 @@ def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
             "logit_bias", f"must map token ids (ints >= 0) to biases in [-100, 100], got {v!r}")
     return tuple(sorted(dict(pairs).items()))  # type: ignore[arg-type]
 
-
-SAMPLERS = ("entropy-bound", "lite", "ancestral", "predictor-corrector", "block-refinement", "confidence")
-CHAINS = ("ancestral", "predictor-corrector")  # samplers that run the reverse chain to s = 0, N steps a canvas
-COMMITTING = ("block-refinement", "confidence")  # samplers whose committed positions are final (unless edited)
-TIME_LEVELS = ("canvas", "schedule", "noise")
-LITE_COMMITS = ("scheduled", "seed")
-_HF_GENERATION_KEYS = ("max_new_tokens", "max_length", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
-                       "confidence_threshold", "eos_token_id", "pad_token_id", "bos_token_id")

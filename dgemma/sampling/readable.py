@@ -3,7 +3,7 @@ expression, with every setting of `GenerationConfig` (every family, the sampling
 likelihood). It implements dgemma/sampling/sampler.py:Sampler; the fast sampler (dgemma/sampling/fast_sampler.py)
 takes the same decisions for the settings it implements. A step:
 
-    logits -> posterior z            observe, penalties, temperature, truncation (`_posterior`)
+    logits -> posterior z            observe, penalties, temperature, filter (`_posterior`)
     z -> draw, argmax, entropy       under a grammar, its masked draw (`_propose`)
     family.update -> next canvas     dgemma/sampling/families.py: accept / commit, renoise
     freeze the stopped rows, stop rule, bookkeeping (dgemma/sampling/canvas.py:CanvasState)
@@ -26,7 +26,7 @@ from dgemma.sampling import rules
 from dgemma.sampling.canvas import CanvasState, StagedCanvas, StepInfo
 from dgemma.sampling.constraint import ConstraintState
 from dgemma.sampling.families import Family, Step, family_for
-from dgemma.sampling.generation_config import GenerationConfig, GenerationError
+from dgemma.sampling.generation_config import GenerationConfig, non_finite_logits
 from dgemma.sampling.kernels import Workspace
 
 
@@ -52,7 +52,7 @@ class ReadableSampler:
         self.model, self.config, self.generator, self.vocab_size, self.dtype = model, config, generator, V, model.dtype
         self.constraint, self.seen = constraint, seen
         self.marks: Tensor | None = None  # with a constraint: what the grammar did at each committed position
-        self.untruncated: Tensor | None = None  # with a constraint and a truncation: the last step's logits before it
+        self.unfiltered: Tensor | None = None  # with a constraint and a filter: the last step's logits before it
         self.time_embedding = model.config.time_embedding
         self.observed = model.config.observed_likelihood
         self.state = CanvasState.start((B, L), V, device, config, generator=generator, canvas=canvas,
@@ -139,9 +139,9 @@ class ReadableSampler:
     def logprobs(self, tokens: Tensor, top: int = 0) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
         """`rules.token_logprobs` of `tokens` (B, L) under the posterior the last step read (after `step`); with a
         grammar, the masked distribution each token was drawn from (the masks along `tokens`, from the parser's
-        committed state; where a truncation cut every allowed token, the untruncated logits', as the draw)."""
+        committed state; where the filter cut every allowed token, the unfiltered logits', as the draw)."""
         z = self.sc if self.constraint is None else \
-            self.constraint.masked_logits(tokens, self.sc, self.untruncated)
+            self.constraint.masked_logits(tokens, self.sc, self.unfiltered)
         return rules.token_logprobs(z, tokens, top)
 
     def staged(self) -> StagedCanvas:
@@ -155,7 +155,7 @@ class ReadableSampler:
             if not self.family.grammar_decides or self.config.commit_rule == "sample":
                 rows = (~self.state.finished).nonzero().flatten().tolist()
                 staged.tokens, self.marks = self.constraint.project(staged.tokens, self.sc.float(), rows,
-                                                                    self.untruncated)
+                                                                    self.unfiltered)
             staged.grammar = self.marks
         return staged
 
@@ -163,7 +163,7 @@ class ReadableSampler:
 
     def _posterior(self, logits: Tensor, n: int) -> tuple[Tensor, Tensor]:
         """The tempered posterior z (in place on `logits`) and its temperature: the observation an observed-likelihood
-        model takes in, the penalties, the temperature, the truncation. Frees the previous step's logits."""
+        model takes in, the penalties, the temperature, the filter. Frees the previous step's logits."""
         state, config, N = self.state, self.config, self.num_steps
         if self.observed:  # the posterior takes each position's observation in (diffusion/noise.py): a chain's canvas
             # is a forward-process draw at n / N; the others' carried positions are at the canvas level and their
@@ -171,15 +171,15 @@ class ReadableSampler:
             levels = torch.tensor(n / N) if self.family.chain else \
                 observation_levels(rules.canvas_level(state.clean), state.carried)
             observe(logits, state.x, levels, inplace=True)
-        if config.penalizes:  # the sampling controls (rules.penalize, truncate): none at their neutral values
+        if config.penalizes:  # the sampling controls (rules.penalize, filter_tokens): none at their neutral values
             rules.penalize(logits, config, self.seen, state.x, state.carried)
         self.sc = None
         temp = rules.temperature(n, N, config.t_min, config.t_max, logits.device)
         z = logits.div_(temp)  # the tempered logits; in place, so only `probs` is a second (B, L, V) fp32 tensor
-        # under a grammar, the tempered logits before the truncation: where it cut every token the grammar allows
-        self.untruncated = z.clone() if config.truncates and self.constraint is not None else None
-        if config.truncates:
-            rules.truncate(z, config)
+        # under a grammar, the tempered logits before the filter: where it cut every token the grammar allows
+        self.unfiltered = z.clone() if config.filters_tokens and self.constraint is not None else None
+        if config.filters_tokens:
+            rules.filter_tokens(z, config)
         return z, temp
 
     def _propose(self, z: Tensor, temp: Tensor, n: int, was_done: Tensor, active: Tensor
@@ -194,7 +194,7 @@ class ReadableSampler:
             # the grammar did at each position. Entropy-bound reads all four; the others draw their proposals so
             # and read the posterior as it is (their committed canvas is projected: `staged`)
             rows = (active & ~was_done).nonzero().flatten().tolist()
-            draw, greedy, masked_entropy, step_marks = self.constraint.draw(z, generator, rows, self.untruncated)
+            draw, greedy, masked_entropy, step_marks = self.constraint.draw(z, generator, rows, self.unfiltered)
             self.marks = torch.where(was_done[:, None], self.marks, step_marks) if bool(was_done.any()) else \
                 step_marks
             if family.grammar_decides:
@@ -218,5 +218,4 @@ def check_finite_logits(logits: Tensor, canvas_index: int, step: int) -> None:
     finite = torch.isfinite(logits.sum(-1))  # (B, L): NaN or inf anywhere in a row of V makes its sum non-finite
     if not bool(finite.all()):
         rows = (~finite).any(-1).nonzero().flatten().tolist()
-        raise GenerationError(f"non-finite logits at canvas {canvas_index}, step {step} (batch rows {rows[:8]}): the "
-                              "model's weights or activations hold NaN or inf (check the checkpoint; try float32)")
+        raise non_finite_logits(canvas_index, step, rows)

@@ -1,6 +1,7 @@
-"""The rules of one generation request, in one place: which settings apply, how many new tokens it may make, which
-seeds it accepts, what a sliding layer sees and where its output ends. `generate`, the serving engine, `dgemma chat`
-and the decode runs of `dgemma eval` call these functions, so that a request means the same thing wherever it runs."""
+"""The rules of one generation request, in one place: which settings apply, how many new tokens it may make, how
+many canvases it takes and what of them it leaves committed, which seeds it accepts, what a sliding layer sees and
+where its output ends. `generate`, the serving engine, `dgemma chat` and the decode runs of `dgemma eval` call these
+functions, so that a request means the same thing wherever it runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dgemma.model.config import ModelConfig
-from dgemma.sampling.generation_config import SEED_RANGE, GenerationConfig, GenerationError, is_seed
+from dgemma.sampling.generation_config import GenerationConfig, GenerationError, seed_problem
 
 TRANSFORMERS_MAX_NEW_TOKENS = 256  # transformers' default max_new_tokens: only at this value does max_length apply
 MAX_CANVAS_PASSES = 1024  # the default cap on one canvas's model passes (`dgemma serve --limit-denoising-steps`, and
@@ -36,10 +37,33 @@ def new_token_budget(config: GenerationConfig, context_length: int) -> int:
     return budget
 
 
+def canvas_count(new_tokens: int, canvas_length: int) -> int:
+    """The canvases `new_tokens` new tokens take: whole canvases, the last one denoised whole however few of its
+    tokens are asked for (20 new tokens on 16-token canvases take 2)."""
+    return -(-new_tokens // canvas_length)
+
+
+def committed_length(context_length: int, new_tokens: int, canvas_length: int) -> int:
+    """The tokens a request leaves in its KV cache: its context and every canvas but the last, which is never
+    committed (a canvas is committed when the next one starts; to continue, the last is fed again)."""
+    return context_length + (canvas_count(new_tokens, canvas_length) - 1) * canvas_length
+
+
+def new_token_room(context_length: int, cache_length: int, positions: int, canvas_length: int) -> int:
+    """The most new tokens (whole canvases) a request after `context_length` tokens may ask for, 0 when the context
+    does not fit: what it commits (`committed_length`) fits a cache of `cache_length` tokens, and all its canvases fit
+    the model's `positions`."""
+    L = canvas_length
+    if context_length > cache_length or context_length > positions:
+        return 0
+    return max(0, min((cache_length - context_length) // L * L + L, (positions - context_length) // L * L))
+
+
 def check_seed(seed: Any) -> int:
     """`seed` if it is one dgemma accepts (`generation_config.is_seed`), else GenerationError naming it."""
-    if not is_seed(seed):
-        raise GenerationError(f"seed must be {SEED_RANGE}, got {seed!r}")
+    problem = seed_problem(seed)
+    if problem is not None:
+        raise GenerationError(f"seed {problem}")
     return seed
 
 
@@ -86,7 +110,7 @@ def request_passes(config: GenerationConfig, canvas_length: int, choices: int = 
     """The most model passes a request may cost, the one count every cap on work uses: `choices` x its canvases (the
     new-token budget `max_new_tokens` over `canvas_length`, rounded up) x a canvas's passes (`config.max_passes`:
     max_denoising_steps, each with its corrector passes)."""
-    return choices * -(-config.max_new_tokens // canvas_length) * config.max_passes
+    return choices * canvas_count(config.max_new_tokens, canvas_length) * config.max_passes
 
 
 def canvas_passes_problem(config: GenerationConfig, cap: int, where: str) -> tuple[str, str] | None:

@@ -333,9 +333,9 @@ def penalize(logits: Tensor, config: GenerationConfig, seen: Seen, canvas: Tenso
         logits[..., ids] += bias
 
 
-def truncate(z: Tensor, config: GenerationConfig) -> None:
+def filter_tokens(z: Tensor, config: GenerationConfig) -> None:
     """top_k, top_p and min_p on one step's tempered logits (B, L, V), in place: the cut tokens become -inf, so the
-    draw, the argmax, the entropy and the next step's self-conditioning all read the truncated distribution (the
+    draw, the argmax, the entropy and the next step's self-conditioning all read the filtered distribution (the
     most probable token always stays). Ties at the k-th logit are kept, as transformers does."""
     V = z.shape[-1]
     if 0 < config.top_k < V:
@@ -360,7 +360,7 @@ def token_logprobs(z: Tensor, tokens: Tensor, top: int = 0
     """What committed tokens' log-probabilities are (the server's `logprobs`), per row: log softmax of the
     distribution the last denoising step read, `z` (B, L, V) (tempered, after the sampling controls; under a
     grammar, dgemma/sampling/constraint.py `ConstraintState.masked_logits`), at `tokens` (B, L), floored at
-    LOGPROB_FLOOR (a token the truncation cut: finite by construction, as JSON has no -inf); and the `top` most probable
+    LOGPROB_FLOOR (a token the filter cut: finite by construction, as JSON has no -inf); and the `top` most probable
     tokens there as (id, log-probability), leaving out those the distribution cannot draw (cut by top_k/top_p/min_p, or
     forbidden by a grammar), so a position may list fewer than `top`."""
     logp = torch.log_softmax(z.float(), dim=-1)

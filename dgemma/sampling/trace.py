@@ -37,12 +37,7 @@ class Trace:
             "format": TRACE_FORMAT, "batch_size": batch_size, "prompt_length": prompt_length,
             "canvas_length": canvas_length, "num_canvases": len(steps_per_canvas),
             "steps_per_canvas": steps_per_canvas, "stop_reasons": stop_reasons,
-            "tokens_per_forward": tokens_per_forward, "generation_config": config.to_hf() | {
-                k: getattr(config, k) for k in ("sampler", "commit_rule", "stop_rule", "sliding_prefix", "truncate",
-                                                "adaptive", "stability_steps", "posterior_rule",
-                                                "initial_self_conditioning", "time_level", "lite_commit",
-                                                "corrector_steps", "commit_threshold", "edit_threshold")}
-                                                | {"seed": seed},
+            "tokens_per_forward": tokens_per_forward, "generation_config": config.summary() | {"seed": seed},
             "arrays": "per step: canvas, step, temperature, seconds (S,); input_canvas, argmax, accepted, entropy "
                       "(S, B, L); mean_entropy, done, active, level (S, B); with a constraint, grammar (S, B, L): "
                       "0 free, 1 pinned (the only token the grammar allows), 2 closed (the budget's closer chose it)",

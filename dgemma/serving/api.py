@@ -3,7 +3,8 @@
 options and stop strings), or an `APIError` that names the field. docs/serving.md lists every rule.
 
 Every OpenAI field is used, mapped by a documented rule (`temperature` scales the sampler's temperature schedule),
-or refused unless it has its neutral value; dgemma's sampler settings are extra top-level fields, validated by
+or refused unless it has its neutral value; dgemma's sampler settings are extra top-level fields, those of
+`GenerationConfig.request_settings` (OpenAI's sampling fields among them, each the setting of its name), validated by
 `GenerationConfig.replace` exactly as `dgemma.generate`'s keywords are. Unknown fields are refused, never ignored.
 """
 
@@ -19,24 +20,16 @@ from typing import Any
 from dgemma.data.templates import ChatTemplate, ChatTemplateError, Convention
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.model.config import ConfigError, is_int, is_real
-from dgemma.sampling.generation_config import MIN_TEMPERATURE, SEED_RANGE, GenerationConfig, is_seed, offset_seed
-from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem, request_passes
+from dgemma.sampling.generation_config import MIN_TEMPERATURE, GenerationConfig, is_seed, offset_seed, seed_problem
+from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_count, canvas_passes_problem, request_passes
 from dgemma.serving.choice import stop_strings
-from dgemma.serving.errors import APIError, as_list, short
+from dgemma.serving.errors import APIError, as_list, model_not_found, short
 from dgemma.serving.formats import check_call_budget, response_constraint, tool_constraint, tools_of
 
 # Fields newer SDKs and frameworks send that change nothing a model computes: accepted, checked for their type, and
 # logged once per request as ignored (docs/serving.md)
 IGNORED = ("store", "metadata", "service_tier")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
-# dgemma's sampler settings a request may set (docs/sampling.md); the others (special tokens, max_length, truncate)
-# belong to the model or to the server.
-SAMPLER_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "sampler", "stability_threshold",
-                  "confidence_threshold", "commit", "stop_rule", "sliding_prefix", "posterior",
-                  "initial_self_conditioning", "adaptive", "stability_steps", "time_level", "lite_commit",
-                  "corrector_steps", "commit_threshold", "edit_threshold", "top_k", "min_p", "repetition_penalty")
-# OpenAI's sampling fields, each the GenerationConfig field of its name (the sampling controls, docs/sampling.md)
-OPENAI_CONTROLS = ("top_p", "presence_penalty", "frequency_penalty", "logit_bias")
 COMMON_FIELDS = ("model", "max_tokens", "stop", "seed", "n", "stream", "stream_options", "temperature", "top_p",
                  "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "user", *IGNORED)
 # OpenAI chat fields dgemma has nothing for: accepted at their neutral value (null, or the one listed), else a 400
@@ -63,7 +56,6 @@ MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # the completions endpoint's logprobs, as OpenAI
 MAX_JSON_DEPTH = 64  # objects and lists nested in a request body (a tool's JSON schema needs a dozen)
 MAX_INT_DIGITS = 64  # digits of a JSON integer (a seed has at most 19; Python refuses to convert over 4,300)
-DEFAULT_MAX_DENOISING_STEPS = MAX_CANVAS_PASSES
 DEFAULT_MAX_REQUEST_STEPS = 65536
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a request's line and headers to arrive (nginx: client_header_timeout)
@@ -73,15 +65,16 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 @dataclass(frozen=True)
 class Limits:
     """The work one request may ask of the server (`dgemma serve --max-n --limit-denoising-steps
-    --max-request-steps`): `max_n` choices per prompt, `max_denoising_steps` per canvas, and `max_request_steps`
-    denoising steps in all (choices x canvases x steps per canvas, the most the engine could run for it)."""
+    --max-request-steps`): `max_n` choices per prompt, `max_canvas_passes` model passes per canvas (the cap on a
+    request's `max_denoising_steps`, corrector passes included), and `max_request_steps` denoising steps in all
+    (choices x canvases x steps per canvas, the most the engine could run for it)."""
 
     max_n: int = 8
-    max_denoising_steps: int = DEFAULT_MAX_DENOISING_STEPS
+    max_canvas_passes: int = MAX_CANVAS_PASSES
     max_request_steps: int = DEFAULT_MAX_REQUEST_STEPS
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_denoising_steps", "max_request_steps"):
+        for name in ("max_n", "max_canvas_passes", "max_request_steps"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -89,7 +82,7 @@ class Limits:
     def check_steps(self, config: GenerationConfig) -> None:
         """Refuse a config whose model passes a canvas (its steps, corrector passes included) are over the per-canvas
         cap (a request's, or the server's default config at start), naming the field."""
-        problem = canvas_passes_problem(config, self.max_denoising_steps, "on this server (--limit-denoising-steps)")
+        problem = canvas_passes_problem(config, self.max_canvas_passes, "on this server (--limit-denoising-steps)")
         if problem is not None:
             raise APIError(problem[1], param=problem[0])
 
@@ -211,7 +204,7 @@ def parse_chat_request(body: dict[str, Any], *, tokenizer: Tokenizer, template: 
                        canvas_length: int | None = None) -> GenerationRequest:
     """POST /v1/chat/completions: messages rendered with `template`. `limits` caps the work asked; the total
     (`max_request_steps`) is checked when `canvas_length` (the model's) is given."""
-    _check_fields(body, COMMON_FIELDS + CHAT_FIELDS)
+    _check_fields(body, COMMON_FIELDS + CHAT_FIELDS + base_config.request_settings())
     for name, (neutral, what) in CHAT_NEUTRAL.items():
         _neutral(body, name, neutral, what)
     tools = tools_of(body)
@@ -292,7 +285,7 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
                              model_name: str, limits: Limits = Limits(), canvas_length: int | None = None
                              ) -> GenerationRequest:
     """POST /v1/completions: a prompt string, strings, token ids or token-id lists (`limits` as for chat)."""
-    _check_fields(body, COMMON_FIELDS + COMPLETION_FIELDS)
+    _check_fields(body, COMMON_FIELDS + COMPLETION_FIELDS + base_config.request_settings())
     for name, neutral in (("best_of", (None, 1)), ("suffix", (None, ""))):
         _neutral(body, name, neutral)
     scoring = _scoring(body)
@@ -360,8 +353,7 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
              ) -> GenerationRequest:
     model = body.get("model")
     if model is not None and model != model_name:
-        raise APIError(f"model {model!r} does not exist; this server serves {model_name!r}", param="model",
-                       status=404, code="model_not_found")
+        raise model_not_found(model, (model_name,))
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError(f"user: must be a string, got {body['user']!r}", param="user")
     ignored = _ignored(body)
@@ -376,8 +368,9 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
     if choices > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={n} make {choices} choices; at most {MAX_CHOICES}", param="n")
     seed = body.get("seed")
-    if seed is not None and not is_seed(seed):
-        raise APIError(f"seed: must be {SEED_RANGE}, got {seed!r}", param="seed")
+    problem = None if seed is None else seed_problem(seed)
+    if problem is not None:
+        raise APIError(f"seed: {problem}", param="seed")
     stream = body.get("stream", False)
     if stream not in (None, True, False):
         raise APIError(f"stream: must be true or false, got {stream!r}", param="stream")
@@ -387,7 +380,7 @@ def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: Ge
     if canvas_length is not None:
         work = request_passes(config, canvas_length, choices)
         if work > limits.max_request_steps:
-            canvases = -(-config.max_new_tokens // canvas_length)
+            canvases = canvas_count(config.max_new_tokens, canvas_length)
             # the corrector passes are named when they are what takes the request over the cap
             field = max_tokens_field if work // (1 + config.corrector_passes) > limits.max_request_steps \
                 else "corrector_steps"
@@ -425,8 +418,8 @@ def _ignored(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _config(body: dict[str, Any], base: GenerationConfig, max_tokens_field: str) -> GenerationConfig:
-    """The request's GenerationConfig: the sampler fields, max_tokens, then temperature's scaling of the schedule."""
-    changes = {k: body[k] for k in (*SAMPLER_FIELDS, *OPENAI_CONTROLS) if body.get(k) is not None}
+    """The request's GenerationConfig: the sampler settings, max_tokens, then temperature's scaling of the schedule."""
+    changes = {k: body[k] for k in base.request_settings() if body.get(k) is not None}
     max_tokens = body.get(max_tokens_field)
     if max_tokens is not None:
         if not is_int(max_tokens) or max_tokens < 1:
@@ -462,15 +455,14 @@ def _replace(config: GenerationConfig, changes: dict[str, Any], max_tokens_field
     except (ConfigError, TypeError) as e:
         message = str(e)
         field = message.split(":", 1)[0]
-        param = max_tokens_field if field == "max_new_tokens" else \
-            field if field in (*SAMPLER_FIELDS, *OPENAI_CONTROLS) else None
+        param = max_tokens_field if field == "max_new_tokens" else field if field in config.request_settings() else None
         if field == "max_new_tokens":
             message = max_tokens_field + message[len(field):]
         raise APIError(message, param=param) from None
 
 
 def _check_fields(body: dict[str, Any], known: tuple[str, ...]) -> None:
-    allowed = set(known) | set(SAMPLER_FIELDS)
+    allowed = set(known)
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise APIError(f"unsupported field(s): {', '.join(unknown)} (supported: {', '.join(sorted(allowed))})",

@@ -53,7 +53,7 @@ from dgemma.serving.api import (
 )
 from dgemma.serving.choice import Choice
 from dgemma.serving.engine import CanvasEvent, DoneEvent, EngineError, QueueFullError, StepEvent
-from dgemma.serving.errors import APIError, error_body, rate_limited
+from dgemma.serving.errors import APIError, error_body, model_not_found, rate_limited
 from dgemma.serving.guards import (
     HostCheck,
     check_api_key,
@@ -150,8 +150,7 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         state.authorize(request)
         if model_id != model_name and model_id not in state.adapters:
-            raise APIError(f"model {model_id!r} does not exist; this server serves {state.served()}", param="model",
-                           status=404, code="model_not_found")
+            raise model_not_found(model_id, state.served())
         return state.model_card(model_id)
 
     @app.post("/v1/completions")
@@ -203,8 +202,9 @@ class _State:
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "dgemma"}
         return card if name == self.model_name else card | {"parent": self.model_name}
 
-    def served(self) -> str:
-        return ", ".join(repr(m) for m in (self.model_name, *self.adapters))
+    def served(self) -> tuple[str, ...]:
+        """The models this server serves, by name: the model itself, then its adapters."""
+        return (self.model_name, *self.adapters)
 
     def adapter_of(self, body: dict[str, Any]) -> str | None:
         """The adapter a request names in `model` (None: the model itself); 404 naming what is served for an
@@ -213,8 +213,7 @@ class _State:
         if model in self.adapters:
             return model
         if self.adapters and isinstance(model, str) and model != self.model_name:
-            raise APIError(f"model {model!r} does not exist; this server serves {self.served()}", param="model",
-                           status=404, code="model_not_found")
+            raise model_not_found(model, self.served())
         return None
 
     async def respond(self, request: Request, kind: str) -> Response:

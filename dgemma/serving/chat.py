@@ -18,7 +18,7 @@ from dgemma.data.templates import ChatTemplate
 from dgemma.data.tokenizer import Tokenizer, encode_template
 from dgemma.sampling.generate import GenerationResult, generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
-from dgemma.sampling.request_rules import eos_index, resolve_generation_config
+from dgemma.sampling.request_rules import canvas_count, eos_index, resolve_generation_config
 
 
 class ContextFullError(ValueError):
@@ -43,7 +43,9 @@ class ChatSession:
         L = model.config.canvas_length
         settings = {k: v for k, v in overrides.items() if k in GenerationConfig.__dataclass_fields__}
         max_new = resolve_generation_config(generation_config, settings).max_new_tokens
-        self.answer_room = -(-max_new // L) * L  # every canvas but the last is committed: whole canvases of room
+        # whole canvases of room: the answer's last canvas, which generate leaves uncommitted, is committed with the
+        # next turn
+        self.answer_room = canvas_count(max_new, L) * L
         self.cache = model.new_cache(batch_size=1, max_length=self.max_context)
         self.pending: list[int] | None = None  # None: no history; else the last answer's uncommitted canvas
         self.turn = 0

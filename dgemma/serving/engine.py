@@ -34,7 +34,6 @@ came from the cache or not (without it, a prompt is prefilled whole, exactly as 
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -53,10 +52,12 @@ from dgemma.sampling.constraint import Constraint, ConstraintState
 from dgemma.sampling.generation_config import SEED_MAX, GenerationConfig, GenerationError
 from dgemma.sampling.kernels import Workspace
 from dgemma.sampling.request_rules import (
+    canvas_count,
     check_logit_bias,
     check_prompt,
     check_seed,
     new_token_budget,
+    new_token_room,
     sliding_prefix,
 )
 from dgemma.sampling.rules import Seen
@@ -265,12 +266,9 @@ class Engine:
 
     def room(self, prompt_length: int) -> int:
         """The most new tokens a request of `prompt_length` may ask for (whole canvases; 0: the prompt does not
-        fit): every canvas but the last is committed within `max_context`, and all of them fit the model's
-        positions."""
-        L, positions = self.canvas_length, self.model.config.max_position_embeddings
-        if prompt_length > self.max_context or prompt_length > positions:
-            return 0
-        return max(0, min((self.max_context - prompt_length) // L * L + L, (positions - prompt_length) // L * L))
+        fit): what it commits fits a row of `max_context` tokens (`request_rules.new_token_room`)."""
+        return new_token_room(prompt_length, self.max_context, self.model.config.max_position_embeddings,
+                              self.canvas_length)
 
     def submit(self, prompt_ids: Sequence[int], config: GenerationConfig, *, seed: int | None = None,
                on_event: Callable[[Event], None], stream_steps: bool = False,
@@ -295,7 +293,7 @@ class Engine:
         room = self.room(len(prompt))
         if max_new > room:
             L = self.canvas_length
-            raise EngineError(f"{len(prompt)} prompt tokens + max_new_tokens={max_new} ({math.ceil(max_new / L)} "
+            raise EngineError(f"{len(prompt)} prompt tokens + max_new_tokens={max_new} ({canvas_count(max_new, L)} "
                               f"canvases of {L}) exceed the context of {self.max_context} tokens per request"
                               + (f"; at most {room} new tokens fit" if room > 0 else ""))
         with self._lock:

@@ -29,6 +29,13 @@ def rate_limited(message: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def model_not_found(model: Any, served: tuple[str, ...]) -> APIError:
+    """The 404 of a `model` the server does not serve, naming the models it does (the base model's name, then its
+    adapters')."""
+    return APIError(f"model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                    param="model", status=404, code="model_not_found")
+
+
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ import torch
 from dgemma.io.system import available_memory
 from dgemma.model import costs
 from dgemma.model.attention import IMPLS
-from dgemma.model.config import PRESETS, ConfigError, ModelConfig, read_json
+from dgemma.model.config import PRESETS, ConfigError, ModelConfig, read_json, setting
 from dgemma.sampling.generation_config import SEED_RANGE, is_seed
 from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, TIME
 from dgemma.train.distributed import PARALLEL
@@ -34,80 +34,75 @@ RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eva
 DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding", "observed_likelihood")
 
 
-def _opt(help: str, default: Any, **meta: Any) -> Any:
-    """A TrainConfig field with its --help text (and choices) for the command line."""
-    return field(default=default, metadata={"help": help, **meta})
-
-
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.
     `dgemma train` builds one flag per field."""
 
-    preset: str = _opt("model preset (dgemma.model.config.PRESETS)", default=DEFAULT_PRESET)
-    vocab_size: int | None = _opt("override the preset's vocabulary size (default: the preset's)", default=None)
-    canvas_length: int | None = _opt("override the preset's canvas length L, the tokens denoised together "
-                                     "(default: the preset's)", default=None)
-    objective: str = _opt("training objective (sft: chats, with init_from)", default="clean-context",
-                          choices=(*OBJECTIVES, "sft"))
-    init_from: str | None = _opt("start from this checkpoint (HF layout, or a run) instead of random weights; its "
-                                 "geometry replaces the preset's", default=None)
-    lora_rank: int = _opt("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
-                          default=0)
-    lora_alpha: float = _opt("LoRA alpha: the update B A is scaled by alpha / rank", default=16.0)
-    lora_targets: str = _opt("what LoRA adapts", default="attention", choices=tuple(lora.TARGETS))
-    seq_len: int = _opt("tokens per training window (a whole number of canvases)", default=128)
-    batch_size: int = _opt("windows per micro-batch", default=4)
-    grad_accum: int = _opt("micro-batches per optimizer step", default=1)
-    lr: float = _opt("peak learning rate", default=3e-3)
-    min_lr: float = _opt("learning rate at the end of the cosine", default=3e-4)
-    warmup_steps: int = _opt("linear warm-up steps", default=20)
-    max_steps: int = _opt("optimizer steps in the whole run", default=3000)
-    weight_decay: float = _opt("AdamW decoupled weight decay (matrices only)", default=0.1)
-    beta1: float = _opt("AdamW beta1", default=0.9)
-    beta2: float = _opt("AdamW beta2", default=0.95)
-    clip: float = _opt("gradient-norm clip (0: off)", default=1.0)
-    eval_every: int = _opt("steps between held-out evaluations", default=50)
-    eval_batches: int = _opt("held-out micro-batches per evaluation", default=4)
-    eval_nelbo_steps: int | None = _opt("T of the held-out NELBO logged at each evaluation of a diffusion run "
-                                        "(default: num_steps; 0: none); a continuous-time run logs the "
-                                        "continuous-time bound beside it", default=None)
-    eval_t_samples: int = _opt("stratified t samples per canvas of that NELBO", default=4)
-    save_every: int = _opt("steps between checkpoints", default=100)
-    keep_last: int = _opt("checkpoints kept (older ones are deleted)", default=2)
-    log_every: int = _opt("steps between console lines when stdout is not a terminal", default=10)
-    seed: int = _opt("seed of the initial weights, the data order and every noise draw", default=0)
-    num_steps: int = _opt("diffusion steps T of the noise schedule (discrete time), and of the discrete bound "
-                          "logged beside the continuous one", default=16)
-    diffusion_time: str = _opt("noise levels: discrete (t/T, t in 1..T, as DiffusionGemma) or continuous (anywhere in "
-                               "(0, 1], the T -> infinity chain, with a continuous-time bound)", default="discrete",
-                               choices=TIME)
-    t_sampling: str = _opt("noise levels of a micro-batch's canvases: independent draws, or a stratified "
-                           "(low-discrepancy) set", default="uniform", choices=T_SAMPLING)
-    loss_weighting: str = _opt("x0: plain cross-entropy of the x0 prediction at every level; elbo: each level "
-                               "weighted as in the NELBO (the bound `dgemma eval` reports)", default="x0",
-                               choices=LOSS_WEIGHTING)
-    time_embedding: bool | None = _opt("time conditioning: add an embedding of the canvas's noise level t/T to its "
-                                       "tokens (default: the preset's, or init_from's; on an init_from checkpoint "
-                                       "without it, its projection starts at zero; a dg checkpoint with it does not "
-                                       "load in transformers)", default=None)
-    observed_likelihood: bool | None = _opt("the posterior p(x0 | x_s) multiplies the network's prediction by the "
-                                            "likelihood q(x_s | x0) of each token's own observation (exact Bayes; "
-                                            "diffusion/noise.py), so a clean-looking token is near-certain at low "
-                                            "noise (default: the preset's, or init_from's; such a checkpoint does not "
-                                            "load in transformers)", default=None)
-    self_conditioning_prob: float = _opt("probability of the self-conditioning pre-pass", default=0.5)
-    ar_weight: float = _opt("weight of a next-token loss on the clean stream (clean-context)", default=0.0)
-    chunk_rows: int = _opt("rows of the (rows, V) logits alive at once in the loss", default=1024)
-    impl: str = _opt("attention implementation", default="fast", choices=IMPLS)
-    dtype: str = _opt("auto: bf16 autocast on CUDA, fp32 on CPU", default="auto",
-                      choices=("auto", "float32", "bfloat16"))
-    compile: bool = _opt("torch.compile each block (CUDA only; never on CPU)", default=True)
-    device: str = _opt("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
-    parallel: str = _opt("under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters, gradients and AdamW "
-                         "state sharded per block)", default="ddp", choices=PARALLEL)
-    activation_checkpointing: bool = _opt("recompute each block's activations in backward (less memory, about a "
-                                          "third more compute)", default=False)
+    preset: str = setting("model preset (dgemma.model.config.PRESETS)", default=DEFAULT_PRESET, metavar="PRESET")
+    vocab_size: int | None = setting("override the preset's vocabulary size (default: the preset's)", default=None)
+    canvas_length: int | None = setting("override the preset's canvas length L, the tokens denoised together "
+                                        "(default: the preset's)", default=None)
+    objective: str = setting("training objective (sft: chats, with init_from)", default="clean-context",
+                             choices=(*OBJECTIVES, "sft"))
+    init_from: str | None = setting("start from this checkpoint (HF layout, or a run) instead of random weights; its "
+                                    "geometry replaces the preset's", default=None, metavar="DIR")
+    lora_rank: int = setting("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
+                             default=0)
+    lora_alpha: float = setting("LoRA alpha: the update B A is scaled by alpha / rank", default=16.0)
+    lora_targets: str = setting("what LoRA adapts", default="attention", choices=tuple(lora.TARGETS))
+    seq_len: int = setting("tokens per training window (a whole number of canvases)", default=128)
+    batch_size: int = setting("windows per micro-batch", default=4)
+    grad_accum: int = setting("micro-batches per optimizer step", default=1)
+    lr: float = setting("peak learning rate", default=3e-3)
+    min_lr: float = setting("learning rate at the end of the cosine", default=3e-4)
+    warmup_steps: int = setting("linear warm-up steps", default=20)
+    max_steps: int = setting("optimizer steps in the whole run", default=3000)
+    weight_decay: float = setting("AdamW decoupled weight decay (matrices only)", default=0.1)
+    beta1: float = setting("AdamW beta1", default=0.9)
+    beta2: float = setting("AdamW beta2", default=0.95)
+    clip: float = setting("gradient-norm clip (0: off)", default=1.0)
+    eval_every: int = setting("steps between held-out evaluations", default=50)
+    eval_batches: int = setting("held-out micro-batches per evaluation", default=4)
+    eval_nelbo_steps: int | None = setting("T of the held-out NELBO logged at each evaluation of a diffusion run "
+                                           "(default: num_steps; 0: none); a continuous-time run logs the "
+                                           "continuous-time bound beside it", default=None)
+    eval_t_samples: int = setting("stratified t samples per canvas of that NELBO", default=4)
+    save_every: int = setting("steps between checkpoints", default=100)
+    keep_last: int = setting("checkpoints kept (older ones are deleted)", default=2)
+    log_every: int = setting("steps between console lines when stdout is not a terminal", default=10)
+    seed: int = setting("seed of the initial weights, the data order and every noise draw", default=0)
+    num_steps: int = setting("diffusion steps T of the noise schedule (discrete time), and of the discrete bound "
+                             "logged beside the continuous one", default=16)
+    diffusion_time: str = setting("noise levels: discrete (t/T, t in 1..T, as DiffusionGemma) or continuous "
+                                  "(anywhere in (0, 1], the T -> infinity chain, with a continuous-time bound)",
+                                  default="discrete", choices=TIME)
+    t_sampling: str = setting("noise levels of a micro-batch's canvases: independent draws, or a stratified "
+                              "(low-discrepancy) set", default="uniform", choices=T_SAMPLING)
+    loss_weighting: str = setting("x0: plain cross-entropy of the x0 prediction at every level; elbo: each level "
+                                  "weighted as in the NELBO (the bound `dgemma eval` reports)", default="x0",
+                                  choices=LOSS_WEIGHTING)
+    time_embedding: bool | None = setting("time conditioning: add an embedding of the canvas's noise level t/T to its "
+                                          "tokens (default: the preset's, or init_from's; on an init_from checkpoint "
+                                          "without it, its projection starts at zero; a dg checkpoint with it does not "
+                                          "load in transformers)", default=None)
+    observed_likelihood: bool | None = setting("the posterior p(x0 | x_s) multiplies the network's prediction by the "
+                                               "likelihood q(x_s | x0) of each token's own observation (exact Bayes; "
+                                               "diffusion/noise.py), so a clean-looking token is near-certain at low "
+                                               "noise (default: the preset's, or init_from's; such a checkpoint does "
+                                               "not load in transformers)", default=None)
+    self_conditioning_prob: float = setting("probability of the self-conditioning pre-pass", default=0.5)
+    ar_weight: float = setting("weight of a next-token loss on the clean stream (clean-context)", default=0.0)
+    chunk_rows: int = setting("rows of the (rows, V) logits alive at once in the loss", default=1024)
+    impl: str = setting("attention implementation", default="fast", choices=IMPLS)
+    dtype: str = setting("auto: bf16 autocast on CUDA, fp32 on CPU", default="auto",
+                         choices=("auto", "float32", "bfloat16"))
+    compile: bool = setting("torch.compile each block (CUDA only; never on CPU)", default=True)
+    device: str = setting("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
+    parallel: str = setting("under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters, gradients and AdamW "
+                            "state sharded per block)", default="ddp", choices=PARALLEL)
+    activation_checkpointing: bool = setting("recompute each block's activations in backward (less memory, about a "
+                                             "third more compute)", default=False)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:

@@ -2,7 +2,7 @@
 into its base), or a preset with random weights, optionally quantized (dgemma/weights/quantize.py) or with its experts
 offloaded (dgemma/weights/offload.py), and the generation settings that travel beside it (`load_generation_config`).
 `dgemma.load_model`, `dgemma.load_generation_config` and `dgemma.build_model` are these functions; the CLI calls
-them in one line (dgemma/cli/common.py:load), so what `--model`, `--preset --random-init`, `--quantize` and
+them in one line (dgemma/cli/loading.py:load), so what `--model`, `--preset --random-init`, `--quantize` and
 `--offload-experts` do is reachable from Python too."""
 
 from __future__ import annotations

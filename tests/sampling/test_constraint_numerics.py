@@ -1,6 +1,6 @@
 """The grammar's masked draw at every temperature, truncation and bias (dgemma/sampling/constraint.py `_walk`):
 temperature 0 draws the allowed argmax; where top_k/top_p/min_p cut every token the grammar allows, the draw is the
-masked distribution of the untruncated logits; through `generate` with both kernel sets, the serving engine and the
+masked distribution of the unfiltered logits; through `generate` with both kernel sets, the serving engine and the
 CLI."""
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def test_a_grammar_draws_under_greedy_truncated_and_biased_sampling(model, tok, 
         assert all(isinstance(_valid(tok, ids), dict) for ids in out.new_tokens()), name
 
 
-def test_greedy_is_the_allowed_argmax_and_a_total_cut_draws_from_the_untruncated_logits(tok):
+def test_greedy_is_the_allowed_argmax_and_a_total_cut_draws_from_the_unfiltered_logits(tok):
     """One position that allows a, b or c. At temperature 0 the draw is the allowed argmax (the unmasked argmax is
-    forbidden); where the truncation cut a, b and c, the draw follows softmax of their untruncated logits."""
+    forbidden); where the filter cut a, b and c, the draw follows softmax of their unfiltered logits."""
     ids = [_one(tok, w) for w in "abc"]
     state = Constraint.regex("a|b|c", tok, eos_token_id=EOS).start(1)
     z = torch.zeros(1, 1, 512)
@@ -84,13 +84,13 @@ def test_greedy_is_the_allowed_argmax_and_a_total_cut_draws_from_the_untruncated
     cut[0, 0, 7] = 9.0  # top_k 1: only the forbidden token is left
     counts = torch.zeros(3)
     for _ in range(2000):
-        draw, greedy, entropy, _ = state.draw(cut, g, untruncated=z)
+        draw, greedy, entropy, _ = state.draw(cut, g, unfiltered=z)
         counts[ids.index(int(draw[0, 0]))] += 1
     want = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
     assert torch.allclose(counts / counts.sum(), want, atol=0.04)
     assert int(greedy[0, 0]) == ids[2]
     assert float(entropy[0, 0]) == pytest.approx(float(-(want * want.log()).sum()), rel=1e-5)
-    out, _ = state.project(torch.tensor([[7]]), cut, untruncated=z)  # a proposal the grammar forbids
+    out, _ = state.project(torch.tensor([[7]]), cut, unfiltered=z)  # a proposal the grammar forbids
     assert int(out[0, 0]) == ids[2]
 
 

@@ -1,6 +1,6 @@
 """The sampling controls (GenerationConfig.top_k, top_p, min_p, repetition/presence/frequency penalties,
-logit_bias; dgemma/rules.py:penalize, truncate): each pinned to a per-position loop written from its definition,
-their neutral values leaving generation untouched, and their effect through `generate` and the server."""
+logit_bias; dgemma/sampling/rules.py:penalize, filter_tokens): each pinned to a per-position loop written from its
+definition, their neutral values leaving generation untouched, and their effect through `generate` and the server."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_truncation_is_its_definition(changes):
     z = torch.randn(2, 3, V, generator=g) * 2
     cfg = GenerationConfig(**changes)
     got = z.clone()
-    rules.truncate(got, cfg)
+    rules.filter_tokens(got, cfg)
     want = _reference_truncate(z, cfg)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got[~torch.isinf(got)], z[~torch.isinf(got)])  # what is kept is untouched

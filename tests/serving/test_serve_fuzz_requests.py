@@ -117,7 +117,7 @@ def server(tok_path):
                                                             max_new_tokens=16)
     with Engine(model, max_batch=4, max_context=512, impl="fast") as engine:
         app = create_app(engine, load_tokenizer(tok_path), "tiny", generation_config=base,
-                         limits=Limits(max_n=2, max_denoising_steps=8, max_request_steps=512))
+                         limits=Limits(max_n=2, max_canvas_passes=8, max_request_steps=512))
         with running_server(app) as url:
             yield url
 

@@ -35,7 +35,7 @@ from tests.helpers import random_init_model, running_server
 
 JSON = {"Content-Type": "application/json"}
 USER = [{"role": "user", "content": "Hi"}]
-LIMITS = Limits(max_n=2, max_denoising_steps=8, max_request_steps=64)
+LIMITS = Limits(max_n=2, max_canvas_passes=8, max_request_steps=64)
 
 
 @pytest.fixture(scope="module")
