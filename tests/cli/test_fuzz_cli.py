@@ -166,12 +166,12 @@ def hostile_path(kind: str, case_dir: Path, w: World) -> str:
     elif kind == "missing_parent":
         return str(case_dir / "no" / "such" / "dir" / "x")
     elif kind == "hostile_schema":
-        p.write_text(json.dumps(random.Random(str(p)).choice(HOSTILE_SCHEMAS)))
+        p.write_text(json.dumps(random.Random(str(p.relative_to(w.root))).choice(HOSTILE_SCHEMAS)))
     elif kind == "hostile_grammar":
-        p.write_text(random.Random(str(p)).choice(HOSTILE_GRAMMARS))
+        p.write_text(random.Random(str(p.relative_to(w.root))).choice(HOSTILE_GRAMMARS))
     elif kind == "hostile_template":  # a copy of the checkpoint whose chat template is hostile
         shutil.copytree(w.ckpt, p)
-        (p / "chat_template.jinja").write_text(random.Random(str(p)).choice(HOSTILE_TEMPLATES))
+        (p / "chat_template.jinja").write_text(random.Random(str(p.relative_to(w.root))).choice(HOSTILE_TEMPLATES))
     else:
         return {"dev_zero": "/dev/zero", "dev_null": "/dev/null", "dev_full": "/dev/full",
                 "checkpoint": str(w.ckpt), "run": str(w.run), "data": str(w.data)}[kind]
