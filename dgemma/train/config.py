@@ -34,6 +34,9 @@ RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eva
 DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding", "observed_likelihood")
 
 
+MAX_GRAD_ACCUM = 2**16  # micro-batches per optimizer step: 64x more than a 26B recipe's 1,024 at micro-batch 1
+
+
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.
@@ -118,6 +121,9 @@ class TrainConfig:
                      "save_every", "keep_last", "log_every", "num_steps", "chunk_rows"):
             v = getattr(self, name)
             check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "must be a positive int")
+        # a typo's 2**64 micro-batches would be one optimizer step that never ends (nothing saved, no step logged)
+        check(self.grad_accum <= MAX_GRAD_ACCUM, "grad_accum", f"must be at most {MAX_GRAD_ACCUM:,} micro-batches "
+              "per optimizer step (raise --batch-size instead)")
         for name in ("vocab_size", "canvas_length"):
             v = getattr(self, name)
             check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), name,

@@ -27,6 +27,7 @@ from dgemma import cli
 from dgemma.model.config import ConfigError, ModelConfig, RopeConfig
 from dgemma.model.costs import MemoryPreflightError, check_memory
 from dgemma.sampling.generation_config import GenerationConfig, GenerationError
+from dgemma.train.config import TrainConfig
 from dgemma.weights.checkpoint import CheckpointError
 
 TINY = dgemma.preset("tiny")  # vocab 512, canvas 16
@@ -217,6 +218,7 @@ CONFIG_CASES = [
      lambda: ModelConfig.from_hf({"per_layer_config": {"0": [1]}}, "c.json"), r"per_layer_config\['0'\]"),
     ("from_hf per_layer_config negative",
      lambda: ModelConfig.from_hf({"per_layer_config": {"-1": {}}}, "c.json"), r"per_layer_config\['-1'\]"),
+    ("TrainConfig grad_accum 2**64-1", lambda: TrainConfig(grad_accum=2**64 - 1), "grad_accum.*at most 65,536"),
     ("GenerationConfig t_max inf", lambda: GenerationConfig(t_max=math.inf), "t_max.*inf"),
     ("GenerationConfig t_max 1e-45", lambda: GenerationConfig(t_min=0.0, t_max=1e-45), "t_max.*1e-45"),
     ("GenerationConfig t_min nan", lambda: GenerationConfig(t_min=math.nan), "t_min.*nan"),
