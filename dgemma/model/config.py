@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from dgemma.io import fsio
 
+TIME_FEATURES = 256  # width of the sinusoidal noise-level features a time-embedding model (Lite) projects
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 T = TypeVar("T")

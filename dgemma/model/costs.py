@@ -18,9 +18,7 @@ from typing import Any
 import torch
 
 from dgemma.io.system import available_memory
-from dgemma.model.config import ModelConfig
-
-TIME_FEATURES = 256  # dgemma.model.layers.TIME_FEATURES (not imported: counting builds no layer)
+from dgemma.model.config import TIME_FEATURES, ModelConfig
 
 
 def _attention_params(cfg: ModelConfig, i: int) -> int:

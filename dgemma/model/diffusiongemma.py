@@ -29,11 +29,10 @@ from torch import Tensor, nn
 from dgemma.model import attention
 from dgemma.model.adapter_rows import AdapterRows
 from dgemma.model.attention import Impl, LayerPast, Past, RowPasts, check_impl
-from dgemma.model.config import ModelConfig
+from dgemma.model.config import TIME_FEATURES, ModelConfig
 from dgemma.model.kv_cache import KVCache, RowCaches
 from dgemma.model.layers import (
     SELF_CONDITIONING,
-    TIME_FEATURES,
     Block,
     RMSNorm,
     rope_cos_sin,

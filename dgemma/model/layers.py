@@ -26,9 +26,6 @@ from dgemma.model.adapter_rows import LayerRows, project
 from dgemma.model.attention import Impl, LayerPast
 from dgemma.model.config import ModelConfig, RopeConfig
 
-TIME_FEATURES = 256  # width of the sinusoidal noise-level features (Lite)
-
-
 # --- norms ------------------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):

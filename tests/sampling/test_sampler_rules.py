@@ -11,9 +11,9 @@ import torch
 
 from dgemma import generate, preset
 from dgemma.cli import main
-from dgemma.model.config import ConfigError
+from dgemma.model.config import TIME_FEATURES, ConfigError
 from dgemma.model.diffusiongemma import DiffusionGemma
-from dgemma.model.layers import TIME_FEATURES, time_features
+from dgemma.model.layers import time_features
 from dgemma.sampling import rules as S
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.api import APIError, parse_completion_request
