@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dgemma.data.tokenizer import load_tokenizer
-    from dgemma.eval.viz import load_trace, render_trace
+    from dgemma.eval.viz import render_trace
+    from dgemma.sampling.trace import load_trace
 
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out}: exists and is not a directory")

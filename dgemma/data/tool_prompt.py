@@ -8,7 +8,8 @@ any template renders, in the JSON tool-call format (Hermes / Qwen style, docs/se
     tool       a user turn: <tool_response>{"name": ..., "content": ...}</tool_response>
 
 So `tools` work on any checkpoint: the output parser reads the calls back (templates.JSON_TOOL_CALL) and a forced
-`tool_choice` is a grammar of the same format."""
+`tool_choice` is a grammar of the same format. Apart from templates.py because it rewrites messages, whatever
+template then renders them."""
 
 from __future__ import annotations
 

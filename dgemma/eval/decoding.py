@@ -33,7 +33,7 @@ from dgemma.sampling.generate import generate
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.sampling.request_rules import canvas_count, eos_index
 from dgemma.sampling.trace import Trace
-from dgemma.train.nelbo import ar_token_nll
+from dgemma.train.heldout import ar_token_nll
 
 # --- decoding: diffusion samplers and the AR baseline ---------------------------------------------------------------
 

@@ -380,7 +380,8 @@ def _write_outputs(out: Path, figures: dict[str, Any], prompts: tuple[str, ...],
     write_text(out / "demo.md", "\n".join(lines))
     written += [out / "demo.md", out / "demo.json"]
     if trace is not None:
-        from dgemma.eval.viz import load_trace, render_trace, write_player
+        from dgemma.eval.viz import render_trace, write_player
+        from dgemma.sampling.trace import load_trace
 
         (out / "trace").mkdir(exist_ok=True)
         npz, _ = trace.save(out / "trace" / "prompt1")

@@ -48,7 +48,7 @@ from dgemma.io.console import Progress
 from dgemma.model.attention import IMPLS
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.trace import Trace
-from dgemma.train.nelbo import EvalError, ar_token_nll, estimate, x0_ce_per_canvas
+from dgemma.train.heldout import EvalError, ar_token_nll, estimate, x0_ce_per_canvas
 
 REPORT_FORMAT = "dgemma-eval-1"
 PARITY_TOLERANCE = 0.05  # seed 003's verdict: held-out NLL within +5% of the AR baseline's

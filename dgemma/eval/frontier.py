@@ -50,7 +50,7 @@ from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import SAMPLERS, GenerationConfig
 from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem
 from dgemma.sampling.trace import Trace
-from dgemma.train.nelbo import EvalError
+from dgemma.train.heldout import EvalError
 
 # What every point shares, so that the points compare: the new-token budget, the stop tokens and padding.
 SHARED_FIELDS = ("max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "bos_token_id", "truncate")

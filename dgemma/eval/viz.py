@@ -1,6 +1,7 @@
 """Pictures of denoising, from a trace (`dgemma generate --trace FILE`, or the traces `dgemma eval` keeps).
 
-    load_trace(path)            path.json (summary, with "format": "dgemma-trace-1") + path.npz (per-step arrays)
+    load_trace(path)            path.json (summary, with "format": "dgemma-trace-1") + path.npz (per-step arrays),
+                                read and checked by dgemma/sampling/trace.py
     render_trace(trace, out)    per canvas: entropy in reading order over steps (seed 000's heatmaps), fraction of
                                 positions accepted / finalized per step, acceptance transitions, finalization order,
                                 an animated GIF; and player.html, a self-contained canvas player
@@ -17,11 +18,8 @@ import html
 import json
 import math
 import textwrap
-import zipfile
-import zlib
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -29,16 +27,14 @@ from typing import Any
 import numpy as np
 
 from dgemma.io import fsio
-from dgemma.sampling.trace import TRACE_FORMAT, Trace
-from dgemma.train.nelbo import EvalError
+from dgemma.sampling.trace import TRACE_FORMAT, Trace, TraceData
+from dgemma.train.heldout import EvalError
 
 FIGURE_INCHES = (12.0, 8.0)  # every PNG: 1200 x 800 pixels at DPI
 GIF_INCHES = (6.0, 6.0)  # every GIF frame: 480 x 480 pixels at GIF_DPI
 DPI, GIF_DPI = 100, 80
 GIF_FRAME_MS = 400
 MAX_PANELS = 12  # steps shown as small multiples in the entropy figure
-REQUIRED_ARRAYS = {"canvas": 1, "step": 1, "temperature": 1, "input_canvas": 3, "argmax": 3, "accepted": 3,
-                   "entropy": 3, "mean_entropy": 2, "active": 2}  # name -> ndim
 
 
 def pyplot() -> Any:
@@ -57,80 +53,6 @@ def pyplot() -> Any:
 def check_installed() -> None:
     """Raise ImportError (saying what to install) unless the plotting dependencies are importable."""
     pyplot()
-
-
-# --- traces -------------------------------------------------------------------------------------------------------
-
-@dataclass
-class TraceData:
-    """A trace read back: arrays (S steps, B rows, L positions) and the JSON summary."""
-
-    path: Path
-    arrays: dict[str, np.ndarray]
-    summary: dict[str, Any]
-
-    @property
-    def canvas_length(self) -> int:
-        return int(self.arrays["argmax"].shape[2])
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.arrays["argmax"].shape[1])
-
-    def canvases(self) -> list[int]:
-        return sorted(set(self.arrays["canvas"].tolist()))
-
-    def steps(self, canvas: int, row: int) -> np.ndarray:
-        """Indices of the steps row `row` spent on `canvas` (not the ones it rode along after stopping)."""
-        a = self.arrays
-        return np.flatnonzero((a["canvas"] == canvas) & a["active"][:, row])
-
-
-def load_trace(path: str | Path) -> TraceData:
-    """Read and validate PATH.json + PATH.npz (PATH may name either file, or their common stem)."""
-    path = Path(path)
-    stem = path.with_suffix("") if path.suffix in (".json", ".npz") else path
-    js, npz = stem.with_suffix(".json"), stem.with_suffix(".npz")
-    for f in (js, npz):
-        if not f.is_file():
-            raise FileNotFoundError(f"{f}: missing (a trace is FILE.json + FILE.npz, from dgemma generate --trace)")
-    try:
-        summary = json.loads(js.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EvalError(f"{js}: not a dgemma trace (not valid JSON: {e})") from None
-    if not isinstance(summary, dict) or "format" not in summary:
-        raise EvalError(f"{js}: not a dgemma trace (missing format field)")
-    if summary["format"] != TRACE_FORMAT:
-        raise EvalError(f"{js}: trace format {summary['format']!r} is from another version of dgemma; this one reads "
-                        f"{TRACE_FORMAT!r} (regenerate the trace with this version)")
-    try:
-        with np.load(npz, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:  # truncated, CRC, not npz
-        raise EvalError(f"{npz}: not a readable trace archive ({type(e).__name__}: {e})") from None
-    missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
-    if missing:
-        raise EvalError(f"{npz}: not a {TRACE_FORMAT} trace (missing arrays {', '.join(missing)})")
-    S = len(arrays["canvas"])
-    S_B_L = arrays["argmax"].shape
-    for name, ndim in REQUIRED_ARRAYS.items():
-        a = arrays[name]
-        if a.ndim != ndim or a.shape != S_B_L[:ndim] or (ndim == 1 and len(a) != S):
-            raise EvalError(f"{npz}: array {name!r} has shape {a.shape}, inconsistent with argmax {S_B_L}")
-    if "grammar" in arrays and arrays["grammar"].shape != S_B_L:  # a constrained generation's (optional)
-        raise EvalError(f"{npz}: array 'grammar' has shape {arrays['grammar'].shape}, inconsistent with argmax {S_B_L}")
-    if S == 0:
-        raise EvalError(f"{npz}: the trace has no steps")
-    for name in ("input_canvas", "argmax"):
-        a = arrays[name]
-        if not np.issubdtype(a.dtype, np.integer):
-            raise EvalError(f"{npz}: array {name!r} holds {a.dtype}, not token ids")
-        if a.size and int(a.min()) < 0:
-            raise EvalError(f"{npz}: array {name!r} holds negative token ids (min {int(a.min())}); the trace is "
-                            "corrupt")
-    if "canvas_length" in summary and summary["canvas_length"] != S_B_L[2]:
-        raise EvalError(f"{js}: canvas_length {summary['canvas_length']} but the arrays hold {S_B_L[2]} positions")
-    return TraceData(stem, arrays, summary)
 
 
 def grid_width(L: int) -> int:
@@ -484,11 +406,9 @@ def render_trace(trace: TraceData, out: str | Path, *, command: str, tokenizer: 
 
 __all__ = [
     "CHANGES",
-    "TraceData",
     "check_installed",
     "figure",
     "grid_width",
-    "load_trace",
     "player_data",
     "plot_entropy",
     "plot_finalized",

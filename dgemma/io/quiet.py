@@ -10,6 +10,9 @@ place it is emitted (never a blanket "ignore"): what else those libraries say st
   pre-backward hook": dgemma modifies no output of a wrapped module (a block, the loss module) in place, so the
   hazard it names cannot happen.
   `fsdp_view_outputs()` drops that warning.
+
+One module for these filters, beside the other process-wide plumbing, because weights/ (torchao, peft) and train/
+(FSDP2) both need them and each filter should be written, and justified, once.
 """
 
 from __future__ import annotations

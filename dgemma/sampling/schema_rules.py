@@ -1,6 +1,7 @@
 """The JSON Schema rules applied before llguidance compiles a schema (docs/sampling.md, "Structured output"): a
 calendar "date" as validators read it, and the refusal of a `minProperties` that llguidance would meet with repeated
-keys. Pure Python: no llguidance needed to check or rewrite a schema."""
+keys. Pure Python: no llguidance needed to check or rewrite a schema. Apart from constraint.py (the grammar that
+runs while sampling) because these are rules about the schema document alone, checked before any grammar exists."""
 
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
 """Traces: the per-step records of a generation (`StepInfo`, collected by dgemma/sampling/canvas.py:CanvasState with
 `trace=True`), stacked into arrays and saved as FILE.npz and FILE.json (`dgemma generate --trace FILE`), where
-`check_trace_path` allows. dgemma/eval/viz.py reads them back and draws them (docs/sampling.md, "Traces").
+`check_trace_path` allows, and read back and checked (`load_trace`, `TraceError` for a file that is not one);
+dgemma/eval/viz.py draws them (docs/sampling.md, "Traces").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,3 +103,84 @@ def _is_trace(js: Path) -> bool:
     except (OSError, ValueError):  # missing, unreadable, a FIFO, not JSON
         return False
     return isinstance(summary, dict) and summary.get("format") == TRACE_FORMAT
+
+
+class TraceError(ValueError):
+    """A file that is not a readable trace of this version; the message names it and what is wrong."""
+
+
+REQUIRED_ARRAYS = {"canvas": 1, "step": 1, "temperature": 1, "input_canvas": 3, "argmax": 3, "accepted": 3,
+                   "entropy": 3, "mean_entropy": 2, "active": 2}  # name -> ndim
+
+
+@dataclass
+class TraceData:
+    """A trace read back: arrays (S steps, B rows, L positions) and the JSON summary."""
+
+    path: Path
+    arrays: dict[str, np.ndarray]
+    summary: dict[str, Any]
+
+    @property
+    def canvas_length(self) -> int:
+        return int(self.arrays["argmax"].shape[2])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.arrays["argmax"].shape[1])
+
+    def canvases(self) -> list[int]:
+        return sorted(set(self.arrays["canvas"].tolist()))
+
+    def steps(self, canvas: int, row: int) -> np.ndarray:
+        """Indices of the steps row `row` spent on `canvas` (not the ones it rode along after stopping)."""
+        a = self.arrays
+        return np.flatnonzero((a["canvas"] == canvas) & a["active"][:, row])
+
+
+def load_trace(path: str | Path) -> TraceData:
+    """Read and validate PATH.json + PATH.npz (PATH may name either file, or their common stem)."""
+    path = Path(path)
+    stem = path.with_suffix("") if path.suffix in (".json", ".npz") else path
+    js, npz = stem.with_suffix(".json"), stem.with_suffix(".npz")
+    for f in (js, npz):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing (a trace is FILE.json + FILE.npz, from dgemma generate --trace)")
+    try:
+        summary = json.loads(js.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"{js}: not a dgemma trace (not valid JSON: {e})") from None
+    if not isinstance(summary, dict) or "format" not in summary:
+        raise TraceError(f"{js}: not a dgemma trace (missing format field)")
+    if summary["format"] != TRACE_FORMAT:
+        raise TraceError(f"{js}: trace format {summary['format']!r} is from another version of dgemma; this one reads "
+                        f"{TRACE_FORMAT!r} (regenerate the trace with this version)")
+    try:
+        with np.load(npz, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:  # truncated, CRC, not npz
+        raise TraceError(f"{npz}: not a readable trace archive ({type(e).__name__}: {e})") from None
+    missing = [k for k in REQUIRED_ARRAYS if k not in arrays]
+    if missing:
+        raise TraceError(f"{npz}: not a {TRACE_FORMAT} trace (missing arrays {', '.join(missing)})")
+    S = len(arrays["canvas"])
+    S_B_L = arrays["argmax"].shape
+    for name, ndim in REQUIRED_ARRAYS.items():
+        a = arrays[name]
+        if a.ndim != ndim or a.shape != S_B_L[:ndim] or (ndim == 1 and len(a) != S):
+            raise TraceError(f"{npz}: array {name!r} has shape {a.shape}, inconsistent with argmax {S_B_L}")
+    if "grammar" in arrays and arrays["grammar"].shape != S_B_L:  # a constrained generation's (optional)
+        raise TraceError(f"{npz}: array 'grammar' has shape {arrays['grammar'].shape}, inconsistent with argmax "
+                         f"{S_B_L}")
+    if S == 0:
+        raise TraceError(f"{npz}: the trace has no steps")
+    for name in ("input_canvas", "argmax"):
+        a = arrays[name]
+        if not np.issubdtype(a.dtype, np.integer):
+            raise TraceError(f"{npz}: array {name!r} holds {a.dtype}, not token ids")
+        if a.size and int(a.min()) < 0:
+            raise TraceError(f"{npz}: array {name!r} holds negative token ids (min {int(a.min())}); the trace is "
+                            "corrupt")
+    if "canvas_length" in summary and summary["canvas_length"] != S_B_L[2]:
+        raise TraceError(f"{js}: canvas_length {summary['canvas_length']} but the arrays hold {S_B_L[2]} positions")
+    return TraceData(stem, arrays, summary)

@@ -3,7 +3,8 @@ adapters on one base"): vLLM's two routes, `POST /v1/load_lora_adapter` {"lora_n
 `POST /v1/unload_lora_adapter` {"lora_name"}, behind the API key like every /v1 route. Off by default: a client that
 may name a directory on the server's disk is a decision for whoever runs it. The engine does the work
 (`Engine.load_adapter` / `unload_adapter`): an adapter joins from the next pass on, and is refused for unloading while
-requests use it."""
+requests use it. Apart from app.py because it is one opt-in feature with its own trust decision: the routes exist
+only when the flag asks for them."""
 
 from __future__ import annotations
 

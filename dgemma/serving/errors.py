@@ -1,5 +1,6 @@
 """The errors of `dgemma serve`, in OpenAI's shape: `APIError` (an HTTP status and OpenAI's error object naming the
-field), the 429 of a full server, and the small helpers the request rules word their messages with."""
+field), the 429 of a full server, and the small helpers the request rules word their messages with. Its own module
+because every other serving module (api, app, choice, formats, guards, scoring, the adapter routes) raises them."""
 
 from __future__ import annotations
 

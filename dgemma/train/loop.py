@@ -65,7 +65,7 @@ from dgemma.train import distributed, run_dir
 from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate, preflight
 from dgemma.train.diffusion import LossOutput, sft_loss, training_loss
 from dgemma.train.distributed import Dist, checkpoint_world_size, load_into, resolve_device, shared
-from dgemma.train.nelbo import window_cross_entropy
+from dgemma.train.heldout import window_cross_entropy
 from dgemma.train.run_dir import NonFiniteError
 from dgemma.weights import lora
 from dgemma.weights.checkpoint import resolve_model_dir

@@ -14,7 +14,7 @@ import torch
 import dgemma
 from dgemma import cli
 from dgemma.data.tokenizer import load_tokenizer
-from dgemma.eval.viz import load_trace
+from dgemma.sampling.trace import load_trace
 from dgemma.train.config import TRAIN_PRESETS
 from dgemma.weights.checkpoint import latest_checkpoint
 from tests.helpers import random_init_model

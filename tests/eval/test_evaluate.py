@@ -35,7 +35,7 @@ from dgemma.eval.viz import renoise_counts
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.sampling.trace import TRACE_FORMAT
-from dgemma.train.nelbo import EvalError, estimate
+from dgemma.train.heldout import EvalError, estimate
 
 # --- an exactly solvable case: V = 3 tokens, canvases of 2, a known correlated data distribution --------------------
 
@@ -482,7 +482,7 @@ def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
 
 def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
     from dgemma.cli import main
-    from dgemma.eval.viz import load_trace
+    from dgemma.sampling.trace import load_trace
 
     pytest.importorskip("matplotlib")
     from PIL import Image

@@ -11,7 +11,7 @@ import dgemma
 from dgemma.eval.decoding import run_sampler
 from dgemma.eval.frontier import ALL, frontier_points, parse_sampler_grid
 from dgemma.sampling.generation_config import SAMPLERS, GenerationConfig
-from dgemma.train.nelbo import EvalError
+from dgemma.train.heldout import EvalError
 
 
 def test_a_spec_is_a_sampler_and_the_product_of_its_fields():

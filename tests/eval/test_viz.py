@@ -22,6 +22,7 @@ pytest.importorskip("matplotlib", reason="dgemma[viz] not installed")
 from PIL import Image
 
 from dgemma.eval import viz
+from dgemma.sampling.trace import load_trace
 
 STEPS = 4
 
@@ -62,7 +63,7 @@ def test_viz_writes_pngs_of_the_expected_size_for_the_canvas_asked_for(rendered)
 
 
 def test_viz_gif_has_one_frame_per_step(rendered, trace_path):
-    arrays = viz.load_trace(trace_path).arrays
+    arrays = load_trace(trace_path).arrays
     steps = int(((arrays["canvas"] == 1) & arrays["active"][:, 0]).sum())
     with Image.open(rendered / "canvas_01.gif") as im:
         assert im.n_frames == steps >= 2
@@ -99,7 +100,7 @@ def test_player_is_one_self_contained_file_with_the_trace_and_token_text(rendere
     (kind, ident, data), (_, _, code) = parser.scripts
     assert kind == "application/json" and ident == "trace-data"
     payload = json.loads(data)
-    trace = viz.load_trace(trace_path)
+    trace = load_trace(trace_path)
     assert payload["format"] == TRACE_FORMAT and payload["canvas_length"] == 16 and payload["batch_size"] == 2
     assert len(payload["steps"]) == len(trace.arrays["canvas"])
     assert payload["steps"][0]["argmax"] == trace.arrays["argmax"][0].tolist()
@@ -189,7 +190,7 @@ def constrained_player(tmp_path_factory):
 
 def test_a_constrained_trace_carries_what_the_grammar_did_into_the_player(constrained_player):
     d, result = constrained_player
-    data = viz.player_data(viz.load_trace(d / "run"))
+    data = viz.player_data(load_trace(d / "run"))
     marks = [m for s in data["steps"] for m in s["grammar"][0]]
     assert set(marks) <= {0, 1, 2} and 2 in marks and 1 in marks  # the closer ended the object within 32 tokens
     assert result.constraint_complete == [True] and result.constraint_closed >= 1
@@ -235,10 +236,10 @@ def test_a_trace_from_another_version_or_not_a_trace_is_a_clear_error(trace_path
     del summary["format"]
     path.with_suffix(".json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match=r"not a dgemma trace \(missing format field\)"):
-        viz.load_trace(path)
+        load_trace(path)
     path.with_suffix(".json").write_text("{oops")
     with pytest.raises(ValueError, match="not a dgemma trace"):
-        viz.load_trace(path)
+        load_trace(path)
     path.with_suffix(".npz").unlink()
     assert main(["viz", str(path), "--out", str(tmp_path / "o")]) == 2
     assert "t.npz: missing" in capsys.readouterr().err
@@ -250,8 +251,8 @@ def test_inconsistent_arrays_and_bad_selections_are_errors(trace_path, tmp_path)
         arrays = {k: z[k] for k in z.files}
     np.savez(path.with_suffix(".npz"), **(arrays | {"entropy": arrays["entropy"][:, :, :3]}))
     with pytest.raises(ValueError, match="'entropy' has shape"):
-        viz.load_trace(path)
-    trace = viz.load_trace(trace_path)
+        load_trace(path)
+    trace = load_trace(trace_path)
     with pytest.raises(ValueError, match="--row 5"):
         viz.render_trace(trace, tmp_path / "o", command="x", row=5)
     with pytest.raises(ValueError, match="--canvas"):

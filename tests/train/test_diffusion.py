@@ -204,7 +204,7 @@ def test_stratified_levels_cover_the_range_and_stay_uniform():
 
 
 def test_elbo_loss_is_the_nelbo_estimate_of_the_same_logits(model):
-    """loss_weighting="elbo" is T x the reverse-step KL of dgemma/train/nelbo.py at each canvas's level, from the same
+    """loss_weighting="elbo" is T x the reverse-step KL of dgemma/train/heldout.py at each canvas's level, from the same
     forward; chunked and unchunked agree, and the gradient is finite."""
     from dgemma.diffusion.likelihood import reverse_kl
 
