@@ -135,8 +135,8 @@ class GenerationConfig:
                                            shown="never")
     # dgemma's switches between the documented reference implementations (defaults = transformers), docs/sampling.md
     commit: str | None = setting("what a finished canvas commits: argmax (transformers, vLLM) or sample (the JAX "
-                                 "reference's final canvas; for lite, seed 003's committed tokens, else the last "
-                                 "draw)", None, choices=(None, "argmax", "sample"), group="reference switches",
+                                 "reference's final canvas; for lite, DiffusionGemma-Lite's committed tokens, else the "
+                                 "last draw)", None, choices=(None, "argmax", "sample"), group="reference switches",
                                  shown="sample for lite, the chains and the committing samplers, else argmax",
                                  traced_as="commit_rule")
     stop_rule: str = setting("hf: argmax stable over history and confident; jax: argmax equal to the input canvas "
@@ -149,19 +149,20 @@ class GenerationConfig:
                              "steps", True, group="reference switches")
     stability_steps: int = setting("lite: calm steps in a row before the adaptive stop", 2, group="reference switches")
     posterior: str | None = setting("which distribution entropy, confidence and the self-conditioning input read: "
-                                    "tempered (logits / T, as transformers) or raw (the untempered posterior, seed "
-                                    "003 section 4.2); the draw is always tempered", None,
+                                    "tempered (logits / T, as transformers) or raw (the untempered posterior, as "
+                                    "DiffusionGemma-Lite reads it); the draw is always tempered", None,
                                     choices=(None, "tempered", "raw"), group="reference switches",
                                     shown="raw for lite, else tempered", traced_as="posterior_rule")
     initial_self_conditioning: str = setting("the first step's self-conditioning input: zeros (transformers: the MLP "
-                                             "adds nothing) or uniform (seed 000: the mean token embedding)", "zeros",
+                                             "adds nothing) or uniform (the mean token embedding)", "zeros",
                                              choices=("zeros", "uniform"), group="reference switches")
     # dgemma's own choices, measured in docs/sampling.md (transformers' models have no time embedding and no Lite)
     time_level: str = setting("noise level told to a time-embedding model (rules.time_level): canvas (what the "
                               "canvas holds), schedule (n/N, DiffusionGemma's original) or noise (always 1)",
                               "canvas", choices=TIME_LEVELS)
     lite_commit: str = setting("Lite's commit rule (rules.lite_commit): scheduled (the most confident candidates, "
-                               "up to ceil(L * k / N) after step k) or seed (all at once, as seed 003)", "scheduled",
+                               "up to ceil(L * k / N) after step k) or seed (all at once, as the DiffusionGemma-Lite "
+                               "paper)", "scheduled",
                                choices=LITE_COMMITS)
     # Sampling controls on every step's draw (docs/sampling.md, "Sampling controls"); their neutral values (the
     # defaults) leave the transformers-identical path untouched. Not part of generation_config.json.

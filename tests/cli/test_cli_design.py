@@ -57,6 +57,15 @@ def test_the_walk_finds_every_command():
             "data prepare", "data inspect"} <= set(COMMANDS)
 
 
+@pytest.mark.parametrize("name", ["", *sorted(COMMANDS)])
+def test_help_names_no_internal_reference(name):
+    """--help speaks to a user: no issue numbers, no names of the design documents behind the code."""
+    parser = COMMANDS[name] if name else cli.build_parser()
+    text = parser.format_help()
+    assert not re.search(r"issue [0-9]|seed 00[03]", text), f"dgemma {name} --help: " + \
+        "; ".join(m.group(0) for m in re.finditer(r".{0,40}(issue [0-9]|seed 00[03]).{0,20}", text, re.S))
+
+
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_every_option_is_explained_and_shows_its_default(name):
     parser = COMMANDS[name]
