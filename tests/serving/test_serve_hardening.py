@@ -571,7 +571,10 @@ def test_ctrl_c_with_a_stream_open_ends_it_with_an_error_event_and_done():
         line = proc.stdout.readline()
         assert "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         url = line.split(" at ")[1].split()[0].rstrip("/")
-        body = {"prompt": "The sea", "max_tokens": 1024, "max_denoising_steps": 64, "stream": True}
+        # the random model must not end the stream itself (an EOS drawn under the request's random seed) before the
+        # Ctrl-C does: EOS (token 1 of the tiny preset) is never drawn at -100
+        body = {"prompt": "The sea", "max_tokens": 1024, "max_denoising_steps": 64, "stream": True,
+                "logit_bias": {"1": -100}}
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             for raw in r.iter_lines():
