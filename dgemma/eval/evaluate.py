@@ -43,7 +43,7 @@ from dgemma.diffusion.likelihood import (
 )
 from dgemma.eval.curves import learning_curves
 from dgemma.eval.frontier import decode_frontier, frontier_points
-from dgemma.eval.judging import Z95, judge_description
+from dgemma.eval.judging import BASELINE_JUDGE, Z95, judge_description, judge_relation
 from dgemma.io.console import Progress
 from dgemma.model.attention import IMPLS
 from dgemma.model.diffusiongemma import DiffusionGemma
@@ -394,8 +394,10 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
         "baseline": None if base is None else {"path": str(base.path), "checkpoint": str(base.model_dir),
                                                "train_config": base.train_config},
         "judge": None if judged_by is None else judge_description(
-            judge is not None, judged_by.path, judged_by.model_dir, judged_by.train_config,
-            "float64" if judge is not None else "float32"),
+            BASELINE_JUDGE if judge is None else judge_relation(
+                judged_by.model_dir, [d.model_dir for d in (info, base) if d is not None],
+                (info.train_config or {}).get("init_from")),
+            judged_by.path, judged_by.model_dir, judged_by.train_config, "float64" if judge is not None else "float32"),
         "data": {"path": str(data_dir), "split": "val", "tokens": val.num_tokens, "documents": val.num_documents},
         "settings": asdict(s) | {"seq_len": seq_len, "num_steps": T, "max_new_tokens": max_new},
         "likelihood": {name: None if r is None else r | {"estimate": r["estimate"].to_dict(s.target_se)}

@@ -4,7 +4,8 @@
     bootstrap_ppl(nlls, ...)          generative perplexity and its 95% interval, resampling samples (seeded)
     rate_interval(tokens, seconds)    tokens/s over prompts and its SE / 95% interval (ratio estimator)
     point_stats(timed, scored, ...)   one frontier point's numbers on all prompts and on each half
-    judge_description(...)            the report's `judge`: path, objective, steps and tokens trained
+    judge_relation(judge, compared)   what a --judge run is to the compared models, found from the runs themselves
+    judge_description(...)            the report's `judge`: that relation, path, objective, seed, data, steps, tokens
     retokenize(tokenizer, samples)    what the judge scores: each sample's text, tokenized again (canonically)
     prompt_dependence(scorer, ...)    how much a continuation fits its own prompt better than another one
 
@@ -35,7 +36,10 @@ from dgemma.sampling.request_rules import eos_index
 Z95 = 1.959963984540054  # the 97.5% point of the standard normal
 BOOTSTRAP_RESAMPLES = 1000
 BASELINE_JUDGE = "the AR baseline (one of the compared models)"
-INDEPENDENT_JUDGE = "an independent AR model (--judge)"
+# What a --judge run is, found from the runs themselves (`judge_relation`), never asserted by the flag alone.
+SAME_RUN_JUDGE = "another checkpoint of a compared run (not independent of it)"
+START_RUN_JUDGE = "the AR run the diffusion model started from (not independent of it)"
+SEPARATE_JUDGE = "a separately trained AR run"
 
 
 def retokenize(tokenizer: Any, samples: Sequence[Sequence[int]], eos: Sequence[int]) -> list[list[int]]:
@@ -157,14 +161,34 @@ def run_progress(path: Path, model_dir: Path) -> dict[str, Any]:
             "tokens": tokens[1] if tokens else None}
 
 
-def judge_description(independent: bool, path: Path, model_dir: Path, train_config: dict[str, Any] | None,
+def run_of(model_dir: Path) -> Path:
+    """The training run a checkpoint belongs to (RUN/checkpoints/step-N -> RUN), or the checkpoint itself."""
+    model_dir = model_dir.resolve()
+    return model_dir.parent.parent if model_dir.parent.name == "checkpoints" else model_dir
+
+
+def judge_relation(judge_dir: Path, compared_dirs: Sequence[Path], start: str | None) -> str:
+    """What a judge checkpoint is to the compared models: a checkpoint of one of their runs (SAME_RUN_JUDGE), of the
+    run the diffusion model started from (`start`, its train config's init_from: START_RUN_JUDGE), or of neither
+    (SEPARATE_JUDGE; its seed and data go beside it in the report, so a reader sees how separate)."""
+    run = run_of(judge_dir)
+    if any(run == run_of(d) for d in compared_dirs):
+        return SAME_RUN_JUDGE
+    if start is not None and run == run_of(Path(start)):
+        return START_RUN_JUDGE
+    return SEPARATE_JUDGE
+
+
+def judge_description(relation: str, path: Path, model_dir: Path, train_config: dict[str, Any] | None,
                       dtype: str) -> dict[str, Any]:
-    """The report's `judge`: which model scores the samples (generative perplexity), and what it is."""
+    """The report's `judge`: which model scores the samples (generative perplexity), what it is to the compared
+    models (`relation`: BASELINE_JUDGE or `judge_relation`'s), its seed and what it was trained on."""
     cfg = train_config or {}
-    return {"judge": INDEPENDENT_JUDGE if independent else BASELINE_JUDGE, "path": str(path),
-            "checkpoint": str(model_dir), "objective": cfg.get("objective"), "preset": cfg.get("preset"),
-            "dtype": dtype, **{f"trained_{k}": v for k, v in run_progress(path, model_dir).items()}}
+    return {"judge": relation, "path": str(path), "checkpoint": str(model_dir), "objective": cfg.get("objective"),
+            "preset": cfg.get("preset"), "seed": cfg.get("seed"), "data": cfg.get("data"), "dtype": dtype,
+            **{f"trained_{k}": v for k, v in run_progress(path, model_dir).items()}}
 
 
-__all__ = ["BASELINE_JUDGE", "INDEPENDENT_JUDGE", "bootstrap_ppl", "half_stats", "judge_description", "point_stats",
-           "prompt_dependence", "rate_interval", "ratio_se", "retokenize", "run_progress", "split_prompts"]
+__all__ = ["BASELINE_JUDGE", "SAME_RUN_JUDGE", "SEPARATE_JUDGE", "START_RUN_JUDGE", "bootstrap_ppl", "half_stats",
+           "judge_description", "judge_relation", "point_stats", "prompt_dependence", "rate_interval", "ratio_se",
+           "retokenize", "run_of", "run_progress", "split_prompts"]

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dgemma.eval.curves import curves_markdown
+from dgemma.eval.judging import BASELINE_JUDGE
 from dgemma.eval.viz import figure, pyplot, save_figure
 from dgemma.io import fsio
 from dgemma.sampling.trace import Trace
@@ -92,8 +93,9 @@ def _judge_line(judge: dict[str, Any] | None) -> str:
         return "- judge: none (no generative perplexity without --baseline or --judge)"
     trained = ", ".join(f"{v:,} {k}" for k, v in (("steps", judge["trained_step"]), ("tokens", judge["trained_tokens"]))
                         if v is not None)
+    seed = f", seed {judge['seed']}" if judge.get("seed") is not None else ""
     return (f"- judge (scores generative perplexity): {judge['judge']}, `{judge['checkpoint']}` (objective "
-            f"{judge['objective'] or 'unknown'}{', ' + trained if trained else ''}), in {judge['dtype']}")
+            f"{judge['objective'] or 'unknown'}{seed}{', ' + trained if trained else ''}), in {judge['dtype']}")
 
 
 def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> str:
@@ -245,8 +247,8 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
                "token entropy of the samples (nats; higher = more varied)")]
     if ar is not None:
         judge = report.get("judge") or {}
-        ppl = "generative perplexity under the " + ("judge" if judge.get("judge", "").startswith("an independent")
-                                                    else "AR baseline")
+        ppl = "generative perplexity under the " + ("AR baseline" if judge.get("judge") == BASELINE_JUDGE
+                                                    else "judge")
         panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
                   ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
     groups = list(dict.fromkeys(f["group"] for f in report["frontier"]))

@@ -672,7 +672,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     from dgemma.data.shards import TokenDataset
     from dgemma.eval.decoding import generative_perplexity
     from dgemma.eval.evaluate import pick_prompts
-    from dgemma.eval.judging import INDEPENDENT_JUDGE, prompt_dependence, retokenize
+    from dgemma.eval.judging import SEPARATE_JUDGE, prompt_dependence, retokenize
     from dgemma.weights.loading import load_model
 
     pytest.importorskip("matplotlib")
@@ -685,7 +685,8 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
                  "--bootstrap", "200", "--quiet"]) == 0
     report = json.loads((out / "report.json").read_text())
     judge = report["judge"]
-    assert judge["judge"] == INDEPENDENT_JUDGE and judge["path"] == str(judge_run) and judge["dtype"] == "float64"
+    assert judge["judge"] == SEPARATE_JUDGE and judge["path"] == str(judge_run) and judge["dtype"] == "float64"
+    assert judge["seed"] == 7  # beside the relation, what makes it separate: its own seed (and data, steps, tokens)
     assert judge["objective"] == "ar" and judge["trained_step"] == 6 and judge["trained_tokens"] == 6 * 4 * 32
     assert [p["temperature"] for p in report["ar_frontier"]] == [0.7, 1.0]  # one AR point per temperature
     assert all(p["quality"]["dtype"] == "float64" for p in [*report["frontier"], *report["ar_frontier"]])
@@ -719,7 +720,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     curves = report["curves"]
     assert len(curves["diffusion"]["points"]) == len(curves["ar"]["points"]) == len(curves["ratio"]) == 2
     md = (out / "report.md").read_text()
-    for text in ("## Learning curves", "### Adaptive stopping", "AR T=0.7", "AR T=1", "an independent AR model",
+    for text in ("## Learning curves", "### Adaptive stopping", "AR T=0.7", "AR T=1", "a separately trained AR run",
                  "selection prompts", "prompt dependence |", "Timing: interleaved: prompt by prompt"):
         assert text in md, text
     from PIL import Image
@@ -730,7 +731,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
 
 def test_eval_without_a_judge_names_the_baseline_and_checks_the_judge(pair, tmp_path, capsys):
     from dgemma.cli import main
-    from dgemma.eval.judging import BASELINE_JUDGE
+    from dgemma.eval.judging import BASELINE_JUDGE, SAME_RUN_JUDGE
 
     pytest.importorskip("matplotlib")
     root, runs = pair
@@ -740,9 +741,33 @@ def test_eval_without_a_judge_names_the_baseline_and_checks_the_judge(pair, tmp_
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["judge"]["judge"] == BASELINE_JUDGE and report["judge"]["path"] == str(runs["ar"])
     assert "the AR baseline (one of the compared models)" in (tmp_path / "r" / "report.md").read_text()
+    # a judge from a compared run is named as what it is, never "independent" because --judge was passed
+    assert main(["eval", *base, "--baseline", str(runs["ar"]), "--judge", str(runs["ar"]), "--out",
+                 str(tmp_path / "same")]) == 0
+    assert json.loads((tmp_path / "same" / "report.json").read_text())["judge"]["judge"] == SAME_RUN_JUDGE
     assert main(["eval", *base, "--judge", str(runs["clean-context"]), "--out", str(tmp_path / "j")]) == 2
     assert "the judge must be an autoregressive run" in capsys.readouterr().err
     assert main(["eval", *base, "--ar-temperatures", "0", "--out", str(tmp_path / "t")]) == 2
     assert "--ar-temperatures must be numbers > 0" in capsys.readouterr().err
     assert main(["eval", *base, "--prompts", "1", "--out", str(tmp_path / "p")]) == 2
     assert "--prompts must be >= 2" in capsys.readouterr().err
+
+
+def test_a_judge_is_named_by_its_relation_to_the_compared_runs(tmp_path):
+    """`judge_relation` reads what a judge is from the runs: a checkpoint of a compared run, of the run the diffusion
+    model started from, or of neither."""
+    from dgemma.eval.judging import SAME_RUN_JUDGE, SEPARATE_JUDGE, START_RUN_JUDGE, judge_relation
+
+    def ckpt(run: str, step: int):
+        d = tmp_path / run / "checkpoints" / f"step-{step:07d}"
+        d.mkdir(parents=True)
+        return d
+
+    baseline, later, model = ckpt("ar", 4800), ckpt("ar", 9600), ckpt("diffusion", 2400)
+    start, judge, lone = ckpt("ar-start", 2400), ckpt("judge", 9600), tmp_path / "exported"
+    lone.mkdir()
+    assert judge_relation(later, [model, baseline], None) == SAME_RUN_JUDGE  # the baseline's own run, later
+    assert judge_relation(model, [model, baseline], None) == SAME_RUN_JUDGE
+    assert judge_relation(ckpt("ar-start", 4800), [model, baseline], str(start)) == START_RUN_JUDGE
+    assert judge_relation(judge, [model, baseline], str(start)) == SEPARATE_JUDGE
+    assert judge_relation(lone, [model, baseline], None) == SEPARATE_JUDGE  # an exported checkpoint: its own
