@@ -153,7 +153,7 @@ def test_empty_inputs_give_the_documented_defaults():
     (lambda: ModelConfig.from_hf({"hidden_size": "wide"}), "hidden_size: must be a positive int"),
     (lambda: ModelConfig.from_hf({"num_experts": 4, "top_k_experts": 9}), "top_k_experts"),
     (lambda: ModelConfig.from_hf({"unknown_key": 1, "sliding_window": -1}), "sliding_window"),
-    (lambda: GenerationConfig.from_hf({"t_max": 0.1}), "t_max: must be > t_min"),
+    (lambda: GenerationConfig.from_hf({"t_max": 0.1}), "t_max: must be >= t_min"),
     (lambda: RopeConfig.from_hf({"rope_type": "proportional", "theta": 1}, "rope"), "unsupported RoPE keys"),
     (lambda: BenchSettings(preset=None), "exactly one of a preset and a checkpoint"),
 ])

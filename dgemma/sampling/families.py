@@ -9,6 +9,10 @@ shared work (dgemma/sampling/readable.py: the posterior, its draw, argmax, entro
     Ancestral                     x_{s'} drawn from the model's reverse step, s = n / N -> (n - 1) / N
     PredictorCorrector            the ancestral chain, each step followed by corrector passes
 
+Which likelihood, if any, describes what a setting samples is `chain_likelihood`'s to say: only the ancestral chain
+run as dgemma/diffusion/likelihood.py's NELBO assumes it (temperature 1, no self-conditioning, nothing else on the
+draw) is described by a bound.
+
 The rules themselves are pure functions in dgemma/sampling/rules.py. A new family is one class here: its `update`,
 and the few flags below that say what the shared step should compute for it; `family_for` maps a
 `GenerationConfig.sampler` name to it (and the name joins `generation_config.SAMPLERS`).
@@ -24,7 +28,7 @@ from torch import Tensor
 
 from dgemma.sampling import rules
 from dgemma.sampling.canvas import CanvasState
-from dgemma.sampling.generation_config import GenerationConfig
+from dgemma.sampling.generation_config import CHAINS, GenerationConfig
 
 
 @dataclass
@@ -169,6 +173,50 @@ class PredictorCorrector(Ancestral):
 
     def settled(self) -> bool:
         return not self.corrector_pass
+
+
+def chain_departures(config: GenerationConfig, *, constrained: bool = False) -> list[str]:
+    """What makes `config`'s samples other than draws of the reverse chain whose NELBO dgemma/diffusion/likelihood.py
+    computes at T = max_denoising_steps (empty: none; `constrained`: a grammar masks the draw). That chain is the
+    ancestral family (`Ancestral`: predictor-corrector without a corrector pass is the same chain) with
+
+        temperature 1 at every step      t_min = t_max = 1 (the bound's reverse step is the untempered mixture)
+        no self-conditioning             self_conditioning off (the bound's posterior is the first step's, without
+                                         the signal: `clean_context_posterior`)
+        the draw itself                  no top_k / top_p / min_p, penalty, logit_bias or grammar
+        clean context                    each canvas commits its last draw (commit "sample": the next canvas's clean
+                                         prefix is the chain's x0) and sees sliding_window - 1 committed tokens in
+                                         sliding layers (sliding_prefix "hf", as `clean_context_masks`)
+
+    What else the bound assumes the chain does by construction: at step n of N the canvas is a draw at level n / N
+    and a time-embedding model is told n / N (`rules.time_level`), an observed-likelihood posterior reads the canvas
+    at n / N (readable.py `_posterior`), every canvas runs its N steps (`rules.stop_rows`). The posterior switch
+    and time_level do not act at temperature 1 on the chain; an output cut at EOS keeps the draws before it."""
+    out = []
+    if config.sampler not in CHAINS or config.corrector_passes:
+        out.append(f"sampler={config.sampler!r}" + (f" with corrector_steps={config.corrector_steps}"
+                                                    if config.corrector_passes else ""))
+    if not config.t_min == config.t_max == 1:
+        out.append(f"temperature {config.t_max:g} -> {config.t_min:g}" if config.t_min != config.t_max
+                   else f"temperature {config.t_max:g}")
+    if config.self_conditioning != "off":
+        out.append("self_conditioning='on'")
+    out += config.active_controls
+    if constrained:
+        out.append("a grammar")
+    if config.commit_rule != "sample":
+        out.append(f"commit={config.commit_rule!r}")
+    if config.sliding_prefix != "hf":
+        out.append(f"sliding_prefix={config.sliding_prefix!r}")
+    return out
+
+
+def chain_likelihood(config: GenerationConfig, *, constrained: bool = False) -> str | None:
+    """Which likelihood describes the samples of `config`: "NELBO at T=N" (N = max_denoising_steps; an upper bound on
+    their NLL, `likelihood.window_nelbo` with the clean-context posterior) for the bounded chain (`chain_departures`
+    empty), else None: no likelihood describes a tempered, self-conditioned or filtered sampler, nor the
+    accept / renoise and committing samplers. The one rule every label of a sampler's likelihood reads."""
+    return None if chain_departures(config, constrained=constrained) else f"NELBO at T={config.max_denoising_steps}"
 
 
 def family_for(config: GenerationConfig, shape: tuple[int, int], device: torch.device) -> Family:

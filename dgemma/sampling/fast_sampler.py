@@ -42,18 +42,16 @@ from dgemma.sampling.kernels import (
     one_pass_head_and_sample,
 )
 
+# the sampling controls (generation_config.CONTROLS) are implemented by the readable loop only: at their neutral values
 IMPLEMENTED = {"sampler": "entropy-bound", "posterior_rule": "tempered", "initial_self_conditioning": "zeros"}
-# the sampling controls (rules.penalize, filter_tokens), implemented by the readable loop only: at their neutral values
-CONTROLS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def unsupported(config: GenerationConfig) -> list[str]:
     """The settings of `config` this loop does not implement, as "name=value" (empty: it implements `config`). It
     implements the entropy-bound sampler with transformers' posterior and first self-conditioning input, and no
     sampling control (top_k ... logit_bias)."""
-    neutral = GenerationConfig()
-    controls = [f"{k}={getattr(config, k)!r}" for k in CONTROLS if getattr(config, k) != getattr(neutral, k)]
-    return [f"{k}={getattr(config, k)!r}" for k, v in IMPLEMENTED.items() if getattr(config, k) != v] + controls
+    return [f"{k}={getattr(config, k)!r}" for k, v in IMPLEMENTED.items() if getattr(config, k) != v] + \
+        config.active_controls
 
 
 def check_supported(config: GenerationConfig) -> None:
@@ -180,7 +178,8 @@ class FastSampler:
         self.chunk_rows = min(B * L, chunk_rows or default_chunk_rows(V, device))
         self.workspace = workspace or Workspace(self.chunk_rows, V, device)
         self.scale = model.config.hidden_size**0.5
-        self.soft: Tensor | None = None
+        self.soft: Tensor | None = None  # the next pass's self-conditioning input (never, with self_conditioning off)
+        self.use_self_conditioning = config.self_conditioning == "on"
         self.entropy = torch.zeros(B, L, device=device)
         N = config.max_denoising_steps
         # whether every entropy so far was finite (NaN or inf logits make it NaN), and the first step whose was not
@@ -230,12 +229,13 @@ class FastSampler:
             levels = observation_levels(rules.canvas_level(state.clean), state.carried)
             observed = (state.x, observation_boost(levels, V))
         self.keep(final, temp, observed)
+        feeds_back = n > 1 and self.use_self_conditioning  # a next pass that reads a self-conditioning input
         if self.batchable(final.shape[0] * final.shape[1]):
             out = one_pass_head_and_sample(final, self.weight, self.softcap, temp, generator=self.generator,
-                                           embed_scale=self.scale if n > 1 else None, workspace=self.workspace)
+                                           embed_scale=self.scale if feeds_back else None, workspace=self.workspace)
         else:
             out = head_and_sample(final, self.head, temp, generator=self.generator, draw=self.draw,
-                                  embed=self.weight if n > 1 else None, embed_scale=self.scale,
+                                  embed=self.weight if feeds_back else None, embed_scale=self.scale,
                                   chunk_rows=self.chunk_rows, workspace=self.workspace, observed=observed)
         self.apply(out, temp)
         return self.finished() if sync or self.remaining == 0 else False
@@ -253,7 +253,7 @@ class FastSampler:
         new_argmax = torch.where(keep, state.argmax, out.argmax)
         new_x = torch.where(keep, state.x, new_x)
         self.entropy = torch.where(keep, self.entropy, out.entropy)
-        if out.soft is not None and self.remaining > 1:
+        if out.soft is not None and self.remaining > 1 and self.use_self_conditioning:
             self.soft = out.soft if self.soft is None else torch.where(keep[..., None], self.soft, out.soft)
         state.end_step(was_done, active, new_x, new_argmax, accepted, self.entropy, temp)
         self.remaining -= 1
@@ -296,7 +296,8 @@ class FastSampler:
         as it would alone, so a row's draws do not depend on the others (the serving engine's batch invariance,
         tests/serving/test_engine.py). The rows go through in groups that fit the first sampler's workspace (the engine
         gives all its samplers one), so no step allocates (rows, V) buffers; the self-conditioning product is left out
-        when no row of a group needs it (every row at its last step). No host read: `finished()` is each one's."""
+        when no row of a group needs it (every row at its last step or with self_conditioning off). No host read:
+        `finished()` is each one's."""
         first, L = samplers[0], final.shape[1]
         per_pass = max(1, first.workspace.logits.shape[0] // L)
         for lo in range(0, len(samplers), per_pass):
@@ -305,7 +306,7 @@ class FastSampler:
             uniforms = torch.cat([torch.rand(L, generator=s.generator, device=final.device, dtype=torch.float64)
                                   for s in group])
             temperature = torch.stack(temps).repeat_interleave(L)[:, None]  # (rows, 1)
-            soft = any(s.remaining > 1 for s in group)
+            soft = any(s.remaining > 1 and s.use_self_conditioning for s in group)
             fits = first.workspace.logits.shape[0] >= L * len(group)
             out = one_pass_head_and_sample(rows, first.weight, first.softcap, temperature, uniforms=uniforms,
                                            embed_scale=first.scale if soft else None,

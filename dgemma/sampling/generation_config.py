@@ -81,6 +81,8 @@ SAMPLERS = ("entropy-bound", "lite", "ancestral", "predictor-corrector", "block-
 CHAINS = ("ancestral", "predictor-corrector")  # samplers that run the reverse chain to s = 0, N steps a canvas
 COMMITTING = ("block-refinement", "confidence")  # samplers whose committed positions are final (unless edited)
 TIME_LEVELS = ("canvas", "schedule", "noise")
+# the sampling controls on every step's draw (rules.penalize, filter_tokens): their defaults leave the draw untouched
+CONTROLS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 LITE_COMMITS = ("scheduled", "seed")
 # The settings generation_config.json carries (entropy_bound under sampler_config): a checkpoint's own values, the
 # defaults below without one. Every other field is dgemma's, never written to the file.
@@ -112,8 +114,14 @@ class GenerationConfig:
     max_denoising_steps: int = setting("the most denoising steps per canvas; the sampler may stop earlier", 48,
                                        metavar="N")
     entropy_bound: float = setting("entropy budget of a denoising step", 0.1)
-    t_min: float = setting("final temperature", 0.4)
+    # The temperature falls linearly from t_max (the first step) towards t_min (rules.temperature); t_min = t_max is
+    # a constant temperature (t_min = t_max = 1 with self_conditioning off: the ancestral sampler is then the chain
+    # the NELBO bounds, families.chain_likelihood)
+    t_min: float = setting("final temperature (t_max = t_min: constant)", 0.4)
     t_max: float = setting("initial temperature", 0.8)
+    self_conditioning: str = setting("on: each step reads the previous step's posterior (transformers); off: no step "
+                                     "does (the reverse chain the NELBO describes: docs/sampling.md)", "on",
+                                     choices=("on", "off"))
     stability_threshold: int = setting("stop rule: steps the argmax must stay unchanged before a canvas stops", 1,
                                        metavar="N")
     confidence_threshold: float = setting("stop rule: the mean entropy (nats) under which a canvas may stop", 0.005)
@@ -121,7 +129,10 @@ class GenerationConfig:
     pad_token_id: int | None = setting("the token after the end of a finished row", None, flag=False, request=False)
     bos_token_id: int | None = setting("the token that begins a sequence", None, flag=False, request=False)
     # The samplers (docs/sampling.md): "entropy-bound" (transformers), "lite" (seed 003: monotone commits),
-    # "ancestral" (the D3PM chain the NELBO bounds: each step draws x_{s - 1/N} from the model's reverse step),
+    # "ancestral" (the D3PM reverse chain: each step draws x_{s - 1/N} from the model's reverse step; at the default
+    # temperatures (0.8 -> 0.4) and with self-conditioning it is a tempered, self-conditioned chain that no likelihood
+    # describes; with t_min = t_max = 1 and self_conditioning off it is the chain the NELBO at T = N bounds,
+    # families.chain_likelihood),
     # "predictor-corrector" (each ancestral step followed by `corrector_steps` forward-backward corrector passes),
     # "block-refinement" (diffusers: commit the positions above `commit_threshold` and at least ceil(L * k / N) after
     # step k; `edit_threshold` lets a committed token change) or "confidence" (Fast-dLLM: commit the positions above
@@ -197,7 +208,8 @@ class GenerationConfig:
         check_floats(self)
         require(self.entropy_bound > 0, "entropy_bound", f"must be a number > 0, got {self.entropy_bound!r}")
         require(self.t_min >= 0, "t_min", f"must be >= 0, got {self.t_min!r}")
-        require(self.t_max > self.t_min, "t_max", f"must be > t_min={self.t_min!r}, got {self.t_max!r}")
+        require(self.t_max >= self.t_min, "t_max", f"must be >= t_min={self.t_min!r} (equal: a constant "
+                f"temperature), got {self.t_max!r}")
         require(self.t_max >= MIN_TEMPERATURE, "t_max", f"must be >= {MIN_TEMPERATURE} (a smaller temperature "
                f"overflows the tempered logits), got {self.t_max!r}")
         require(is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
@@ -221,6 +233,9 @@ class GenerationConfig:
             v = getattr(self, f.name)
             require(choices is None or v in choices, f.name,
                     f"must be one of {', '.join(map(repr, choices or ()))}, got {v!r}")
+        require(self.self_conditioning == "on" or self.initial_self_conditioning == "zeros",
+                "initial_self_conditioning", f"{self.initial_self_conditioning!r} is the first step's "
+                "self-conditioning input, and self_conditioning='off' feeds none to any step: leave it 'zeros'")
         require(is_int(self.stability_steps) and self.stability_steps >= 1, "stability_steps",
                f"must be an int >= 1, got {self.stability_steps!r}")
         require(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an int >= 0 (0: off), got {self.top_k!r}")
@@ -239,6 +254,12 @@ class GenerationConfig:
         """Whether a penalty or a bias changes the logits (which then need the prompt and output so far)."""
         return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or bool(self.logit_bias))
+
+    @property
+    def active_controls(self) -> list[str]:
+        """The sampling controls (CONTROLS) set away from their neutral values (the defaults), as "name=value"."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        return [f"{k}={getattr(self, k)!r}" for k in CONTROLS if getattr(self, k) != fields[k].default]
 
     @property
     def filters_tokens(self) -> bool:

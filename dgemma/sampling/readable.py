@@ -61,9 +61,14 @@ class ReadableSampler:
         self.raw = config.posterior_rule == "raw"
         self.num_steps = self.remaining = config.max_denoising_steps
         sc = self_conditioning_logits
+        self.use_self_conditioning = config.self_conditioning == "on"  # off: no pass reads one
+        if sc is not None and not self.use_self_conditioning:
+            raise ValueError("self_conditioning_logits were given, and self_conditioning='off' feeds none to any step")
         if sc is None and config.initial_self_conditioning == "uniform":  # seed 000: a uniform first posterior
             sc = torch.zeros(B, L, V, dtype=model.dtype, device=device)
-        self.sc = sc  # the next pass's self-conditioning logits (None: the first step's zero signal)
+        # the last posterior's logits (None before the first step): the next pass's self-conditioning input when
+        # `use_self_conditioning` (None: the first step's zero signal), what `logprobs` reads and stopped rows keep
+        self.sc = sc
         self.draw = self.state.x
         self.committed = torch.zeros(B, L, dtype=torch.bool, device=device)  # the families that keep commits
         self._finished = False
@@ -71,11 +76,13 @@ class ReadableSampler:
     # --- the protocol -----------------------------------------------------------------------------------------------
 
     def inputs(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Begin a step: the pass's canvas (B, L), self-conditioning logits (B, L, V) or None, and the noise level
-        (B,) for a time-embedding model (`rules.time_level`; None without a time embedding)."""
+        """Begin a step: the pass's canvas (B, L), self-conditioning logits (B, L, V) or None (always None with
+        self_conditioning off), and the noise level (B,) for a time-embedding model (`rules.time_level`; None without
+        a time embedding)."""
         self._begun = self.state.begin_step()
         self.family.begin(self.state, self.remaining, self.num_steps, self.vocab_size, self.generator)
-        return self.state.x, self.sc, self.state.level if self.time_embedding else None
+        sc = self.sc if self.use_self_conditioning else None
+        return self.state.x, sc, self.state.level if self.time_embedding else None
 
     def denoiser(self, cache: KVCache, *, impl: Impl | None = None, sliding_prefix: int | None = None,
                  compile: bool = False) -> Callable[[Tensor, Tensor | None, Tensor | None], Tensor]:

@@ -101,7 +101,7 @@ def test_generation_config_reads_and_writes_the_transformers_layout():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"t_min": 0.9}, r"t_max: must be > t_min=0.9"),
+    ({"t_min": 0.9}, r"t_max: must be >= t_min=0.9"),
     ({"entropy_bound": 0.0}, "entropy_bound: must be a number > 0"),
     ({"max_denoising_steps": 0}, "max_denoising_steps: must be a positive int"),
     ({"stability_threshold": -1}, "stability_threshold: must be an int >= 0"),

@@ -16,7 +16,7 @@ from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling import fast_sampler, kernels
 from dgemma.sampling.fast_sampler import FastSampler
 from dgemma.sampling.generate import generate
-from dgemma.sampling.generation_config import GenerationConfig
+from dgemma.sampling.generation_config import MIN_TEMPERATURE, GenerationConfig
 from dgemma.sampling.sampler import denoise_canvas
 from dgemma.testing.hf import randomize_
 from tests.helpers import random_ids, random_model
@@ -186,6 +186,44 @@ def test_fast_sampler_tells_a_time_embedding_model_the_reference_levels(time_lev
 
 
 
+@pytest.mark.parametrize("self_conditioning", ["off", "on"])
+def test_self_conditioning_off_feeds_no_pass_in_either_loop_and_they_draw_the_same_tokens(self_conditioning):
+    """`self_conditioning="off"` on a real model: neither loop hands any pass a self-conditioning input (the readable
+    loop's logits, the fast loop's soft embedding), and the two take the same steps to the same tokens. At a
+    constant temperature of MIN_TEMPERATURE (t_min = t_max) every draw is the argmax and an entropy bound of 100
+    accepts every position, so the loops' different random draws (multinomial, inverse CDF) cannot tell them apart;
+    with "on" both feed every pass after the first, which is what "off" must not do."""
+    model = random_model("tiny")
+    B, L, V = 2, model.config.canvas_length, model.config.vocab_size
+    prompt, canvas = random_ids(V, B, 11, seed=21), random_ids(V, B, L, seed=22)
+    config = GenerationConfig(max_denoising_steps=6, t_min=MIN_TEMPERATURE, t_max=MIN_TEMPERATURE,
+                              entropy_bound=100.0, self_conditioning=self_conditioning)
+    runs = {}
+    for loop in ("readable", "sync-free"):
+        cache = model.new_cache(B, 11 + L)
+        model.commit(prompt, cache, impl="fast")
+        fed, records = [], []
+        inner = fast_sampler.DenoiseStep(model, cache)  # the fast loop's pass; the readable loop's is denoise
+
+        def step(x, sc, t, cache=cache, fed=fed, inner=inner, loop=loop):  # records what each pass is handed
+            fed.append(sc)
+            return model.denoise(x, cache, self_conditioning_logits=sc, t=t, impl="fast") if loop == "readable" \
+                else inner(x, sc, t)
+        staged = denoise_canvas(model, cache, config, loop=loop, generator=torch.Generator().manual_seed(3),
+                                canvas=canvas, on_step=records.append, step=step)
+        runs[loop] = staged, fed, records
+    (want, ref_fed, ref), (got, fast_fed, fast) = runs["readable"], runs["sync-free"]
+    assert len(ref) == len(fast) >= 2
+    for a, b in zip(ref, fast, strict=True):
+        assert torch.equal(a.input_canvas, b.input_canvas), a.step
+        assert torch.equal(a.argmax, b.argmax) and torch.equal(a.accepted, b.accepted), a.step
+        assert torch.equal(a.done, b.done), a.step
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.steps, want.steps)
+    for fed in (ref_fed, fast_fed):
+        assert fed[0] is None  # the first pass of a canvas reads none either way (initial_self_conditioning zeros)
+        assert all((x is None) == (self_conditioning == "off") for x in fed[1:])
+
+
 @pytest.mark.parametrize("chunk_rows", [None, 5])
 def test_fast_sampler_memory_is_two_chunks_of_logits(chunk_rows):
     """The fast loop never holds (B, L, V) logits from one step to the next: per step, a chunk of logits and one of
@@ -292,7 +330,8 @@ def test_samplers_stepped_together_take_the_steps_they_take_alone(per_pass):
     whether the shared workspace takes all the rows in one pass or in groups (`per_pass` canvases)."""
     model = random_model("tiny")
     L, D, V = model.config.canvas_length, model.config.hidden_size, model.config.vocab_size
-    configs = [GenerationConfig(max_denoising_steps=n, entropy_bound=b) for n, b in ((4, 0.5), (6, 2.0), (3, 0.1))]
+    configs = [GenerationConfig(max_denoising_steps=n, entropy_bound=b, self_conditioning=sc)
+               for n, b, sc in ((4, 0.5, "on"), (6, 2.0, "on"), (3, 0.1, "off"))]  # one row feeds nothing back
 
     def samplers(workspace=None):
         return [fast_sampler.FastSampler(model, c, 1, generator=torch.Generator().manual_seed(i), workspace=workspace)
@@ -321,3 +360,4 @@ def test_samplers_stepped_together_take_the_steps_they_take_alone(per_pass):
             assert torch.equal(a.state.x, b.state.x) and torch.equal(a.state.argmax, b.state.argmax)
             assert torch.equal(a.entropy, b.entropy) and a.remaining == b.remaining
             assert (a.soft is None) == (b.soft is None) and (a.soft is None or torch.equal(a.soft, b.soft))
+        assert together[2].soft is None and together[1].soft is not None

@@ -513,8 +513,8 @@ def test_truncate_counts_only_the_kept_tokens_per_forward(model):
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     ({"entropy_bound": 0.0}, ConfigError, r"entropy_bound: must be a number > 0"),
     ({"entropy_bound": -0.1}, ConfigError, r"entropy_bound: must be a number > 0"),
-    ({"t_max": 0.4}, ConfigError, r"t_max: must be > t_min=0.4"),
-    ({"t_min": 0.9}, ConfigError, r"t_max: must be > t_min=0.9"),
+    ({"t_max": 0.3}, ConfigError, r"t_max: must be >= t_min=0.4"),
+    ({"t_min": 0.9}, ConfigError, r"t_max: must be >= t_min=0.9"),
     ({"sampler": "foo"}, ConfigError,
      r"sampler: must be one of 'entropy-bound', 'lite', 'ancestral', 'predictor-corrector', 'block-refinement', "
      r"'confidence', got 'foo'"),

@@ -31,7 +31,7 @@ def _settings(field: str, v: float) -> dict:
     """`field` at `v`, with what it needs to apply (a sampler that reads it, a t_max above t_min)."""
     kw: dict = {"logit_bias": {5: v}} if field == "logit_bias" else {field: v}
     if field == "t_min":
-        kw["t_max"] = 1.0 if not v >= 0.5 else FLOAT32_MAX  # (t_min=FLOAT32_MAX: "t_max must be > t_min=...")
+        kw["t_max"] = 1.0 if not v >= 0.5 else FLOAT32_MAX  # (t_min=FLOAT32_MAX: "t_max must be >= t_min=...")
     if field in ("commit_threshold", "edit_threshold"):
         kw["sampler"] = "block-refinement"
     if field in ("repetition_penalty", "presence_penalty", "frequency_penalty"):

@@ -23,11 +23,12 @@ from tests.helpers import model_config
 # The names clients and docs use today: every one must keep working
 SERVER_FIELDS = {"max_denoising_steps", "entropy_bound", "t_min", "t_max", "sampler", "stability_threshold",
                  "confidence_threshold", "commit", "stop_rule", "sliding_prefix", "posterior",
-                 "initial_self_conditioning", "adaptive", "stability_steps", "time_level", "lite_commit",
-                 "corrector_steps", "commit_threshold", "edit_threshold", "top_k", "min_p", "repetition_penalty",
-                 "top_p", "presence_penalty", "frequency_penalty", "logit_bias"}
+                 "initial_self_conditioning", "self_conditioning", "adaptive", "stability_steps", "time_level",
+                 "lite_commit", "corrector_steps", "commit_threshold", "edit_threshold", "top_k", "min_p",
+                 "repetition_penalty", "top_p", "presence_penalty", "frequency_penalty", "logit_bias"}
 CLI_FLAGS = {"--sampler", "--time-level", "--lite-commit", "--corrector-steps", "--commit-threshold",
-             "--edit-threshold", "--max-new-tokens", "--max-denoising-steps", "--entropy-bound", "--t-min", "--t-max",
+             "--edit-threshold", "--self-conditioning", "--max-new-tokens", "--max-denoising-steps",
+             "--entropy-bound", "--t-min", "--t-max",
              "--top-k", "--top-p", "--min-p", "--repetition-penalty", "--presence-penalty", "--frequency-penalty",
              "--logit-bias"}
 

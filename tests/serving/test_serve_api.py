@@ -92,7 +92,7 @@ def test_completion_prompts_strings_ids_and_choice_order(tok):
     ({"entropy_bound": -1}, "entropy_bound", "entropy_bound: must be a number > 0"),
     ({"max_denoising_steps": 0}, "max_denoising_steps", "positive int"),
     ({"sampler": "greedy"}, "sampler", "sampler: must be one of"),
-    ({"t_min": 0.9}, "t_max", "must be > t_min"),
+    ({"t_min": 0.9}, "t_max", "must be >= t_min"),
     ({"top_p": 0}, "top_p", "(0, 1]"),
     ({"top_k": -1}, "top_k", ">= 0"),
     ({"min_p": 2}, "min_p", "[0, 1]"),
