@@ -182,6 +182,13 @@ def ar_decode(model: DiffusionGemma, prompt: Tensor, config: GenerationConfig, *
     return out
 
 
+def ar_likelihood(config: GenerationConfig, temperature: float) -> str | None:
+    """Which likelihood describes `ar_decode`'s samples: the AR model's own ("AR NLL (exact)": its cross-entropy is
+    their NLL per token) at temperature 1 without a sampling control, else None (a tempered or filtered draw has no
+    likelihood beside it). The AR twin of dgemma/sampling/families.py:chain_likelihood."""
+    return "AR NLL (exact)" if temperature == 1 and not config.active_controls else None
+
+
 def ar_job(model: DiffusionGemma, *, max_new_tokens: int, eos: Sequence[int], seed: int = 0,
            temperature: float = 1.0, name: str = "ar") -> DecodeJob:
     """Autoregressive decoding of each prompt alone with the KV cache, timed: commit the prompt, then per token read

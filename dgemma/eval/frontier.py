@@ -17,6 +17,10 @@ alike instead of deciding a speedup; the machine's load before and after, and it
 
 Quality: the judge (dgemma/eval/judging.py) scores each sample re-tokenized (`judging.retokenize`), and measures how
 much the continuations depend on their prompts (`judging.prompt_dependence`), the same way for diffusion and AR.
+
+Every row says which likelihood, if any, describes its samples (`likelihood`: "NELBO at T=N" for the bounded chain,
+dgemma/sampling/families.py:chain_likelihood; "AR NLL (exact)" for the AR baseline at temperature 1,
+decoding.ar_likelihood; else "none").
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import Tensor
 from dgemma.eval.decoding import (
     DecodeRun,
     ar_job,
+    ar_likelihood,
     fixed_schedule,
     machine_load,
     quality,
@@ -47,6 +52,7 @@ from dgemma.eval.judging import point_stats, prompt_dependence, retokenize
 from dgemma.eval.viz import renoised_fraction
 from dgemma.model.config import ConfigError
 from dgemma.model.diffusiongemma import DiffusionGemma
+from dgemma.sampling.families import chain_likelihood
 from dgemma.sampling.generation_config import SAMPLERS, GenerationConfig
 from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem
 from dgemma.sampling.trace import Trace
@@ -225,7 +231,8 @@ def decode_frontier(model: DiffusionGemma, baseline: DiffusionGemma | None, scor
         frontier.append({"label": p.label, "group": p.group, "sampler": cfg.sampler, "overrides": p.overrides,
                          "max_denoising_steps": n, "entropy_bound": cfg.entropy_bound, "adaptive": adaptive.summary(),
                          "fixed": None if fixed is None else fixed.summary(),
-                         "fixed_rule_tokens_per_forward": L / (n + 1) if fixed is not None else None, **point})
+                         "fixed_rule_tokens_per_forward": L / (n + 1) if fixed is not None else None,
+                         "likelihood": chain_likelihood(cfg) or "none", **point})
         traces[p.trace_name] = scored.traces[0]
     ar_frontier = []
     if baseline is not None:
@@ -234,7 +241,8 @@ def decode_frontier(model: DiffusionGemma, baseline: DiffusionGemma | None, scor
             log(f"sampling with the AR baseline at temperature {temp:g} in {s.quality_dtype}")
             scored = run_ar(quality_baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed,
                             temperature=temp, name=f"AR T={temp:g} {s.quality_dtype}", progress=s.progress)
-            ar_frontier.append({"temperature": temp, **timed_run.summary(), **judged(timed_run, scored)})
+            ar_frontier.append({"temperature": temp, **timed_run.summary(), **judged(timed_run, scored),
+                                "likelihood": ar_likelihood(GenerationConfig(), temp) or "none"})
     return frontier, ar_frontier, traces, timing
 
 

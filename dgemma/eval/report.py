@@ -212,6 +212,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines.append(f"| {f['label']} | "
                      f"{_f(a['mean_steps_per_canvas'], '.2f')} / {f['max_denoising_steps']} | {canvases} | "
                      f"{_f(a.get('early_stop_share'), '.0%')} |")
+    lines += _likelihood_lines(report)
     lines += ["", "![frontier](frontier.png)", "", f"*frontier.png: `{report['command']}`*", ""]
     if trace_names:
         lines += ["## Traces", "", "The first prompt of each setting, traced (draw them with `dgemma viz`):", ""]
@@ -229,6 +230,21 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines += [f"**AR baseline, temperature {ar['temperature']:g}:**", "", "```", ar["example"].strip()[:600], "```",
                   ""]
     return "\n".join(lines)
+
+
+def _likelihood_lines(report: dict[str, Any]) -> list[str]:
+    """The frontier's rows with the likelihood that describes each one's samples (the rows' `likelihood`)."""
+    lines = ["", "### Which likelihood describes each setting", "",
+             "A figure of a likelihood (the NELBO, the AR cross-entropy above) describes a setting's samples only "
+             "where it is that setting's own: the ancestral chain at temperature 1 throughout without "
+             "self-conditioning and without any sampling control (`t_min=1 t_max=1 self_conditioning=off`) is the "
+             "chain the NELBO at T = N bounds; the AR baseline at temperature 1 samples from the AR model whose "
+             "cross-entropy is reported. Every other setting (tempered, self-conditioned, accept / re-noise, "
+             "committing) has no likelihood: none.", "", "| sampler setting / AR temperature | likelihood |",
+             "|---|---|"]
+    lines += [f"| {f['label']} | {f['likelihood']} |" for f in report["frontier"]]
+    lines += [f"| AR T={p['temperature']:g} | {p['likelihood']} |" for p in report["ar_frontier"]]
+    return lines
 
 
 # --- the figures ----------------------------------------------------------------------------------------------------

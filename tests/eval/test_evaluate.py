@@ -689,6 +689,8 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     assert judge["seed"] == 7  # beside the relation, what makes it separate: its own seed (and data, steps, tokens)
     assert judge["objective"] == "ar" and judge["trained_step"] == 6 and judge["trained_tokens"] == 6 * 4 * 32
     assert [p["temperature"] for p in report["ar_frontier"]] == [0.7, 1.0]  # one AR point per temperature
+    # every AR row says which likelihood describes its samples: the AR model's own at temperature 1, else none
+    assert [p["likelihood"] for p in report["ar_frontier"]] == ["none", "AR NLL (exact)"]
     assert all(p["quality"]["dtype"] == "float64" for p in [*report["frontier"], *report["ar_frontier"]])
     # gen-PPL of both sides is the judge's (float64), on the very samples: not the baseline's
     val = TokenDataset(root / "data", "val")
@@ -721,6 +723,7 @@ def test_dgemma_eval_with_a_judge_and_an_ar_temperature_grid(pair, judge_run, tm
     assert len(curves["diffusion"]["points"]) == len(curves["ar"]["points"]) == len(curves["ratio"]) == 2
     md = (out / "report.md").read_text()
     for text in ("## Learning curves", "### Adaptive stopping", "AR T=0.7", "AR T=1", "a separately trained AR run",
+                 "### Which likelihood describes each setting", "| AR T=0.7 | none |", "| AR T=1 | AR NLL (exact) |",
                  "selection prompts", "prompt dependence |", "Timing: interleaved: prompt by prompt"):
         assert text in md, text
     from PIL import Image

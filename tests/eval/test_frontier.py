@@ -25,6 +25,23 @@ def test_a_spec_is_a_sampler_and_the_product_of_its_fields():
         {"sampler": "predictor-corrector", "corrector_steps": 2, "max_denoising_steps": 8}]
 
 
+def test_the_bounded_chain_is_a_grid_point_labelled_with_its_nelbo():
+    """The ancestral chain the NELBO bounds (temperature 1 throughout, no self-conditioning) is one spec away; its
+    row says which likelihood describes it, the default ancestral sampler's says none (families.chain_likelihood)."""
+    from dgemma.sampling.families import chain_likelihood
+
+    spec = "ancestral:t_min=1,t_max=1,self_conditioning=off,max_denoising_steps=16"
+    assert parse_sampler_grid(spec) == [{"sampler": "ancestral", "t_min": 1, "t_max": 1, "self_conditioning": "off",
+                                         "max_denoising_steps": 16}]
+    chain, default = frontier_points((4,), (0.1,), [spec, "ancestral"])[1:]
+    assert chain.label == "ancestral N=16 t_min=1 t_max=1 self_conditioning=off"
+    base = GenerationConfig()
+    assert chain_likelihood(base.replace(**chain.overrides)) == "NELBO at T=16"
+    assert chain_likelihood(base.replace(**default.overrides)) is None
+    with pytest.raises(EvalError, match=r"self_conditioning: must be one of 'on', 'off', got 'no'"):
+        parse_sampler_grid("ancestral:self_conditioning=no")
+
+
 @pytest.mark.parametrize("spec, message", [
     ("greedy", "unknown sampler 'greedy'"),
     ("confidence:threshold=0.9", "unknown field 'threshold'"),
@@ -107,16 +124,21 @@ def test_dgemma_eval_puts_every_spec_on_the_frontier(tiny_run, tiny_data, tmp_pa
 
     pytest.importorskip("matplotlib")
     out = tmp_path / "report"
-    grids = ["confidence:commit_threshold=0.9/0.3,max_denoising_steps=4", "predictor-corrector:max_denoising_steps=2"]
+    grids = ["confidence:commit_threshold=0.9/0.3,max_denoising_steps=4", "predictor-corrector:max_denoising_steps=2",
+             "ancestral:t_min=1,t_max=1,self_conditioning=off,max_denoising_steps=2"]  # the bounded chain
     rc = main(["eval", "--model", str(tiny_run), "--data", str(tiny_data), "--out", str(out), "--prompts", "2",
                "--max-denoising-steps-grid", "2", "--entropy-bounds", "0.5", "--max-windows", "2", "--quiet",
                *[x for g in grids for x in ("--sampler-grid", g)]])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     frontier = report["frontier"]
+    chain = "ancestral N=2 t_min=1 t_max=1 self_conditioning=off"
     assert [f["label"] for f in frontier] == ["entropy-bound N=2 eb=0.5", "confidence N=4 commit_threshold=0.9",
-                                              "confidence N=4 commit_threshold=0.3", "predictor-corrector N=2"]
-    assert [f["sampler"] for f in frontier] == ["entropy-bound", "confidence", "confidence", "predictor-corrector"]
+                                              "confidence N=4 commit_threshold=0.3", "predictor-corrector N=2", chain]
+    assert [f["sampler"] for f in frontier] == ["entropy-bound", "confidence", "confidence", "predictor-corrector",
+                                                "ancestral"]
+    # every row says which likelihood describes its samples: only the bounded chain has one
+    assert [f["likelihood"] for f in frontier] == ["none"] * 4 + ["NELBO at T=2"]
     assert frontier[0]["fixed"] is not None and all(f["fixed"] is None for f in frontier[1:])
     # a lower threshold commits at least as many positions a pass; the corrector pays two passes a step
     assert frontier[2]["adaptive"]["tokens_per_forward"] >= frontier[1]["adaptive"]["tokens_per_forward"]
@@ -124,10 +146,11 @@ def test_dgemma_eval_puts_every_spec_on_the_frontier(tiny_run, tiny_data, tmp_pa
     md = (out / "report.md").read_text()
     for f in frontier:
         assert f"| {f['label']} |" in md and f"**{f['label']}:**" in md
-    assert report["command"].count("--sampler-grid") == 2 and grids[0] in report["command"]
+        assert f"| {f['label']} | {f['likelihood']} |" in md  # the likelihood table
+    assert report["command"].count("--sampler-grid") == 3 and grids[0] in report["command"]
     assert sorted(p.stem for p in (out / "traces").glob("*.json")) == sorted(
         ["N2_eb0p5", "confidence_N_4_commit_threshold_0p9", "confidence_N_4_commit_threshold_0p3",
-         "predictor_corrector_N_2"])
+         "predictor_corrector_N_2", "ancestral_N_2_t_min_1_t_max_1_self_conditioning_off"])
 
 
 def test_dgemma_eval_refuses_a_bad_spec_in_one_line(tiny_run, tiny_data, tmp_path, capsys):
