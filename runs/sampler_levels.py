@@ -58,7 +58,11 @@ SETTINGS: list[tuple[str, dict]] = [
     ("lite, level canvas, commit scheduled (default)", {"sampler": "lite", "time_level": "canvas",
                                                         "lite_commit": "scheduled"}),
     ("lite, level noise, commit scheduled", {"sampler": "lite", "time_level": "noise", "lite_commit": "scheduled"}),
-    ("ancestral (the chain the NELBO bounds)", {"sampler": "ancestral"}),
+    # the ancestral sampler at the run's temperatures, self-conditioned: no likelihood describes it
+    ("ancestral (the run's temperatures, self-conditioned; no likelihood)", {"sampler": "ancestral"}),
+    # the chain the NELBO at T = N bounds (sampling/families.py:chain_likelihood)
+    ("ancestral at temperature 1, no self-conditioning (the chain the NELBO bounds)",
+     {"sampler": "ancestral", "t_min": 1.0, "t_max": 1.0, "self_conditioning": "off"}),
     ("predictor-corrector, 1 corrector a step (2N passes)", {"sampler": "predictor-corrector", "corrector_steps": 1}),
     # the committing samplers (issue 24): diffusers' block refinement, with and without editing, and Fast-dLLM's
     # confidence threshold
