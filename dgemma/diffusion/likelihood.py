@@ -247,6 +247,78 @@ def window_nelbo_continuous(posterior: Posterior, x0: Tensor, *, canvas_length: 
     return NelboTerms(nelbo, per_token, t_sums, t_counts)
 
 
+# --- the importance-weighted bound (docs/evaluation.md section 1.5) ---------------------------------------------
+
+def reverse_step_draw(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int,
+                      generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """One step of a trajectory of the forward process run backwards, and its log importance weight: x_{t-1} drawn
+    from q(x_{t-1} | x_t, x0), and log p(x_{t-1} | x_t) - log q(x_{t-1} | x_t, x0) at the draw (N,), float64, with
+    p the x0-parameterised reverse model of `reverse_kl` (whose expectation over the draw is minus that KL). At t = 1
+    the draw is x0 itself and the weight is log p(x0 | x_1). logits (N, V); x0, xt, t (N,), t in 1..T."""
+    V = logits.shape[-1]
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    ab_t = alpha_bar(t, num_steps, torch.float64)[:, None]
+    ab_s = alpha_bar(t - 1, num_steps, torch.float64)[:, None]
+    keep = ab_t / ab_s
+    at_k = F.one_hot(xt, V).bool()
+    at_i = F.one_hot(x0, V).bool()
+    log_w = logp - ((1 - ab_t) / V + ab_t * at_k).log()  # p(j | x_t) / q(x_t | x0 = j)
+    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
+    prior_s = ab_s * at_i + (1 - ab_s) / V  # q(x_{t-1} = j | x0)
+    q = (keep * at_k + (1 - keep) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
+    xs = torch.multinomial(q / q.sum(-1, keepdim=True), 1, generator=generator)  # (N, 1)
+    # The common factor q(x_t | x_{t-1}) cancels: p / q = [ab_s w_j + (1 - ab_s) / V * S] / [q(x_{t-1} = j | x0) /
+    # q(x_t | x0)] (reverse_kl's log_ratio, negated, at j).
+    log_p = torch.logaddexp(ab_s.log() + log_w.gather(1, xs), ((1 - ab_s) / V).log() + log_S)
+    log_q = prior_s.gather(1, xs).log() - ((1 - ab_t) / V + ab_t * (x0 == xt)[:, None]).log()
+    return xs[:, 0], (log_p - log_q)[:, 0]
+
+
+def window_log_weights(posterior: Posterior, x0: Tensor, *, canvas_length: int, vocab_size: int, num_steps: int,
+                       num_samples: int, generator: torch.Generator | None = None, chunk_rows: int = KL_CHUNK_ROWS
+                       ) -> Tensor:
+    """log p(x0, x_{1:T}) - log q(x_{1:T} | x0) of each canvas of the windows x0 (B, S) given its clean prefix, for
+    `num_samples` whole trajectories x_T -> x_1 drawn from q backwards (x_T ~ q(x_T | x0), then `reverse_step_draw`):
+    (K, B, C) float64. Each is an unbiased estimate of minus the canvas's NELBO at T (its mean is the ELBO);
+    -log mean_k exp(.) over K of them is the importance-weighted bound, which tightens towards the NLL as K grows
+    (Burda et al. 2016, arXiv 1509.00519). T forwards per trajectory."""
+    B, S = x0.shape
+    L, V = canvas_length, vocab_size
+    if S % L:
+        raise ValueError(f"windows of {S} tokens are not a whole number of canvases of {L}")
+    C = S // L
+    out = torch.empty(num_samples, B, C, dtype=torch.float64)
+    for k in range(num_samples):
+        t = torch.full((B, C), num_steps, dtype=torch.long, device=x0.device)
+        xt = q_sample(x0, t, num_steps, L, V, generator)
+        ab_T = float(alpha_bar(torch.tensor(float(num_steps)), num_steps, torch.float64))
+        # log p(x_T) - log q(x_T | x0): the uniform prior against the forward process's end.
+        lw = (-math.log(V) - torch.log((1 - ab_T) / V + ab_T * (xt == x0).double())).cpu()
+        for _ in range(num_steps, 0, -1):
+            logits = posterior(x0, xt, t.float() / num_steps).reshape(B * S, -1)
+            flat_t = t.repeat_interleave(L, dim=1).reshape(-1)
+            nxt = torch.empty(B * S, dtype=torch.long, device=x0.device)
+            for lo in range(0, B * S, chunk_rows):
+                sl = slice(lo, lo + chunk_rows)
+                nxt[sl], w = reverse_step_draw(logits[sl], x0.reshape(-1)[sl], xt.reshape(-1)[sl], flat_t[sl],
+                                               num_steps, generator)
+                lw.view(-1)[sl] += w.cpu()
+            xt, t = nxt.view(B, S), t - 1
+        out[k] = lw.view(B, C, L).sum(-1)
+    return out
+
+
+def iw_bound(log_weights: Tensor, k: int) -> Tensor:
+    """The K-sample importance-weighted bound on -log p of each canvas, from `window_log_weights` (N, ...) with N a
+    multiple of K: the N / K disjoint groups of K trajectories each give -log mean exp over the group, averaged over
+    groups (an unbiased estimate of the K-sample bound using every trajectory). (...)."""
+    n = log_weights.shape[0]
+    if k < 1 or n % k:
+        raise ValueError(f"{n} trajectories do not split into groups of K = {k}")
+    groups = log_weights.reshape(n // k, k, *log_weights.shape[1:])
+    return -(torch.logsumexp(groups, dim=1) - math.log(k)).mean(0)
+
+
 def _level(level: Tensor, L: int) -> Tensor:
     return level.float().repeat_interleave(L, dim=1)  # (B, S): each token's canvas noise level in [0, 1]
 
