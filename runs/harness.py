@@ -66,9 +66,13 @@ def score_once(path: Path, settings: dict, score: Callable[[], dict]) -> dict:
     return result
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float]) -> str:
-    """The mean of a - b over the same windows and noise draws, with its standard error (common random numbers:
-    the windows' own difficulty cancels)."""
+def paired_difference(a: Sequence[float], b: Sequence[float], estimator_a: str, estimator_b: str) -> str:
+    """The mean of a - b over the same held-out windows, with its standard error (the windows' own difficulty
+    cancels; each side's Monte Carlo draws are its own, so their noise is in the SE). Only like estimators pair: a
+    continuous-time bound minus a T = 16 bound mixes the bounds' gap with the models' difference, so it is refused
+    ("–")."""
+    if estimator_a != estimator_b:
+        return f"– ({estimator_a} vs {estimator_b}: unlike bounds do not pair)"
     d = np.asarray(a) - np.asarray(b)
     return f"{d.mean():+.3f} ± {d.std(ddof=1) / math.sqrt(len(d)):.3f}" if len(d) > 1 else f"{d.mean():+.3f}"
 

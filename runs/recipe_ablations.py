@@ -98,7 +98,7 @@ def _score(name: str, args: argparse.Namespace) -> dict:
     import torch
 
     from dgemma.data.shards import TokenDataset
-    from dgemma.eval.evaluate import heldout_nelbo, heldout_x0_ce
+    from dgemma.eval.likelihoods import heldout_x0_ce, model_nelbo
     from dgemma.weights.checkpoint import resolve_model_dir
     from dgemma.weights.loading import load_model
 
@@ -107,9 +107,9 @@ def _score(name: str, args: argparse.Namespace) -> dict:
     val = TokenDataset(args.out / "data", split="val")
     out: dict = {"name": name, "canvas_length": model.config.canvas_length}
     for T in EVAL_T:
-        r = heldout_nelbo(model, val, seq_len=args.seq_len, num_steps=T, num_t_samples=args.t_samples,
-                          max_windows=args.windows, seed=0, progress=False)
-        out[f"nelbo_T{T}"] = r["estimate"].to_dict()
+        r = model_nelbo(model, val, seq_len=args.seq_len, num_steps=T, num_t_samples=args.t_samples,
+                        max_windows=args.windows, seed=0, progress=False)
+        out[f"nelbo_T{T}"] = r["estimate"].to_dict() | {"mc_se": r["mc_se"]}
         out[f"per_window_T{T}"] = r["per_window"]
     ce = heldout_x0_ce(model, val, seq_len=args.seq_len, num_steps=16, max_windows=args.windows, seed=0,
                        progress=False)
@@ -124,7 +124,7 @@ def table(results: list[dict]) -> str:
     what = {n: w for n, w, _ in VARIANTS}
     for r in results:
         cells = [f"{r[f'nelbo_T{T}']['mean']:.3f} ± {r[f'nelbo_T{T}']['se']:.3f}" for T in EVAL_T]
-        diff = "–" if r is base else paired_difference(r["per_window_T16"], base["per_window_T16"])
+        diff = "–" if r is base else paired_difference(r["per_window_T16"], base["per_window_T16"], "T16", "T16")
         ce = f"{r['x0_ce']['mean']:.3f} ± {r['x0_ce']['se']:.3f}"
         lines.append(f"| {r['name']} | {what[r['name']]} | {cells[0]} | {diff} | {cells[1]} | {ce} |")
     return "\n".join(lines)

@@ -23,7 +23,6 @@ import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 from harness import chosen, paired_difference, saved_score, score_once, train_once
@@ -100,7 +99,7 @@ def _score(name: str, args: argparse.Namespace) -> dict:
     import torch
 
     from dgemma.data.shards import TokenDataset
-    from dgemma.eval.evaluate import heldout_ar_ce, heldout_nelbo, heldout_x0_ce
+    from dgemma.eval.likelihoods import heldout_ar_ce, heldout_x0_ce, model_nelbo
     from dgemma.weights.checkpoint import resolve_model_dir
     from dgemma.weights.loading import load_model
 
@@ -114,8 +113,8 @@ def _score(name: str, args: argparse.Namespace) -> dict:
     out: dict = {"name": name}
     for T in (*EVAL_T, None):
         key = "continuous" if T is None else f"T{T}"
-        r = heldout_nelbo(model, val, num_steps=T, num_t_samples=args.t_samples, seed=0, **common)
-        out[f"nelbo_{key}"] = r["estimate"].to_dict()
+        r = model_nelbo(model, val, num_steps=T, num_t_samples=args.t_samples, seed=0, **common)
+        out[f"nelbo_{key}"] = r["estimate"].to_dict() | {"mc_se": r["mc_se"]}
         out[f"per_window_{key}"] = r["per_window"]
     time = "continuous" if "continuous" in FLAGS[name] else "discrete"
     ce = heldout_x0_ce(model, val, num_steps=16, time=time, seed=0, **common)
@@ -138,7 +137,7 @@ def _reference_score(args: argparse.Namespace) -> dict:
 
     from dgemma.data.shards import TokenDataset
     from dgemma.diffusion.noise import observe
-    from dgemma.eval.evaluate import heldout_nelbo
+    from dgemma.eval.likelihoods import heldout_nelbo
 
     train_split, val = TokenDataset(args.out / "data", split="train"), TokenDataset(args.out / "data", split="val")
     V = train_split.meta["vocab_size"]
@@ -149,14 +148,13 @@ def _reference_score(args: argparse.Namespace) -> dict:
     def posterior(x0, xt, level):
         return observe(log_unigram.expand(*x0.shape, -1).clone(), xt, level.repeat_interleave(L, dim=1))
 
-    model = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(canvas_length=L,
-                                                                               vocab_size=len(log_unigram)))
     out: dict = {"name": "unigram+observed"}
     for T in (*EVAL_T, None):
         key = "continuous" if T is None else f"T{T}"
-        r = heldout_nelbo(model, val, seq_len=args.seq_len, num_steps=T, num_t_samples=args.t_samples,
-                          max_windows=args.windows, seed=0, posterior=posterior, progress=False)
-        out[f"nelbo_{key}"] = r["estimate"].to_dict()
+        r = heldout_nelbo(lambda context: posterior, val, canvas_length=L, vocab_size=len(log_unigram),
+                          seq_len=args.seq_len, num_steps=T, num_t_samples=args.t_samples, replicates=2,
+                          model_sha="unigram+observed", max_windows=args.windows, seed=0, progress=False)
+        out[f"nelbo_{key}"] = r["estimate"].to_dict() | {"mc_se": r["mc_se"]}
         out[f"per_window_{key}"] = r["per_window"]
     return out
 
@@ -182,8 +180,8 @@ def table(results: list[dict], unigram: float | None) -> str:
         other = by.get(PAIRED_WITH.get(r["name"], "discrete@seed1" if r["name"].endswith("@seed1") else "discrete"))
         diff = "–"
         if other is not None and other is not r:
-            diff = (f"{paired_difference(r[f'per_window_{h}'], other[f'per_window_{headline(other)}'])} "
-                    f"vs `{other['name']}`")
+            o = headline(other)
+            diff = f"{paired_difference(r[f'per_window_{h}'], other[f'per_window_{o}'], h, o)} vs `{other['name']}`"
         value = r[f"nelbo_{h}"]["mean"]
         ratio = f"{value / ar:.3f}" if ar else "–"
         share = f"{(unigram - value) / (unigram - ar):.0%}" if ar and unigram else "–"

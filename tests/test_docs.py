@@ -186,7 +186,7 @@ TINY_ARGS: dict[str, list[str]] = {
         ["--preset", "tiny", "--steps", "1"],
     "python runs/profile_train_step.py --preset lite-380m --batch-size 1 --seq-len 1024 --steps 3 --no-variants":
         ["--preset", "tiny", "--seq-len", "32", "--steps", "1"],
-    "python runs/structured_output.py --model runs/out/cpu-small/diffusion": ["--smoke", "--out", "out"],
+    "python runs/structured_output.py --model runs/out/cpu-small/diffusion-s0": ["--smoke", "--out", "out"],
     "dgemma generate --preset tiny --random-init --tokenizer tok --prompt \"A person:\" --json-schema "
     "examples/person.schema.json --seed 0 --max-new-tokens 64": ["--max-denoising-steps", "3"],
 }

@@ -55,6 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="diffusion steps T of the NELBO (default: the run's training --num-steps)")
     p.add_argument("--t-samples", type=int, default=4, metavar="K",
                    help="stratified t samples per canvas (NELBO; default 4)")
+    p.add_argument("--mc-replicates", type=int, default=2, metavar="R",
+                   help="independent Monte Carlo passes of each NELBO, each from its own seed (a hash of the weights, "
+                   "the bound, T and the pass): their spread is the Monte Carlo SE reported beside the between-window "
+                   "SE (default 2; 1: no Monte Carlo SE)")
+    p.add_argument("--iw-windows", type=int, default=8, metavar="N",
+                   help="held-out windows of the importance-weighted bound at T (K = 1, 4, 16 whole trajectories, 16 T "
+                   "forwards per window), which sizes the NELBO's gap to the NLL (0: none; default 8)")
     p.add_argument("--max-windows", type=int, default=64, metavar="N", help="held-out windows per likelihood "
                    "(0: the whole validation split; default 64)")
     p.add_argument("--batch-size", type=int, default=8, metavar="N", help="held-out windows per forward (default 8)")
@@ -79,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
                             sampler_grids=tuple(args.sampler_grids), num_prompts=args.prompts,
                             prompt_tokens=args.prompt_tokens, max_new_tokens=args.max_new_tokens,
                             seq_len=args.seq_len, num_steps=args.num_steps, num_t_samples=args.t_samples,
+                            mc_replicates=args.mc_replicates, iw_windows=args.iw_windows,
                             max_windows=args.max_windows or None, batch_size=args.batch_size,
                             target_se=args.target_se, seed=args.seed, quality_dtype=args.quality_dtype,
                             ar_temperatures=args.ar_temperatures, bootstrap=args.bootstrap, progress=not args.quiet,
@@ -112,7 +120,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
             "--entropy-bounds", ",".join(f"{x:g}" for x in args.entropy_bounds)]
     for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--max-new-tokens", args.max_new_tokens),
                         ("--seq-len", args.seq_len), ("--nelbo-steps", args.num_steps), ("--t-samples", args.t_samples),
-                        ("--max-windows", args.max_windows), ("--seed", args.seed)):
+                        ("--max-windows", args.max_windows), ("--mc-replicates", args.mc_replicates),
+                        ("--iw-windows", args.iw_windows), ("--seed", args.seed)):
         if value is not None:
             out += [flag, str(value)]
     for spec in args.sampler_grids:

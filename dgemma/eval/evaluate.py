@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,155 +32,30 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dgemma.diffusion.likelihood import (
-    LEVEL_BINS,
-    Posterior,
-    clean_context_posterior,
-    posterior_of,
-    prior_kl,
-    window_nelbo,
-    window_nelbo_continuous,
-)
 from dgemma.eval.curves import learning_curves
 from dgemma.eval.frontier import decode_frontier, frontier_points
 from dgemma.eval.judging import BASELINE_JUDGE, Z95, judge_description, judge_relation
-from dgemma.io.console import Progress
+from dgemma.eval.likelihoods import (
+    heldout_ar_ce,
+    heldout_iw,
+    heldout_nelbo,
+    heldout_x0_ce,
+    model_posterior,
+    model_sha,
+    scored_digest,
+    train_unigram,
+    unigram_posterior,
+    unigram_reference,
+)
 from dgemma.model.attention import IMPLS
-from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.trace import Trace
-from dgemma.train.heldout import EvalError, ar_token_nll, estimate, x0_ce_per_canvas
+from dgemma.train.heldout import EvalError
 
 REPORT_FORMAT = "dgemma-eval-1"
 PARITY_TOLERANCE = 0.05  # seed 003's verdict: held-out NLL within +5% of the AR baseline's
 
 
 # --- held-out likelihoods -------------------------------------------------------------------------------------------
-
-def _progress(desc: str, total: int, enabled: bool, unit: str = "windows") -> Progress:
-    return Progress(desc, total, unit, enabled=enabled)
-
-
-def _batches(dataset: Any, batch_size: int, seq_len: int, shift: int, max_windows: int | None
-             ) -> tuple[Iterator[Tensor], int]:
-    """Held-out windows in order, at most `max_windows`, and how many there will be."""
-    available = len(dataset.windows(seq_len, shift))
-    if available == 0:
-        raise EvalError(f"{dataset.dir}: the {dataset.split} split has {dataset.num_tokens:,} tokens, fewer than one "
-                        f"window of {seq_len + shift:,}; an empty validation set cannot be evaluated (prepare the "
-                        "data with --val-fraction > 0, or pass a smaller --seq-len)")
-    n = available if max_windows is None else min(available, max_windows)
-
-    def stream() -> Iterator[Tensor]:
-        done = 0
-        for x in dataset.heldout_batches(batch_size, seq_len, shift=shift):
-            if done >= n:
-                return
-            yield x[: n - done]
-            done += x.shape[0]
-
-    return stream(), n
-
-
-def _by_t(sums: Tensor, counts: Tensor) -> list[float]:
-    """Mean per token at each t; NaN where no canvas drew that t."""
-    return torch.where(counts > 0, sums / counts.clamp(min=1), torch.full_like(sums, math.nan)).tolist()
-
-
-def _text_bytes(tokenizer: Any, rows: Tensor) -> int:
-    """UTF-8 bytes of the text of each row, decoded without special tokens (the document separator has no bytes)."""
-    if tokenizer is None:
-        return 0
-    return sum(len(tokenizer.decode(r, skip_special_tokens=True).encode("utf-8")) for r in rows.tolist())
-
-
-@torch.no_grad()
-def heldout_nelbo(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int | None, num_t_samples: int = 4,
-                  batch_size: int = 8, max_windows: int | None = None, seed: int = 0, tokenizer: Any = None,
-                  posterior: Posterior | None = None, progress: bool = True) -> dict[str, Any]:
-    """The NELBO upper bound on held-out NLL (nats/token) over the validation windows, block-autoregressively
-    conditioned on the clean prefix inside each window: at T = `num_steps` with `num_t_samples` stratified t per
-    canvas, or (`num_steps` None) the continuous-time bound with `num_t_samples` stratified levels per canvas."""
-    posterior = posterior or clean_context_posterior(model)
-    g = torch.Generator(device=model.device).manual_seed(seed)
-    stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
-    nats, toks, nbytes = [], [], 0
-    bins = LEVEL_BINS if num_steps is None else num_steps
-    t_sums = torch.zeros(bins, dtype=torch.float64)
-    t_counts = torch.zeros(bins, dtype=torch.float64)
-    common = dict(canvas_length=model.config.canvas_length, vocab_size=model.config.vocab_size,
-                  num_t_samples=num_t_samples, generator=g)
-    with _progress("NELBO" if num_steps is not None else "NELBO (continuous)", n, progress) as bar:
-        for x0 in stream:
-            x0 = x0.to(model.device)
-            terms = (window_nelbo_continuous(posterior, x0, **common) if num_steps is None
-                     else window_nelbo(posterior, x0, num_steps=num_steps, **common))
-            nats += terms.nelbo.sum(-1).tolist()
-            toks += [x0.shape[1]] * x0.shape[0]
-            nbytes += _text_bytes(tokenizer, x0)
-            t_sums += terms.t_sums
-            t_counts += terms.t_counts
-            bar.update(x0.shape[0])
-    est = estimate(nats, toks, nbytes or None)
-    return {"estimate": est, "per_window": [n / t for n, t in zip(nats, toks, strict=True)],
-            "num_steps": num_steps, "num_t_samples": num_t_samples, "seq_len": seq_len,
-            "prior_kl_per_token": prior_kl(num_steps or 1, model.config.vocab_size),
-            "kl_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
-
-
-@torch.no_grad()
-def heldout_x0_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, num_steps: int, time: str = "discrete",
-                  objective: str = "clean-context", batch_size: int = 8, max_windows: int | None = None,
-                  seed: int = 0, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
-    """Held-out x0 cross-entropy at one level per canvas (seed 003 section 7): t / T with t ~ U{1..T}, or s ~ U(0, 1]
-    for a continuous-time run (`time`), the training objective without self-conditioning, drawing levels and x_t
-    exactly as `training_loss` does from the same generator. By level: T bins (LEVEL_BINS in continuous time)."""
-    posterior_of(objective)  # a diffusion objective, before anything runs
-    L = model.config.canvas_length
-    g = torch.Generator(device=model.device).manual_seed(seed)
-    stream, n = _batches(dataset, batch_size, seq_len, 0, max_windows)
-    nats, toks, nbytes = [], [], 0
-    bins = LEVEL_BINS if time == "continuous" else num_steps
-    t_sums = torch.zeros(bins, dtype=torch.float64)
-    t_counts = torch.zeros(bins, dtype=torch.float64)
-    with _progress("x0 CE", n, progress) as bar:
-        for x0 in stream:
-            x0 = x0.to(model.device)
-            B, S = x0.shape
-            ce, level = x0_ce_per_canvas(model, x0, objective=objective, num_steps=num_steps, time=time, generator=g)
-            per_canvas = ce.double().cpu()
-            nats += per_canvas.sum(-1).tolist()
-            toks += [S] * B
-            nbytes += _text_bytes(tokenizer, x0)
-            which = (level.double().cpu() * bins).round_() if time != "continuous" else \
-                (level.double().cpu() * bins).ceil_()
-            which = which.long().clamp_(1, bins).reshape(-1) - 1
-            t_sums.index_add_(0, which, per_canvas.reshape(-1))
-            t_counts.index_add_(0, which, torch.full((which.numel(),), float(L), dtype=torch.float64))
-            bar.update(B)
-    drawn = "one level per canvas, uniform on (0, 1]" if time == "continuous" else \
-        "one t per canvas, uniform on {1..T}"
-    return {"estimate": estimate(nats, toks, nbytes or None), "num_steps": num_steps, "objective": objective,
-            "time": time, "t_sampling": drawn, "seq_len": seq_len,
-            "ce_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
-
-
-@torch.no_grad()
-def heldout_ar_ce(model: DiffusionGemma, dataset: Any, *, seq_len: int, batch_size: int = 8,
-                  max_windows: int | None = None, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
-    """Next-token cross-entropy of an autoregressive run (objective 'ar'): windows of seq_len + 1 tokens, the causal
-    encoder forward it was trained with, the loss on tokens 1..seq_len of each window."""
-    stream, n = _batches(dataset, batch_size, seq_len, 1, max_windows)
-    nats, toks, nbytes = [], [], 0
-    with _progress("AR CE", n, progress) as bar:
-        for x in stream:
-            x = x.to(model.device)
-            ce = ar_token_nll(model, x)  # (B, seq_len)
-            nats += ce.double().sum(-1).tolist()
-            toks += [ce.shape[1]] * ce.shape[0]
-            nbytes += _text_bytes(tokenizer, x[:, 1:])
-            bar.update(x.shape[0])
-    return {"estimate": estimate(nats, toks, nbytes or None), "seq_len": seq_len}
-
 
 # --- runs and prompts -----------------------------------------------------------------------------------------------
 
@@ -265,6 +140,8 @@ class EvalSettings:
     seq_len: int | None = None  # held-out window; default: the run's training seq_len
     num_steps: int | None = None  # T of the NELBO; default: the run's training num_steps
     num_t_samples: int = 4  # stratified t per canvas for the NELBO
+    mc_replicates: int = 2  # independent Monte Carlo passes of each NELBO: their spread is its Monte Carlo SE
+    iw_windows: int = 8  # windows of the importance-weighted bound (K = 1, 4, 16 trajectories; 0: none)
     max_windows: int | None = 64  # held-out windows per likelihood (None: the whole split)
     batch_size: int = 8
     target_se: float = 0.01  # nats/token: the report says how many windows this needs
@@ -285,7 +162,8 @@ class EvalSettings:
         for flag, value in (("--prompts", self.num_prompts), ("--prompt-tokens", self.prompt_tokens),
                             ("--t-samples", self.num_t_samples), ("--batch-size", self.batch_size),
                             ("--max-new-tokens", self.max_new_tokens), ("--seq-len", self.seq_len),
-                            ("--nelbo-steps", self.num_steps), ("--max-windows", self.max_windows)):
+                            ("--nelbo-steps", self.num_steps), ("--max-windows", self.max_windows),
+                            ("--mc-replicates", self.mc_replicates)):
             if value is not None and value < 1:
                 problems.append(f"{flag} must be >= 1, got {value}")
         if self.num_prompts < 2:
@@ -293,6 +171,8 @@ class EvalSettings:
                             f"{self.num_prompts}")
         if not self.ar_temperatures or min(self.ar_temperatures) <= 0:
             problems.append(f"--ar-temperatures must be numbers > 0, got {self.ar_temperatures}")
+        if self.iw_windows < 0:
+            problems.append(f"--iw-windows must be >= 0 (0: no importance-weighted bound), got {self.iw_windows}")
         if self.bootstrap < 1:
             problems.append(f"--bootstrap must be >= 1, got {self.bootstrap}")
         if self.target_se <= 0:
@@ -369,16 +249,30 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     common = dict(batch_size=s.batch_size, max_windows=s.max_windows, tokenizer=tokenizer, progress=s.progress)
 
     time = info.get("diffusion_time", "discrete")
-    log(f"likelihoods on {val} (windows of {seq_len}, T={T}"
-        f"{' and continuous time' if model.config.time_embedding else ''})")
+    log(f"likelihoods on {val} (windows of {seq_len} scored after one context token, T={T}"
+        f"{' and continuous time' if model.config.time_embedding else ''}, {s.mc_replicates} Monte Carlo replicates)")
     x0_ce = heldout_x0_ce(model, val, seq_len=seq_len, num_steps=T, time=time, objective=objective, seed=s.seed,
                           **common)
-    nelbo = heldout_nelbo(model, val, seq_len=seq_len, num_steps=T, num_t_samples=s.num_t_samples, seed=s.seed,
-                          **common)
+    V = model.config.vocab_size
+    geometry = dict(canvas_length=L, vocab_size=V, seq_len=seq_len)
+    mc = dict(num_t_samples=s.num_t_samples, replicates=s.mc_replicates, seed=s.seed, **common)
+    sha = model_sha(model)
+    posterior = model_posterior(model)
+    nelbo = heldout_nelbo(posterior, val, num_steps=T, model_sha=sha, device=model.device, **geometry, **mc)
     # The continuous-time bound is finite only for a model told its level (docs/evaluation.md section 1.3).
-    nelbo_continuous = heldout_nelbo(model, val, seq_len=seq_len, num_steps=None, num_t_samples=s.num_t_samples,
-                                     seed=s.seed, **common) if model.config.time_embedding else None
+    nelbo_continuous = heldout_nelbo(posterior, val, num_steps=None, model_sha=sha, device=model.device, **geometry,
+                                     **mc) if model.config.time_embedding else None
+    iw_windows = min(s.iw_windows, s.max_windows or s.iw_windows)  # the first of the scored windows
+    iw = heldout_iw(posterior, val, num_steps=T, windows=iw_windows, model_sha=sha, seed=s.seed,
+                    batch_size=s.batch_size, device=model.device, progress=s.progress, **geometry
+                    ) if s.iw_windows else None
     ar_ce = heldout_ar_ce(baseline, val, seq_len=seq_len, **common) if baseline is not None else None
+    # The exact reference: the training unigram, whose NELBO is its NLL at every T, through the same code.
+    log_p = train_unigram(data_dir)
+    unigram = unigram_reference(log_p, val, seq_len=seq_len, max_windows=s.max_windows)
+    reference = heldout_nelbo(lambda ctx: unigram_posterior(torch.from_numpy(log_p), L), val, num_steps=T,
+                              model_sha="unigram:" + val.meta.get("tokenizer_sha256", str(data_dir)), **geometry,
+                              **mc)
 
     prompts = pick_prompts(val, s.num_prompts, s.prompt_tokens)
     max_new = s.max_new_tokens or 2 * L
@@ -402,7 +296,9 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
         "settings": asdict(s) | {"seq_len": seq_len, "num_steps": T, "max_new_tokens": max_new},
         "likelihood": {name: None if r is None else r | {"estimate": r["estimate"].to_dict(s.target_se)}
                        for name, r in (("x0_ce", x0_ce), ("nelbo", nelbo), ("nelbo_continuous", nelbo_continuous),
-                                       ("ar_ce", ar_ce))},
+                                       ("ar_ce", ar_ce), ("reference_nelbo", reference))}
+        | {"scored": scored_digest(val, seq_len, s.max_windows), "iw": iw,
+           "unigram": unigram.to_dict(s.target_se), "model_sha256": sha},
         "headline_bound": headline_bound({"nelbo": nelbo, "nelbo_continuous": nelbo_continuous}),
         "prompts": {"count": len(prompts), "tokens": s.prompt_tokens, "selection": "even (0, 2, 4, ...)",
                     "report": "odd (1, 3, 5, ...)"},
@@ -480,7 +376,7 @@ def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict
     bound = report.get("headline_bound", "nelbo")
     nelbo, x0 = lk[bound]["estimate"], lk["x0_ce"]["estimate"]
     ratio = nelbo["mean"] / ar_ce
-    unigram = (report.get("curves") or {}).get("unigram_ce")
+    unigram = (lk.get("unigram") or {}).get("mean")  # on the scored tokens
     share = (unigram - nelbo["mean"]) / (unigram - ar_ce) if unigram is not None and unigram != ar_ce else None
     frontier, ar_points = report["frontier"], report["ar_frontier"]
     choices = []
@@ -520,8 +416,6 @@ __all__ = [
     "RunInfo",
     "check_same_tokenizer",
     "evaluate",
-    "heldout_ar_ce",
-    "heldout_nelbo",
     "heldout_x0_ce",
     "pick_prompts",
     "run_info",

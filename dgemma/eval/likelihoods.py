@@ -39,6 +39,7 @@ from dgemma.diffusion.likelihood import (
     Posterior,
     clean_context_posterior,
     iw_bound,
+    posterior_of,
     prior_kl,
     window_log_weights,
     window_nelbo,
@@ -46,7 +47,7 @@ from dgemma.diffusion.likelihood import (
 )
 from dgemma.diffusion.noise import alpha
 from dgemma.io.console import Progress
-from dgemma.train.heldout import Estimate, EvalError, ar_token_nll, estimate
+from dgemma.train.heldout import Estimate, EvalError, ar_token_nll, estimate, x0_ce_per_canvas
 
 SCORED_RULE = "tokens 1..seq_len of held-out windows of seq_len + 1 tokens; token 0 is every model's context"
 IW_KS = (1, 4, 16)  # trajectories per importance-weighted bound
@@ -91,6 +92,20 @@ def mc_seed(model_sha: str, estimator: str, num_steps: int | None, replicate: in
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 
+def model_sha(model: Any) -> str:
+    """SHA-256 of a model's weights (every parameter and buffer, by name, as stored): what seeds its Monte Carlo
+    draws, so two checkpoints never share them and one checkpoint always draws the same."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        try:
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        except (RuntimeError, TypeError, AttributeError, NotImplementedError):  # a quantized tensor subclass
+            h.update(repr((tuple(t.shape), str(t.dtype), type(t).__name__, float(t.dequantize().double().sum())
+                           if hasattr(t, "dequantize") else None)).encode())
+    return h.hexdigest()
+
+
 def mc_error(per_replicate: np.ndarray) -> float | None:
     """The Monte Carlo SE of the mean over windows of per-window figures averaged over replicates, from `per_replicate`
     (R, W) per-token figures on the same windows: sqrt(sum_w var_r / R) / W. None for R = 1."""
@@ -118,6 +133,43 @@ def _replicated(per_replicate_nats: list[list[float]], toks: list[int], nbytes: 
     return {"estimate": est, "mc_se": mc_error(per_token), "replicates": len(seeds), "seeds": seeds,
             "replicate_means": [float(n.sum() / sum(toks)) for n in nats],
             "per_window": per_token.mean(0).tolist()}
+
+
+@torch.no_grad()
+def heldout_x0_ce(model: Any, dataset: Any, *, seq_len: int, num_steps: int, time: str = "discrete",
+                  objective: str = "clean-context", batch_size: int = 8, max_windows: int | None = None,
+                  seed: int = 0, tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
+    """Held-out x0 cross-entropy at one level per canvas (seed 003 section 7): t / T with t ~ U{1..T}, or s ~ U(0, 1]
+    for a continuous-time run (`time`), the training objective without self-conditioning, drawing levels and x_t
+    exactly as `training_loss` does from the same generator. By level: T bins (LEVEL_BINS in continuous time)."""
+    posterior_of(objective)  # a diffusion objective, before anything runs
+    L = model.config.canvas_length
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    stream, n = scored_windows(dataset, seq_len, batch_size, max_windows)
+    nats, toks, nbytes = [], [], 0
+    bins = LEVEL_BINS if time == "continuous" else num_steps
+    t_sums = torch.zeros(bins, dtype=torch.float64)
+    t_counts = torch.zeros(bins, dtype=torch.float64)
+    with Progress("x0 CE", n, "windows", enabled=progress) as bar:
+        for x in stream:
+            x0 = x[:, 1:].to(model.device)  # the scored tokens, without their context (x0 CE has none)
+            B, S = x0.shape
+            ce, level = x0_ce_per_canvas(model, x0, objective=objective, num_steps=num_steps, time=time, generator=g)
+            per_canvas = ce.double().cpu()
+            nats += per_canvas.sum(-1).tolist()
+            toks += [S] * B
+            nbytes += _text_bytes(tokenizer, x0)
+            which = (level.double().cpu() * bins).round_() if time != "continuous" else \
+                (level.double().cpu() * bins).ceil_()
+            which = which.long().clamp_(1, bins).reshape(-1) - 1
+            t_sums.index_add_(0, which, per_canvas.reshape(-1))
+            t_counts.index_add_(0, which, torch.full((which.numel(),), float(L), dtype=torch.float64))
+            bar.update(B)
+    drawn = "one level per canvas, uniform on (0, 1]" if time == "continuous" else \
+        "one t per canvas, uniform on {1..T}"
+    return {"estimate": estimate(nats, toks, nbytes or None), "num_steps": num_steps, "objective": objective,
+            "time": time, "t_sampling": drawn, "seq_len": seq_len,
+            "ce_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
 
 
 @torch.no_grad()
@@ -163,6 +215,17 @@ def heldout_nelbo(posterior_for: PosteriorFor, dataset: Any, *, canvas_length: i
         "num_steps": num_steps, "num_t_samples": num_t_samples, "seq_len": seq_len,
         "prior_kl_per_token": prior_kl(num_steps or 1, vocab_size),
         "kl_by_t": _by_t(t_sums, t_counts), "tokens_by_t": t_counts.tolist()}
+
+
+def model_nelbo(model: Any, dataset: Any, *, seq_len: int, num_steps: int | None, num_t_samples: int = 4,
+                replicates: int = 2, seed: int = 0, batch_size: int = 8, max_windows: int | None = None,
+                tokenizer: Any = None, progress: bool = True) -> dict[str, Any]:
+    """`heldout_nelbo` of a diffusion model: its clean-context posterior, draws seeded by its weights (`model_sha`)."""
+    cfg = model.config
+    return heldout_nelbo(model_posterior(model), dataset, canvas_length=cfg.canvas_length, vocab_size=cfg.vocab_size,
+                         seq_len=seq_len, num_steps=num_steps, num_t_samples=num_t_samples, replicates=replicates,
+                         model_sha=model_sha(model), seed=seed, batch_size=batch_size, max_windows=max_windows,
+                         tokenizer=tokenizer, device=model.device, progress=progress)
 
 
 @torch.no_grad()
@@ -254,6 +317,6 @@ def model_posterior(model: Any) -> PosteriorFor:
     return lambda context: clean_context_posterior(model, context)
 
 
-__all__ = ["IW_KS", "SCORED_RULE", "heldout_ar_ce", "heldout_iw", "heldout_nelbo", "mc_error", "mc_seed",
-           "model_posterior", "scored_digest", "scored_windows", "train_unigram", "unigram_posterior",
-           "unigram_reference"]
+__all__ = ["IW_KS", "SCORED_RULE", "heldout_ar_ce", "heldout_iw", "heldout_nelbo", "heldout_x0_ce", "mc_error",
+           "mc_seed", "model_nelbo", "model_posterior", "model_sha", "scored_digest", "scored_windows", "train_unigram",
+           "unigram_posterior", "unigram_reference"]

@@ -143,18 +143,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                   f"{'matched' if v['quality_matched_on_report'] else 'not matched'}). Setting and AR temperature "
                   f"chosen on {v['prompts_select']} selection prompts, numbers from {v['prompts_report']} report "
                   "prompts; intervals: bootstrap over samples (gen-PPL), SE across prompts (tokens/s).", ""]
-    lines += ["## Likelihood (held-out, nats/token)", "",
-              "| metric | nats/token | ± SE | bits/byte | windows | tokens | windows for SE " +
-              f"{_f(lk['nelbo']['estimate']['target_se'], 'g')} |", "|---|---|---|---|---|---|---|"]
-    names = ((f"NELBO at T={lk['nelbo']['num_steps']} (upper bound on NLL)", "nelbo"),
-             ("NELBO, continuous time (upper bound on NLL)", "nelbo_continuous"),
-             ("x0 cross-entropy at sampled t", "x0_ce"), ("AR cross-entropy (baseline)", "ar_ce"))
-    for name, key in names:
-        if lk.get(key) is None:
-            continue
-        e = lk[key]["estimate"]
-        lines.append(f"| {name} | {_f(e['mean'], '.4f')} | {_f(e['se'], '.4f')} | {_f(e['bits_per_byte'], '.4f')} | "
-                     f"{e['windows']} | {e['tokens']:,} | {e['windows_for_target_se']} |")
+    lines += _likelihood_table(lk)
     lines += ["", f"NELBO: {lk['nelbo']['num_t_samples']} t per canvas ({_t_scheme(lk['nelbo']['num_t_samples'])} "
               f"of 2..{lk['nelbo']['num_steps']}), each canvas conditioned on the clean canvases before it in its "
               "window; prior term "
@@ -164,7 +153,9 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                  f"{lk['nelbo_continuous']['num_t_samples']} stratified levels per canvas. "
                  if lk.get("nelbo_continuous") else "No continuous-time bound: the model has no time input, and "
                  "without one the bound is infinite (docs/evaluation.md section 1.3). ") +
-              "SE over windows (data and Monte Carlo noise together).", "",
+              "SE: between windows (data and Monte Carlo noise together); MC SE: Monte Carlo alone, from "
+              f"{lk['nelbo'].get('replicates', 1)} independent passes, each from its own seed (docs/evaluation.md "
+              "section 2).", "",
               "![likelihood](likelihood.png)", "", f"*likelihood.png: `{report['command']}`*", ""]
     lines += ["## Speed / quality frontier", "",
               "Batch 1, one prompt at a time, same prompts and new-token budget for every sampler; tokens/s counts "
@@ -230,6 +221,41 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines += [f"**AR baseline, temperature {ar['temperature']:g}:**", "", "```", ar["example"].strip()[:600], "```",
                   ""]
     return "\n".join(lines)
+
+
+def _likelihood_table(lk: dict[str, Any]) -> list[str]:
+    """Every likelihood figure with its between-window SE and, for the Monte Carlo estimates, its Monte Carlo SE."""
+    sc = lk.get("scored") or {}
+    lines = ["## Likelihood (held-out, nats/token)", "",
+             f"Scored: {sc.get('rule', 'held-out windows')} ({sc.get('windows', '?')} windows, "
+             f"{sc.get('tokens', 0):,} tokens, sha256 {str(sc.get('sha256', ''))[:12]}), the same tokens for every "
+             "row.",
+             "", "| metric | nats/token | ± SE | ± MC SE | bits/byte | windows | windows for SE "
+             f"{_f(lk['nelbo']['estimate']['target_se'], 'g')} |", "|---|---|---|---|---|---|---|"]
+    rows = [(f"NELBO at T={lk['nelbo']['num_steps']} (upper bound on NLL)", lk.get("nelbo")),
+            ("NELBO, continuous time (upper bound on NLL)", lk.get("nelbo_continuous")),
+            ("x0 cross-entropy at sampled t (not a likelihood)", lk.get("x0_ce")),
+            ("AR cross-entropy (baseline; exact)", lk.get("ar_ce"))]
+    iw = lk.get("iw")
+    if iw:
+        rows += [(f"importance-weighted bound at T={iw['num_steps']}, K={k} (first {iw['windows']} windows)",
+                  {"estimate": e}) for k, e in iw["by_k"].items()]
+    if lk.get("unigram"):
+        rows.append(("unigram of the training split (exact, no context)", {"estimate": lk["unigram"]}))
+    if lk.get("reference_nelbo"):
+        rows.append((f"that unigram's NELBO at T={lk['reference_nelbo']['num_steps']} (an exact model: equals the "
+                     "row above in expectation)", lk["reference_nelbo"]))
+    for name, r in rows:
+        if r is None:
+            continue
+        e = r["estimate"]
+        lines.append(f"| {name} | {_f(e['mean'], '.4f')} | {_f(e['se'], '.4f')} | {_f(r.get('mc_se'), '.4f')} | "
+                     f"{_f(e.get('bits_per_byte'), '.4f')} | {e['windows']} | {e.get('windows_for_target_se')} |")
+    if iw and iw["gap"]["se"] is not None:
+        lines += ["", f"The importance-weighted bound falls by {_f(iw['gap']['mean'], '.4f')} ± "
+                  f"{_f(iw['gap']['se'], '.4f')} nats/token from K = {iw['gap']['from_k']} to K = {iw['gap']['to_k']} "
+                  "trajectories (paired over windows): the NELBO at T is at least that far above the NLL."]
+    return lines
 
 
 def _likelihood_lines(report: dict[str, Any]) -> list[str]:

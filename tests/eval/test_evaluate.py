@@ -459,7 +459,7 @@ def pair(tmp_path_factory):
 
 def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
     from dgemma.data.shards import TokenDataset
-    from dgemma.eval.evaluate import heldout_ar_ce, heldout_x0_ce
+    from dgemma.eval.likelihoods import heldout_ar_ce, heldout_x0_ce
     from dgemma.train.diffusion import training_loss
     from dgemma.weights.loading import load_model
 
@@ -467,7 +467,7 @@ def test_heldout_losses_match_training_loss_without_self_conditioning(pair):
     val = TokenDataset(root / "data", "val")
     diffusion = load_model(run_info(runs["clean-context"]).model_dir).eval()
     ours = heldout_x0_ce(diffusion, val, seq_len=32, num_steps=16, batch_size=4, max_windows=4, seed=5, progress=False)
-    x0 = next(val.heldout_batches(4, 32))
+    x0 = next(val.heldout_batches(4, 32, shift=1))[:, 1:]  # the scored tokens: 1..32 of windows of 33
     with torch.no_grad():
         ref = training_loss(diffusion, x0, num_steps=16, self_conditioning_prob=0.0,
                             generator=torch.Generator().manual_seed(5))
@@ -499,6 +499,17 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
     for key in ("nelbo", "x0_ce", "ar_ce"):
         e = lk[key]["estimate"]
         assert e["mean"] > 0 and e["se"] >= 0 and e["bits_per_byte"] > 0 and e["windows"] == 4
+    # Every likelihood scores the same tokens; the Monte Carlo ones carry their Monte Carlo SE from independent
+    # replicates; the exact reference, the unigram and the importance-weighted bound are beside them.
+    assert {lk[k]["estimate"]["tokens"] for k in ("nelbo", "x0_ce", "ar_ce", "reference_nelbo")} == \
+        {lk["scored"]["tokens"]} and lk["unigram"]["tokens"] == lk["scored"]["tokens"]
+    assert lk["nelbo"]["replicates"] == 2 and lk["nelbo"]["mc_se"] > 0
+    assert lk["nelbo"]["replicate_means"][0] != lk["nelbo"]["replicate_means"][1]
+    assert lk["reference_nelbo"]["mc_se"] > 0 and lk["ar_ce"].get("mc_se") is None
+    iw = lk["iw"]
+    assert iw["windows"] == 4 and set(iw["by_k"]) == {"1", "4", "16"}
+    assert iw["by_k"]["16"]["mean"] <= iw["by_k"]["1"]["mean"] + 1e-9
+    assert report["verdict"]["unigram_ce"] == lk["unigram"]["mean"]
     assert len(report["frontier"]) == 2 and report["ar_decode"]["useful_tokens"] > 0
     timing = report["timing"]  # all timed decoders in rotation, the load they shared recorded
     assert timing["order"].startswith("interleaved: prompt by prompt")
@@ -513,6 +524,7 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
     md = (out / "report.md").read_text()
     for heading in ("## Verdict (seed 003)", "## Likelihood", "## Speed / quality frontier", "## Traces"):
         assert heading in md
+    assert "± MC SE" in md and "importance-weighted bound at T=" in md and lk["scored"]["sha256"][:12] in md
     assert f"Machine: {os.cpu_count()} cores" in md and "load average (1 / 5 / 15 min)" in md
     assert report["command"].startswith("dgemma eval --model") and report["command"] in md
     for png in ("frontier.png", "likelihood.png"):
