@@ -29,7 +29,8 @@ import torch
 
 import dgemma
 from dgemma.data.shards import TokenDataset
-from dgemma.eval.evaluate import heldout_nelbo, heldout_x0_ce, pick_prompts
+from dgemma.eval.evaluate import pick_prompts
+from dgemma.eval.likelihoods import heldout_x0_ce, model_nelbo
 from dgemma.model.config import PRESETS
 from dgemma.testing.hf import randomize_
 from dgemma.weights import quantize
@@ -110,7 +111,7 @@ def trained_quality(run: Path, data: Path, prompts: int, windows: int, new_token
                                   "argmax_agree": float((logits.argmax(-1) == ref.argmax(-1)).float().mean())}
     for label, model in (("fp32", fp32), ("int8", int8)):
         common = dict(seq_len=4 * L, num_steps=16, batch_size=4, max_windows=windows, seed=seed, progress=False)
-        nelbo = heldout_nelbo(model, val, num_t_samples=4, **common)["estimate"]
+        nelbo = model_nelbo(model, val, num_t_samples=4, **common)["estimate"]
         x0 = heldout_x0_ce(model, val, objective="clean-context", **common)["estimate"]
         out[label] = {"nelbo": nelbo.mean, "nelbo_se": nelbo.se, "x0_ce": x0.mean}
     out["nelbo_change"] = out["int8"]["nelbo"] - out["fp32"]["nelbo"]
@@ -142,7 +143,7 @@ def trained_quality(run: Path, data: Path, prompts: int, windows: int, new_token
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", default=",".join(CPU_PRESETS))
-    p.add_argument("--model", type=Path, default=ROOT / "runs/out/cpu-small/diffusion",
+    p.add_argument("--model", type=Path, default=ROOT / "runs/out/cpu-small/diffusion-s0",
                    help="a trained diffusion run (default: what runs/cpu_small_results.sh writes)")
     p.add_argument("--data", type=Path, default=ROOT / "runs/out/cpu-small/data")
     p.add_argument("--train-steps", type=int, default=200, help="steps for `dgemma train` when --model is missing")

@@ -4,7 +4,7 @@ streamed, the same seed) and without it (the schema in the prompt only); tool se
 and a named function; and, through the library, what the constraint costs: tokens per forward and tokens/s with and
 without it, and the share of a step the grammar's masks take.
 
-    python runs/structured_output.py --model runs/out/cpu-small/diffusion    # the trained cpu-small: minutes
+    python runs/structured_output.py --model runs/out/cpu-small/diffusion-s0    # the trained cpu-small: minutes
     python runs/structured_output.py --smoke                                 # a tiny random model, seconds
 
 The schemas (`held_out_schemas`, seeded) mix flat objects of strings, integers, numbers and booleans, enums, arrays
