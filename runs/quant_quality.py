@@ -17,6 +17,7 @@ Prints a markdown summary and one JSON object (to --json PATH too).
 from __future__ import annotations
 
 import argparse
+import math
 import copy
 import json
 import os
@@ -111,10 +112,12 @@ def trained_quality(run: Path, data: Path, prompts: int, windows: int, new_token
                                   "argmax_agree": float((logits.argmax(-1) == ref.argmax(-1)).float().mean())}
     for label, model in (("fp32", fp32), ("int8", int8)):
         common = dict(seq_len=4 * L, num_steps=16, batch_size=4, max_windows=windows, seed=seed, progress=False)
-        nelbo = model_nelbo(model, val, num_t_samples=4, **common)["estimate"]
+        r = model_nelbo(model, val, num_t_samples=4, **common)  # each model's own draws: the change carries both MC SEs
+        nelbo = r["estimate"]
         x0 = heldout_x0_ce(model, val, objective="clean-context", **common)["estimate"]
-        out[label] = {"nelbo": nelbo.mean, "nelbo_se": nelbo.se, "x0_ce": x0.mean}
+        out[label] = {"nelbo": nelbo.mean, "nelbo_se": nelbo.se, "nelbo_mc_se": r["mc_se"], "x0_ce": x0.mean}
     out["nelbo_change"] = out["int8"]["nelbo"] - out["fp32"]["nelbo"]
+    out["nelbo_change_mc_se"] = math.hypot(out["int8"]["nelbo_mc_se"], out["fp32"]["nelbo_mc_se"])
     same = {"bf16": 0, "int8": 0}
     same_canvases = {"bf16": 0, "int8": 0}
     total = canvases = 0
@@ -183,7 +186,7 @@ def main() -> None:
                                         args.steps)
     t = report["trained"]
     print(f"\ntrained {t['model']}: held-out NELBO fp32 {t['fp32']['nelbo']:.4f} ± {t['fp32']['nelbo_se']:.4f}, int8 "
-          f"{t['int8']['nelbo']:.4f} (change {t['nelbo_change']:+.4f} nats/token); x0 CE fp32 "
+          f"{t['int8']['nelbo']:.4f} (change {t['nelbo_change']:+.4f} ± {t['nelbo_change_mc_se']:.4f} MC SE nats/token); x0 CE fp32 "
           f"{t['fp32']['x0_ce']:.4f}, int8 {t['int8']['x0_ce']:.4f}; load {report['load_average']:.2f}")
     for label in ("bf16", "int8"):
         e = t[f"{label}_logits"]
