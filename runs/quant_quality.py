@@ -17,9 +17,9 @@ Prints a markdown summary and one JSON object (to --json PATH too).
 from __future__ import annotations
 
 import argparse
-import math
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -186,7 +186,8 @@ def main() -> None:
                                         args.steps)
     t = report["trained"]
     print(f"\ntrained {t['model']}: held-out NELBO fp32 {t['fp32']['nelbo']:.4f} ± {t['fp32']['nelbo_se']:.4f}, int8 "
-          f"{t['int8']['nelbo']:.4f} (change {t['nelbo_change']:+.4f} ± {t['nelbo_change_mc_se']:.4f} MC SE nats/token); x0 CE fp32 "
+          f"{t['int8']['nelbo']:.4f} (change {t['nelbo_change']:+.4f} ± {t['nelbo_change_mc_se']:.4f} MC SE "
+          "nats/token); x0 CE fp32 "
           f"{t['fp32']['x0_ce']:.4f}, int8 {t['int8']['x0_ce']:.4f}; load {report['load_average']:.2f}")
     for label in ("bf16", "int8"):
         e = t[f"{label}_logits"]
