@@ -34,7 +34,7 @@ from torch import Tensor
 
 from dgemma.eval.curves import learning_curves
 from dgemma.eval.frontier import decode_frontier, frontier_points
-from dgemma.eval.judging import BASELINE_JUDGE, Z95, judge_description, judge_relation
+from dgemma.eval.judging import BASELINE_JUDGE, Z95, judge_description, judge_relation, schedule_position
 from dgemma.eval.likelihoods import (
     heldout_ar_ce,
     heldout_iw,
@@ -286,7 +286,8 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
         "model": {"path": str(info.path), "checkpoint": str(info.model_dir), "objective": objective,
                   "train_config": info.train_config},
         "baseline": None if base is None else {"path": str(base.path), "checkpoint": str(base.model_dir),
-                                               "train_config": base.train_config},
+                                               "train_config": base.train_config,
+                                               **schedule_position(base.path, base.model_dir, base.train_config)},
         "judge": None if judged_by is None else judge_description(
             BASELINE_JUDGE if judge is None else judge_relation(
                 judged_by.model_dir, [d.model_dir for d in (info, base) if d is not None],

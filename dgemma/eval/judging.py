@@ -161,6 +161,16 @@ def run_progress(path: Path, model_dir: Path) -> dict[str, Any]:
             "tokens": tokens[1] if tokens else None}
 
 
+def schedule_position(path: Path, model_dir: Path, train_config: dict[str, Any] | None) -> dict[str, Any]:
+    """Where a checkpoint sits on its run's learning-rate schedule: its step, the schedule's end (max_steps) and
+    whether it is there (`annealed`). A comparator is trained for the budget it is compared at only when annealed: a
+    mid-schedule checkpoint still has a high learning rate (docs/evaluation.md, "What a reviewer can check")."""
+    step = run_progress(path, model_dir)["step"]
+    end = (train_config or {}).get("max_steps")
+    return {"step": step, "schedule_steps": end,
+            "annealed": None if step is None or end is None else step >= end}
+
+
 def run_of(model_dir: Path) -> Path:
     """The training run a checkpoint belongs to (RUN/checkpoints/step-N -> RUN), or the checkpoint itself."""
     model_dir = model_dir.resolve()
@@ -191,4 +201,4 @@ def judge_description(relation: str, path: Path, model_dir: Path, train_config: 
 
 __all__ = ["BASELINE_JUDGE", "SAME_RUN_JUDGE", "SEPARATE_JUDGE", "START_RUN_JUDGE", "bootstrap_ppl", "half_stats",
            "judge_description", "judge_relation", "point_stats", "prompt_dependence", "rate_interval", "ratio_se",
-           "retokenize", "run_of", "run_progress", "split_prompts"]
+           "retokenize", "run_of", "run_progress", "schedule_position", "split_prompts"]

@@ -98,11 +98,23 @@ def _judge_line(judge: dict[str, Any] | None) -> str:
             f"{judge['objective'] or 'unknown'}{seed}{', ' + trained if trained else ''}), in {judge['dtype']}")
 
 
+def _baseline_line(base: dict[str, Any] | None) -> str:
+    if not base:
+        return "- baseline: none"
+    where = ""
+    if base.get("annealed") is not None:
+        where = (f" (step {base['step']:,} of its {base['schedule_steps']:,}-step schedule: "
+                 + ("annealed, trained for this budget)" if base["annealed"] else
+                    "**not annealed**: a mid-schedule checkpoint, its learning rate not decayed, so the comparison "
+                    "favours the diffusion model)"))
+    return f"- baseline: `{base['checkpoint']}`{where}"
+
+
 def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> str:
     lk, v, st = report["likelihood"], report["verdict"], report["settings"]
     lines = [f"# dgemma eval: {report['model']['path']}", "", f"Command: `{report['command']}`", "",
              f"- model: `{report['model']['checkpoint']}` (objective {report['model']['objective']})",
-             f"- baseline: `{report['baseline']['checkpoint']}`" if report["baseline"] else "- baseline: none",
+             _baseline_line(report["baseline"]),
              _judge_line(report.get("judge")),
              f"- data: `{report['data']['path']}`, validation split: {report['data']['tokens']:,} tokens, "
              f"{report['data']['documents']:,} documents",

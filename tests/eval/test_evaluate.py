@@ -510,6 +510,7 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
     assert iw["windows"] == 4 and set(iw["by_k"]) == {"1", "4", "16"}
     assert iw["by_k"]["16"]["mean"] <= iw["by_k"]["1"]["mean"] + 1e-9
     assert report["verdict"]["unigram_ce"] == lk["unigram"]["mean"]
+    assert report["baseline"]["annealed"] is True and report["baseline"]["step"] == 8  # the end of its schedule
     assert len(report["frontier"]) == 2 and report["ar_decode"]["useful_tokens"] > 0
     timing = report["timing"]  # all timed decoders in rotation, the load they shared recorded
     assert timing["order"].startswith("interleaved: prompt by prompt")
@@ -786,3 +787,15 @@ def test_a_judge_is_named_by_its_relation_to_the_compared_runs(tmp_path):
     assert judge_relation(ckpt("ar-start", 4800), [model, baseline], str(start)) == START_RUN_JUDGE
     assert judge_relation(judge, [model, baseline], str(start)) == SEPARATE_JUDGE
     assert judge_relation(lone, [model, baseline], None) == SEPARATE_JUDGE  # an exported checkpoint: its own
+
+
+def test_a_mid_schedule_baseline_is_named_not_annealed(pair):
+    from dgemma.eval.judging import schedule_position
+    from dgemma.eval.report import _baseline_line
+
+    root, runs = pair
+    mid = schedule_position(runs["ar"], runs["ar"] / "checkpoints" / "step-0000004", {"max_steps": 8})
+    assert mid == {"step": 4, "schedule_steps": 8, "annealed": False}
+    assert "**not annealed**" in _baseline_line({"checkpoint": "x", **mid})
+    end = schedule_position(runs["ar"], runs["ar"] / "checkpoints" / "step-0000008", {"max_steps": 8})
+    assert end["annealed"] is True and "not annealed" not in _baseline_line({"checkpoint": "x", **end})
