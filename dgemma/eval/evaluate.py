@@ -268,7 +268,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
                     ) if s.iw_windows else None
     ar_ce = heldout_ar_ce(baseline, val, seq_len=seq_len, **common) if baseline is not None else None
     # The exact reference: the training unigram, whose NELBO is its NLL at every T, through the same code.
-    log_p = train_unigram(data_dir)
+    log_p = train_unigram(data_dir, V)
     unigram = unigram_reference(log_p, val, seq_len=seq_len, max_windows=s.max_windows)
     reference = heldout_nelbo(lambda ctx: unigram_posterior(torch.from_numpy(log_p), L), val, num_steps=T,
                               model_sha="unigram:" + val.meta.get("tokenizer_sha256", str(data_dir)), **geometry,

@@ -278,12 +278,13 @@ def heldout_ar_ce(model: Any, dataset: Any, *, seq_len: int, batch_size: int = 8
 
 # --- the unigram model: a reference line and an exact model ----------------------------------------------------------
 
-def train_unigram(data_dir: Any) -> np.ndarray:
-    """log p of each token id under the training split's add-one unigram (V,), float64."""
+def train_unigram(data_dir: Any, vocab_size: int | None = None) -> np.ndarray:
+    """log p of each token id under the training split's add-one unigram (V,), float64; V the data's vocabulary, or
+    `vocab_size` (a model's, which may be larger: its extra ids get the add-one count)."""
     from dgemma.data.shards import TokenDataset
 
     train = TokenDataset(data_dir, "train")
-    counts = np.bincount(train.read(0, train.num_tokens), minlength=int(train.meta["vocab_size"]))
+    counts = np.bincount(train.read(0, train.num_tokens), minlength=vocab_size or int(train.meta["vocab_size"]))
     counts = counts.astype(np.float64) + 1
     return np.log(counts / counts.sum())
 
