@@ -7,8 +7,9 @@
                   for the recipe's steps (`DemoRecipe.budget`: --train-steps, or --minutes of the reference
                   machine), one status line with the run's steps and ETA (dgemma/eval/demo_training.py)
     3. samples    each prompt continued by both: the diffusion model's canvases denoising live, then the AR's text
-    4. figures    held-out NELBO (diffusion, an upper bound on its NLL) against the AR cross-entropy and the
-                  corpus's unigram cross-entropy; tokens per forward; the share of generated words that occur in the
+    4. figures    held-out NELBO (diffusion, an upper bound on its NLL, with its between-window and Monte Carlo SEs)
+                  against the AR cross-entropy and the training unigram's, all on the same held-out tokens
+                  (`heldout_figures`, dgemma/eval/likelihoods.py); tokens per forward; the share of generated words that occur in the
                   training corpus; prompt dependence (`judging.prompt_dependence`: how much less likely the AR
                   baseline finds a continuation after another prompt than after its own, the same measure for both
                   models); then the continuations, each prompt's two one under the other
@@ -34,12 +35,13 @@ from typing import Any, TextIO
 import torch
 
 from dgemma.data import prepare
-from dgemma.data.shards import TokenDataset, decode_documents, unigram_cross_entropy
+from dgemma.data.shards import TokenDataset, decode_documents
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
 from dgemma.eval.curves import read_metrics, tighter_bound
 from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words, words_per_64_tokens
 from dgemma.eval.demo_training import TrainingJob, train_side_by_side
 from dgemma.eval.judging import prompt_dependence, retokenize
+from dgemma.eval.likelihoods import SCORED_RULE, heldout_ar_ce, model_nelbo, train_unigram, unigram_reference
 from dgemma.io import dirkind
 from dgemma.io.console import Streamer
 from dgemma.io.fsio import write_text
@@ -263,6 +265,10 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     heldout = decode_documents(data, "val")
     figures = _figures(diff_run, ar_run, data, vocabulary, (d_texts, d_samples), (a_texts, a_samples), dependence,
                        per_forward, diffusion, recipe.diffusion.nelbo_steps)
+    held = heldout_figures(diffusion, ar, data, diff_run, recipe.diffusion.nelbo_steps)
+    figures["diffusion"] |= held.pop("diffusion_heldout")
+    figures["ar"] |= held.pop("ar_heldout")
+    figures |= held
     val_tokens = TokenDataset(data, "val").num_tokens
     figures["heldout_text"] = {"real_word_share": real_word_share(heldout, vocabulary),
                                "words_per_64_tokens": words_per_64_tokens(heldout, val_tokens)}
@@ -303,27 +309,49 @@ def _shown(text: str) -> str:
 def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], diffusion_out: tuple[list[str], list],
              ar_out: tuple[list[str], list], dependence: dict[str, dict[str, Any]], per_forward: list[float],
              model: DiffusionGemma, nelbo_steps: int) -> dict[str, Any]:
-    (d_state, d_eval), (a_state, a_eval) = last_records(diff_run), last_records(ar_run)
+    (d_state, _), (a_state, _) = last_records(diff_run), last_records(ar_run)
     dep = lambda side: {k: dependence[side][k] for k in ("prompt_dependence", "prompt_dependence_se")}
-    key, name = tighter_bound(d_eval) or ("val_nelbo", "NELBO")
     (d_texts, d_ids), (a_texts, a_ids) = diffusion_out, ar_out
     per_64 = lambda texts, ids: words_per_64_tokens(texts, sum(len(x) for x in ids))
     return {
         "diffusion": {"steps": d_state["step"], "tokens": d_state["tokens"],
-                      "heldout_nelbo": d_eval.get(key), "heldout_nelbo_se": d_eval.get(f"{key}_se"),
-                      "bound": name if key != "val_nelbo" else f"NELBO at T={nelbo_steps}",
                       "real_word_share": real_word_share(d_texts, vocabulary), **dep("diffusion"),
                       "words_per_64_tokens": per_64(d_texts, d_ids),
                       "tokens_per_forward": sum(per_forward) / len(per_forward),
                       "canvas_length": model.config.canvas_length},
         "ar": {"steps": a_state["step"], "tokens": a_state["tokens"],
-               "heldout_ce": a_eval.get("val_loss"), "heldout_ce_se": a_eval.get("val_loss_se"),
                "real_word_share": real_word_share(a_texts, vocabulary), **dep("ar"), "tokens_per_forward": 1.0,
                "words_per_64_tokens": per_64(a_texts, a_ids)},
-        "unigram_ce": unigram_cross_entropy(data),
         "prompt_dependence": {"scorer": DEPENDENCE_SCORER, "diffusion_nll": dependence["diffusion"]["nll"],
                               "ar_nll": dependence["ar"]["nll"]},
     }
+
+
+HELDOUT_WINDOWS = 64  # held-out windows of the demo's likelihood figures
+
+
+def heldout_figures(diffusion: DiffusionGemma, ar: DiffusionGemma, data: Path, diff_run: Path, nelbo_steps: int
+                    ) -> dict[str, Any]:
+    """The held-out figures, on the same scored tokens (docs/evaluation.md section 1): the diffusion model's tighter
+    bound (the continuous-time one for a time-conditioned run, else the NELBO at the training T; `dgemma eval`'s rule,
+    on the learning curve's last record) with its between-window and Monte Carlo SEs (two independent passes), the
+    AR model's cross-entropy and the training unigram's."""
+    (_, d_eval) = last_records(diff_run)
+    key, name = tighter_bound(d_eval) or ("val_nelbo", "NELBO")
+    val = TokenDataset(data, "val")
+    seq_len = int(json.loads((diff_run / "run.json").read_text())["train_config"]["seq_len"])
+    common = dict(seq_len=seq_len, max_windows=HELDOUT_WINDOWS, progress=False)
+    bound = model_nelbo(diffusion, val, num_steps=None if key == "val_nelbo_continuous" else nelbo_steps,
+                        replicates=2, **common)
+    ar_ce = heldout_ar_ce(ar, val, **common)
+    unigram = unigram_reference(train_unigram(data), val, seq_len=seq_len, max_windows=HELDOUT_WINDOWS)
+    e, a = bound["estimate"], ar_ce["estimate"]
+    return {"heldout": {"windows": e.windows, "tokens": e.tokens, "rule": SCORED_RULE},
+            "unigram_ce": unigram.mean,
+            "diffusion_heldout": {"heldout_nelbo": e.mean, "heldout_nelbo_se": e.se,
+                                  "heldout_nelbo_mc_se": bound["mc_se"],
+                                  "bound": name if key != "val_nelbo" else f"NELBO at T={nelbo_steps}"},
+            "ar_heldout": {"heldout_ce": a.mean, "heldout_ce_se": a.se}}
 
 
 def _pct(x: float | None) -> str:
@@ -332,6 +360,10 @@ def _pct(x: float | None) -> str:
 
 def _num(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.0f}"
+
+
+def _f2(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.2f}"
 
 
 def _pm(x: float | None, se: float | None) -> str:
@@ -348,7 +380,8 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
         f"{a['tokens']:,} tokens)",
         f"held-out nats/token     {_pm(d['heldout_nelbo'], d['heldout_nelbo_se']):>16}  "
         f"{_pm(a['heldout_ce'], a['heldout_ce_se']):>16}   (diffusion: {d['bound']}, an upper "
-        f"bound; a unigram model: {f['unigram_ce']:.2f})",
+        f"bound, Monte Carlo SE {_f2(d.get('heldout_nelbo_mc_se'))}; a unigram model: {f['unigram_ce']:.2f}; "
+        f"the same {f['heldout']['tokens']:,} held-out tokens)",
         f"tokens per forward      {d['tokens_per_forward']:>16.2f}  {1.0:>16.2f}   (canvas {d['canvas_length']}; "
         + ", ".join(f"{k} {v}" for k, v in f.get("sampling", {}).items()) + ")",
         f"real words              {_pct(d['real_word_share']):>16}  {_pct(a['real_word_share']):>16}   "

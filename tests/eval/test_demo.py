@@ -78,6 +78,9 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     diffusion_start = json.loads((tmp_path / "a" / "diffusion" / "run.json").read_text())["train_config"]
     assert diffusion_start["init_from"] == str(tmp_path / "a" / "ar")
     assert f["ar"]["heldout_ce"] > 0 and f["diffusion"]["heldout_nelbo"] > 0
+    # The held-out figures score the same tokens, and the bound carries its Monte Carlo SE (two independent passes).
+    assert f["heldout"]["tokens"] > 0 and f["diffusion"]["heldout_nelbo_mc_se"] > 0
+    assert f"Monte Carlo SE {f['diffusion']['heldout_nelbo_mc_se']:.2f}" in text
     without_timing = {k: v for k, v in f.items() if k != "timing"}
     assert _finite_numbers(without_timing), f
     for side in ("diffusion", "ar"):
