@@ -15,8 +15,13 @@ turn), not one setting over all prompts and then the next, so that a burst of lo
 alike instead of deciding a speedup; the machine's load before and after, and its cores, go into the report
 (`timing`) beside the numbers they qualify.
 
-Quality: the judge (dgemma/eval/judging.py) scores each sample re-tokenized (`judging.retokenize`), and measures how
-much the continuations depend on their prompts (`judging.prompt_dependence`), the same way for diffusion and AR.
+Quality: every setting and AR temperature draws its quality samples `--sample-seeds` times per prompt (`draw_seed`),
+each exactly max_new_tokens long (LENGTH_RULE: an end of text does not stop a quality draw); the judge
+(dgemma/eval/judging.py) scores each sample re-tokenized (`judging.retokenize`), every per-prompt figure is the mean
+over the prompt's draws (`judging.prompt_figures`: judge NLL, per-sample distinct-2, token entropy, the real-text share
+of dgemma/eval/realtext.py, measured beside its floors), and the first draw measures how much the continuations depend
+on their prompts (`judging.prompt_dependence`), the same way for diffusion and AR. The rows keep those per-prompt
+figures (`per_prompt`) for the paired comparisons of dgemma/eval/paired.py and the verdict (dgemma/eval/matched.py).
 
 Every row says which likelihood, if any, describes its samples (`likelihood`: "NELBO at T=N" for the bounded chain,
 dgemma/sampling/families.py:chain_likelihood; "AR NLL (exact)" for the AR baseline at temperature 1,
