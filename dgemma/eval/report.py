@@ -263,12 +263,14 @@ def _quality_cells(row: dict[str, Any], ar: dict[str, Any] | None) -> str:
     token entropy."""
     q = row["quality"]
     diff = None
-    if ar is not None and "nll_per_token" in row.get("per_prompt", {}) and row is not ar:
+    if ar is not None and "nll_per_token" in row.get("per_prompt", {}) and row.get("temperature", -1) != \
+            ar["temperature"]:
         diff = paired_difference(row["per_prompt"]["nll_per_token"], ar["per_prompt"]["nll_per_token"])
     def pm(key: str) -> str:
         return "–" if q.get(key) is None else f"{_f(q[key])} ± {_f(q.get(key + '_se'))}"
 
-    paired = "–" if diff is None else f"{_f(diff['mean'], '+.3f')} ± {_f(diff['se'])}"
+    paired = ("(reference)" if ar is not None and row.get("temperature") == ar["temperature"] else "–") \
+        if diff is None else f"{_f(diff['mean'], '+.3f')} ± {_f(diff['se'])}"
     return (f"{_nll(q)} | {paired} | "
             f"{_f(q.get('gen_ppl'), '.1f')} {_ci(q.get('gen_ppl_ci95'), '.1f')} | {pm('distinct_2_per_sample')} | "
             f"{pm('real_text')} | {_f(q['token_entropy'], '.2f')}")

@@ -7,6 +7,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -771,8 +774,15 @@ def test_sample_seeds_draw_length_matched_samples_per_prompt(pair, tmp_path):
     assert v["tokens_per_forward_ratio"] > 0 and len(v["tokens_per_forward_ratio_ci95"]) == 2
     md = (tmp_path / "2" / "report.md").read_text()
     for text in ("Speed at matched quality", "paired Δ NLL vs the verdict's AR ± SE", "distinct-2 per sample ± SE",
-                 "real text ± SE", "Real text: share of the sample's characters", "2 seed(s) per prompt"):
+                 "real text ± SE", "Real text: share of the sample's characters", "2 seed(s) per prompt",
+                 "| (reference) |"):
         assert text in md, text
+    # runs/frontier_table.py reads the new rows (per-sample distinct-2, paired SEs) as it reads the committed report
+    root = Path(__file__).resolve().parents[2]
+    script, report_json = root / "runs" / "frontier_table.py", tmp_path / "2" / "report.json"
+    table = subprocess.run([sys.executable, str(script), str(report_json)], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert "| distinct-2 per sample |" in table.stdout and "| AR, temperature 0.8 |" in table.stdout
 
 
 def test_a_judge_is_named_by_its_relation_to_the_compared_runs(tmp_path):
