@@ -7,12 +7,14 @@ A diffusion setting is *matched* with an AR point (the AR baseline at one temper
     its per-sample distinct-2 is at least DIVERSITY_FLOOR (0.95) times the AR point's (means over the prompts):
     degenerate, repetitive samples score a low NLL, so the NLL alone would reward them.
 
-On the selection prompts (even, `judging.split_prompts`) the verdict takes, among the AR points some setting matches,
-the best-quality one (lowest judge NLL), and the fastest setting (tokens/s) matched with it. Then, on the report
-prompts (odd) only, it reports that pair: tokens/s and tokens per forward of diffusion over AR with 95% intervals
-(`paired.ratio_of_rates`), the paired NLL difference +- SE, the distinct-2 ratio, and whether the rule still holds
-there. If nothing matches, it says so and reports the closest pair: among pairs that pass the diversity check (else
-all), the one whose NLL difference is fewest paired SEs above zero.
+Each setting's *matched AR point* is the best-quality one (lowest judge NLL) among the AR points it matches: the AR
+temperature grid is there to find it (`best_match`). On the selection prompts (even, `judging.split_prompts`) the
+verdict takes the fastest setting (tokens/s) that matches some AR point, with its matched AR point. Then, on the
+report prompts (odd) only, it reports that pair: tokens/s and tokens per forward of diffusion over AR with 95%
+intervals (`paired.ratio_of_rates`), the paired NLL difference +- SE, the distinct-2 ratio, and whether the rule still
+holds there. If nothing matches, it says so and reports the closest pair: among pairs that pass the diversity check
+(else all), the one whose NLL difference is the fewest paired SEs above the rule. `matches` gives every setting's
+matched (or closest) AR point on all prompts, for the report's table.
 """
 
 from __future__ import annotations
@@ -50,20 +52,45 @@ def _speed(row: dict[str, Any], idx: Sequence[int]) -> float:
     return sum(p["tokens"][i] for i in idx) / seconds if seconds > 0 else 0.0
 
 
+def best_match(d: dict[str, Any], ar_points: Sequence[dict[str, Any]], idx: Sequence[int]
+               ) -> tuple[int, dict[str, Any]]:
+    """A setting's matched AR point on the prompts `idx` (its index and `compare`'s figures): the lowest-NLL AR point
+    it matches; else the closest (among the AR points it is diverse enough for, else all: the smallest `excess`)."""
+    pairs = [compare(d, a, idx) for a in ar_points]
+    matched = [j for j, c in enumerate(pairs) if c["matched"]]
+    if matched:
+        j = min(matched, key=lambda j: (mean_se(ar_points[j]["per_prompt"][NLL], idx)["mean"], j))
+    else:
+        pool = [j for j, c in enumerate(pairs) if c["diverse_enough"]] or list(range(len(pairs)))
+        j = min(pool, key=lambda j: (pairs[j]["excess"], j))
+    return j, pairs[j]
+
+
 def choose(frontier: Sequence[dict[str, Any]], ar_points: Sequence[dict[str, Any]], idx: Sequence[int]
            ) -> tuple[int, int, bool]:
-    """(diffusion index, AR index, matched) on the prompts `idx`: the fastest setting matched with the lowest-NLL
-    AR point any setting matches; else the closest pair (see the module's docstring)."""
-    pairs = {(i, j): compare(d, a, idx) for i, d in enumerate(frontier) for j, a in enumerate(ar_points)}
-    matched = [k for k, c in pairs.items() if c["matched"]]
+    """(diffusion index, AR index, matched) on the prompts `idx`: the fastest setting that matches an AR point, with
+    its matched AR point (`best_match`); else the closest pair (see the module's docstring)."""
+    best = [best_match(d, ar_points, idx) for d in frontier]
+    matched = [i for i, (_, c) in enumerate(best) if c["matched"]]
     if matched:
-        ar_nll = lambda j: mean_se(ar_points[j]["per_prompt"][NLL], idx)["mean"]
-        best_ar = min({j for _, j in matched}, key=lambda j: (ar_nll(j), j))
-        i = max((i for i, j in matched if j == best_ar), key=lambda i: (_speed(frontier[i], idx), -i))
-        return i, best_ar, True
-    pool = [k for k, c in pairs.items() if c["diverse_enough"]] or list(pairs)
-    i, j = min(pool, key=lambda k: (pairs[k]["excess"], k))
-    return i, j, False
+        i = max(matched, key=lambda i: (_speed(frontier[i], idx), -i))
+        return i, best[i][0], True
+    pool = [i for i, (_, c) in enumerate(best) if c["diverse_enough"]] or list(range(len(frontier)))
+    i = min(pool, key=lambda i: (best[i][1]["excess"], i))
+    return i, best[i][0], False
+
+
+def matches(frontier: Sequence[dict[str, Any]], ar_points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every setting's matched (or closest) AR point on all prompts: its temperature, whether it matches, the paired
+    NLL difference and the distinct-2 ratio (report.md's table)."""
+    n = len(frontier[0]["per_prompt"]["tokens"]) if frontier else 0
+    out = []
+    for d in frontier:
+        j, c = best_match(d, ar_points, range(n))
+        out.append({"label": d["label"], "ar_temperature": ar_points[j]["temperature"], "ar_index": j,
+                    "matched": c["matched"], "nll_difference": c["nll_difference"],
+                    "distinct_2_ratio": c["distinct_2_ratio"]})
+    return out
 
 
 def frontier_verdict(frontier: Sequence[dict[str, Any]], ar_points: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -92,7 +119,8 @@ def frontier_verdict(frontier: Sequence[dict[str, Any]], ar_points: Sequence[dic
         "distinct_2_per_sample": side(d, DISTINCT), "ar_distinct_2_per_sample": side(a, DISTINCT),
         "tokens_per_second": _speed(d, report), "ar_tokens_per_second": _speed(a, report),
         "prompts_select": len(select), "prompts_report": len(report),
+        "matches": matches(frontier, ar_points),
     }
 
 
-__all__ = ["DIVERSITY_FLOOR", "MATCH_RULE", "choose", "compare", "frontier_verdict"]
+__all__ = ["DIVERSITY_FLOOR", "MATCH_RULE", "best_match", "choose", "compare", "frontier_verdict", "matches"]

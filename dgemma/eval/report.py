@@ -21,7 +21,6 @@ import numpy as np
 
 from dgemma.eval.curves import curves_markdown
 from dgemma.eval.judging import BASELINE_JUDGE
-from dgemma.eval.paired import paired_difference
 from dgemma.eval.viz import figure, pyplot, save_figure
 from dgemma.io import fsio
 from dgemma.sampling.trace import Trace
@@ -167,11 +166,12 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
               *_timing_lines(report.get("timing")),
               *_protocol_lines(report.get("quality_protocol")),
               "| sampler setting / AR temperature | tok/s ± SE | speedup | tok/forward adaptive | fixed (rule) | "
-              "steps/canvas | judge NLL/token ± SE | paired Δ NLL vs the verdict's AR ± SE | gen PPL [95%] | "
+              "steps/canvas | judge NLL/token ± SE | paired Δ NLL vs its matched AR point ± SE | gen PPL [95%] | "
               "distinct-2 per sample ± SE | real text ± SE | entropy | re-noised | prompt dependence |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ar = report["ar_decode"]
-    for f in report["frontier"]:
+    found = v.get("matches") or [None] * len(report["frontier"])
+    for f, match in zip(report["frontier"], found, strict=True):
         a, q, al = f["adaptive"], f["quality"], f["stats"]["all"]
         speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
         fixed = "–" if not f.get("fixed") else (f"{_f(f['fixed']['tokens_per_forward'], '.2f')} "
@@ -179,19 +179,20 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines.append(f"| {f['label']} | {_f(a['tokens_per_second'], '.1f')} ± "
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
                      f"{_f(a['tokens_per_forward'], '.2f')} | {fixed}"
-                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_quality_cells(f, ar)} | "
+                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_quality_cells(f, match)} | "
                      f"{_f(q['renoised']['fraction'], '.3%')} | {_dependence(q)} |")
     for p in report["ar_frontier"]:
         q, al = p["quality"], p["stats"]["all"]
         speed = p["tokens_per_second"] / ar["tokens_per_second"] if ar["tokens_per_second"] else None
         lines.append(f"| AR T={p['temperature']:g} | {_f(p['tokens_per_second'], '.1f')} ± "
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
-                     f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_quality_cells(p, ar)} | – | "
+                     f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_quality_cells(p, None)} | – | "
                      f"{_dependence(q)} |")
     if ar:
-        lines += ["", f"Speedup and paired Δ NLL: against the AR baseline at temperature {ar['temperature']:g} (the "
-                  "verdict's), on all prompts; Δ NLL is the mean over prompts of the per-prompt difference of the "
-                  "judge's NLL per token (this row minus the AR's), ± the SE of those differences. Judge NLL, "
+        lines += ["", f"Speedup: against the AR baseline at temperature {ar['temperature']:g} (the verdict's). Paired "
+                  "Δ NLL: against the row's matched AR point on all prompts (the lowest-NLL AR temperature it "
+                  "matches, else the closest), the mean over prompts of the per-prompt difference of the judge's NLL "
+                  "per token (this row minus the AR's), ± the SE of those differences. Judge NLL, "
                   "distinct-2 and real text: per prompt the mean over its seeds, then mean ± SE over prompts. Gen "
                   "PPL: the pooled NLL's, 95% bootstrap interval over prompts; tok/s: ± SE across prompts."]
     lines += ["", "### Adaptive stopping", "",
@@ -239,7 +240,8 @@ def _speed_lines(v: dict[str, Any]) -> list[str]:
             f"{_f(d['mean'], '+.3f')} ± {_f(d['se'])} over {d['n']} prompts; per-sample distinct-2 "
             f"{_f(div['mean'])} vs {_f(ar_div['mean'])} (ratio {_f(v['distinct_2_ratio'])}).",
             f"- Matched quality: {v['match_rule']}. Setting and AR temperature chosen on {v['prompts_select']} "
-            f"selection prompts (the fastest setting matched with the lowest-NLL AR point any setting matches), "
+            f"selection prompts (the fastest setting that matches an AR point, against the lowest-NLL AR point it "
+            "matches), "
             f"numbers from {v['prompts_report']} report prompts; intervals: {v['interval_method']}."]
 
 
@@ -258,19 +260,19 @@ def _protocol_lines(p: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _quality_cells(row: dict[str, Any], ar: dict[str, Any] | None) -> str:
-    """Judge NLL ± SE | paired Δ NLL vs `ar` ± SE | gen PPL [95%] | distinct-2 per sample ± SE | real text ± SE |
-    token entropy."""
+def _quality_cells(row: dict[str, Any], match: dict[str, Any] | None) -> str:
+    """Judge NLL ± SE | paired Δ NLL vs the row's matched AR point ± SE (`match`: the verdict's `matches` entry) |
+    gen PPL [95%] | distinct-2 per sample ± SE | real text ± SE | token entropy."""
     q = row["quality"]
-    diff = None
-    if ar is not None and "nll_per_token" in row.get("per_prompt", {}) and row.get("temperature", -1) != \
-            ar["temperature"]:
-        diff = paired_difference(row["per_prompt"]["nll_per_token"], ar["per_prompt"]["nll_per_token"])
+
     def pm(key: str) -> str:
         return "–" if q.get(key) is None else f"{_f(q[key])} ± {_f(q.get(key + '_se'))}"
 
-    paired = ("(reference)" if ar is not None and row.get("temperature") == ar["temperature"] else "–") \
-        if diff is None else f"{_f(diff['mean'], '+.3f')} ± {_f(diff['se'])}"
+    paired = "–"
+    if match is not None:
+        d = match["nll_difference"]
+        paired = (f"{_f(d['mean'], '+.3f')} ± {_f(d['se'])} vs T={match['ar_temperature']:g}"
+                  + ("" if match["matched"] else " (closest; not matched)"))
     return (f"{_nll(q)} | {paired} | "
             f"{_f(q.get('gen_ppl'), '.1f')} {_ci(q.get('gen_ppl_ci95'), '.1f')} | {pm('distinct_2_per_sample')} | "
             f"{pm('real_text')} | {_f(q['token_entropy'], '.2f')}")

@@ -88,20 +88,22 @@ def test_matched_means_nll_within_one_paired_se_and_distinct_2_at_least_095():
     assert compare(_diffusion(5.0, 0.855, [1.0] * 8, [8] * 8, "x"), ar, idx)["matched"]  # 0.95x exactly
 
 
-def test_verdict_picks_the_fastest_setting_matched_with_the_best_ar_point_and_reports_the_other_half():
+def test_verdict_picks_the_fastest_matched_setting_against_its_best_ar_point_and_reports_the_other_half():
     from dgemma.eval.evaluate import verdict
 
     est = {"mean": 2.0, "se": 0.01}
     lk = {"ar_ce": {"estimate": est}, "nelbo": {"estimate": est}, "x0_ce": {"estimate": est}}
     cold = _row(5.0, 0.5, [1.0, 2.0] * 4, [32] * 8, temperature=0.7)  # best NLL, repetitive
+    warm = _row(5.5, 0.9, [1.0, 2.0] * 4, [32] * 8, temperature=0.85)
     hot = _row(6.0, 0.9, [1.0, 2.0] * 4, [32] * 8, temperature=1.0)
-    # fast: hot's quality on the selection prompts, 1 nat worse on the report prompts; slow: cold's quality
-    fast = _diffusion(6.0, 0.9, [0.5, 0.5, 0.5, 0.25] * 2, [8, 10] * 4, "fast", report_shift=1.0)
+    # fast: warm's quality on the selection prompts (so it matches warm and hot, not cold), 1 nat worse on the report
+    # prompts; slow: cold's quality, and its repetition (it matches cold only)
+    fast = _diffusion(5.5, 0.9, [0.5, 0.5, 0.5, 0.25] * 2, [8, 10] * 4, "fast", report_shift=1.0)
     slow = _diffusion(5.0, 0.5, [4.0] * 8, [33] * 8, "slow")
-    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot, cold]})
-    assert v["speedup_setting"]["label"] == "slow" and v["ar_temperature"] == 0.7 and v["quality_matched"]
-    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot]})
-    assert v["speedup_setting"]["label"] == "fast" and v["ar_index"] == 0 and v["quality_matched"]
+    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot, cold, warm]})
+    # the fastest setting that matches an AR point, against the best-quality AR point it matches
+    assert v["speedup_setting"]["label"] == "fast" and v["ar_temperature"] == 0.85 and v["ar_index"] == 2
+    assert v["quality_matched"] and v["selection"]["nll_difference"]["mean"] == pytest.approx(0.0)
     report = [1, 3, 5, 7]  # the numbers are the report half's
     seconds = [fast["per_prompt"]["seconds"][i] for i in report]
     want = (32 * 4 / sum(seconds)) / (32 * 4 / (2.0 * 4))
@@ -110,10 +112,17 @@ def test_verdict_picks_the_fastest_setting_matched_with_the_best_ar_point_and_re
     assert v["nll_difference"]["mean"] == pytest.approx(1.0) and v["nll_difference"]["n"] == 4
     assert not v["quality_matched_on_report"] and v["distinct_2_ratio"] == pytest.approx(1.0)
     assert v["prompts_select"] == v["prompts_report"] == 4 and "0.95x" in v["match_rule"]
+    # every setting's matched AR point on all prompts (the table): fast is 0.5 worse than warm on average there
+    by_label = {m["label"]: m for m in v["matches"]}
+    assert by_label["fast"]["ar_temperature"] == 1.0 and by_label["fast"]["matched"]
+    assert by_label["slow"]["ar_temperature"] == 0.7 and by_label["slow"]["matched"]
+    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [cold]})
+    assert v["speedup_setting"]["label"] == "slow" and v["ar_temperature"] == 0.7 and v["quality_matched"]
     # nothing matches an AR point far better than every setting: said so, and the closest pair reported
     sharp = _row(3.0, 0.9, [1.0] * 8, [32] * 8, temperature=0.5)
     v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [sharp]})
     assert not v["quality_matched"] and v["speedup_setting"]["label"] == "fast"  # slow fails the diversity check
+    assert not any(m["matched"] for m in v["matches"])
 
 
 # --- the real-text share and its floors -----------------------------------------------------------------------------
