@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "at its defaults (docs/sampling.md; default: entropy-bound only)")
     p.add_argument("--ar-temperatures", type=_floats, default=(1.0,), metavar="X,X,..",
                    help="temperatures the AR baseline decodes at: its frontier (default 1)")
+    p.add_argument("--sample-seeds", type=int, default=1, metavar="S",
+                   help="quality samples per prompt of every sampler setting and AR temperature, each with its own "
+                   "seed; per-prompt figures average over them first (timing stays one rotation; default 1)")
     p.add_argument("--seq-len", type=int, metavar="N", help="held-out window (default: the run's training seq_len)")
     p.add_argument("--nelbo-steps", dest="num_steps", type=int, metavar="T",
                    help="diffusion steps T of the NELBO (default: the run's training --num-steps)")
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                             mc_replicates=args.mc_replicates, iw_windows=args.iw_windows,
                             max_windows=args.max_windows or None, batch_size=args.batch_size,
                             target_se=args.target_se, seed=args.seed, quality_dtype=args.quality_dtype,
-                            ar_temperatures=args.ar_temperatures, bootstrap=args.bootstrap, progress=not args.quiet,
+                            ar_temperatures=args.ar_temperatures, sample_seeds=args.sample_seeds,
+                            bootstrap=args.bootstrap, progress=not args.quiet,
                             impl=args.impl)
     settings.check()
     set_threads(args.threads)
@@ -128,6 +132,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--sampler-grid", spec]
     if args.ar_temperatures != (1.0,):
         out += ["--ar-temperatures", ",".join(f"{x:g}" for x in args.ar_temperatures)]
+    if args.sample_seeds != 1:
+        out += ["--sample-seeds", str(args.sample_seeds)]
     if args.bootstrap != 1000:
         out += ["--bootstrap", str(args.bootstrap)]
     if args.impl != "fast":

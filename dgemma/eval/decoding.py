@@ -50,6 +50,8 @@ class DecodeRun:
     denoise_passes: int = 0
     commit_passes: int = 0
     steps_per_canvas: list[int] = field(default_factory=list)
+    prompt_passes: list[int] = field(default_factory=list)  # backbone passes per prompt (the paired comparisons)
+    prompt_generated: list[int] = field(default_factory=list)  # positions generated per prompt
     traces: list[Trace] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -139,6 +141,8 @@ def sampler_job(model: DiffusionGemma, config: GenerationConfig, *, seed: int = 
         run.denoise_passes += sum(steps)
         run.commit_passes += len(steps)
         run.passes += sum(steps) + len(steps)
+        run.prompt_passes.append(sum(steps) + len(steps))
+        run.prompt_generated.append(result.sequences.shape[1] - ids.shape[1])
         run.token_forwards += (sum(steps) + len(steps)) * L
         run.generated += result.sequences.shape[1] - ids.shape[1]
         run.steps_per_canvas += steps
@@ -213,6 +217,8 @@ def ar_job(model: DiffusionGemma, *, max_new_tokens: int, eos: Sequence[int], se
         run.token_forwards += len(out)
         run.commit_passes += len(out)
         run.generated += len(out)
+        run.prompt_passes.append(len(out))
+        run.prompt_generated.append(len(out))
         run.samples.append(out)
 
     return DecodeJob(run, warm_up, decode)
@@ -288,7 +294,8 @@ def generative_perplexity(scorer: DiffusionGemma, prompts: Sequence[Tensor], sam
 
 
 def distinct_n(samples: Sequence[Sequence[int]], n: int) -> float:
-    """Distinct n-grams / all n-grams, pooled over samples (higher = more varied; 1 = no n-gram repeats)."""
+    """Distinct n-grams / all n-grams, pooled over samples (higher = more varied; 1 = no n-gram repeats); of one
+    sample (`[sample]`): its own. NaN without an n-gram."""
     grams = [tuple(s[i:i + n]) for s in samples for i in range(len(s) - n + 1)]
     return len(set(grams)) / len(grams) if grams else math.nan
 
@@ -305,8 +312,10 @@ def unigram_entropy(samples: Sequence[Sequence[int]]) -> float:
 
 
 def quality(samples: Sequence[Sequence[int]]) -> dict[str, float]:
-    return {"distinct_1": distinct_n(samples, 1), "distinct_2": distinct_n(samples, 2),
-            "distinct_3": distinct_n(samples, 3), "token_entropy": unigram_entropy(samples),
+    """Distinct-n pooled over all `samples` (labelled so: `dgemma eval` reports distinct-2 per sample beside it,
+    judging.prompt_figures), the mean per-sample token entropy and the mean length."""
+    return {"distinct_1_pooled": distinct_n(samples, 1), "distinct_2_pooled": distinct_n(samples, 2),
+            "distinct_3_pooled": distinct_n(samples, 3), "token_entropy": unigram_entropy(samples),
             "mean_length": float(np.mean([len(s) for s in samples])) if samples else math.nan}
 
 

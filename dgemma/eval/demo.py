@@ -9,10 +9,10 @@
     3. samples    each prompt continued by both: the diffusion model's canvases denoising live, then the AR's text
     4. figures    held-out NELBO (diffusion, an upper bound on its NLL, with its between-window and Monte Carlo SEs)
                   against the AR cross-entropy and the training unigram's, all on the same held-out tokens
-                  (`heldout_figures`, dgemma/eval/likelihoods.py); tokens per forward; the share of generated words that occur in the
-                  training corpus; prompt dependence (`judging.prompt_dependence`: how much less likely the AR
-                  baseline finds a continuation after another prompt than after its own, the same measure for both
-                  models); then the continuations, each prompt's two one under the other
+                  (`heldout_figures`, dgemma/eval/likelihoods.py); tokens per forward; the share of generated words
+                  that occur in the training corpus; prompt dependence (`judging.prompt_dependence`: how much less
+                  likely the AR baseline finds a continuation after another prompt than after its own, the same
+                  measure for both models); then the continuations, each prompt's two one under the other
 
 Everything goes to OUT: OUT/data, OUT/ar and OUT/diffusion (training runs: `dgemma train --resume` continues them;
 their consoles in OUT/ar-train.log and OUT/diffusion-train.log), OUT/demo.md and OUT/demo.json (the figures),

@@ -22,7 +22,6 @@ metrics.jsonl (dgemma/eval/curves.py).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from dgemma.eval.curves import learning_curves
 from dgemma.eval.frontier import decode_frontier, frontier_points
-from dgemma.eval.judging import BASELINE_JUDGE, Z95, judge_description, judge_relation, schedule_position
+from dgemma.eval.judging import BASELINE_JUDGE, judge_description, judge_relation, schedule_position
 from dgemma.eval.likelihoods import (
     heldout_ar_ce,
     heldout_iw,
@@ -47,6 +46,7 @@ from dgemma.eval.likelihoods import (
     unigram_posterior,
     unigram_reference,
 )
+from dgemma.eval.matched import frontier_verdict
 from dgemma.model.attention import IMPLS
 from dgemma.sampling.trace import Trace
 from dgemma.train.heldout import EvalError
@@ -148,6 +148,7 @@ class EvalSettings:
     seed: int = 0
     quality_dtype: str = "float64"  # dtype of both models when drawing the samples that are scored
     ar_temperatures: tuple[float, ...] = (1.0,)  # the AR baseline's frontier
+    sample_seeds: int = 1  # quality draws per prompt, each with its own seed (timing stays one rotation)
     bootstrap: int = 1000  # resamples of the gen-PPL interval
     progress: bool = True
     impl: str = "reference"  # the kernels of every model (dgemma/model/attention.py): diffusion and AR alike
@@ -173,6 +174,8 @@ class EvalSettings:
             problems.append(f"--ar-temperatures must be numbers > 0, got {self.ar_temperatures}")
         if self.iw_windows < 0:
             problems.append(f"--iw-windows must be >= 0 (0: no importance-weighted bound), got {self.iw_windows}")
+        if self.sample_seeds < 1:
+            problems.append(f"--sample-seeds must be >= 1, got {self.sample_seeds}")
         if self.bootstrap < 1:
             problems.append(f"--bootstrap must be >= 1, got {self.bootstrap}")
         if self.target_se <= 0:
@@ -280,7 +283,8 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     gcfg = load_generation_config(info.model_dir).replace(
         max_new_tokens=max_new, eos_token_id=eos, pad_token_id=None, truncate=False)
     scorer, judged_by = (judge, judge_info) if judge is not None else (baseline, base)
-    frontier, ar_frontier, traces, timing = decode_frontier(model, baseline, scorer, tokenizer, prompts, gcfg, s, log)
+    frontier, ar_frontier, traces, timing, protocol = decode_frontier(model, baseline, scorer, tokenizer, prompts,
+                                                                      gcfg, s, log, data_dir=data_dir)
     report = {
         "format": REPORT_FORMAT,
         "model": {"path": str(info.path), "checkpoint": str(info.model_dir), "objective": objective,
@@ -305,6 +309,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
                     "report": "odd (1, 3, 5, ...)"},
         "frontier": frontier,
         "ar_frontier": ar_frontier,
+        "quality_protocol": protocol,
         "timing": timing,
     }
     curves = learning_curves(info.path, base.path if base is not None else None, data_dir)
@@ -315,38 +320,6 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     chosen = report["verdict"].get("ar_index", 0)
     report["ar_decode"] = ar_frontier[chosen] if ar_frontier else None
     return report, traces
-
-
-def _finite_or(x: Any, default: float) -> float:
-    return x if x is not None and math.isfinite(x) else default
-
-
-def _match(frontier: list[dict[str, Any]], ar: dict[str, Any], half: str, tolerance: float
-           ) -> tuple[dict[str, Any], bool]:
-    """The fastest frontier setting whose samples on `half` match the AR point's there (gen-PPL at most (1 + tol)
-    times, token entropy at least (1 - tol) times), else the best-perplexity one among those passing the entropy
-    check (else the best overall); and whether it matched."""
-    a = ar["stats"][half]
-    ar_ppl, ar_h = _finite_or(a.get("gen_ppl"), math.nan), a["token_entropy"]
-
-    def ppl(f: dict[str, Any]) -> float:
-        return _finite_or(f["stats"][half].get("gen_ppl"), math.inf)
-
-    varied = [f for f in frontier if f["stats"][half]["token_entropy"] >= (1 - tolerance) * ar_h]
-    matched = [f for f in varied if ppl(f) <= (1 + tolerance) * ar_ppl]
-    if matched:
-        return max(matched, key=lambda f: f["stats"][half]["tokens_per_second"]), True
-    return min(varied or frontier, key=ppl), False
-
-
-def _speedup(d: dict[str, Any], a: dict[str, Any]) -> tuple[float, list[float]]:
-    """Tokens/s ratio and its 95% interval (delta method on the log ratio, the two SEs independent)."""
-    if not a["tokens_per_second"] or not d["tokens_per_second"]:
-        return math.nan, [math.nan, math.nan]
-    ratio = d["tokens_per_second"] / a["tokens_per_second"]
-    rel = math.sqrt((_finite_or(d["tokens_per_second_se"], math.nan) / d["tokens_per_second"]) ** 2
-                    + (_finite_or(a["tokens_per_second_se"], math.nan) / a["tokens_per_second"]) ** 2)
-    return ratio, [ratio * math.exp(-Z95 * rel), ratio * math.exp(Z95 * rel)]
 
 
 def headline_bound(likelihood: dict[str, Any]) -> str:
@@ -361,15 +334,11 @@ def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict
     """Seed 003's question: is the held-out NLL within +5% of the AR baseline's, and what is the speedup there?
 
     Likelihood parity compares the NELBO (an upper bound, so a pass is conservative); the seed's own x0 cross-entropy
-    ratio is reported beside it. The speedup is wall-clock useful tokens/s over the AR baseline's, at the fastest
-    frontier setting whose samples match the AR samples' quality within the same tolerance: generative perplexity
-    at most (1 + tol) times theirs AND token entropy at least (1 - tol) times theirs (degenerate, repetitive samples
-    have a low perplexity, so perplexity alone would reward them). Without a match, the speedup is reported at the
-    best-perplexity setting among those passing the entropy check (else the best overall), marked as not matched.
-
-    The setting and the AR temperature are chosen on the selection prompts (`judging.split_prompts`); the AR
-    temperature is the one diffusion fares worst against there (one no setting matches, if any; else the smallest
-    speedup). The numbers reported (speedup, gen-PPL, entropy) are measured on the report prompts."""
+    ratio is reported beside it. The speedup is useful tokens/s over the AR baseline's at matched quality
+    (dgemma/eval/matched.py: judge NLL within one paired SE and per-sample distinct-2 at least 0.95x of the AR point,
+    over the AR temperature grid), the setting and AR point chosen on the selection prompts and every number measured
+    on the report prompts (`judging.split_prompts`), with paired 95% intervals; without a match, the closest pair,
+    marked as not matched."""
     lk = report["likelihood"]
     if lk["ar_ce"] is None or not report["ar_frontier"]:
         return {"available": False, "reason": "no AR baseline (--baseline)"}
@@ -379,18 +348,6 @@ def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict
     ratio = nelbo["mean"] / ar_ce
     unigram = (lk.get("unigram") or {}).get("mean")  # on the scored tokens
     share = (unigram - nelbo["mean"]) / (unigram - ar_ce) if unigram is not None and unigram != ar_ce else None
-    frontier, ar_points = report["frontier"], report["ar_frontier"]
-    choices = []
-    for i, ar in enumerate(ar_points):
-        best, matched = _match(frontier, ar, "select", tolerance)
-        speed, _ = _speedup(best["stats"]["select"], ar["stats"]["select"])
-        choices.append((matched, _finite_or(speed, math.inf), i, best))
-    matched, _, i, best = min(choices, key=lambda c: c[:3])
-    ar = ar_points[i]
-    d, a = best["stats"]["report"], ar["stats"]["report"]
-    speedup, speedup_ci = _speedup(d, a)
-    on_report = d["token_entropy"] >= (1 - tolerance) * a["token_entropy"] and \
-        _finite_or(d.get("gen_ppl"), math.inf) <= (1 + tolerance) * _finite_or(a.get("gen_ppl"), math.nan)
     return {
         "available": True, "tolerance": tolerance,
         "bound": bound, "unigram_ce": unigram, "share_of_ar_gain": share,
@@ -398,16 +355,7 @@ def verdict(report: dict[str, Any], tolerance: float = PARITY_TOLERANCE) -> dict
         "nelbo_over_ar": ratio, "nelbo_within_tolerance": ratio <= 1 + tolerance,
         "nelbo_upper_ratio": (nelbo["mean"] + 2 * nelbo["se"]) / ar_ce,
         "x0_ce_over_ar": x0["mean"] / ar_ce, "x0_ce_within_tolerance": x0["mean"] / ar_ce <= 1 + tolerance,
-        "speedup": speedup, "speedup_ci95": speedup_ci, "speedup_setting": {
-            "label": best["label"], "sampler": best["sampler"], "max_denoising_steps": best["max_denoising_steps"],
-            "entropy_bound": best["entropy_bound"]},
-        "ar_temperature": ar["temperature"], "ar_index": i,
-        "quality_matched": matched, "quality_matched_on_report": bool(on_report),
-        "gen_ppl": d.get("gen_ppl"), "gen_ppl_ci95": d.get("gen_ppl_ci95"),
-        "ar_gen_ppl": a.get("gen_ppl", math.nan), "ar_gen_ppl_ci95": a.get("gen_ppl_ci95"),
-        "token_entropy": d["token_entropy"], "ar_token_entropy": a["token_entropy"],
-        "tokens_per_second": d["tokens_per_second"], "ar_tokens_per_second": a["tokens_per_second"],
-        "prompts_select": len(best["stats"]["select"]["prompts"]), "prompts_report": len(d["prompts"]),
+        **frontier_verdict(report["frontier"], report["ar_frontier"]),
     }
 
 

@@ -15,8 +15,13 @@ turn), not one setting over all prompts and then the next, so that a burst of lo
 alike instead of deciding a speedup; the machine's load before and after, and its cores, go into the report
 (`timing`) beside the numbers they qualify.
 
-Quality: the judge (dgemma/eval/judging.py) scores each sample re-tokenized (`judging.retokenize`), and measures how
-much the continuations depend on their prompts (`judging.prompt_dependence`), the same way for diffusion and AR.
+Quality: every setting and AR temperature draws its quality samples `--sample-seeds` times per prompt (`draw_seed`),
+each exactly max_new_tokens long (LENGTH_RULE: an end of text does not stop a quality draw); the judge
+(dgemma/eval/judging.py) scores each sample re-tokenized (`judging.retokenize`), every per-prompt figure is the mean
+over the prompt's draws (`judging.prompt_figures`: judge NLL, per-sample distinct-2, token entropy, the real-text share
+of dgemma/eval/realtext.py, measured beside its floors), and the first draw measures how much the continuations depend
+on their prompts (`judging.prompt_dependence`), the same way for diffusion and AR. The rows keep those per-prompt
+figures (`per_prompt`) for the paired comparisons of dgemma/eval/paired.py and the verdict (dgemma/eval/matched.py).
 
 Every row says which likelihood, if any, describes its samples (`likelihood`: "NELBO at T=N" for the bounded chain,
 dgemma/sampling/families.py:chain_likelihood; "AR NLL (exact)" for the AR baseline at temperature 1,
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dgemma.eval import realtext
 from dgemma.eval.decoding import (
     DecodeRun,
     ar_job,
@@ -48,12 +54,12 @@ from dgemma.eval.decoding import (
     sample_nlls,
     sampler_job,
 )
-from dgemma.eval.judging import point_stats, prompt_dependence, retokenize
+from dgemma.eval.judging import point_stats, prompt_dependence, prompt_figures, prompt_nlls, retokenize
 from dgemma.eval.viz import renoised_fraction
 from dgemma.model.config import ConfigError
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.families import chain_likelihood
-from dgemma.sampling.generation_config import SAMPLERS, GenerationConfig
+from dgemma.sampling.generation_config import SAMPLERS, GenerationConfig, offset_seed
 from dgemma.sampling.request_rules import MAX_CANVAS_PASSES, canvas_passes_problem
 from dgemma.sampling.trace import Trace
 from dgemma.train.heldout import EvalError
@@ -175,13 +181,33 @@ TIMING_ORDER = ("interleaved: prompt by prompt, every timed setting (each sample
                 "baseline at each temperature) in rotation, prompt i starting with setting i mod k, in one process")
 
 
+def draw_seed(seed: int, draw: int, prompts: int) -> int:
+    """The base seed of quality draw `draw` (prompt i then uses it + i, as the timed runs): draw 0 is `seed`, the
+    timed runs' own, and draw k's seeds follow the last prompt's of draw k - 1, so no two draws share one."""
+    return offset_seed(seed, draw * prompts)
+
+
+LENGTH_RULE = ("every scored sample is exactly max_new_tokens ({n}) new tokens: the quality draws do not stop at "
+               "end-of-text (an end is kept where it falls and the next document after it is scored too), the timed "
+               "runs do")
+SEEDS_RULE = ("draw k (k = 0..sample_seeds-1) of prompt i is sampled with seed --seed + k x prompts + i (draw 0: "
+              "the timed runs' seeds); every per-prompt figure is the mean over the prompt's draws first, so prompts "
+              "are the unit of every SE and paired comparison")
+DIVERSITY_RULE = ("distinct_2_per_sample: distinct bigrams / bigrams of each sample (all of equal length), the mean "
+                  "over its draws per prompt, then mean and SE over prompts; distinct_*_pooled: over all samples "
+                  "together, for reference")
+
+
 def decode_frontier(model: DiffusionGemma, baseline: DiffusionGemma | None, scorer: DiffusionGemma | None,
                     tokenizer: Any, prompts: Sequence[Tensor], gcfg: GenerationConfig, s: Any,
-                    log: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
-                                                         dict[str, Trace], dict[str, Any]]:
-    """The frontier points, the AR points, the first prompt's trace of each sampler setting, and the timing record
-    (order, load before and after). `s` is the EvalSettings (steps, entropy_bounds, ar_temperatures, seed,
-    bootstrap, quality_dtype, progress); `gcfg` the sampler's config with the budget and EOS set."""
+                    log: Callable[[str], None], *, data_dir: Any = None
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Trace], dict[str, Any],
+                               dict[str, Any]]:
+    """The frontier points, the AR points, the first prompt's trace of each sampler setting, the timing record
+    (order, load before and after) and the quality protocol (the report's `quality_protocol`: seeds, the length
+    rule, the real-text floors when `data_dir` is given). `s` is the EvalSettings (steps, entropy_bounds,
+    ar_temperatures, sample_seeds, seed, bootstrap, quality_dtype, progress); `gcfg` the sampler's config with the
+    budget and EOS set."""
     L, max_new, eos = model.config.canvas_length, gcfg.max_new_tokens, gcfg.eos_token_id
     points = frontier_points(s.steps, s.entropy_bounds, s.sampler_grids, gcfg)
     configs = [gcfg.replace(**p.overrides) for p in points]
@@ -202,48 +228,69 @@ def decode_frontier(model: DiffusionGemma, baseline: DiffusionGemma | None, scor
 
     dtype = getattr(torch, s.quality_dtype)
     quality_model = copy.deepcopy(model).to(dtype) if s.quality_dtype != "float32" else model
+    seeds = [draw_seed(s.seed, k, len(prompts)) for k in range(s.sample_seeds)]
+    vocab = realtext.vocabulary(data_dir) if data_dir is not None else None
+    protocol = {"sample_seeds": s.sample_seeds, "seeds": SEEDS_RULE, "length_rule": LENGTH_RULE.format(n=max_new),
+                "new_tokens": max_new, "diversity": DIVERSITY_RULE,
+                "real_text": None if vocab is None else realtext.floors(
+                    data_dir, tokenizer, vocab, count=len(prompts) * s.sample_seeds, length=max_new, seed=s.seed)}
 
-    def judged(timed_run: DecodeRun, scored: DecodeRun) -> dict[str, Any]:
-        """Quality of the scored samples (all prompts), both halves' numbers and the prompt dependence, all judged
-        on the re-tokenized samples."""
-        nlls = dependence = None
+    def judged(timed_run: DecodeRun, draws: list[DecodeRun]) -> dict[str, Any]:
+        """Quality of the scored draws (all prompts, every seed), both halves' numbers and the prompt dependence
+        (first draw), all judged on the re-tokenized samples; the figures per prompt (`per_prompt`)."""
+        lengths = {len(x) for d in draws for x in d.samples}
+        if lengths - {max_new}:  # the length rule: what makes per-sample figures comparable
+            raise AssertionError(f"quality samples of {sorted(lengths)} tokens, not all {max_new}")
+        nll_draws = dependence = None
         if scorer is not None:
-            texts = retokenize(tokenizer, scored.samples, eos)
-            nlls = sample_nlls(scorer, prompts, texts)
-            dependence = prompt_dependence(scorer, prompts, texts)
-        stats = point_stats(timed_run, scored, nlls, s.seed, s.bootstrap)
-        q = quality(scored.samples) | {k: v for k, v in stats["all"].items() if k.startswith(("gen_ppl", "nll_"))}
+            texts = [retokenize(tokenizer, d.samples, eos) for d in draws]
+            nll_draws = [sample_nlls(scorer, prompts, t) for t in texts]
+            dependence = prompt_dependence(scorer, prompts, texts[0])
+        real = None if vocab is None else [realtext.shares(tokenizer, d.samples, vocab) for d in draws]
+        per_prompt = prompt_figures(timed_run, draws, nll_draws, real)
+        stats = point_stats(timed_run, draws, per_prompt, None if nll_draws is None else prompt_nlls(nll_draws),
+                            s.seed, s.bootstrap)
+        q = quality([x for d in draws for x in d.samples]) | {
+            k: v for k, v in stats["all"].items()
+            if k.startswith(("gen_ppl", "nll_", "distinct_2_per_sample", "token_entropy", "real_text"))}
         if dependence is not None:
             q |= {k: dependence[k] for k in ("prompt_dependence", "prompt_dependence_se")}
-        return {"quality": q | {"dtype": s.quality_dtype, "judged": "re-tokenized text"}, "stats": stats,
+        q |= {"dtype": s.quality_dtype, "judged": "re-tokenized text", "sample_seeds": len(draws),
+              "scored_samples": sum(len(d.samples) for d in draws)}
+        return {"quality": q, "stats": stats, "per_prompt": per_prompt,
                 "prompt_dependence_nll": None if dependence is None else dependence["nll"],
-                "samples": scored.samples, "example": tokenizer.decode(scored.samples[0]) if scored.samples else ""}
+                "samples": draws[0].samples,
+                "example": tokenizer.decode(draws[0].samples[0]) if draws[0].samples else ""}
 
     frontier, traces = [], {}
     for p, cfg, (i, j) in zip(points, configs, slots, strict=True):
-        log(f"sampling {p.label} in {s.quality_dtype}")
-        scored = run_sampler(quality_model, prompts, cfg, seed=s.seed, trace=True, name=p.label + " " + s.quality_dtype,
-                             progress=s.progress)
+        log(f"sampling {p.label} in {s.quality_dtype}, {len(seeds)} seed(s)")
+        quality_cfg = cfg.replace(eos_token_id=())  # the length rule: an end of text does not stop a quality draw
+        draws = [run_sampler(quality_model, prompts, quality_cfg, seed=seed, trace=k == 0,
+                             name=f"{p.label} {s.quality_dtype} draw {k}", progress=s.progress)
+                 for k, seed in enumerate(seeds)]
         adaptive, fixed = timed[i], None if j is None else timed[j]
-        point = judged(adaptive, scored)
-        point["quality"]["renoised"] = renoised_fraction(scored.traces)
+        point = judged(adaptive, draws)
+        point["quality"]["renoised"] = renoised_fraction(draws[0].traces)
         n = cfg.max_denoising_steps
         frontier.append({"label": p.label, "group": p.group, "sampler": cfg.sampler, "overrides": p.overrides,
                          "max_denoising_steps": n, "entropy_bound": cfg.entropy_bound, "adaptive": adaptive.summary(),
                          "fixed": None if fixed is None else fixed.summary(),
                          "fixed_rule_tokens_per_forward": L / (n + 1) if fixed is not None else None,
                          "likelihood": chain_likelihood(cfg) or "none", **point})
-        traces[p.trace_name] = scored.traces[0]
+        traces[p.trace_name] = draws[0].traces[0]
     ar_frontier = []
     if baseline is not None:
         quality_baseline = copy.deepcopy(baseline).to(dtype) if s.quality_dtype != "float32" else baseline
         for temp, timed_run in zip(s.ar_temperatures, timed[first_ar:], strict=True):
-            log(f"sampling with the AR baseline at temperature {temp:g} in {s.quality_dtype}")
-            scored = run_ar(quality_baseline, prompts, max_new_tokens=max_new, eos=eos, seed=s.seed,
-                            temperature=temp, name=f"AR T={temp:g} {s.quality_dtype}", progress=s.progress)
-            ar_frontier.append({"temperature": temp, **timed_run.summary(), **judged(timed_run, scored),
+            log(f"sampling with the AR baseline at temperature {temp:g} in {s.quality_dtype}, {len(seeds)} seed(s)")
+            draws = [run_ar(quality_baseline, prompts, max_new_tokens=max_new, eos=(), seed=seed, temperature=temp,
+                            name=f"AR T={temp:g} {s.quality_dtype} draw {k}", progress=s.progress)
+                     for k, seed in enumerate(seeds)]
+            ar_frontier.append({"temperature": temp, **timed_run.summary(), **judged(timed_run, draws),
                                 "likelihood": ar_likelihood(GenerationConfig(), temp) or "none"})
-    return frontier, ar_frontier, traces, timing
+    return frontier, ar_frontier, traces, timing, protocol
 
 
-__all__ = ["TIMING_ORDER", "FrontierPoint", "decode_frontier", "frontier_points", "parse_sampler_grid"]
+__all__ = ["LENGTH_RULE", "TIMING_ORDER", "FrontierPoint", "decode_frontier", "draw_seed", "frontier_points",
+           "parse_sampler_grid"]

@@ -3,7 +3,8 @@
     split_prompts(n)                  the selection half (even prompts) and the report half (odd prompts)
     bootstrap_ppl(nlls, ...)          generative perplexity and its 95% interval, resampling samples (seeded)
     rate_interval(tokens, seconds)    tokens/s over prompts and its SE / 95% interval (ratio estimator)
-    point_stats(timed, scored, ...)   one frontier point's numbers on all prompts and on each half
+    prompt_figures(timed, draws, ...) one frontier row's figures per prompt, each the mean over its seeds
+    point_stats(timed, draws, ...)    one frontier row's numbers on all prompts and on each half
     judge_relation(judge, compared)   what a --judge run is to the compared models, found from the runs themselves
     judge_description(...)            the report's `judge`: that relation, path, objective, seed, data, steps, tokens
     retokenize(tokenizer, samples)    what the judge scores: each sample's text, tokenized again (canonically)
@@ -31,9 +32,9 @@ from torch import Tensor
 
 from dgemma.eval.curves import METRICS, read_metrics
 from dgemma.eval.decoding import DecodeRun, distinct_n, sample_nlls, unigram_entropy
+from dgemma.eval.paired import Z95, mean_se, seed_means
 from dgemma.sampling.request_rules import eos_index
 
-Z95 = 1.959963984540054  # the 97.5% point of the standard normal
 BOOTSTRAP_RESAMPLES = 1000
 BASELINE_JUDGE = "the AR baseline (one of the compared models)"
 # What a --judge run is, found from the runs themselves (`judge_relation`), never asserted by the flag alone.
@@ -43,16 +44,20 @@ SEPARATE_JUDGE = "a separately trained AR run"
 
 
 def retokenize(tokenizer: Any, samples: Sequence[Sequence[int]], eos: Sequence[int]) -> list[list[int]]:
-    """Each sample as a reader gets it, tokenized canonically: the text of its tokens before the first EOS (special
-    tokens dropped) encoded again, then the EOS if the sample ended with one (its end is part of what is judged).
-    Usually as long as the sample or shorter; a byte piece that breaks a UTF-8 character reads as U+FFFD, which is
-    what is scored (and may take a few more ids)."""
+    """Each sample as a reader gets it, tokenized canonically: the text between its EOS tokens (special tokens
+    dropped) encoded again, each EOS kept where it was (an end is part of what is judged; a length-matched sample
+    that ran on past an end holds the next document after it). A sample with one EOS at its end is its text encoded
+    again, then the EOS. Usually as long as the sample or shorter; a byte piece that breaks a UTF-8 character reads
+    as U+FFFD, which is what is scored (and may take a few more ids)."""
     out = []
     for sample in samples:
-        ids = [int(t) for t in sample]
-        cut = eos_index(ids, eos)
-        text = tokenizer.decode(ids[:cut], skip_special_tokens=True)
-        out.append(tokenizer.encode(text, add_special_tokens=False) + ids[cut:cut + 1])
+        ids, tokens = [int(t) for t in sample], []
+        while ids:
+            cut = eos_index(ids, eos)
+            text = tokenizer.decode(ids[:cut], skip_special_tokens=True)
+            tokens += (tokenizer.encode(text, add_special_tokens=False) if text else []) + ids[cut:cut + 1]
+            ids = ids[cut + 1:]
+        out.append(tokens)
     return out
 
 
@@ -126,23 +131,61 @@ def rate_interval(tokens: Sequence[int], seconds: Sequence[float]) -> dict[str, 
             "tokens_per_second_ci95": [rate - Z95 * se, rate + Z95 * se]}
 
 
-def half_stats(timed: DecodeRun, scored: DecodeRun, nlls: Sequence[tuple[float, int]] | None, idx: Sequence[int],
-               seed: int, resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, Any]:
-    """The numbers of the prompts `idx`: speed from the timed run, quality from the scored (float64) samples."""
-    out = {"prompts": list(idx)} | rate_interval([len(timed.samples[i]) for i in idx], [timed.seconds[i] for i in idx])
-    samples = [scored.samples[i] for i in idx]
-    out |= {"token_entropy": unigram_entropy(samples), "distinct_2": distinct_n(samples, 2)}
+def prompt_figures(timed: DecodeRun, draws: Sequence[DecodeRun],
+                   nll_draws: Sequence[Sequence[tuple[float, int]]] | None,
+                   real_text_draws: Sequence[Sequence[float]] | None) -> dict[str, list[float]]:
+    """A frontier row's figures per prompt, the unit of every SE and paired comparison (dgemma/eval/paired.py): the
+    timed run's useful tokens, seconds, generated positions and backbone passes; and, each the mean over the quality
+    draws (one per sampling seed, `draws`): the judge's NLL per token of the sample (`nll_draws`: (sum, count) per
+    sample, as `decoding.sample_nlls`), its distinct-2 (distinct bigrams / bigrams of that sample), its token
+    entropy and its real-text share (`real_text_draws`, dgemma/eval/realtext.py)."""
+    per = {"tokens": [len(x) for x in timed.samples], "seconds": list(timed.seconds),
+           "generated": list(timed.prompt_generated), "passes": list(timed.prompt_passes),
+           "distinct_2_per_sample": seed_means([[distinct_n([x], 2) for x in d.samples] for d in draws]),
+           "token_entropy": seed_means([[unigram_entropy([x]) for x in d.samples] for d in draws])}
+    if real_text_draws is not None:
+        per["real_text"] = seed_means(real_text_draws)
+    if nll_draws is not None:
+        per["nll_per_token"] = seed_means([[t / c if c else math.nan for t, c in nl] for nl in nll_draws])
+    return per
+
+
+def prompt_nlls(nll_draws: Sequence[Sequence[tuple[float, int]]]) -> list[tuple[float, int]]:
+    """Per prompt, its draws' NLL sums and token counts added: the units `bootstrap_ppl` resamples."""
+    return [(sum(d[i][0] for d in nll_draws), sum(d[i][1] for d in nll_draws)) for i in range(len(nll_draws[0]))]
+
+
+PER_PROMPT_MEANS = ("nll_per_token", "distinct_2_per_sample", "token_entropy", "real_text")
+
+
+def half_stats(timed: DecodeRun, draws: Sequence[DecodeRun], per_prompt: dict[str, list[float]],
+               nlls: Sequence[tuple[float, int]] | None, idx: Sequence[int], seed: int,
+               resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, Any]:
+    """The numbers of the prompts `idx`: speed from the timed run; quality from the scored draws, each per-prompt
+    figure (`prompt_figures`) as its mean and SE over the prompts; generative perplexity pooled over the judged
+    tokens with a bootstrap over prompts (`nlls`: `prompt_nlls`); distinct-2 pooled over all the samples too."""
+    out = {"prompts": list(idx)} | rate_interval([per_prompt["tokens"][i] for i in idx],
+                                                 [per_prompt["seconds"][i] for i in idx])
     if nlls is not None:
-        out |= bootstrap_ppl([nlls[i] for i in idx], resamples=resamples, seed=seed)
+        boot = bootstrap_ppl([nlls[i] for i in idx], resamples=resamples, seed=seed)
+        boot["nll_per_token_pooled"], boot["nll_per_token_pooled_se"] = boot.pop("nll_per_token"), \
+            boot.pop("nll_per_token_se")
+        out |= boot | {"prompts_scored": boot.pop("samples")}
+    for key in PER_PROMPT_MEANS:
+        if key in per_prompt:
+            m = mean_se(per_prompt[key], idx)
+            out |= {key: m["mean"], f"{key}_se": m["se"]}
+    out["distinct_2_pooled"] = distinct_n([d.samples[i] for d in draws for i in idx], 2)
     return out
 
 
-def point_stats(timed: DecodeRun, scored: DecodeRun, nlls: Sequence[tuple[float, int]] | None, seed: int,
-                resamples: int = BOOTSTRAP_RESAMPLES) -> dict[str, dict[str, Any]]:
+def point_stats(timed: DecodeRun, draws: Sequence[DecodeRun], per_prompt: dict[str, list[float]],
+                nlls: Sequence[tuple[float, int]] | None, seed: int, resamples: int = BOOTSTRAP_RESAMPLES
+                ) -> dict[str, dict[str, Any]]:
     """`half_stats` on all prompts ("all"), the selection half ("select") and the report half ("report")."""
     n = len(timed.samples)
     select, report = split_prompts(n)
-    return {name: half_stats(timed, scored, nlls, idx, seed, resamples)
+    return {name: half_stats(timed, draws, per_prompt, nlls, idx, seed, resamples)
             for name, idx in (("all", range(n)), ("select", select), ("report", report))}
 
 
@@ -199,6 +242,7 @@ def judge_description(relation: str, path: Path, model_dir: Path, train_config: 
             **{f"trained_{k}": v for k, v in run_progress(path, model_dir).items()}}
 
 
-__all__ = ["BASELINE_JUDGE", "SAME_RUN_JUDGE", "SEPARATE_JUDGE", "START_RUN_JUDGE", "bootstrap_ppl", "half_stats",
-           "judge_description", "judge_relation", "point_stats", "prompt_dependence", "rate_interval", "ratio_se",
-           "retokenize", "run_of", "run_progress", "schedule_position", "split_prompts"]
+__all__ = ["BASELINE_JUDGE", "PER_PROMPT_MEANS", "SAME_RUN_JUDGE", "SEPARATE_JUDGE", "START_RUN_JUDGE", "Z95",
+           "bootstrap_ppl", "half_stats", "judge_description", "judge_relation", "point_stats", "prompt_dependence",
+           "prompt_figures", "prompt_nlls", "rate_interval", "ratio_se", "retokenize", "run_of", "run_progress",
+           "schedule_position", "split_prompts"]

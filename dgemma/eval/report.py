@@ -143,18 +143,7 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
                   "an upper bound on the diffusion model's NLL, so a pass is conservative." + gain +
                   " Seed 003's own measure, x0 CE / AR CE = "
                   f"{_f(v['x0_ce_over_ar'])}, is not a likelihood (see docs/evaluation.md).",
-                  f"- Speedup at that point: **{_f(v['speedup'], '.2f')}x** (95% interval "
-                  f"{_ci(v['speedup_ci95'], '.2f')}) wall-clock useful tokens/s over the AR baseline at temperature "
-                  f"{v['ar_temperature']:g}, at {v['speedup_setting']['label']}: generative perplexity "
-                  f"{_f(v['gen_ppl'], '.1f')} {_ci(v['gen_ppl_ci95'], '.1f')} and token entropy "
-                  f"{_f(v['token_entropy'], '.2f')} vs the AR samples' {_f(v['ar_gen_ppl'], '.1f')} "
-                  f"{_ci(v['ar_gen_ppl_ci95'], '.1f')} and {_f(v['ar_token_entropy'], '.2f')} "
-                  + ("(matched within tolerance on the selection prompts" if v["quality_matched"] else
-                     "(**no setting matched the AR samples' quality** on the selection prompts; this is the "
-                     "best-quality setting") + f"; on the report prompts: "
-                  f"{'matched' if v['quality_matched_on_report'] else 'not matched'}). Setting and AR temperature "
-                  f"chosen on {v['prompts_select']} selection prompts, numbers from {v['prompts_report']} report "
-                  "prompts; intervals: bootstrap over samples (gen-PPL), SE across prompts (tokens/s).", ""]
+                  *_speed_lines(v), ""]
     lines += _likelihood_table(lk)
     lines += ["", f"NELBO: {lk['nelbo']['num_t_samples']} t per canvas ({_t_scheme(lk['nelbo']['num_t_samples'])} "
               f"of 2..{lk['nelbo']['num_steps']}), each canvas conditioned on the clean canvases before it in its "
@@ -178,12 +167,14 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
               "dependence: the judge's NLL per token of each continuation given another prompt minus given its own, "
               "averaged (nats/token; 0 = the prompt does not matter).", "",
               *_timing_lines(report.get("timing")),
+              *_protocol_lines(report.get("quality_protocol")),
               "| sampler setting / AR temperature | tok/s ± SE | speedup | tok/forward adaptive | fixed (rule) | "
-              "steps/canvas | judge NLL/token ± SE | gen PPL [95%] | distinct-2 | entropy | re-noised | "
-              "prompt dependence |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "steps/canvas | judge NLL/token ± SE | paired Δ NLL vs its matched AR point ± SE | gen PPL [95%] | "
+              "distinct-2 per sample ± SE | real text ± SE | entropy | re-noised | prompt dependence |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ar = report["ar_decode"]
-    for f in report["frontier"]:
+    found = v.get("matches") or [None] * len(report["frontier"])
+    for f, match in zip(report["frontier"], found, strict=True):
         a, q, al = f["adaptive"], f["quality"], f["stats"]["all"]
         speed = a["tokens_per_second"] / ar["tokens_per_second"] if ar and ar["tokens_per_second"] else None
         fixed = "–" if not f.get("fixed") else (f"{_f(f['fixed']['tokens_per_forward'], '.2f')} "
@@ -191,20 +182,22 @@ def render_markdown(report: dict[str, Any], trace_names: Sequence[str] = ()) -> 
         lines.append(f"| {f['label']} | {_f(a['tokens_per_second'], '.1f')} ± "
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
                      f"{_f(a['tokens_per_forward'], '.2f')} | {fixed}"
-                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_nll(q)} | {_f(q.get('gen_ppl'), '.1f')} "
-                     f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} | "
+                     f" | {_f(a['mean_steps_per_canvas'], '.1f')} | {_quality_cells(f, match)} | "
                      f"{_f(q['renoised']['fraction'], '.3%')} | {_dependence(q)} |")
     for p in report["ar_frontier"]:
         q, al = p["quality"], p["stats"]["all"]
         speed = p["tokens_per_second"] / ar["tokens_per_second"] if ar["tokens_per_second"] else None
         lines.append(f"| AR T={p['temperature']:g} | {_f(p['tokens_per_second'], '.1f')} ± "
                      f"{_f(al['tokens_per_second_se'], '.1f')} | {_f(speed, '.2f')} | "
-                     f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_nll(q)} | {_f(q.get('gen_ppl'), '.1f')} "
-                     f"{_ci(q.get('gen_ppl_ci95'), '.1f')} | {_f(q['distinct_2'])} | {_f(q['token_entropy'], '.2f')} "
-                     f"| – | {_dependence(q)} |")
+                     f"{_f(p['tokens_per_forward'], '.2f')} | – | – | {_quality_cells(p, None)} | – | "
+                     f"{_dependence(q)} |")
     if ar:
-        lines += ["", f"Speedup: over the AR baseline at temperature {ar['temperature']:g} (the verdict's). "
-                  "Gen PPL: 95% bootstrap interval over the samples; tok/s: ± SE across prompts, all prompts."]
+        lines += ["", f"Speedup: against the AR baseline at temperature {ar['temperature']:g} (the verdict's). Paired "
+                  "Δ NLL: against the row's matched AR point on all prompts (the lowest-NLL AR temperature it "
+                  "matches, else the closest), the mean over prompts of the per-prompt difference of the judge's NLL "
+                  "per token (this row minus the AR's), ± the SE of those differences. Judge NLL, "
+                  "distinct-2 and real text: per prompt the mean over its seeds, then mean ± SE over prompts. Gen "
+                  "PPL: the pooled NLL's, 95% bootstrap interval over prompts; tok/s: ± SE across prompts."]
     lines += ["", "### Adaptive stopping", "",
               "Per setting, the denoising steps the adaptive sampler spent per canvas against its cap "
               "(max_denoising_steps), and the share of canvases that stopped before the cap (timed runs).", "",
@@ -268,6 +261,59 @@ def _likelihood_table(lk: dict[str, Any]) -> list[str]:
                   f"{_f(iw['gap']['se'], '.4f')} nats/token from K = {iw['gap']['from_k']} to K = {iw['gap']['to_k']} "
                   "trajectories (paired over windows): the NELBO at T is at least that far above the NLL."]
     return lines
+
+
+def _speed_lines(v: dict[str, Any]) -> list[str]:
+    """The verdict's speed at matched quality (dgemma/eval/matched.py), as measured on the report prompts."""
+    d, nll, ar_nll = v["nll_difference"], v["nll_per_token"], v["ar_nll_per_token"]
+    div, ar_div = v["distinct_2_per_sample"], v["ar_distinct_2_per_sample"]
+    how = ("matched on the selection prompts" if v["quality_matched"] else
+           "**no setting matched any AR temperature** on the selection prompts; this is the closest pair")
+    return [f"- Speed at matched quality: **{_f(v['speedup'], '.2f')}x** the AR baseline's useful tokens/s (95% "
+            f"interval {_ci(v['speedup_ci95'], '.2f')}) and **{_f(v['tokens_per_forward_ratio'], '.2f')}x** its tokens "
+            f"per forward ({_ci(v['tokens_per_forward_ratio_ci95'], '.2f')}), {v['speedup_setting']['label']} against "
+            f"AR at temperature {v['ar_temperature']:g} ({how}; on the report prompts the rule "
+            f"{'holds' if v['quality_matched_on_report'] else 'does not hold'}). Judge NLL/token "
+            f"{_f(nll['mean'])} ± {_f(nll['se'])} vs {_f(ar_nll['mean'])} ± {_f(ar_nll['se'])}: paired difference "
+            f"{_f(d['mean'], '+.3f')} ± {_f(d['se'])} over {d['n']} prompts; per-sample distinct-2 "
+            f"{_f(div['mean'])} vs {_f(ar_div['mean'])} (ratio {_f(v['distinct_2_ratio'])}).",
+            f"- Matched quality: {v['match_rule']}. Setting and AR temperature chosen on {v['prompts_select']} "
+            f"selection prompts (the fastest setting that matches an AR point, against the lowest-NLL AR point it "
+            "matches), "
+            f"numbers from {v['prompts_report']} report prompts; intervals: {v['interval_method']}."]
+
+
+def _protocol_lines(p: dict[str, Any] | None) -> list[str]:
+    """How the scored samples were drawn (seeds, length) and the real-text share's reference and floors."""
+    if not p:
+        return []
+    lines = [f"Samples: {p['sample_seeds']} seed(s) per prompt ({p['seeds']}). Length: {p['length_rule']}. "
+             f"Diversity: {p['diversity']}.", ""]
+    r = p.get("real_text")
+    if r:
+        m = lambda key: f"{_f(r[key]['mean'])} ± {_f(r[key]['se'])}"
+        lines += [f"Real text: {r['rule']}. On {r['count']} texts of {r['length']} tokens: held-out text "
+                  f"{m('heldout_text')}; floors: {r['unigram']} {m('unigram_floor')}, {r['uniform']} "
+                  f"{m('uniform_floor')}.", ""]
+    return lines
+
+
+def _quality_cells(row: dict[str, Any], match: dict[str, Any] | None) -> str:
+    """Judge NLL ± SE | paired Δ NLL vs the row's matched AR point ± SE (`match`: the verdict's `matches` entry) |
+    gen PPL [95%] | distinct-2 per sample ± SE | real text ± SE | token entropy."""
+    q = row["quality"]
+
+    def pm(key: str) -> str:
+        return "–" if q.get(key) is None else f"{_f(q[key])} ± {_f(q.get(key + '_se'))}"
+
+    paired = "–"
+    if match is not None:
+        d = match["nll_difference"]
+        paired = (f"{_f(d['mean'], '+.3f')} ± {_f(d['se'])} vs T={match['ar_temperature']:g}"
+                  + ("" if match["matched"] else " (closest; not matched)"))
+    return (f"{_nll(q)} | {paired} | "
+            f"{_f(q.get('gen_ppl'), '.1f')} {_ci(q.get('gen_ppl_ci95'), '.1f')} | {pm('distinct_2_per_sample')} | "
+            f"{pm('real_text')} | {_f(q['token_entropy'], '.2f')}")
 
 
 def _likelihood_lines(report: dict[str, Any]) -> list[str]:

@@ -7,6 +7,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -368,13 +371,15 @@ def test_timed_decoders_take_turns_prompt_by_prompt(tiny):
 
 def test_the_judge_scores_samples_as_their_text_tokenizes(tiny_data):
     """A diffusion model may spell a word in pieces the tokenizer never produces; the judge scores the text encoded
-    again (with the sample's EOS kept, and nothing after it)."""
+    again, each EOS kept where it was: a length-matched sample runs on past an end, and what follows is judged too."""
     tok = TokenDataset(tiny_data, "val").tokenizer()
     text = " the old king"
     canonical = tok.encode(text, add_special_tokens=False)
     pieces = [i for c in text for i in tok.encode(c, add_special_tokens=False)]  # one character at a time
     assert pieces != canonical and tok.decode(pieces) == text
-    assert retokenize(tok, [pieces, [*pieces, 1, 7, 8], []], eos=(1,)) == [canonical, [*canonical, 1], []]
+    after = tok.encode(tok.decode([7, 8], skip_special_tokens=True), add_special_tokens=False)
+    assert retokenize(tok, [pieces, [*pieces, 1], [*pieces, 1, 7, 8], [*pieces, 1, 1, *pieces], []], eos=(1,)) == \
+        [canonical, [*canonical, 1], [*canonical, 1, *after], [*canonical, 1, 1, *canonical], []]
 
 
 def _nll_by_hand(model, prompt, continuation):
@@ -519,7 +524,9 @@ def test_dgemma_eval_writes_a_complete_report(pair, tmp_path):
         n = point["max_denoising_steps"]
         assert point["fixed"]["tokens_per_forward"] == pytest.approx(16 / (n + 1))
         assert point["adaptive"]["passes"] <= point["fixed"]["passes"]
-        assert point["quality"]["gen_ppl"] > 1 and 0 <= point["quality"]["distinct_2"] <= 1
+        q = point["quality"]
+        assert q["gen_ppl"] > 1 and 0 <= q["distinct_2_per_sample"] <= 1 and 0 <= q["distinct_2_pooled"] <= 1
+        assert q["scored_samples"] == 2 and q["sample_seeds"] == 1 and 0 <= q["real_text"] <= 1
     v = report["verdict"]
     assert v["available"] and v["nelbo_over_ar"] > 0 and v["speedup"] > 0
     md = (out / "report.md").read_text()
@@ -602,35 +609,6 @@ def test_selection_and_report_prompts_are_disjoint_halves():
         select, report = split_prompts(n)
         assert not set(select) & set(report) and sorted(select + report) == list(range(n))
         assert abs(len(select) - len(report)) <= 1 and select[0] == 0 and report[0] == 1
-
-
-def _point(select, report, **extra):
-    """A frontier point with given per-half (tokens/s, gen PPL, entropy) and the SEs of a real one."""
-    def half(tps, ppl, h, prompts):
-        return {"prompts": prompts, "tokens_per_second": tps, "tokens_per_second_se": 0.1 * tps, "gen_ppl": ppl,
-                "gen_ppl_ci95": [ppl - 1, ppl + 1], "token_entropy": h}
-    return {"stats": {"select": half(*select, [0, 2]), "report": half(*report, [1, 3])}, **extra}
-
-
-def test_verdict_chooses_on_the_selection_prompts_and_reports_the_others():
-    from dgemma.eval.evaluate import verdict
-
-    est = {"mean": 2.0, "se": 0.01}
-    lk = {"ar_ce": {"estimate": est}, "nelbo": {"estimate": est}, "x0_ce": {"estimate": est}}
-    # on the selection prompts only the fast setting matches the AR samples; on the report prompts it does not. Any
-    # sampler of the frontier may be the one chosen.
-    fast = _point((100.0, 10.0, 3.0), (90.0, 30.0, 3.0), max_denoising_steps=4, entropy_bound=1.0,
-                  label="confidence N=4 commit_threshold=0.5", sampler="confidence")
-    slow = _point((20.0, 10.0, 3.0), (25.0, 10.0, 3.0), max_denoising_steps=32, entropy_bound=0.1,
-                  label="entropy-bound N=32 eb=0.1", sampler="entropy-bound")
-    hot = _point((10.0, 10.0, 3.0), (9.0, 10.0, 3.0), temperature=1.0)
-    cold = _point((10.0, 5.0, 2.0), (9.0, 5.0, 2.0), temperature=0.7)  # nothing matches this one: the hard case
-    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot]})
-    assert v["speedup_setting"]["label"] == "confidence N=4 commit_threshold=0.5" and v["quality_matched"]
-    assert v["speedup"] == pytest.approx(90 / 9) and v["gen_ppl"] == 30 and v["ar_gen_ppl"] == 10  # report half
-    assert not v["quality_matched_on_report"] and v["speedup_ci95"][0] < v["speedup"] < v["speedup_ci95"][1]
-    v = verdict({"likelihood": lk, "frontier": [fast, slow], "ar_frontier": [hot, cold]})
-    assert v["ar_temperature"] == 0.7 and not v["quality_matched"]
 
 
 def test_learning_curves_are_the_runs_metrics_records(pair):
@@ -767,6 +745,57 @@ def test_eval_without_a_judge_names_the_baseline_and_checks_the_judge(pair, tmp_
     assert "--ar-temperatures must be numbers > 0" in capsys.readouterr().err
     assert main(["eval", *base, "--prompts", "1", "--out", str(tmp_path / "p")]) == 2
     assert "--prompts must be >= 2" in capsys.readouterr().err
+    assert main(["eval", *base, "--sample-seeds", "0", "--out", str(tmp_path / "s")]) == 2
+    assert "--sample-seeds must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_sample_seeds_draw_length_matched_samples_per_prompt(pair, tmp_path):
+    """--sample-seeds S: S quality draws per prompt of every setting and AR temperature (draw 0 on the timed runs'
+    seeds, so S = 1's samples are kept), each exactly --max-new-tokens long; timing stays one rotation."""
+    from dgemma.cli import main
+
+    pytest.importorskip("matplotlib")
+    root, runs = pair
+    base = ["--model", str(runs["clean-context"]), "--baseline", str(runs["ar"]), "--data", str(root / "data"),
+            "--quiet", "--max-windows", "2", "--t-samples", "1", "--max-denoising-steps-grid", "2",
+            "--entropy-bounds", "0.5", "--prompts", "4", "--max-new-tokens", "24", "--ar-temperatures", "0.8,1",
+            "--bootstrap", "50"]
+    reports = {}
+    for seeds in (1, 2):
+        assert main(["eval", *base, "--sample-seeds", str(seeds), "--out", str(tmp_path / str(seeds))]) == 0
+        reports[seeds] = json.loads((tmp_path / str(seeds) / "report.json").read_text())
+    one, two = reports[1], reports[2]
+    assert two["settings"]["sample_seeds"] == 2 and "--sample-seeds 2" in two["command"]
+    protocol = two["quality_protocol"]
+    assert protocol["sample_seeds"] == 2 and protocol["new_tokens"] == 24 and "exactly max_new_tokens (24)" in \
+        protocol["length_rule"]
+    floors = protocol["real_text"]
+    assert floors["count"] == 8 and floors["length"] == 24
+    assert floors["heldout_text"]["mean"] > floors["unigram_floor"]["mean"] > floors["uniform_floor"]["mean"]
+    for a, b in zip([*one["frontier"], *one["ar_frontier"]], [*two["frontier"], *two["ar_frontier"]], strict=True):
+        assert a["quality"]["scored_samples"] == 4 and b["quality"]["scored_samples"] == 8  # doubled
+        assert a["samples"] == b["samples"] and all(len(x) == 24 for x in b["samples"])  # draw 0, length-matched
+        timed_a, timed_b = a.get("adaptive", a), b.get("adaptive", b)  # one timed rotation either way, same seeds
+        assert timed_a["passes"] == timed_b["passes"] and timed_a["prompts"] == timed_b["prompts"] == 4
+        for key in ("nll_per_token", "distinct_2_per_sample", "real_text", "tokens", "seconds", "passes"):
+            assert len(b["per_prompt"][key]) == 4, key
+        q = b["quality"]
+        assert q["nll_per_token"] == pytest.approx(np.mean(b["per_prompt"]["nll_per_token"]))
+        assert q["distinct_2_per_sample_se"] >= 0 and 0 <= q["real_text"] <= 1
+    v = two["verdict"]
+    assert v["available"] and v["ar_temperature"] in (0.8, 1.0) and v["nll_difference"]["n"] == 2
+    assert v["tokens_per_forward_ratio"] > 0 and len(v["tokens_per_forward_ratio_ci95"]) == 2
+    md = (tmp_path / "2" / "report.md").read_text()
+    for text in ("Speed at matched quality", "paired Δ NLL vs its matched AR point ± SE", "distinct-2 per sample ± SE",
+                 "real text ± SE", "Real text: share of the sample's characters", "2 seed(s) per prompt",
+                 "(closest; not matched)" if not all(m["matched"] for m in v["matches"]) else " vs T="):
+        assert text in md, text
+    # runs/frontier_table.py reads the new rows (per-sample distinct-2, paired SEs) as it reads the committed report
+    root = Path(__file__).resolve().parents[2]
+    script, report_json = root / "runs" / "frontier_table.py", tmp_path / "2" / "report.json"
+    table = subprocess.run([sys.executable, str(script), str(report_json)], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert "| distinct-2 per sample |" in table.stdout and "| AR, temperature 0.8 |" in table.stdout
 
 
 def test_a_judge_is_named_by_its_relation_to_the_compared_runs(tmp_path):
@@ -793,7 +822,7 @@ def test_a_mid_schedule_baseline_is_named_not_annealed(pair):
     from dgemma.eval.judging import schedule_position
     from dgemma.eval.report import _baseline_line
 
-    root, runs = pair
+    _, runs = pair
     mid = schedule_position(runs["ar"], runs["ar"] / "checkpoints" / "step-0000004", {"max_steps": 8})
     assert mid == {"step": 4, "schedule_steps": 8, "annealed": False}
     assert "**not annealed**" in _baseline_line({"checkpoint": "x", **mid})
