@@ -61,26 +61,35 @@ def retokenize(tokenizer: Any, samples: Sequence[Sequence[int]], eos: Sequence[i
     return out
 
 
-def prompt_dependence(scorer: Any, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]]) -> dict[str, Any]:
+DEPENDENCE_OTHERS = 8  # other prompts each continuation is scored after (all of them with up to 9 prompts)
+
+
+def prompt_dependence(scorer: Any, prompts: Sequence[Tensor], samples: Sequence[Sequence[int]],
+                      others: int = DEPENDENCE_OTHERS) -> dict[str, Any]:
     """How much each continuation depends on its own prompt, comparably across model types: for continuation c_i of
     prompt p_i (as the judge scores it: `retokenize` first), the scorer's NLL per token of c_i given another prompt
-    p_j minus given p_i, averaged over every j != i and then over the continuations (nats/token; equal to the mean
-    over all pairs when every continuation has tokens). 0: the prompt does not matter to the continuation; higher:
-    it fits its own prompt. No sampling enters, so AR and diffusion continuations are measured alike. `nll` is the
-    matrix of NLLs per token (row: continuation i, column: prompt j; NaN for an empty continuation); the SE is over
-    continuations. Needs two prompts with a non-empty continuation (else NaN)."""
+    p_j minus given p_i, averaged over the `others` prompts after it (j = i + 1, ..., i + others, cyclically; every
+    j != i when there are at most others + 1 prompts), then over the continuations (nats/token). The cost is
+    n (others + 1) scorings, not n^2, so hundreds of prompts stay affordable. 0: the prompt does not matter to the
+    continuation; higher: it fits its own prompt. No sampling enters, so AR and diffusion continuations are measured
+    alike. `nll` is the matrix of NLLs per token (row: continuation i, column: prompt j; NaN where not scored or for
+    an empty continuation); the SE is over continuations. Needs two prompts with a non-empty continuation (else
+    NaN)."""
     n = len(prompts)
+    k = min(others, n - 1)
     nll = np.full((n, n), math.nan)
     for i, sample in enumerate(samples):
         if sample:
-            scored = sample_nlls(scorer, prompts, [sample] * n)
-            nll[i] = [total / count for total, count in scored]
-    # Per continuation: its mean gap over the other prompts.
-    gaps = [float(np.mean([nll[i, j] - nll[i, i] for j in range(n) if j != i]))
+            cols = [(i + d) % n for d in range(k + 1)]  # its own prompt first
+            scored = sample_nlls(scorer, [prompts[j] for j in cols], [sample] * len(cols))
+            for j, (total, count) in zip(cols, scored, strict=True):
+                nll[i, j] = total / count
+    # Per continuation: its mean gap over the other prompts it was scored after.
+    gaps = [float(np.mean([nll[i, (i + d) % n] - nll[i, i] for d in range(1, k + 1)]))
             for i in range(n) if n >= 2 and math.isfinite(nll[i, i])]
     return {"prompt_dependence": float(np.mean(gaps)) if gaps else math.nan,
             "prompt_dependence_se": float(np.std(gaps, ddof=1) / math.sqrt(len(gaps))) if len(gaps) >= 2 else math.nan,
-            "continuations": len(gaps), "nll": nll.tolist()}
+            "continuations": len(gaps), "others": k, "nll": nll.tolist()}
 
 
 def split_prompts(n: int) -> tuple[list[int], list[int]]:
@@ -242,7 +251,8 @@ def judge_description(relation: str, path: Path, model_dir: Path, train_config: 
             **{f"trained_{k}": v for k, v in run_progress(path, model_dir).items()}}
 
 
-__all__ = ["BASELINE_JUDGE", "PER_PROMPT_MEANS", "SAME_RUN_JUDGE", "SEPARATE_JUDGE", "START_RUN_JUDGE", "Z95",
+__all__ = ["BASELINE_JUDGE", "DEPENDENCE_OTHERS", "PER_PROMPT_MEANS", "SAME_RUN_JUDGE", "SEPARATE_JUDGE",
+           "START_RUN_JUDGE", "Z95",
            "bootstrap_ppl", "half_stats", "judge_description", "judge_relation", "point_stats", "prompt_dependence",
            "prompt_figures", "prompt_nlls", "rate_interval", "ratio_se", "retokenize", "run_of", "run_progress",
            "schedule_position", "split_prompts"]

@@ -406,6 +406,12 @@ def test_prompt_dependence_is_the_nll_gap_to_other_prompts(tiny):
     partial = prompt_dependence(tiny, prompts, [samples[0], [], samples[2]])
     assert partial["continuations"] == 2 and all(math.isnan(x) for x in partial["nll"][1])
     assert math.isnan(prompt_dependence(tiny, prompts[:1], samples[:1])["prompt_dependence"])
+    # with fewer others than prompts, each continuation is scored after the next `others` prompts, cyclically
+    one = prompt_dependence(tiny, prompts, samples, others=1)
+    assert one["others"] == 1
+    assert one["prompt_dependence"] == pytest.approx(np.mean([m[i][(i + 1) % 3] - m[i][i] for i in range(3)]),
+                                                     rel=1e-5)
+    assert [math.isnan(x) for x in one["nll"][0]] == [False, False, True]
 
 
 # --- the model's posterior, held-out likelihoods and `dgemma eval` on a tiny trained pair ---------------------------
