@@ -126,8 +126,19 @@ def markdown(s: dict) -> str:
     iws = [r["iw"] for r in rows]
     line("IW bound gap K=1 -> 16 (NELBO at least this loose)",
          [f"{_f(i['gap']['mean'])} ± {_f(i['gap']['se'])}" if i else "–" for i in iws], None)
-    line("speedup at matched quality (tokens/s vs AR)", [_f(r["verdict"].get("speedup"), ".2f") for r in rows],
-         s["speedup"], ".2f")
+    def ci(v: dict, key: str) -> str:
+        lo_hi = v.get(f"{key}_ci95") or [None, None]
+        return f"{_f(v.get(key), '.2f')} [{_f(lo_hi[0], '.2f')}, {_f(lo_hi[1], '.2f')}]"
+
+    line("tokens/s vs AR at matched quality [95%]", [ci(r["verdict"], "speedup") for r in rows], s["speedup"], ".2f")
+    line("tokens per forward vs AR there [95%]", [ci(r["verdict"], "tokens_per_forward_ratio") for r in rows],
+         across_verdict(rows, "tokens_per_forward_ratio"), ".2f")
+    line("judge NLL/token minus AR's (paired over prompts)",
+         [f"{_f((r['verdict'].get('nll_difference') or {}).get('mean'), '+.3f')} ± "
+          f"{_f((r['verdict'].get('nll_difference') or {}).get('se'))}" for r in rows], None)
+    line("setting, against AR at temperature",
+         [f"{(r['verdict'].get('speedup_setting') or {}).get('label')}, T={r['verdict'].get('ar_temperature')}"
+          + ("" if r["verdict"].get("quality_matched") else " (not matched)") for r in rows], None)
     lines += ["", "Comparators and judge, as each report names them:", ""]
     for i, r in enumerate(rows):
         b, j = r["baseline"] or {}, r["judge"] or {}
