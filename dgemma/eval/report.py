@@ -334,23 +334,22 @@ def _likelihood_lines(report: dict[str, Any]) -> list[str]:
 # --- the figures ----------------------------------------------------------------------------------------------------
 
 def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
-    """Speed against quality over max_denoising_steps x entropy_bound: generated tokens/s (wall clock) and tokens per
-    forward against the samples' generative perplexity under the AR baseline, and tokens/s against the samples'
-    token entropy (perplexity alone rewards repetitive text); the AR baseline at each temperature as a line of stars.
-    Perplexity error bars: the 95% bootstrap intervals."""
+    """Speed against quality over every sampler setting: generated tokens/s (wall clock) and tokens per forward
+    against the judge's NLL per token of the samples (the quantity the matched-quality rule compares), and tokens/s
+    against per-sample distinct-2 (NLL alone rewards repetitive text); the AR baseline at each temperature as a line
+    of stars. Error bars: 2 SE over prompts."""
     plt = pyplot()
     fig = figure(plt, "Speed / quality frontier (each point: one sampler setting; labels N = max_denoising_steps)",
                   command)
     ar = report["ar_decode"]
     ar_points = report["ar_frontier"]
-    panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "token_entropy",
-               "token entropy of the samples (nats; higher = more varied)")]
+    panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "distinct_2_per_sample",
+               "distinct-2 per sample (higher = more varied)")]
     if ar is not None:
         judge = report.get("judge") or {}
-        ppl = "generative perplexity under the " + ("AR baseline" if judge.get("judge") == BASELINE_JUDGE
-                                                    else "judge")
-        panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "gen_ppl", ppl),
-                  ("tokens_per_forward", "generated positions per backbone pass", "gen_ppl", ppl), *panels]
+        nll = "NLL per token under the " + ("AR baseline" if judge.get("judge") == BASELINE_JUDGE else "judge")
+        panels = [("tokens_per_second", "useful generated tokens / s (wall clock, batch 1)", "nll_per_token", nll),
+                  ("tokens_per_forward", "generated positions per backbone pass", "nll_per_token", nll), *panels]
     groups = list(dict.fromkeys(f["group"] for f in report["frontier"]))
     for n, (xkey, xlabel, ykey, ylabel) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), n + 1)
@@ -372,8 +371,6 @@ def plot_frontier(report: dict[str, Any], path: Path, command: str) -> Path:
                 ax.annotate(f"T={p['temperature']:g}", (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
         ax.set_xlabel(xlabel, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=9)
-        if ykey == "gen_ppl":
-            ax.set_yscale("log")
         if n == min(1, len(panels) - 1):  # one legend (the lines are the same in each): tokens/forward's upper right,
             ax.legend(fontsize=6, loc="upper right", framealpha=0.8)  # where only slow bad samplers could be
         ax.grid(alpha=0.3)
@@ -401,14 +398,11 @@ def _num(x: Any) -> float:
 
 
 def _yerr(points: Sequence[dict[str, Any]], key: str) -> np.ndarray | None:
-    """Asymmetric error bars (2, n) from each point's 95% interval of `key` (gen_ppl only), else None."""
-    if key != "gen_ppl":
+    """Error bars of 2 SE (over prompts) from each point's `key`_se; None when no point has one."""
+    ses = [_num(p["quality"].get(f"{key}_se")) for p in points]
+    if not any(math.isfinite(x) for x in ses):
         return None
-    bars = []
-    for p in points:
-        y, ci = _num(p["quality"].get("gen_ppl")), p["quality"].get("gen_ppl_ci95") or [None, None]
-        bars.append([max(y - _num(ci[0]), 0.0), max(_num(ci[1]) - y, 0.0)] if math.isfinite(y) else [0.0, 0.0])
-    return np.nan_to_num(np.array(bars, dtype=np.float64).T)
+    return np.nan_to_num(2 * np.array(ses, dtype=np.float64))
 
 
 def plot_curves(report: dict[str, Any], path: Path, command: str) -> Path:
