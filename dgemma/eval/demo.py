@@ -37,6 +37,7 @@ import torch
 from dgemma.data import prepare
 from dgemma.data.shards import TokenDataset, decode_documents
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
+from dgemma.eval import realtext
 from dgemma.eval.curves import read_metrics, tighter_bound
 from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words, words_per_64_tokens
 from dgemma.eval.demo_training import TrainingJob, train_side_by_side
@@ -55,6 +56,8 @@ from dgemma.train.run_dir import METRICS
 from dgemma.weights.checkpoint import CheckpointError, latest_checkpoint, resolve_model_dir
 from dgemma.weights.loading import load_generation_config, load_model
 
+HELDOUT_WINDOWS = 64  # held-out windows of the demo's likelihood figures
+FLOOR_TEXTS = 64  # noise texts behind each floor of the real-words share
 DEPENDENCE_SCORER = ("the AR baseline (the demo has no other judge), in float64, on the re-tokenized text; it "
                      "scores its own continuations too")
 
@@ -272,6 +275,11 @@ def run_demo(out: Path, *, steps: int | None = None, minutes: float | None = Non
     val_tokens = TokenDataset(data, "val").num_tokens
     figures["heldout_text"] = {"real_word_share": real_word_share(heldout, vocabulary),
                                "words_per_64_tokens": words_per_64_tokens(heldout, val_tokens)}
+    # The share's floors: what noise of the samples' length scores (docs/evaluation.md section 3).
+    floor = realtext.floors(data, tok, vocabulary, count=FLOOR_TEXTS, length=max_new_tokens, seed=seed,
+                            share=lambda text: real_word_share([text], vocabulary))
+    figures["real_word_floors"] = {"unigram": floor["unigram_floor"]["mean"], "uniform": floor["uniform_floor"]["mean"],
+                                   "texts": FLOOR_TEXTS, "length": max_new_tokens}
     figures |= {"prompts": list(prompts), "seed": seed, "sampling": dict(recipe.sampling),
                 "ar_temperature": recipe.ar_temperature,
                 "budget": {"diffusion_steps": budget[0], "ar_steps": budget[1]},
@@ -327,7 +335,6 @@ def _figures(diff_run: Path, ar_run: Path, data: Path, vocabulary: set[str], dif
     }
 
 
-HELDOUT_WINDOWS = 64  # held-out windows of the demo's likelihood figures
 
 
 def heldout_figures(diffusion: DiffusionGemma, ar: DiffusionGemma, data: Path, diff_run: Path, nelbo_steps: int
@@ -374,6 +381,7 @@ def _pm(x: float | None, se: float | None) -> str:
 
 def figure_lines(f: dict[str, Any]) -> list[str]:
     d, a, h = f["diffusion"], f["ar"], f["heldout_text"]
+    fl = f.get("real_word_floors") or {"unigram": None, "uniform": None}
     return [
         f"                        {'diffusion':>16}  {'AR baseline':>16}",
         f"trained                 {d['steps']:>10} steps  {a['steps']:>10} steps   ({d['tokens']:,} / "
@@ -386,7 +394,8 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
         + ", ".join(f"{k} {v}" for k, v in f.get("sampling", {}).items()) + ")",
         f"real words              {_pct(d['real_word_share']):>16}  {_pct(a['real_word_share']):>16}   "
         "(share of the words, punctuation marks and line breaks written that are words of the training corpus; "
-        f"held-out text: {_pct(h['real_word_share'])})",
+        f"held-out text: {_pct(h['real_word_share'])}; noise of the same length: i.i.d. unigram tokens "
+        f"{_pct(fl['unigram'])}, uniform tokens {_pct(fl['uniform'])})",
         f"words per 64 tokens     {_num(d['words_per_64_tokens']):>16}  {_num(a['words_per_64_tokens']):>16}   "
         f"(held-out text: {_num(h['words_per_64_tokens'])})",
         f"prompt dependence       {_pm(d['prompt_dependence'], d['prompt_dependence_se']):>16}  "

@@ -17,7 +17,7 @@ only beside its floors: `floors` measures them in the same run, on samples as lo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,12 +48,12 @@ def shares(tokenizer: Any, samples: Sequence[Sequence[int]], vocab: set[str]) ->
     return [real_text_share(tokenizer.decode(list(s), skip_special_tokens=True), vocab) for s in samples]
 
 
-def floors(data_dir: Any, tokenizer: Any, vocab: set[str], *, count: int, length: int, seed: int = 0
-           ) -> dict[str, Any]:
-    """`real_text_share` (mean and SE over `count` texts of `length` tokens each) of: held-out text (`count` evenly
-    spaced stretches of the validation split), i.i.d. samples from the training split's unigram distribution
-    (separators included, as the stream has them), and uniform random token ids: the reference and the two floors a
-    sample's share is read against."""
+def floors(data_dir: Any, tokenizer: Any, vocab: set[str], *, count: int, length: int, seed: int = 0,
+           share: Callable[[str], float] | None = None) -> dict[str, Any]:
+    """`real_text_share` (or `share`, another measure of one text: `dgemma demo`'s word share) as mean and SE over
+    `count` texts of `length` tokens each, of: held-out text (`count` evenly spaced stretches of the validation
+    split), i.i.d. samples from the training split's unigram distribution (separators included, as the stream has
+    them), and uniform random token ids: the reference and the two floors a sample's share is read against."""
     train, val = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     vocab_size = int(train.meta["vocab_size"])
     rng = np.random.default_rng(seed)
@@ -65,6 +65,8 @@ def floors(data_dir: Any, tokenizer: Any, vocab: set[str], *, count: int, length
     heldout = [stream[i * step:i * step + length] for i in range(count) if i * step + length <= stream.size]
 
     def measure(rows: Any) -> dict[str, Any]:
+        if share is not None:
+            return mean_se([share(tokenizer.decode([int(t) for t in r], skip_special_tokens=True)) for r in rows])
         return mean_se(shares(tokenizer, [[int(t) for t in r] for r in rows], vocab))
 
     return {"rule": REAL_TEXT_RULE, "length": length, "count": count, "heldout_text": measure(heldout),

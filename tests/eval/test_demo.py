@@ -95,6 +95,10 @@ def test_demo_trains_its_step_budget_the_same_way_twice(tiny_data, tmp_path):
     assert f"real words              {100 * f['diffusion']['real_word_share']:>15.0f}%" in text, text
     assert f"words per 64 tokens     {f['diffusion']['words_per_64_tokens']:>16.0f}" in text, text
     assert f["heldout_text"]["words_per_64_tokens"] > 0 and 0 < f["heldout_text"]["real_word_share"] <= 1, f
+    # beside its floors: noise of the samples' length, measured the same way in the same run
+    fl = f["real_word_floors"]
+    assert fl["length"] == 12 and 0 <= fl["uniform"] < fl["unigram"] < f["heldout_text"]["real_word_share"], f
+    assert f"i.i.d. unigram tokens {100 * fl['unigram']:.0f}%, uniform tokens {100 * fl['uniform']:.0f}%" in text
     # Each prompt samples with its own seed (seed + its index), with the recipe's sampler: prompt 2's is seed 1's.
     diffusion = load_model(tmp_path / "a" / "diffusion").eval()
     tok0 = load_tokenizer(tmp_path / "a" / "diffusion" / "tokenizer.json")
