@@ -22,6 +22,13 @@ from dgemma.weights.checkpoint import latest_checkpoint
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("train", help="train a model from scratch on token shards (or resume a run)",
                               description=__doc__)
+    add_run_args(p)
+    add_config_args(p, TrainConfig, shown={"preset": DEFAULT_PRESET})  # TrainConfig's defaults: that recipe
+    p.set_defaults(func=run)
+
+
+def add_run_args(p: Any) -> None:
+    """The flags of a run on token shards besides the TrainConfig's (`train`, `distill`): where, resume, when to stop."""
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="a directory from `dgemma data prepare`")
     p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (must be new or empty, "
                    "unless --resume)")
@@ -34,8 +41,6 @@ def register(subparsers: Any) -> None:
                    help="stop (and checkpoint) at step N; the learning-rate "
                    "schedule still spans --max-steps")
     p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
-    add_config_args(p, TrainConfig, shown={"preset": DEFAULT_PRESET})  # TrainConfig's defaults: that recipe
-    p.set_defaults(func=run)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
