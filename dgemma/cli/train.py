@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
 
 
 def add_run_args(p: Any) -> None:
-    """The flags of a run on token shards besides the TrainConfig's (`train`, `distill`): where, resume, when to stop."""
+    """A run's flags besides its TrainConfig's (`train`, `distill`): its data and directory, resume, when to stop."""
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="a directory from `dgemma data prepare`")
     p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (must be new or empty, "
                    "unless --resume)")

@@ -51,8 +51,8 @@ class TrainConfig:
     objective: str = setting("training objective (sft: chats, with init_from; distill: a few-step student of a "
                              "teacher, `dgemma distill`)", default="clean-context",
                              choices=(*OBJECTIVES, "sft", "distill"))
-    teacher: str | None = setting("the frozen teacher of --objective distill: a diffusion run (its newest checkpoint) or "
-                                  "checkpoint directory", default=None, metavar="RUN_OR_CHECKPOINT")
+    teacher: str | None = setting("the frozen teacher of --objective distill: a diffusion run (its newest "
+                                  "checkpoint) or checkpoint directory", default=None, metavar="RUN_OR_CHECKPOINT")
     student_steps: int | None = setting("--objective distill: the student's denoising steps N (its "
                                         "generation_config's max_denoising_steps); each training step matches two "
                                         "teacher steps of 1/(2N), so N is fewer than the teacher's steps", default=None)

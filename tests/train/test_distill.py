@@ -1,5 +1,5 @@
-"""`dgemma distill` (dgemma/train/distill.py, dgemma/cli/distill.py): the loss's properties (a KL that is >= 0 and 0 with
-zero gradient where the student matches its target, a proper target, a draw that follows the teacher's step, row
+"""`dgemma distill` (dgemma/train/distill.py, dgemma/cli/distill.py): the loss's properties (a KL that is >= 0, and 0
+with zero gradient where the student matches its target, a proper target, a draw that follows the teacher's step, row
 chunks that change nothing, a student that learns its target), a tiny distillation from a tiny teacher through the
 CLI whose student generates at its N steps, one-line errors for every bad input, and (integration tier) a bit-exact
 resume. The teacher is tests/conftest.py's `tiny_run` (the `tiny` preset trained 2 steps; 48 denoising steps)."""
