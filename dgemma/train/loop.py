@@ -8,6 +8,7 @@ loop fine-tunes a checkpoint (`init_from`): on token shards, or with `objective=
         lr = warmup then cosine
         for each of grad_accum micro-batches:        data replayed from its index; a generator per micro-step
             loss = training_loss(model, x0, ...)     dgemma/train/diffusion.py: clean-context | noisy-context | ar
+                                                     (distill: train/distill.py, against a frozen teacher)
             (loss / grad_accum).backward()
         clip; skip the step if the loss or the gradient is not finite; AdamW
         held-out loss every eval_every steps; checkpoint every save_every steps (and at the end)

@@ -94,6 +94,19 @@ def test_row_chunks_change_nothing(models):
     student.zero_grad()
 
 
+def test_rows_split_across_ranks_compute_the_whole_batchs_loss(models):
+    """With `batch_rows`, each rank's rows get the draws the whole micro-batch gets (torchrun's split)."""
+    teacher, student = models
+    x0 = windows(2, batch=4)
+    kw = dict(teacher=teacher, num_steps=N, self_conditioning_prob=1.0, chunk_rows=64)
+    with torch.no_grad():
+        whole = distill_loss(student, x0, generator=torch.Generator().manual_seed(9), **kw)
+        halves = [distill_loss(student, x0[lo:lo + 2], generator=torch.Generator().manual_seed(9),
+                               batch_rows=(lo, 4), **kw) for lo in (0, 2)]
+    assert torch.allclose(whole.loss, (halves[0].loss + halves[1].loss) / 2, rtol=1e-5)
+    assert whole.self_conditioned == halves[0].self_conditioned == halves[1].self_conditioned
+
+
 def test_the_loss_is_a_kl_and_the_student_learns_its_target(teacher):
     """A copy of the teacher starts above zero (two half steps are not one step) and the loss falls as the student
     trains on one fixed batch and fixed noise."""
