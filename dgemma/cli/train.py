@@ -58,10 +58,12 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
     else:  # a new run, or one killed before it recorded anything: --resume starts it
         base = train_preset(given.get("preset", DEFAULT_PRESET))
+        # the checkpoint's geometry replaces the preset's, overrides included
+        geometry = dict.fromkeys(("vocab_size", "canvas_length", "time_embedding", "observed_likelihood")) \
+            if "init_from" in given else {}
         if "objective" in given:  # an AR baseline of a diffusion recipe drops the diffusion-only switches
-            base = base.with_objective(given["objective"])
-        if "init_from" in given:  # the checkpoint's geometry replaces the preset's, overrides included
-            base = base.replace(vocab_size=None, canvas_length=None, time_embedding=None, observed_likelihood=None)
+            return base.with_objective(given.pop("objective"), **geometry | given)
+        base = base.replace(**geometry) if geometry else base
     return base.replace(**given)
 
 

@@ -229,13 +229,14 @@ class TrainConfig:
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
-    def with_objective(self, objective: str) -> TrainConfig:
-        """This recipe with another objective; the diffusion-only switches go back to their defaults for `ar` and
-        `sft` (the AR baseline of a diffusion recipe: the same backbone, data, batch and schedule), and for `distill`
-        (the student's model is its teacher's, switches included; its levels are the student's grid)."""
+    def with_objective(self, objective: str, **changes: Any) -> TrainConfig:
+        """This recipe with another objective (and `changes`, applied together: a distill recipe is valid only with
+        its teacher); the diffusion-only switches go back to their defaults for `ar` and `sft` (the AR baseline of a
+        diffusion recipe: the same backbone, data, batch and schedule), and for `distill` (the student's model is its
+        teacher's, switches included; its levels are the student's grid)."""
         if objective in ("ar", "sft", "distill"):
-            return self.replace(objective=objective, **{k: _DEFAULTS[k] for k in DIFFUSION_ONLY})
-        return self.replace(objective=objective)
+            changes = {k: _DEFAULTS[k] for k in DIFFUSION_ONLY} | changes
+        return self.replace(objective=objective, **changes)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
