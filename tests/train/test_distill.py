@@ -21,6 +21,7 @@ import torch
 
 import dgemma.train.config as C
 from dgemma import cli
+from dgemma.cli.loading import load
 from dgemma.sampling.rules import ancestral_step
 from dgemma.train.distill import distill_loss, inverse_cdf_draw, soft_kl
 from dgemma.train.loop import train
@@ -150,10 +151,28 @@ def test_a_tiny_distillation_writes_a_student_that_generates_at_its_steps(teache
         ("distill", str(teacher), N, str(teacher))
     evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     assert [e["step"] for e in evals] == [0, 2] and all(e["val_loss"] >= 0 and "val_nelbo" in e for e in evals)
+    # generate samples it at its N steps (the ancestral chain runs every one), and serve loads it with them
     code = cli.main(["generate", "--model", str(run), "--prompt-ids", "2,45,300", "--max-new-tokens", "16",
-                     "--seed", "0", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and json.loads(out)["token_ids"]
+                     "--seed", "0", "--json", "--sampler", "ancestral"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(out["token_ids"]) == 16 and out["steps_per_canvas"] == [N]
+    model, gcfg, tok = load(cli.build_parser().parse_args(["serve", "--model", str(run)]))
+    assert gcfg.max_denoising_steps == N and tok is not None and model.config.canvas_length == 16
+
+
+def test_the_recipe_is_the_teachers_at_a_tenth_of_its_rate_and_train_runs_the_same_objective(teacher, tiny_data,
+                                                                                             tmp_path, capsys):
+    own = json.loads((latest_checkpoint(teacher) / "train_config.json").read_text())
+    argv = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--teacher", str(teacher), "--student-steps",
+            str(N), "--print-config"]
+    assert cli.main(["distill", *argv]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["lr"] == pytest.approx(own["lr"] / 10) and cfg["min_lr"] == pytest.approx(own["lr"] / 100)
+    assert (cfg["seq_len"], cfg["batch_size"], cfg["max_steps"], cfg["init_from"]) == \
+        (own["seq_len"], own["batch_size"], 500, str(teacher))
+    assert cli.main(["train", *argv, "--objective", "distill", "--init-from", str(teacher)]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert (cfg["objective"], cfg["student_steps"], cfg["diffusion_time"]) == ("distill", N, "discrete")
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +246,28 @@ def test_distillation_resumes_bit_exactly_after_a_stop_and_after_sigkill(teacher
     assert latest_checkpoint(killed).name == "step-0000002"
     assert train(every, tiny_data, killed, resume=True, stream=io.StringIO()).step == 4
     assert_bit_identical(weights(killed), weights(whole))
+
+
+@pytest.mark.integration
+def test_serve_runs_the_student(teacher, tiny_data, tmp_path):
+    """`dgemma serve --model STUDENT` answers a chat (its N steps from its generation_config.json)."""
+    from openai import OpenAI
+
+    run = tmp_path / "student"
+    train(distill_config(teacher, max_steps=1), tiny_data, run, stream=io.StringIO())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma", "serve", "--model", str(run), "--port", "0",
+                             "--max-batch", "2", "--max-context", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # the URL, once the port listens
+        assert "http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        client = OpenAI(base_url=line.split(" at ")[1].split()[0] + "v1", api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="student", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=8, seed=0)
+        assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
