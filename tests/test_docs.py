@@ -126,6 +126,8 @@ TINY_ARGS: dict[str, list[str]] = {
     "dgemma distill --data data --out runs/student-12 --teacher runs/student-24 --student-steps 12":
         ["--until-step", "1", "--eval-batches", "1"],
     'dgemma generate --model runs/student-12 --prompt "The cat" --seed 0': ["--max-new-tokens", "32"],
+    "torchrun --standalone --nproc-per-node 2 -m dgemma distill --data data --out runs/student-ddp --teacher "
+    "runs/teacher --student-steps 24 --device cpu --batch-size 2": ["--until-step", "1", "--eval-batches", "1"],
     # docs/training.md, Scaling out: torchrun on 2 CPU ranks, stopped after a step or two
     "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/ddp --device cpu --batch-size 2":
         ["--until-step", "1", "--eval-batches", "1"],
