@@ -301,8 +301,16 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
                 console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
             # a resume keeps what the run first inherited (its init_from checkpoint may be gone by now)
             start = record["inherited"] if record and "inherited" in record else run_dir.inherited(cfg.init_from)
+            teacher = {}
+            if cfg.teacher is not None:  # the checkpoint that taught the first start: a resume names a change
+                now = str(resolve_model_dir(cfg.teacher))
+                teacher = {"teacher_checkpoint": record.get("teacher_checkpoint", now) if record else now}
+                if teacher["teacher_checkpoint"] != now:
+                    console.print(f"warning: the teacher {cfg.teacher} is now {now}, not "
+                                  f"{teacher['teacher_checkpoint']} as when this run started: the resume is not "
+                                  "bit-exact (give --teacher a checkpoint directory to pin it)")
             run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir),
-                                       "world_size": d.world_size} | ({"inherited": start} if start else {}))
+                                       "world_size": d.world_size} | ({"inherited": start} if start else {}) | teacher)
             run_dir.clean_temporaries(run)
 
         d.on_main(take_run)

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,13 @@ def test_the_loss_is_a_kl_and_the_student_learns_its_target(teacher):
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+def distill_config(teacher: Path, **changes) -> C.TrainConfig:
+    return C.TrainConfig(objective="distill", teacher=str(teacher), student_steps=N, init_from=str(teacher),
+                         preset="tiny", seq_len=32, batch_size=2, max_steps=4, warmup_steps=1, lr=3e-3, min_lr=3e-4,
+                         eval_every=100, eval_batches=1, save_every=100, keep_last=10, log_every=100, chunk_rows=64
+                         ).replace(**changes)
+
+
 # --- the command ---------------------------------------------------------------------------------------------------
 
 FAST = ("--batch-size", "2", "--eval-batches", "1", "--seq-len", "32")
@@ -175,6 +183,23 @@ def test_the_recipe_is_the_teachers_at_a_tenth_of_its_rate_and_train_runs_the_sa
     assert (cfg["objective"], cfg["student_steps"], cfg["diffusion_time"]) == ("distill", N, "discrete")
 
 
+def test_a_resume_names_a_teacher_that_moved(tiny_run, tiny_data, tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_run, teacher)
+    cfg = distill_config(teacher, max_steps=2)
+    run = tmp_path / "student"
+    train(cfg, tiny_data, run, until_step=1, stream=io.StringIO())
+    first = latest_checkpoint(teacher)
+    assert json.loads((run / "run.json").read_text())["teacher_checkpoint"] == str(first)
+    train(C.train_preset("tiny").replace(batch_size=2, max_steps=3, warmup_steps=1, eval_every=100, eval_batches=1,
+                                         save_every=100, log_every=100), tiny_data, teacher, resume=True,
+          stream=io.StringIO())  # the teacher run goes on: its newest checkpoint is another one
+    log = io.StringIO()
+    train(cfg, tiny_data, run, resume=True, stream=log)
+    assert f"the teacher {teacher} is now {latest_checkpoint(teacher)}, not {first}" in log.getvalue()
+    assert json.loads((run / "run.json").read_text())["teacher_checkpoint"] == str(first)
+
+
 @pytest.fixture(scope="module")
 def ar_and_other(tiny_data, tmp_path_factory) -> tuple[Path, Path]:
     """An AR run and a run of another architecture (canvas 8), one step each."""
@@ -211,13 +236,6 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, message, teacher, ar_an
 
 
 # --- resume (integration tier) ---------------------------------------------------------------------------------------
-
-def distill_config(teacher: Path, **changes) -> C.TrainConfig:
-    return C.TrainConfig(objective="distill", teacher=str(teacher), student_steps=N, init_from=str(teacher),
-                         preset="tiny", seq_len=32, batch_size=2, max_steps=4, warmup_steps=1, lr=3e-3, min_lr=3e-4,
-                         eval_every=100, eval_batches=1, save_every=100, keep_last=10, log_every=100, chunk_rows=64
-                         ).replace(**changes)
-
 
 @pytest.mark.integration
 def test_distillation_resumes_bit_exactly_after_a_stop_and_after_sigkill(teacher, tiny_data, tmp_path):
