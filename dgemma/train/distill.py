@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dgemma.diffusion.likelihood import posterior_logits
 from dgemma.diffusion.noise import draw_rows, q_sample
+from dgemma.io import fsio
 from dgemma.model.attention import clean_context_masks
 from dgemma.model.config import ModelConfig
 from dgemma.model.diffusiongemma import DiffusionGemma
@@ -147,11 +148,8 @@ def teacher_problem(teacher: str, student_steps: int, student: ModelConfig) -> t
     if not Path(teacher).exists():
         return "teacher", "no such checkpoint or run directory"
     ckpt = resolve_model_dir(teacher)
-    recipe = ckpt / "train_config.json"
-    if recipe.is_file():
-        objective = json.loads(recipe.read_text()).get("objective")
-        if objective == "ar":
-            return "teacher", "is an AR run (objective 'ar'): it has no reverse diffusion step to distil"
+    if teacher_recipe(teacher).get("objective") == "ar":  # the rule of cli/loading.py:autoregressive
+        return "teacher", "is an AR run (objective 'ar'): it has no reverse diffusion step to distil"
     config = read_model_config(ckpt)
     if config != student:
         diff = next(f for f in config.__dataclass_fields__ if getattr(config, f) != getattr(student, f))
@@ -165,6 +163,10 @@ def teacher_problem(teacher: str, student_steps: int, student: ModelConfig) -> t
 
 
 def teacher_recipe(teacher: str) -> dict[str, Any]:
-    """The teacher's own training recipe (its checkpoint's train_config.json as a dict; {} without one)."""
-    recipe = resolve_model_dir(teacher) / "train_config.json"
-    return json.loads(recipe.read_text()) if recipe.is_file() else {}
+    """The teacher's own training recipe (its checkpoint's train_config.json as a dict; {} without a readable one: a
+    checkpoint no training run wrote)."""
+    try:
+        recipe = json.loads(fsio.read_text(resolve_model_dir(teacher) / "train_config.json"))
+    except (OSError, ValueError, fsio.UnsafeFileError):
+        return {}
+    return recipe if isinstance(recipe, dict) else {}
