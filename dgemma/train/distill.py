@@ -27,6 +27,7 @@ rounds are repeated runs: teacher 2N -> student N, that student as the next teac
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -143,8 +144,6 @@ def teacher_problem(teacher: str, student_steps: int, student: ModelConfig) -> t
     checkpoint, the teacher is an AR run (objective 'ar': it has no reverse step), its architecture differs from the
     student's (the first differing config field), or `student_steps` is not fewer than the teacher's own steps
     (its generation_config.json's max_denoising_steps)."""
-    from pathlib import Path
-
     if not Path(teacher).exists():
         return "teacher", "no such checkpoint or run directory"
     ckpt = resolve_model_dir(teacher)
