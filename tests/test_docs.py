@@ -117,6 +117,17 @@ TINY_ARGS: dict[str, list[str]] = {
     "dgemma train --data data --out runs/ar --objective ar": ["--until-step", "1", "--eval-batches", "1"],
     "dgemma train --data data --out runs/from-ar --init-from runs/ar --time-embedding --observed-likelihood":
         ["--until-step", "1", "--eval-batches", "1"],
+    # docs/training.md, Few-step samplers by distillation: the teacher and each round stopped after a step or two
+    "dgemma train --data data --out runs/teacher": ["--until-step", "1", "--eval-batches", "1"],
+    "dgemma distill --data data --out runs/student-24 --teacher runs/teacher --student-steps 24":
+        ["--until-step", "1", "--eval-batches", "1"],
+    "dgemma distill --data data --out runs/student-24 --teacher runs/teacher --student-steps 24 --resume":
+        ["--until-step", "2", "--eval-batches", "1"],
+    "dgemma distill --data data --out runs/student-12 --teacher runs/student-24 --student-steps 12":
+        ["--until-step", "1", "--eval-batches", "1"],
+    'dgemma generate --model runs/student-12 --prompt "The cat" --seed 0': ["--max-new-tokens", "32"],
+    "torchrun --standalone --nproc-per-node 2 -m dgemma distill --data data --out runs/student-ddp --teacher "
+    "runs/teacher --student-steps 24 --device cpu --batch-size 2": ["--until-step", "1", "--eval-batches", "1"],
     # docs/training.md, Scaling out: torchrun on 2 CPU ranks, stopped after a step or two
     "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/ddp --device cpu --batch-size 2":
         ["--until-step", "1", "--eval-batches", "1"],
@@ -253,6 +264,7 @@ OUTPUT_CHECKS = {
     ("data", "inspect"): _pattern(r"^train +[\d,]+ +[\d,]+.*\n^val +[\d,]+ +[\d,]+"),
     ("train",): _trained,
     ("finetune",): _trained,
+    ("distill",): _trained,
     ("export",): _exported,
     ("generate",): _generated,
     ("chat",): _answered,

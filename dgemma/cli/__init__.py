@@ -10,6 +10,7 @@ from dgemma.cli import bench as bench_cmd
 from dgemma.cli import chat as chat_cmd
 from dgemma.cli import data as data_cmd
 from dgemma.cli import demo as demo_cmd
+from dgemma.cli import distill as distill_cmd
 from dgemma.cli import eval as eval_cmd
 from dgemma.cli import export as export_cmd
 from dgemma.cli import finetune as finetune_cmd
@@ -21,8 +22,8 @@ from dgemma.cli import viz as viz_cmd
 from dgemma.cli.flags import Parser
 from dgemma.train.distributed import should_print
 
-COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_cmd, export_cmd, eval_cmd, viz_cmd,
-            bench_cmd, demo_cmd, serve_cmd)
+COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_cmd, distill_cmd, export_cmd,
+            eval_cmd, viz_cmd, bench_cmd, demo_cmd, serve_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -157,9 +157,10 @@ def add_config_args(p: Any, cls: type, skip: tuple[str, ...] = (), shown: dict[s
             add_field_arg(p, f, (shown or {}).get(f.name, f.default))
 
 
-def add_field_arg(p: Any, f: dataclasses.Field[Any], shown: Any) -> None:
+def add_field_arg(p: Any, f: dataclasses.Field[Any], shown: Any) -> argparse.Action:
     """The --kebab-case flag of the dataclass field `f` on `p` (a parser or a group), typed from its annotation, with
-    the field's help, choices (None, which no flag can give, left out) and metavar (else one by type). It defaults to
+    the field's help, choices (None, which no flag can give, left out) and metavar (else one by type); returns its
+    argparse action. It defaults to
     None (= not given), so the defaults live only in the dataclass and its presets; `--help` shows `shown`, the value
     a run gets without the flag, unless the help already says it."""
     text = f.metadata.get("help") or ""
@@ -174,7 +175,7 @@ def add_field_arg(p: Any, f: dataclasses.Field[Any], shown: Any) -> None:
         kw["choices"] = tuple(c for c in f.metadata.get("choices") or () if c is not None) or None
         by_type = {int: "N", float: "X", seed: "SEED", str: "NAME"}.get(kw["type"])
         kw["metavar"] = None if kw["choices"] else f.metadata.get("metavar", by_type)
-    p.add_argument("--" + f.name.replace("_", "-"), **kw)
+    return p.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def add_sampler_args(p: argparse.ArgumentParser, seed_help: str | None = "the sampling seed (default: random)",

@@ -22,6 +22,13 @@ from dgemma.weights.checkpoint import latest_checkpoint
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("train", help="train a model from scratch on token shards (or resume a run)",
                               description=__doc__)
+    add_run_args(p)
+    add_config_args(p, TrainConfig, shown={"preset": DEFAULT_PRESET})  # TrainConfig's defaults: that recipe
+    p.set_defaults(func=run)
+
+
+def add_run_args(p: Any) -> None:
+    """A run's flags besides its TrainConfig's (`train`, `distill`): its data and directory, resume, when to stop."""
     p.add_argument("--data", type=Path, required=True, metavar="DIR", help="a directory from `dgemma data prepare`")
     p.add_argument("--out", type=Path, required=True, metavar="RUN", help="the run directory (must be new or empty, "
                    "unless --resume)")
@@ -34,8 +41,6 @@ def register(subparsers: Any) -> None:
                    help="stop (and checkpoint) at step N; the learning-rate "
                    "schedule still spans --max-steps")
     p.add_argument("--print-config", action="store_true", help="print the resolved TrainConfig as JSON and exit")
-    add_config_args(p, TrainConfig, shown={"preset": DEFAULT_PRESET})  # TrainConfig's defaults: that recipe
-    p.set_defaults(func=run)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -53,10 +58,12 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
     else:  # a new run, or one killed before it recorded anything: --resume starts it
         base = train_preset(given.get("preset", DEFAULT_PRESET))
+        # the checkpoint's geometry replaces the preset's, overrides included
+        geometry = dict.fromkeys(("vocab_size", "canvas_length", "time_embedding", "observed_likelihood")) \
+            if "init_from" in given else {}
         if "objective" in given:  # an AR baseline of a diffusion recipe drops the diffusion-only switches
-            base = base.with_objective(given["objective"])
-        if "init_from" in given:  # the checkpoint's geometry replaces the preset's, overrides included
-            base = base.replace(vocab_size=None, canvas_length=None, time_embedding=None, observed_likelihood=None)
+            return base.with_objective(given.pop("objective"), **geometry | given)
+        base = base.replace(**geometry) if geometry else base
     return base.replace(**given)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from dgemma.model.attention import IMPLS
 from dgemma.model.config import PRESETS, ConfigError, ModelConfig, read_json, setting
 from dgemma.sampling.generation_config import SEED_RANGE, is_seed
 from dgemma.train.diffusion import LOSS_WEIGHTING, OBJECTIVES, T_SAMPLING, TIME
+from dgemma.train.distill import teacher_problem
 from dgemma.train.distributed import PARALLEL
 from dgemma.weights import lora
 from dgemma.weights.checkpoint import resolve_model_dir
@@ -46,8 +48,14 @@ class TrainConfig:
     vocab_size: int | None = setting("override the preset's vocabulary size (default: the preset's)", default=None)
     canvas_length: int | None = setting("override the preset's canvas length L, the tokens denoised together "
                                         "(default: the preset's)", default=None)
-    objective: str = setting("training objective (sft: chats, with init_from)", default="clean-context",
-                             choices=(*OBJECTIVES, "sft"))
+    objective: str = setting("training objective (sft: chats, with init_from; distill: a few-step student of a "
+                             "teacher, `dgemma distill`)", default="clean-context",
+                             choices=(*OBJECTIVES, "sft", "distill"))
+    teacher: str | None = setting("the frozen teacher of --objective distill: a diffusion run (its newest "
+                                  "checkpoint) or checkpoint directory", default=None, metavar="RUN_OR_CHECKPOINT")
+    student_steps: int | None = setting("--objective distill: the student's denoising steps N (its "
+                                        "generation_config's max_denoising_steps); each training step matches two "
+                                        "teacher steps of 1/(2N), so N is fewer than the teacher's steps", default=None)
     init_from: str | None = setting("start from this checkpoint (HF layout, or a run) instead of random weights; its "
                                     "geometry replaces the preset's", default=None, metavar="DIR")
     lora_rank: int = setting("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
@@ -139,8 +147,19 @@ class TrainConfig:
             check(getattr(self, name) in (None, True, False), name, "must be true, false or None")
             check(self.init_from is None or getattr(self, name) is None or not self.lora_rank, name,
                   "must be None with LoRA (the adapter adapts the checkpoint's own model)")
-        check(self.init_from is not None or (self.objective != "sft" and not self.lora_rank),
-              "init_from", f"must name a checkpoint for {'--objective sft' if self.objective == 'sft' else 'LoRA'}")
+        check(self.init_from is not None or (self.objective not in ("sft", "distill") and not self.lora_rank),
+              "init_from", "must name a checkpoint for " + (f"--objective {self.objective}"
+                                                             if self.objective in ("sft", "distill") else "LoRA"))
+        distill = self.objective == "distill"
+        check((self.teacher is not None) == distill, "teacher", "names the teacher of --objective distill, and only "
+              "of it")
+        check(self.student_steps is None if not distill else (isinstance(self.student_steps, int) and not
+              isinstance(self.student_steps, bool) and self.student_steps >= 1), "student_steps",
+              "must be an int >= 1 with --objective distill, and None without")
+        check(not distill or Path(self.teacher).exists(), "teacher",  # type: ignore[arg-type]
+              "no such checkpoint or run directory")
+        check(not (distill and self.lora_rank), "lora_rank", "must be 0 with --objective distill (the student "
+              "trains every weight)")
         for f in dataclasses.fields(self):
             if f.type == "float":
                 v = getattr(self, f.name)
@@ -155,7 +174,8 @@ class TrainConfig:
         check(0 <= self.self_conditioning_prob <= 1, "self_conditioning_prob", "must be in [0, 1]")
         check(self.ar_weight >= 0, "ar_weight", "must be >= 0")
         for name in DIFFUSION_ONLY:
-            check(self.objective in ("clean-context", "noisy-context") or getattr(self, name) == _DEFAULTS[name],
+            check(self.objective in ("clean-context", "noisy-context") or getattr(self, name) == _DEFAULTS[name]
+                  or (distill and name == "t_sampling"),
                   name, f"is a diffusion recipe switch: objective {self.objective!r} takes only the default")
         check(self.ar_weight == 0 or self.objective == "clean-context", "ar_weight",
               "is the clean stream's next-token loss: only the clean-context objective has one")
@@ -170,12 +190,17 @@ class TrainConfig:
         check(self.seq_len <= mc.max_position_embeddings, "seq_len",
               f"must be <= the preset's max_position_embeddings={mc.max_position_embeddings}")
         lora.check_adapter(self.lora_rank, self.lora_alpha, self.lora_targets, mc)  # the rank against layer widths
+        if distill:  # the teacher last: it reads the teacher's files
+            problem = teacher_problem(self.teacher, self.student_steps, mc)  # type: ignore[arg-type]
+            check(problem is None, *(problem or ("teacher", "")))
 
     @property
     def nelbo_steps(self) -> int:
         """T of the held-out discrete-time NELBO of each evaluation (0: none): eval_nelbo_steps, by default the
-        training T (`num_steps`), for continuous-time runs too (they log the continuous-time bound beside it)."""
-        return self.num_steps if self.eval_nelbo_steps is None else self.eval_nelbo_steps
+        training T (`num_steps`; a distillation run's: `student_steps`), for continuous-time runs too (they log the
+        continuous-time bound beside it)."""
+        default = self.student_steps if self.objective == "distill" else self.num_steps
+        return default if self.eval_nelbo_steps is None else self.eval_nelbo_steps  # type: ignore[return-value]
 
     @property
     def continuous_bound(self) -> bool:
@@ -204,12 +229,14 @@ class TrainConfig:
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
-    def with_objective(self, objective: str) -> TrainConfig:
-        """This recipe with another objective; the diffusion-only switches go back to their defaults for `ar` and
-        `sft` (the AR baseline of a diffusion recipe: the same backbone, data, batch and schedule)."""
-        if objective in ("ar", "sft"):
-            return self.replace(objective=objective, **{k: _DEFAULTS[k] for k in DIFFUSION_ONLY})
-        return self.replace(objective=objective)
+    def with_objective(self, objective: str, **changes: Any) -> TrainConfig:
+        """This recipe with another objective (and `changes`, applied together: a distill recipe is valid only with
+        its teacher); the diffusion-only switches go back to their defaults for `ar` and `sft` (the AR baseline of a
+        diffusion recipe: the same backbone, data, batch and schedule), and for `distill` (the student's model is its
+        teacher's, switches included; its levels are the student's grid)."""
+        if objective in ("ar", "sft", "distill"):
+            changes = {k: _DEFAULTS[k] for k in DIFFUSION_ONLY} | changes
+        return self.replace(objective=objective, **changes)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -267,11 +294,14 @@ def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool =
     """Peak bytes of one training step of `cfg` on one rank, by part (`costs.training_step_bytes`: parameters,
     gradients, AdamW state, activations, the saved attention masks, the loss logits). Blocks are compiled on CUDA when
     `cfg.compile`; the reference attention keeps its scores; `shards`: the ranks FSDP shards over."""
-    return costs.training_step_bytes(
+    parts = costs.training_step_bytes(
         cfg.model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-        paired=cfg.objective in ("clean-context", "sft"), chunk_rows=cfg.chunk_rows, use_bf16=use_bf16,
+        paired=cfg.objective in ("clean-context", "sft", "distill"), chunk_rows=cfg.chunk_rows, use_bf16=use_bf16,
         compiled=cfg.compile and device_type == "cuda", eager_scores=cfg.impl == "reference",
         activation_checkpointing=cfg.activation_checkpointing, lora=bool(cfg.lora_rank), shards=shards)
+    if cfg.objective == "distill":  # the frozen teacher: the student's architecture, whole on every rank, fp32
+        parts["teacher"] = parts["parameters"] * shards
+    return parts
 
 
 def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool, shards: int = 1) -> str:

@@ -8,6 +8,7 @@ loop fine-tunes a checkpoint (`init_from`): on token shards, or with `objective=
         lr = warmup then cosine
         for each of grad_accum micro-batches:        data replayed from its index; a generator per micro-step
             loss = training_loss(model, x0, ...)     dgemma/train/diffusion.py: clean-context | noisy-context | ar
+                                                     (distill: train/distill.py, against a frozen teacher)
             (loss / grad_accum).backward()
         clip; skip the step if the loss or the gradient is not finite; AdamW
         held-out loss every eval_every steps; checkpoint every save_every steps (and at the end)
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -64,6 +66,7 @@ from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import distributed, run_dir
 from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate, preflight
 from dgemma.train.diffusion import LossOutput, sft_loss, training_loss
+from dgemma.train.distill import distill_loss
 from dgemma.train.distributed import Dist, checkpoint_world_size, load_into, resolve_device, shared
 from dgemma.train.heldout import window_cross_entropy
 from dgemma.train.run_dir import NonFiniteError
@@ -138,7 +141,7 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
     rows split across the ranks, and the sums reduced, so every rank gets the same numbers."""
     d = dist or Dist(device=device)
     shift = 1 if cfg.objective == "ar" else 0
-    diffusion = cfg.objective in ("clean-context", "noisy-context")
+    diffusion = cfg.objective in ("clean-context", "noisy-context", "distill")
     bounds = {"val_nelbo": cfg.nelbo_steps if diffusion else 0, "val_nelbo_continuous": cfg.continuous_bound}
     bounds = {k: (None if v is True else v) for k, v in bounds.items() if v}  # name -> T (None: continuous time)
     # sums over micro-batches of (loss, loss^2, count, loss x tokens, tokens); per bound, over windows of
@@ -159,6 +162,10 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
                 _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.num_steps,
                              self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows, generator=g, **rows_kw)
                 loss, tokens = float(out.cross_entropy), out.tokens
+            elif cfg.objective == "distill":  # the distillation KL itself, with fixed noise and no self-conditioning
+                _, out = net(x0[lo:hi].to(device), objective=cfg.objective, num_steps=cfg.student_steps,
+                             self_conditioning_prob=0.0, chunk_rows=cfg.chunk_rows, generator=g, **rows_kw)
+                loss, tokens = float(out.loss), out.tokens
             else:  # token windows: the held-out cross-entropy `dgemma eval` computes too
                 time = {"time": cfg.diffusion_time} if diffusion else {}
                 nats, tokens = net(x0[lo:hi].to(device), measure=window_cross_entropy, objective=cfg.objective,
@@ -167,7 +174,8 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
             for T in bounds.values():
                 g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
                 per_window.append(net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
-                                      objective=cfg.objective, num_steps=T,
+                                      objective="clean-context" if cfg.objective == "distill" else cfg.objective,
+                                      num_steps=T,
                                       num_t_samples=cfg.eval_t_samples if T is None else min(cfg.eval_t_samples, T))[0])
         if tokens and not empty:
             sums[0:3] = sums[0] + loss, sums[1] + loss * loss, sums[2] + 1  # the batch's mean, one unit of SE
@@ -196,12 +204,18 @@ def _se(total: float, squares: float, n: float) -> float:
     return math.sqrt(var / n)
 
 
-def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0, **kw: Any) -> LossOutput:
+def batch_loss(model: DiffusionGemma, batch: Any, *, objective: str, ar_weight: float = 0.0,
+               teacher: DiffusionGemma | None = None, **kw: Any) -> LossOutput:
     """The objective's loss on one micro-batch (the loss `Dist.wrap` runs): token windows
-    (train/diffusion.py:training_loss) or packed chats (train/diffusion.py:sft_loss, which has no next-token term).
+    (train/diffusion.py:training_loss), packed chats (train/diffusion.py:sft_loss, which has no next-token term), or
+    a student against its frozen `teacher` (train/distill.py:distill_loss, `num_steps` the student's).
     Held-out measures that are no training loss (the NELBO) run through `LossModule`'s `measure`."""
     if objective == "sft":
         return sft_loss(model, batch, **kw)
+    if objective == "distill":
+        assert teacher is not None, "the distill objective needs its teacher"
+        kw = {k: v for k, v in kw.items() if k not in ("loss_weighting", "time")}
+        return distill_loss(model, batch, teacher=teacher, **kw)
     return training_loss(model, batch, objective=objective, ar_weight=ar_weight, **kw)
 
 
@@ -287,8 +301,16 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
                 console.print(f"warning: {run} continues on other data ({change}): --allow-new-data")
             # a resume keeps what the run first inherited (its init_from checkpoint may be gone by now)
             start = record["inherited"] if record and "inherited" in record else run_dir.inherited(cfg.init_from)
+            teacher = {}
+            if cfg.teacher is not None:  # the checkpoint that taught the first start: a resume names a change
+                now = str(resolve_model_dir(cfg.teacher))
+                teacher = {"teacher_checkpoint": record.get("teacher_checkpoint", now) if record else now}
+                if teacher["teacher_checkpoint"] != now:
+                    console.print(f"warning: the teacher {cfg.teacher} is now {now}, not "
+                                  f"{teacher['teacher_checkpoint']} as when this run started: the resume is not "
+                                  "bit-exact (give --teacher a checkpoint directory to pin it)")
             run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir),
-                                       "world_size": d.world_size} | ({"inherited": start} if start else {}))
+                                       "world_size": d.world_size} | ({"inherited": start} if start else {}) | teacher)
             run_dir.clean_temporaries(run)
 
         d.on_main(take_run)
@@ -337,10 +359,13 @@ def with_diffusion_switches(model: DiffusionGemma, config: ModelConfig, device: 
 def generation_config(cfg: TrainConfig, eot_id: int) -> GenerationConfig:
     """The generation settings the run's checkpoints carry. Documents end with the data's end-of-text id `eot_id`
     (answers with the chat template's end of turn): generation stops there. A fine-tuned checkpoint keeps its sampler
-    settings."""
+    settings; a distilled student takes its teacher's with max_denoising_steps = student_steps."""
     mc = cfg.model_config
     if cfg.init_from is None:
         return GenerationConfig(eos_token_id=(eot_id,), pad_token_id=mc.pad_token_id, bos_token_id=mc.bos_token_id)
+    if cfg.objective == "distill":  # the teacher's settings at the student's steps
+        return load_generation_config(cfg.teacher).stopping_at(eot_id).replace(  # type: ignore[arg-type]
+            max_denoising_steps=cfg.student_steps)
     gen = load_generation_config(cfg.init_from).stopping_at(eot_id)
     return gen if gen.pad_token_id is not None else gen.replace(pad_token_id=mc.pad_token_id)
 
@@ -368,7 +393,11 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
         adapter = adapter_config(cfg)
         write_weights = lambda path: lora.save_adapter(model, adapter, path, gen)
     model.train()
-    net = d.wrap(model, batch_loss, parallel=cfg.parallel, use_bf16=use_bf16,
+    loss_fn: Any = batch_loss
+    if cfg.objective == "distill":  # the frozen teacher: whole on every rank, outside the wrapped module
+        teacher = load_model(cfg.teacher, dtype=torch.float32, device=device, impl=cfg.impl)  # type: ignore[arg-type]
+        loss_fn = functools.partial(batch_loss, teacher=teacher.eval().requires_grad_(False))
+    net = d.wrap(model, loss_fn, parallel=cfg.parallel, use_bf16=use_bf16,
                  activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile and device.type == "cuda",
                  fill_from=cfg.init_from if deferred else None)
     optimizer = make_optimizer(model, cfg, device)
@@ -403,6 +432,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     recipe = {} if cfg.objective in ("ar", "sft") else {"t_sampling": cfg.t_sampling,
                                                         "loss_weighting": cfg.loss_weighting,
                                                         "time": cfg.diffusion_time}
+    loss_steps = cfg.student_steps if cfg.objective == "distill" else cfg.num_steps
     eta = Eta(end)  # the ETA of the steps to `end`, from this invocation's measured step rate
     with metrics.open("a") if d.is_main else contextlib.nullcontext() as log:
         def record(**rec: Any) -> None:
@@ -438,7 +468,7 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
                     x0 = next(batches).to(device, non_blocking=True)
                     with d.accumulating(net, sync=i == cfg.grad_accum - 1):
                         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
-                            _, out = net(x0, objective=cfg.objective, num_steps=cfg.num_steps,
+                            _, out = net(x0, objective=cfg.objective, num_steps=loss_steps,
                                          self_conditioning_prob=cfg.self_conditioning_prob, ar_weight=cfg.ar_weight,
                                          chunk_rows=cfg.chunk_rows, generator=micro_step_generator(cfg, micro, device),
                                          **recipe,

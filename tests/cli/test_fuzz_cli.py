@@ -195,6 +195,9 @@ def base_commands(w: World, out: Path) -> dict[str, list[str]]:
                   "--eval-every", "1", "--save-every", "1"],
         "finetune": ["finetune", "--model", ck, "--data", str(w.chats), "--out", str(out), "--until-step", "1",
                      "--seq-len", "32", "--batch-size", "2", "--eval-every", "1", "--save-every", "1"],
+        "distill": ["distill", "--data", str(w.data), "--out", str(out), "--teacher", str(w.run), "--student-steps",
+                    "2", "--until-step", "1", "--seq-len", "32", "--batch-size", "2", "--eval-every", "1",
+                    "--save-every", "1"],
         "export": ["export", str(w.run), "--out", str(out)],
         "eval": ["eval", "--model", str(w.run), "--data", str(w.data), "--out", str(out), "--prompts", "2",
                  "--prompt-tokens", "4", "--max-new-tokens", "16", "--max-denoising-steps-grid", "2", "--seq-len", "32",
@@ -321,8 +324,8 @@ def world(tmp_path_factory) -> World:
     return build_world(tmp_path_factory.mktemp("fuzz-cli"))
 
 
-COMMANDS = ("bench", "chat", "data inspect", "data prepare", "demo", "eval", "export", "finetune", "generate",
-            "generate chat", "generate grammar", "inspect", "train", "viz")
+COMMANDS = ("bench", "chat", "data inspect", "data prepare", "demo", "distill", "eval", "export", "finetune",
+            "generate", "generate chat", "generate grammar", "inspect", "train", "viz")
 
 
 def check_fuzzed(command: str, cases: range, w: World) -> None:
