@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from dgemma.train.distill import distill_loss, inverse_cdf_draw, soft_kl
 from dgemma.train.loop import train
 from dgemma.weights.checkpoint import latest_checkpoint
 from dgemma.weights.loading import load_generation_config, load_model
-from tests.train.test_train import KILLED_RUN, ROOT, assert_bit_identical, tree, weights
+from tests.train.test_train import ROOT, assert_bit_identical, sigkill_inside_step, tree, weights
 
 N = 4  # the student's steps (the teacher's: 48)
 
@@ -249,18 +248,7 @@ def test_distillation_resumes_bit_exactly_after_a_stop_and_after_sigkill(teacher
     assert_bit_identical(weights(parts), weights(whole))
     # SIGKILL inside step 3 (test_train.py's harness), then the same call resumes from step 2's checkpoint
     every = cfg.replace(save_every=1)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(every.to_json()), str(tiny_data),
-                             str(killed), "3", str(flag)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not flag.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the distillation never reached step 3"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    sigkill_inside_step(every, tiny_data, killed, 3, flag, timeout=120)
     assert latest_checkpoint(killed).name == "step-0000002"
     assert train(every, tiny_data, killed, resume=True, stream=io.StringIO()).step == 4
     assert_bit_identical(weights(killed), weights(whole))

@@ -100,21 +100,29 @@ with after_each_training_step(slow):
 """
 
 
-def test_sigkill_mid_step_keeps_the_last_checkpoint_and_resumes_exactly(corpus, uninterrupted, tmp_path):
-    run, flag = tmp_path / "run", tmp_path / "in-step"
-    cfg = BASE.replace(save_every=1)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(cfg.to_json()), str(corpus), str(run),
-                             str(N + 1), str(flag)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def sigkill_inside_step(cfg: TrainConfig, data: Path, run: Path, step: int, flag: Path, *, timeout: float
+                        ) -> subprocess.Popen:
+    """`train(cfg, data, run)` in a child (KILLED_RUN) killed with SIGKILL inside step `step` (its forward done, its
+    backward and update not); the finished process."""
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(cfg.to_json()), str(data), str(run),
+                             str(step), str(flag)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while not flag.exists():
             assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the trainer never reached step N + 1"
+            assert time.monotonic() < deadline, f"the run never reached step {step}"
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
+    return proc
+
+
+def test_sigkill_mid_step_keeps_the_last_checkpoint_and_resumes_exactly(corpus, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    cfg = BASE.replace(save_every=1)
+    proc = sigkill_inside_step(cfg, corpus, run, N + 1, tmp_path / "in-step", timeout=60)
     assert proc.returncode == -signal.SIGKILL
     # The last complete checkpoint is step N, and it loads.
     assert [p.name for p in list_checkpoints(run)][-1] == f"step-{N:07d}"
