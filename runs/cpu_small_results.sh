@@ -21,7 +21,8 @@
 #   compute-matched comparator's held-out figure).
 #
 #   bash runs/cpu_small_results.sh 4800            # what docs/results.md cites: ~3 h of training on 2 cores, then
-#                                                  # ~1 h of evaluation per seed
+#                                                  # 3-4 h of evaluation per seed (not yet measured: a count
+#                                                  # of its ~14k quality decodes and 256 timed rotations)
 #   bash runs/cpu_small_results.sh 4800 --smoke    # the same pipeline on a toy corpus with the tiny preset (seconds)
 #
 # Everything runs inside OUT (default runs/out/cpu-small) with relative paths, so the commands printed in the
