@@ -80,22 +80,17 @@ def summarize(rows: list[dict], matched: dict | None) -> dict:
         raise SystemExit("cpu_small_summary.py: the reports scored different tokens (likelihood.scored.sha256 "
                          "differs); evaluate every seed with the same --data, --seq-len and --max-windows")
 
-    def across(key: str) -> dict | None:
-        vals = [r.get(key) for r in rows]
-        vals = [v["mean"] if isinstance(v, dict) else v for v in vals]
-        if any(v is None for v in vals):
-            return None
-        return {"mean": sum(vals) / len(vals), "half_range": (max(vals) - min(vals)) / 2, "values": vals}
-
+    figure = lambda key: spread([r.get(key) for r in rows])
     return {"seeds": len(rows), "scored": rows[0]["scored"],
-            "nelbo": across("nelbo"), "ar_ce": across("ar_ce"), "ratio": across("ratio"),
-            "share_of_ar_gain": across("share_of_ar_gain"),
-            "speedup": across_verdict(rows, "speedup"), "compute_matched_ar": matched,
+            "nelbo": figure("nelbo"), "ar_ce": figure("ar_ce"), "ratio": figure("ratio"),
+            "share_of_ar_gain": figure("share_of_ar_gain"),
+            "speedup": spread([r["verdict"].get("speedup") for r in rows]), "compute_matched_ar": matched,
             "rows": rows}
 
 
-def across_verdict(rows: list[dict], key: str) -> dict | None:
-    vals = [r["verdict"].get(key) for r in rows]
+def spread(values: list) -> dict | None:
+    """The seeds' mean and half-range of one figure (an estimate's mean, or a number); None if a seed lacks it."""
+    vals = [v["mean"] if isinstance(v, dict) else v for v in values]
     if any(not isinstance(v, (int, float)) for v in vals):
         return None
     return {"mean": sum(vals) / len(vals), "half_range": (max(vals) - min(vals)) / 2, "values": vals}
@@ -132,7 +127,7 @@ def markdown(s: dict) -> str:
 
     line("tokens/s vs AR at matched quality [95%]", [ci(r["verdict"], "speedup") for r in rows], s["speedup"], ".2f")
     line("tokens per forward vs AR there [95%]", [ci(r["verdict"], "tokens_per_forward_ratio") for r in rows],
-         across_verdict(rows, "tokens_per_forward_ratio"), ".2f")
+         spread([r["verdict"].get("tokens_per_forward_ratio") for r in rows]), ".2f")
     line("judge NLL/token minus AR's (paired over prompts)",
          [f"{_f((r['verdict'].get('nll_difference') or {}).get('mean'), '+.3f')} ± "
           f"{_f((r['verdict'].get('nll_difference') or {}).get('se'))}" for r in rows], None)

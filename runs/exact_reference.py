@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from dgemma.data.shards import TokenDataset
-from dgemma.eval.likelihoods import heldout_nelbo, train_unigram, unigram_posterior, unigram_reference
+from dgemma.data.shards import TokenDataset, unigram_log_probs
+from dgemma.eval.likelihoods import heldout_nelbo, unigram_posterior, unigram_reference
 
 STEPS = (4, 16, 64, 256, None)  # None: continuous time
 
 
 def table(data: Path, *, seq_len: int, windows: int, t_samples: int, replicates: int, canvas: int) -> list[str]:
     val = TokenDataset(data, "val")
-    log_p = train_unigram(data)
+    log_p = unigram_log_probs(data)
     exact = unigram_reference(log_p, val, seq_len=seq_len, max_windows=windows)
     posterior = unigram_posterior(torch.from_numpy(log_p), canvas)
     lines = [f"Exact NLL of the unigram model on the scored tokens: {exact.mean:.4f} ± {exact.se:.4f} (between "

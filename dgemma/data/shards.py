@@ -424,13 +424,25 @@ def decode_documents(directory: str | os.PathLike[str], split: str = "train") ->
     return [tok.decode(p[:-1].tolist()) for p in pieces]
 
 
+def token_counts(directory: str | os.PathLike[str], vocab_size: int | None = None) -> np.ndarray:
+    """How often each token id occurs in the training split (V,) int64; V the data's vocabulary, or `vocab_size` (a
+    model's, which may be larger)."""
+    train = TokenDataset(directory, "train")
+    return np.bincount(train.read(0, train.num_tokens), minlength=vocab_size or int(train.meta["vocab_size"]))
+
+
+def unigram_log_probs(directory: str | os.PathLike[str], vocab_size: int | None = None) -> np.ndarray:
+    """log p of each token id under the training split's add-one unigram (V,) float64 (`token_counts`' V: ids a
+    larger model vocabulary adds get the add-one count)."""
+    counts = token_counts(directory, vocab_size).astype(np.float64) + 1
+    return np.log(counts / counts.sum())
+
+
 def unigram_cross_entropy(directory: str | os.PathLike[str]) -> float:
     """Held-out cross-entropy (nats/token) of the training split's unigram distribution (add-one smoothed) on the
     validation split: what a model that ignores every context scores, the reference line of a learning curve."""
-    train, val = TokenDataset(directory, "train"), TokenDataset(directory, "val")
-    vocab = int(train.meta["vocab_size"])
-    counts = np.bincount(train.read(0, train.num_tokens), minlength=vocab).astype(np.float64) + 1
-    logp = np.log(counts / counts.sum())
+    val = TokenDataset(directory, "val")
+    logp = unigram_log_probs(directory)
     held = val.read(0, val.num_tokens)
     if held.size == 0:
         raise DataError(f"{directory}: the validation split is empty; prepare with --val-fraction > 0")
@@ -438,4 +450,5 @@ def unigram_cross_entropy(directory: str | os.PathLike[str]) -> float:
 
 
 __all__ = ["FORMAT", "DataError", "ShardWriter", "TokenDataset", "Windows", "decode_documents", "inspect_dataset",
-           "load_meta", "sha256_file", "token_dtype", "unigram_cross_entropy", "verify"]
+           "load_meta", "sha256_file", "token_counts", "token_dtype", "unigram_cross_entropy", "unigram_log_probs",
+           "verify"]

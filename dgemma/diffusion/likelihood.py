@@ -70,6 +70,13 @@ def reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int
 
 
 def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int) -> Tensor:
+    q, log_ratio = _reverse_step(logits, x0, xt, t, num_steps)
+    return torch.where(q > 0, q * log_ratio, torch.zeros_like(q)).sum(-1)  # 0 log 0 = 0 (t = 1: q is one-hot)
+
+
+def _reverse_step(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: int) -> tuple[Tensor, Tensor]:
+    """Both distributions of one reverse step, over every j (N, V) float64: q(x_{t-1} = j | x_t, x0) (normalised),
+    and log q(x_{t-1} = j | x_t, x0) - log p(x_{t-1} = j | x_t) (-inf where q is 0)."""
     V = logits.shape[-1]
     logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
     ab_t = alpha_bar(t, num_steps, torch.float64)[:, None]
@@ -86,7 +93,7 @@ def _reverse_kl(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_steps: in
     q = (alpha * at_k + (1 - alpha) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
     q = q / q.sum(-1, keepdim=True)  # the sum is q(x_t | x0) = Z[x0]
     log_ratio = prior_s.log() - Z.gather(1, x0[:, None]).log() - log_den
-    return torch.where(q > 0, q * log_ratio, torch.zeros_like(q)).sum(-1)  # 0 log 0 = 0 (t = 1: q is one-hot)
+    return q, log_ratio
 
 
 
@@ -255,23 +262,9 @@ def reverse_step_draw(logits: Tensor, x0: Tensor, xt: Tensor, t: Tensor, num_ste
     from q(x_{t-1} | x_t, x0), and log p(x_{t-1} | x_t) - log q(x_{t-1} | x_t, x0) at the draw (N,), float64, with
     p the x0-parameterised reverse model of `reverse_kl` (whose expectation over the draw is minus that KL). At t = 1
     the draw is x0 itself and the weight is log p(x0 | x_1). logits (N, V); x0, xt, t (N,), t in 1..T."""
-    V = logits.shape[-1]
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    ab_t = alpha_bar(t, num_steps, torch.float64)[:, None]
-    ab_s = alpha_bar(t - 1, num_steps, torch.float64)[:, None]
-    keep = ab_t / ab_s
-    at_k = F.one_hot(xt, V).bool()
-    at_i = F.one_hot(x0, V).bool()
-    log_w = logp - ((1 - ab_t) / V + ab_t * at_k).log()  # p(j | x_t) / q(x_t | x0 = j)
-    log_S = torch.logsumexp(log_w, dim=-1, keepdim=True)
-    prior_s = ab_s * at_i + (1 - ab_s) / V  # q(x_{t-1} = j | x0)
-    q = (keep * at_k + (1 - keep) / V) * prior_s  # q(x_t | x_{t-1} = j) q(x_{t-1} = j | x0), unnormalised
-    xs = torch.multinomial(q / q.sum(-1, keepdim=True), 1, generator=generator)  # (N, 1)
-    # The common factor q(x_t | x_{t-1}) cancels: p / q = [ab_s w_j + (1 - ab_s) / V * S] / [q(x_{t-1} = j | x0) /
-    # q(x_t | x0)] (reverse_kl's log_ratio, negated, at j).
-    log_p = torch.logaddexp(ab_s.log() + log_w.gather(1, xs), ((1 - ab_s) / V).log() + log_S)
-    log_q = prior_s.gather(1, xs).log() - ((1 - ab_t) / V + ab_t * (x0 == xt)[:, None]).log()
-    return xs[:, 0], (log_p - log_q)[:, 0]
+    q, log_ratio = _reverse_step(logits, x0, xt, t, num_steps)
+    xs = torch.multinomial(q, 1, generator=generator)  # (N, 1)
+    return xs[:, 0], -log_ratio.gather(1, xs)[:, 0]
 
 
 def window_log_weights(posterior: Posterior, x0: Tensor, *, canvas_length: int, vocab_size: int, num_steps: int,
@@ -288,10 +281,10 @@ def window_log_weights(posterior: Posterior, x0: Tensor, *, canvas_length: int, 
         raise ValueError(f"windows of {S} tokens are not a whole number of canvases of {L}")
     C = S // L
     out = torch.empty(num_samples, B, C, dtype=torch.float64)
+    ab_T = float(alpha_bar(torch.tensor(float(num_steps)), num_steps, torch.float64))
     for k in range(num_samples):
         t = torch.full((B, C), num_steps, dtype=torch.long, device=x0.device)
         xt = q_sample(x0, t, num_steps, L, V, generator)
-        ab_T = float(alpha_bar(torch.tensor(float(num_steps)), num_steps, torch.float64))
         # log p(x_T) - log q(x_T | x0): the uniform prior against the forward process's end.
         lw = (-math.log(V) - torch.log((1 - ab_T) / V + ab_T * (xt == x0).double())).cpu()
         for _ in range(num_steps, 0, -1):

@@ -35,14 +35,14 @@ from typing import Any, TextIO
 import torch
 
 from dgemma.data import prepare
-from dgemma.data.shards import TokenDataset, decode_documents
+from dgemma.data.shards import TokenDataset, decode_documents, unigram_log_probs
 from dgemma.data.tokenizer import Tokenizer, load_tokenizer
 from dgemma.eval import realtext
 from dgemma.eval.curves import read_metrics, tighter_bound
 from dgemma.eval.decoding import machine_load, real_word_share, run_ar, words, words_per_64_tokens
 from dgemma.eval.demo_training import TrainingJob, train_side_by_side
 from dgemma.eval.judging import prompt_dependence, retokenize
-from dgemma.eval.likelihoods import SCORED_RULE, heldout_ar_ce, model_nelbo, train_unigram, unigram_reference
+from dgemma.eval.likelihoods import SCORED_RULE, heldout_ar_ce, model_nelbo, unigram_reference
 from dgemma.io import dirkind
 from dgemma.io.console import Streamer
 from dgemma.io.fsio import write_text
@@ -351,7 +351,7 @@ def heldout_figures(diffusion: DiffusionGemma, ar: DiffusionGemma, data: Path, d
     bound = model_nelbo(diffusion, val, num_steps=None if key == "val_nelbo_continuous" else nelbo_steps,
                         replicates=2, **common)
     ar_ce = heldout_ar_ce(ar, val, **common)
-    unigram = unigram_reference(train_unigram(data), val, seq_len=seq_len, max_windows=HELDOUT_WINDOWS)
+    unigram = unigram_reference(unigram_log_probs(data), val, seq_len=seq_len, max_windows=HELDOUT_WINDOWS)
     e, a = bound["estimate"], ar_ce["estimate"]
     return {"heldout": {"windows": e.windows, "tokens": e.tokens, "rule": SCORED_RULE},
             "unigram_ce": unigram.mean,
@@ -369,10 +369,6 @@ def _num(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.0f}"
 
 
-def _f2(x: float | None) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:.2f}"
-
-
 def _pm(x: float | None, se: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "n/a"
@@ -388,7 +384,7 @@ def figure_lines(f: dict[str, Any]) -> list[str]:
         f"{a['tokens']:,} tokens)",
         f"held-out nats/token     {_pm(d['heldout_nelbo'], d['heldout_nelbo_se']):>16}  "
         f"{_pm(a['heldout_ce'], a['heldout_ce_se']):>16}   (diffusion: {d['bound']}, an upper "
-        f"bound, Monte Carlo SE {_f2(d.get('heldout_nelbo_mc_se'))}; a unigram model: {f['unigram_ce']:.2f}; "
+        f"bound, Monte Carlo SE {_pm(d.get('heldout_nelbo_mc_se'), None)}; a unigram model: {f['unigram_ce']:.2f}; "
         f"the same {f['heldout']['tokens']:,} held-out tokens)",
         f"tokens per forward      {d['tokens_per_forward']:>16.2f}  {1.0:>16.2f}   (canvas {d['canvas_length']}; "
         + ", ".join(f"{k} {v}" for k, v in f.get("sampling", {}).items()) + ")",

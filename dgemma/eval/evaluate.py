@@ -42,7 +42,6 @@ from dgemma.eval.likelihoods import (
     model_posterior,
     model_sha,
     scored_digest,
-    train_unigram,
     unigram_posterior,
     unigram_reference,
 )
@@ -196,7 +195,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     report as a JSON-able dict, and the trace of the first prompt of each sampler setting (`write_report` writes
     both). Generative perplexity is scored by the judge (`judge_path`, an AR run, in float64) when given, else by the
     baseline."""
-    from dgemma.data.shards import TokenDataset, check_token_range, verify
+    from dgemma.data.shards import TokenDataset, check_token_range, unigram_log_probs, verify
     from dgemma.data.tokenizer import check_vocab, load_tokenizer
     from dgemma.train.config import CONFIG_JSON
     from dgemma.weights.loading import load_generation_config, load_model
@@ -271,7 +270,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
                     ) if s.iw_windows else None
     ar_ce = heldout_ar_ce(baseline, val, seq_len=seq_len, **common) if baseline is not None else None
     # The exact reference: the training unigram, whose NELBO is its NLL at every T, through the same code.
-    log_p = train_unigram(data_dir, V)
+    log_p = unigram_log_probs(data_dir, V)
     unigram = unigram_reference(log_p, val, seq_len=seq_len, max_windows=s.max_windows)
     reference = heldout_nelbo(lambda ctx: unigram_posterior(torch.from_numpy(log_p), L), val, num_steps=T,
                               model_sha="unigram:" + val.meta.get("tokenizer_sha256", str(data_dir)), **geometry,

@@ -3,7 +3,8 @@
 What is scored is the same for every model: windows of seq_len + 1 held-out tokens, token 0 of each the context, and
 tokens 1..seq_len scored (`scored_windows`, fingerprinted by `scored_digest`). The AR baseline predicts them from
 token 0 on; the diffusion model bounds them canvas by canvas given token 0 committed as a clean prefix. The unigram
-reference (`unigram_reference`, the training split's add-one unigram) is scored on the same tokens.
+reference (`unigram_reference`, the training split's add-one unigram: `dgemma.data.shards.unigram_log_probs`) is
+scored on the same tokens.
 
 The diffusion figures are Monte Carlo estimates (t, x_t and whole trajectories are drawn), so each has two errors:
 
@@ -189,7 +190,7 @@ def heldout_nelbo(posterior_for: PosteriorFor, dataset: Any, *, canvas_length: i
     estimator = "nelbo" if num_steps is not None else "nelbo-continuous"
     seeds = [mc_seed(model_sha, estimator, num_steps, r, seed) for r in range(replicates)]
     per_replicate, toks, nbytes = [], [], 0
-    stream, n = scored_windows(dataset, seq_len, batch_size, max_windows)
+    _, n = scored_windows(dataset, seq_len, batch_size, max_windows)  # the count (and an error for too few tokens)
     desc = f"NELBO T={num_steps}" if num_steps is not None else "NELBO (continuous)"
     with Progress(desc, n * replicates, "windows", enabled=progress) as bar:
         for r, s in enumerate(seeds):
@@ -278,19 +279,9 @@ def heldout_ar_ce(model: Any, dataset: Any, *, seq_len: int, batch_size: int = 8
 
 # --- the unigram model: a reference line and an exact model ----------------------------------------------------------
 
-def train_unigram(data_dir: Any, vocab_size: int | None = None) -> np.ndarray:
-    """log p of each token id under the training split's add-one unigram (V,), float64; V the data's vocabulary, or
-    `vocab_size` (a model's, which may be larger: its extra ids get the add-one count)."""
-    from dgemma.data.shards import TokenDataset
-
-    train = TokenDataset(data_dir, "train")
-    counts = np.bincount(train.read(0, train.num_tokens), minlength=vocab_size or int(train.meta["vocab_size"]))
-    counts = counts.astype(np.float64) + 1
-    return np.log(counts / counts.sum())
-
-
 def unigram_reference(log_p: np.ndarray, dataset: Any, *, seq_len: int, max_windows: int | None) -> Estimate:
-    """The unigram's cross-entropy on the scored tokens (what a model ignoring every context scores there)."""
+    """The unigram's cross-entropy on the scored tokens (what a model ignoring every context scores there); `log_p`:
+    `dgemma.data.shards.unigram_log_probs`."""
     stream, _ = scored_windows(dataset, seq_len, 64, max_windows)
     nats = []
     for x in stream:
@@ -319,5 +310,5 @@ def model_posterior(model: Any) -> PosteriorFor:
 
 
 __all__ = ["IW_KS", "SCORED_RULE", "heldout_ar_ce", "heldout_iw", "heldout_nelbo", "heldout_x0_ce", "mc_error",
-           "mc_seed", "model_nelbo", "model_posterior", "model_sha", "scored_digest", "scored_windows", "train_unigram",
+           "mc_seed", "model_nelbo", "model_posterior", "model_sha", "scored_digest", "scored_windows",
            "unigram_posterior", "unigram_reference"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from dgemma.data.shards import TokenDataset, decode_documents
+from dgemma.data.shards import TokenDataset, decode_documents, token_counts
 from dgemma.eval.decoding import WORD
 from dgemma.eval.paired import mean_se
 
@@ -57,7 +57,7 @@ def floors(data_dir: Any, tokenizer: Any, vocab: set[str], *, count: int, length
     train, val = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     vocab_size = int(train.meta["vocab_size"])
     rng = np.random.default_rng(seed)
-    counts = np.bincount(train.read(0, train.num_tokens), minlength=vocab_size).astype(np.float64)
+    counts = token_counts(data_dir, vocab_size).astype(np.float64)
     unigram = rng.choice(vocab_size, size=(count, length), p=counts / counts.sum())
     uniform = rng.integers(0, vocab_size, size=(count, length))
     stream = val.read(0, val.num_tokens)

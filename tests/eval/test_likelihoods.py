@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from dgemma.data.shards import unigram_log_probs
 from dgemma.diffusion.likelihood import iw_bound, window_log_weights, window_nelbo
 from dgemma.eval.likelihoods import (
     heldout_ar_ce,
@@ -17,7 +18,6 @@ from dgemma.eval.likelihoods import (
     model_posterior,
     scored_digest,
     scored_windows,
-    train_unigram,
     unigram_posterior,
     unigram_reference,
 )
@@ -37,7 +37,7 @@ def data(tmp_path_factory):
 
 def _exact(data_dir, val, seq_len, windows):
     """The unigram's exact NLL per token on the scored tokens, and its posterior."""
-    log_p = train_unigram(data_dir)
+    log_p = unigram_log_probs(data_dir)
     ref = unigram_reference(log_p, val, seq_len=seq_len, max_windows=windows)
     return ref, torch.tensor(log_p)
 
@@ -130,7 +130,7 @@ def test_ar_and_diffusion_score_the_same_tokens_and_the_unigram_is_scored_there(
     digest = scored_digest(val, seq_len, windows)
     assert digest["windows"] == windows and digest["tokens"] == windows * seq_len
     toks = torch.cat([x[:, 1:] for x in scored_windows(val, seq_len, 2, windows)[0]])
-    log_p = train_unigram(data_dir)
+    log_p = unigram_log_probs(data_dir)
     ref = unigram_reference(log_p, val, seq_len=seq_len, max_windows=windows)
     assert ref.mean == pytest.approx(float(-log_p[toks.numpy()].mean()))
     cfg = preset("tiny").replace(vocab_size=int(val.meta["vocab_size"]))
