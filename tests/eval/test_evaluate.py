@@ -753,6 +753,10 @@ def test_eval_without_a_judge_names_the_baseline_and_checks_the_judge(pair, tmp_
     assert "--prompts must be >= 2" in capsys.readouterr().err
     assert main(["eval", *base, "--sample-seeds", "0", "--out", str(tmp_path / "s")]) == 2
     assert "--sample-seeds must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["eval", *base, "--mc-replicates", "0", "--out", str(tmp_path / "m")]) == 2
+    assert "--mc-replicates must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["eval", *base, "--iw-windows", "-1", "--out", str(tmp_path / "i")]) == 2
+    assert "--iw-windows must be >= 0 (0: no importance-weighted bound), got -1" in capsys.readouterr().err
 
 
 def test_sample_seeds_draw_length_matched_samples_per_prompt(pair, tmp_path):
