@@ -48,6 +48,7 @@ from dgemma.eval.likelihoods import (
 from dgemma.eval.matched import frontier_verdict
 from dgemma.model.attention import IMPLS
 from dgemma.sampling.trace import Trace
+from dgemma.train.config import posterior_objective
 from dgemma.train.heldout import EvalError
 
 REPORT_FORMAT = "dgemma-eval-1"
@@ -247,7 +248,7 @@ def evaluate(model_path: str | Path, data_dir: str | Path, *, baseline_path: str
     if s.num_t_samples > T:
         raise EvalError(f"--t-samples {s.num_t_samples} exceeds T = {T} (the NELBO has T terms; K = T visits each "
                         "once)")
-    objective = info.objective or "clean-context"
+    objective = posterior_objective(info.objective)  # a student's or chat fine-tune's: clean-context
     common = dict(batch_size=s.batch_size, max_windows=s.max_windows, tokenizer=tokenizer, progress=s.progress)
 
     time = info.get("diffusion_time", "discrete")

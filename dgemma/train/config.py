@@ -39,6 +39,13 @@ DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedd
 MAX_GRAD_ACCUM = 2**16  # micro-batches per optimizer step: 64x more than a 26B recipe's 1,024 at micro-batch 1
 
 
+def posterior_objective(objective: str | None) -> str:
+    """The training forward whose posterior a run of `objective` learned, which its bounds and x0 cross-entropy read:
+    a distillation student and a chat fine-tune train the clean-context forward (`train/distill.py`,
+    `train/diffusion.py:sft_loss`); a checkpoint without a train config is read as clean-context."""
+    return "clean-context" if objective in (None, "sft", "distill") else objective
+
+
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     """Everything a training run needs besides its data and output paths; the defaults are the cpu-small recipe.

@@ -64,7 +64,15 @@ from dgemma.model.config import ConfigError, ModelConfig
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.train import distributed, run_dir
-from dgemma.train.config import CONFIG_JSON, EVAL_SEED, RESUMABLE, TrainConfig, learning_rate, preflight
+from dgemma.train.config import (
+    CONFIG_JSON,
+    EVAL_SEED,
+    RESUMABLE,
+    TrainConfig,
+    learning_rate,
+    posterior_objective,
+    preflight,
+)
 from dgemma.train.diffusion import LossOutput, sft_loss, training_loss
 from dgemma.train.distill import distill_loss
 from dgemma.train.distributed import Dist, checkpoint_world_size, load_into, resolve_device, shared
@@ -174,7 +182,7 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
             for T in bounds.values():
                 g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
                 per_window.append(net(x0[lo:hi].to(device), measure=nelbo_per_window, generator=g,
-                                      objective="clean-context" if cfg.objective == "distill" else cfg.objective,
+                                      objective=posterior_objective(cfg.objective),
                                       num_steps=T,
                                       num_t_samples=cfg.eval_t_samples if T is None else min(cfg.eval_t_samples, T))[0])
         if tokens and not empty:

@@ -167,6 +167,28 @@ def test_a_tiny_distillation_writes_a_student_that_generates_at_its_steps(teache
     assert gcfg.max_denoising_steps == N and tok is not None and model.config.canvas_length == 16
 
 
+def test_eval_scores_a_student_with_the_clean_context_posterior(teacher, tiny_data, tmp_path, capsys):
+    """`dgemma eval --model STUDENT`: a distillation run's bounds read the clean-context forward it was trained on
+    (train/config.py:posterior_objective), the NELBO code of its teacher; the report keeps the run's objective."""
+    assert [C.posterior_objective(o) for o in ("distill", "sft", None, "noisy-context", "clean-context")] == \
+        ["clean-context", "clean-context", "clean-context", "noisy-context", "clean-context"]
+    run = tmp_path / "student"
+    code, err = distill_cli(capsys, "--data", str(tiny_data), "--out", str(run), "--teacher", str(teacher),
+                            "--student-steps", str(N), "--max-steps", "1", *FAST)
+    assert code == 0, err
+    out = tmp_path / "report"
+    code = cli.main(["eval", "--model", str(run), "--data", str(tiny_data), "--out", str(out), "--prompts", "2",
+                     "--max-denoising-steps-grid", str(N), "--entropy-bounds", "1", "--max-windows", "2",
+                     "--t-samples", "1", "--mc-replicates", "1", "--iw-windows", "0", "--nelbo-steps", "8", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["model"]["objective"] == "clean-context"
+    assert report["model"]["train_config"]["objective"] == "distill"
+    nelbo = report["likelihood"]["nelbo"]
+    assert nelbo["num_steps"] == 8 and 0 < nelbo["estimate"]["mean"] < 50
+    assert [row["max_denoising_steps"] for row in report["frontier"]] == [N]
+
+
 def test_the_recipe_is_the_teachers_at_a_tenth_of_its_rate_and_train_runs_the_same_objective(teacher, tiny_data,
                                                                                              tmp_path, capsys):
     own = json.loads((latest_checkpoint(teacher) / "train_config.json").read_text())
