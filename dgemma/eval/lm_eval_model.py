@@ -66,9 +66,8 @@ class DgemmaLM(TemplateLM):
             raise ValueError("--model_args pretrained=RUN_OR_CHECKPOINT is required (a dgemma run or model directory)")
         if dtype not in (None, "auto", *DTYPE_NAMES):
             raise ValueError(f"--model_args dtype={dtype!r}: expected auto, {', '.join(DTYPE_NAMES)}")
-        device = "cuda" if device in (None, "auto") and torch.cuda.is_available() else device or "cpu"
-        if device in ("auto",):
-            device = "cpu"
+        if device in (None, "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--model_args device={device}: no CUDA device is available")
         info = run_info(str(pretrained))
@@ -126,13 +125,15 @@ class DgemmaLM(TemplateLM):
 
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> list[ContinuationScore]:
         """`continuations.score_ar` or `score_diffusion` of (context, continuation) id pairs, each context cut from
-        the left to fit `max_length` with its continuation; an empty continuation scores 0 (greedy)."""
+        the left to fit `max_length` with its continuation (a continuation longer than `max_length` is scored whole,
+        with what context the model's positions leave); an empty continuation scores 0 (greedy)."""
         L = self.model.config.canvas_length
         fitted, which = [], []
         for i, (ctx, cont) in enumerate(pairs):
             if cont:
                 span = len(cont) if self.autoregressive else -(-len(cont) // L) * L
-                fitted.append((fit_context(ctx, span, self.max_length + self.autoregressive), cont))
+                window = min(max(self.max_length, span), self.model.config.max_position_embeddings)
+                fitted.append((fit_context(ctx, span, window + self.autoregressive), cont))
                 which.append(i)
         if self.autoregressive:
             scored = score_ar(self.model, fitted, batch_size=self.batch_size)
