@@ -12,7 +12,9 @@ lm_eval_model.py, docs/evaluation.md "lm-evaluation-harness").
                      context and the clean canvases before (`likelihood.greedy_continuation`)
 
 Each request's Monte Carlo draws come from a seed that is a hash of (seed, replicate, context, continuation): a
-request scores the same whatever batch or order it comes in, and two replicates never share draws.
+request scores the same whatever batch or order it comes in, and two replicates never share draws. The pure noise
+behind is_greedy is drawn from (seed, context) alone: every choice of a multiple-choice question is judged against
+the same x_1.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def score_diffusion(model: Any, requests: Sequence[Request], *, num_steps: int |
         nats = [float(score_continuation(model, ctx, continuation, num_steps=num_steps, num_t_samples=num_t_samples,
                                          seed=request_seed(seed, r, ctx, continuation)).sum())
                 for r in range(mc_replicates)]
-        greedy = greedy_continuation(model, ctx, continuation, seed=request_seed(seed, -1, ctx, continuation))
+        greedy = greedy_continuation(model, ctx, continuation, seed=request_seed(seed, -1, ctx, ()))
         mean = sum(nats) / len(nats)
         se = None if len(nats) < 2 else math.sqrt(sum((v - mean) ** 2 for v in nats) / (len(nats) - 1) / len(nats))
         out.append(ContinuationScore(-mean, bool(greedy.all()), n, exact=False, mc_se=se, replicates=len(nats)))
