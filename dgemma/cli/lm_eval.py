@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("lm-eval is not installed: pip install 'dgemma[eval]'") from None
     import dgemma.eval.lm_eval_model  # noqa: F401  (registers the `dgemma` model)
+    from dgemma.cli.loading import set_threads
+
+    set_threads(None)  # torch's threads: the cores this process may use, unless OMP_NUM_THREADS says
 
     given = list(args.harness_args)
     if not given:

@@ -25,6 +25,7 @@ in Python, importing this module registers it for `lm_eval.simple_evaluate(model
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from dgemma.eval.evaluate import run_info
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.weights.loading import DTYPES, load_generation_config, load_model
 
+LOG = logging.getLogger("lm_eval.dgemma")  # under lm-eval's logger: shown as its own lines are
 DEFAULT_MAX_LENGTH = 2048  # the window of a checkpoint without a training seq_len (capped by its positions)
 DTYPE_NAMES = {**DTYPES, "float64": torch.float64}
 
@@ -149,6 +151,11 @@ class DgemmaLM(TemplateLM):
                               ) -> list[tuple[float, bool]]:
         scores = self.score([(list(ctx), list(cont)) for _, ctx, cont in requests])
         self.last_scores = scores
+        ses = [s.mc_se for s in scores if s.mc_se is not None]
+        if not self.autoregressive:
+            LOG.info("dgemma: %d continuations scored by minus their NELBO (a lower bound on log p; T=%s, %d t-samples "
+                     "per canvas, %d replicate(s)%s)", len(scores), self.num_steps or "continuous", self.t_samples,
+                     self.mc_replicates, f", mean Monte Carlo SE {sum(ses) / len(ses):.3f} nats" if ses else "")
         for (key, _, _), s in zip(requests, scores, strict=True):
             self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.is_greedy))
         return [(s.logprob, s.is_greedy) for s in scores]
