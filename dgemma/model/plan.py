@@ -26,7 +26,7 @@ from dgemma.model import costs
 from dgemma.model.config import ModelConfig
 
 DEVICE_SIZES_GB = (24, 48, 80, 141)  # common accelerator memories: RTX 4090 / L40S / A100-H100 80GB / H200
-_SPEC = re.compile(r"^\s*(\w+)\s*=\s*(-?\d+)\s*$")
+_SPEC = re.compile(r"^\s*(\w+)\s*=\s*(-?\d{1,18})\s*$", re.ASCII)
 
 # How each part of the weights (the costs.parameter_counts breakdown) and of a step's memory divides.
 SPLITS = {"embedding": "tp: vocabulary rows (tied lm_head)", "attention": "tp: heads (q/k/v column, o row)",

@@ -30,7 +30,8 @@ def test_parse_layout(spec, ep, tp):
 @pytest.mark.parametrize("spec,message", [
     ("pp=2", "unknown key 'pp'"), ("ep=0", "ep must be an integer >= 1, got 0"), ("tp=-2", "tp must be .*got -2"),
     ("ep=2,ep=4", "ep given twice"), ("ep", "expected ep=K"), ("ep=x", "expected ep=K"), ("", "expected ep=K"),
-    ("ep=4,", "expected ep=K"), ("ep=1.5", "expected ep=K")])
+    ("ep=4,", "expected ep=K"), ("ep=1.5", "expected ep=K"), ("ep=\u0664", "expected ep=K"),
+    ("ep=" + "9" * 40, "expected ep=K")])
 def test_malformed_layouts_are_refused_naming_the_spec(spec, message):
     with pytest.raises(ValueError, match=message) as e:
         parse_layout(spec)
