@@ -6,6 +6,7 @@ layouts, the commands and the guarantees.
     layout   what is split over the W ranks                              what stays whole on every rank
     ep       the routed experts (E / W each)                              attention, dense MLP, router, head
     tp       attention heads and kv heads (and the KV cache), dense MLP   experts, router, embedding/head
+             (fewer kv heads than ranks: each replicated on W / K ranks)
     ep+tp    both, over the same W ranks                                  router, embedding/head, norms
 """
 
@@ -29,20 +30,24 @@ def check_layout(config: ModelConfig, layout: str, world_size: int) -> None:
     divide by the world size (one line naming the value)."""
     if layout not in LAYOUTS:
         raise ParallelError(f"--parallel must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    need: list[tuple[str, int]] = []
+    need: list[tuple[str, int]] = []  # (name, value): value must divide by the world size
     if "ep" in layout.split("+"):
         if not config.num_experts:
             raise ParallelError(f"--parallel {layout}: this model has no routed experts (num_experts=0) to split; use "
                                 "--parallel tp")
         need.append(("num_experts", config.num_experts))
     if "tp" in layout.split("+"):
-        need += [("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size),
-                 ("num_key_value_heads", config.num_key_value_heads),
-                 ("num_global_key_value_heads", config.num_global_key_value_heads or config.num_key_value_heads)]
+        need += [("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size)]
     for name, value in need:
         if value % world_size:
             raise ParallelError(f"--parallel {layout}: {name}={value} does not divide by the world size "
                                 f"{world_size}")
+    if "tp" in layout.split("+"):  # kv heads split, or (fewer than the ranks) each replicated on W / K ranks
+        for name in ("num_key_value_heads", "num_global_key_value_heads"):
+            kv = getattr(config, name) or config.num_key_value_heads
+            if kv % world_size and world_size % kv:
+                raise ParallelError(f"--parallel {layout}: {name}={kv} neither divides by the world size {world_size} "
+                                    f"nor divides it")
 
 
 def parallelize(model: nn.Module, layout: str, group: dist.ProcessGroup | None = None) -> Comm:

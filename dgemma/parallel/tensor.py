@@ -1,5 +1,7 @@
 """Tensor parallelism for generation: each of W ranks holds H / W query heads and K / W key-value heads of every
-layer's attention (the KV cache is split with them) and I / W of the dense MLP's hidden units.
+layer's attention (the KV cache is split with them) and I / W of the dense MLP's hidden units. Where a layer has
+fewer kv heads than ranks (W a multiple of K: the 26B's 2 kv heads on full layers at W = 4 or 8), each rank holds
+the one kv head its query heads read, W / K ranks alike (that layer's cache is then replicated W / K times).
 
     q_proj, k_proj, v_proj     column-parallel: rank r holds the rows of its heads (query head h reads kv head
                                h // (H/K), so rank r's query heads [r H/W, (r+1) H/W) read exactly its kv heads)
@@ -32,16 +34,30 @@ from dgemma.model.layers import MLP, Attention
 from dgemma.parallel.comm import Comm
 
 
+def local_kv_heads(num_kv_heads: int, world_size: int) -> int:
+    """A rank's kv heads: K / W, or one (replicated on W / K ranks) where there are fewer kv heads than ranks."""
+    return max(num_kv_heads // world_size, 1)
+
+
 def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """One rank's share of `config` under tensor parallelism (the caller checked that the heads divide)."""
-    return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
-                               num_key_value_heads=config.num_key_value_heads // world_size,
-                               num_global_key_value_heads=config.num_global_key_value_heads // world_size)  # type: ignore
+    """One rank's share of `config` under tensor parallelism (`parallel.check_layout` checked that it divides)."""
+    return dataclasses.replace(
+        config, num_attention_heads=config.num_attention_heads // world_size,
+        num_key_value_heads=local_kv_heads(config.num_key_value_heads, world_size),
+        num_global_key_value_heads=local_kv_heads(config.num_global_key_value_heads, world_size))  # type: ignore
 
 
 def _rows(w: Tensor, rank: int, world: int) -> Tensor:
     n = w.shape[0] // world
     return w.detach()[rank * n:(rank + 1) * n].clone()
+
+
+def _kv_rows(w: Tensor, num_kv_heads: int, rank: int, world: int) -> Tensor:
+    """Rank r's kv heads' rows of k_proj / v_proj: heads [r K/W, (r+1) K/W), or, with fewer kv heads than ranks,
+    the one kv head its query heads read (r K // W; W / K ranks hold each)."""
+    head_rows = w.shape[0] // num_kv_heads
+    first, n = rank * num_kv_heads // world, local_kv_heads(num_kv_heads, world)
+    return w.detach()[first * head_rows:(first + n) * head_rows].clone()
 
 
 def _cols(w: Tensor, rank: int, world: int) -> Tensor:
@@ -57,9 +73,11 @@ class ShardedAttention(Attention):
         self.comm = comm
         r, W = comm.rank, comm.world_size
         with torch.no_grad():
-            for name in ("q_proj", "k_proj", "v_proj"):
+            self.q_proj.weight = nn.Parameter(_rows(whole.q_proj.weight, r, W), requires_grad=False)
+            K = config.layer_num_kv_heads(layer_idx)
+            for name in ("k_proj", "v_proj"):
                 if getattr(self, name) is not None:
-                    getattr(self, name).weight = nn.Parameter(_rows(getattr(whole, name).weight, r, W),
+                    getattr(self, name).weight = nn.Parameter(_kv_rows(getattr(whole, name).weight, K, r, W),
                                                               requires_grad=False)
             self.o_proj.weight = nn.Parameter(_cols(whole.o_proj.weight, r, W), requires_grad=False)
             self.q_norm.load_state_dict(whole.q_norm.state_dict())

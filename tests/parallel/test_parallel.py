@@ -18,7 +18,10 @@ from dgemma.model.config import preset
 from dgemma.parallel import ParallelError, check_layout
 from tests.parallel.workers import rank_main, single, tiny_config
 
-JOBS = [("ep", "fast"), ("ep", "reference"), ("tp", "fast"), ("ep+tp", "fast")]
+# (layout, kernels, kv heads: 2 on every layer, split one a rank; None: the tiny preset's 1 on full layers, which
+# both ranks hold)
+JOBS = [("ep", "fast", None), ("ep", "reference", None), ("tp", "fast", 2), ("ep+tp", "fast", 2), ("tp", "fast", None),
+        ("tp", "reference", 2)]
 
 
 def free_port() -> int:
@@ -31,26 +34,27 @@ def free_port() -> int:
 def world2(tmp_path_factory):
     """Each job's result on rank 0 of a world of 2, and one process's result for each kernel choice."""
     out = tmp_path_factory.mktemp("parallel") / "results.pt"
-    config = tiny_config(2)
-    mp.spawn(rank_main, args=(2, free_port(), JOBS, config, str(out)), nprocs=2)
-    return torch.load(out), {impl: single(config, impl) for impl in ("fast", "reference")}
+    mp.spawn(rank_main, args=(2, free_port(), JOBS, str(out)), nprocs=2)
+    return torch.load(out), {(impl, heads): single(tiny_config(heads), impl) for _, impl, heads in JOBS}
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_expert_parallel_is_bit_identical_to_one_process(world2, impl):
     got, one = world2
-    result = got[("ep", impl)]
-    assert torch.equal(result["logits"], one[impl]["logits"])
-    assert result["tokens"] == one[impl]["tokens"]
+    result = got[("ep", impl, None)]
+    assert torch.equal(result["logits"], one[(impl, None)]["logits"])
+    assert result["tokens"] == one[(impl, None)]["tokens"]
     assert result["same_on_every_rank"]
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep+tp"])
-def test_tensor_parallel_is_within_fp32_rounding_and_draws_the_same_tokens(world2, layout):
+@pytest.mark.parametrize("layout, impl, heads", [job for job in JOBS if "tp" in job[0]])
+def test_tensor_parallel_is_within_fp32_rounding_and_draws_the_same_tokens(world2, layout, impl, heads):
+    """Split kv heads (2 on 2 ranks) and replicated ones (the tiny preset's 1 on full layers); both kernels."""
     got, one = world2
-    result = got[(layout, "fast")]
-    torch.testing.assert_close(result["logits"], one["fast"]["logits"], rtol=1e-5, atol=1e-5)
-    assert result["tokens"] == one["fast"]["tokens"]
+    result, alone = got[(layout, impl, heads)], one[(impl, heads)]
+    torch.testing.assert_close(result["logits"], alone["logits"], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(result["logits"], alone["logits"])  # a rank-order sum: rounding differs, as documented
+    assert result["tokens"] == alone["tokens"]
     assert result["same_on_every_rank"]  # the rank-order sum: every rank's sampler sees the same bits
 
 
@@ -74,17 +78,26 @@ def test_the_split_kernel_is_the_single_process_kernel():
                            kernels.moe_experts(x, weights, experts, gate_up, down, backend=backend))
 
 
-@pytest.mark.parametrize("layout, world, message", [
-    ("tp", 2, "num_global_key_value_heads=1 does not divide by the world size 2"),
-    ("ep+tp", 4, "num_key_value_heads=2 does not divide by the world size 4"),
-    ("ep", 3, "num_experts=8 does not divide by the world size 3"),
-    ("tp", 8, "num_attention_heads=4 does not divide by the world size 8"),
-    ("pp", 2, "--parallel must be one of ep, tp, ep+tp, got 'pp'"),
+@pytest.mark.parametrize("layout, world, changes, message", [
+    ("ep", 3, {}, "num_experts=8 does not divide by the world size 3"),
+    ("tp", 8, {}, "num_attention_heads=4 does not divide by the world size 8"),
+    ("ep+tp", 3, {"num_experts": 6}, "num_attention_heads=4 does not divide by the world size 3"),
+    ("tp", 4, {"intermediate_size": 90}, "intermediate_size=90 does not divide by the world size 4"),
+    ("tp", 4, {"num_attention_heads": 12, "num_key_value_heads": 6},
+     "num_key_value_heads=6 neither divides by the world size 4 nor divides it"),
 ])
-def test_shapes_that_do_not_divide_are_refused_naming_the_value(layout, world, message):
+def test_shapes_that_do_not_divide_are_refused_naming_the_value(layout, world, changes, message):
     with pytest.raises(ParallelError) as e:
-        check_layout(preset("tiny"), layout, world)
-    assert str(e.value) == f"--parallel {layout}: {message}" or str(e.value) == message
+        check_layout(dataclasses.replace(preset("tiny"), **changes), layout, world)
+    assert str(e.value) == f"--parallel {layout}: {message}"
+
+
+def test_the_tiny_preset_splits_at_2_and_4_and_an_unknown_layout_is_refused():
+    for layout in ("ep", "tp", "ep+tp"):
+        for world in (1, 2, 4):
+            check_layout(preset("tiny"), layout, world)  # kv heads fewer than the ranks are replicated
+    with pytest.raises(ParallelError, match="--parallel must be one of ep, tp, ep\\+tp, got 'pp'"):
+        check_layout(preset("tiny"), "pp", 2)
 
 
 def test_a_dense_model_has_no_experts_to_split():

@@ -19,8 +19,11 @@ SEEDS = (0, 1, 2)
 PROMPT = [[5, 17, 301, 42, 7, 99, 250, 3, 11]]
 
 
-def tiny_config(heads: int = 2):
-    """The tiny preset (8 experts top-2) with `heads` kv heads on every layer, so tensor parallelism splits them."""
+def tiny_config(heads: int | None = 2):
+    """The tiny preset (8 experts top-2; 4 query heads, 2 kv heads on sliding layers, 1 on full ones), or with
+    `heads` kv heads on every layer."""
+    if heads is None:
+        return preset("tiny")
     return dataclasses.replace(preset("tiny"), num_key_value_heads=heads, num_global_key_value_heads=heads)
 
 
@@ -41,9 +44,10 @@ def single(config, impl: str) -> dict:
     return run_model(build_model(config, impl=impl), impl)
 
 
-def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str]], config, out: str) -> None:
-    """Rank `rank` of `world`: for each (layout, impl) in `jobs`, a fresh model parallelized under it and run; rank 0
-    saves {job: result} to `out`, each result saying whether every rank had the same logits and tokens."""
+def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int | None]], out: str) -> None:
+    """Rank `rank` of `world`: for each (layout, impl, kv heads) in `jobs`, a fresh model (`tiny_config`) parallelized
+    under it and run; rank 0 saves {job: result} to `out`, each result saying whether every rank had the same logits
+    and tokens."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -51,8 +55,8 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str]], con
         from dgemma.parallel import parallelize
 
         results = {}
-        for layout, impl in jobs:
-            model = build_model(config, impl=impl)
+        for layout, impl, heads in jobs:
+            model = build_model(tiny_config(heads), impl=impl)
             parallelize(model, layout)
             result = run_model(model, impl)
             gathered = [None] * world
@@ -61,7 +65,7 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str]], con
             dist.all_gather(logits, result["logits"])
             result["same_on_every_rank"] = all(g == result["tokens"] for g in gathered) and all(
                 torch.equal(x, result["logits"]) for x in logits)
-            results[(layout, impl)] = result
+            results[(layout, impl, heads)] = result
         if rank == 0:
             torch.save(results, Path(out))
     finally:
