@@ -438,3 +438,37 @@ def score_continuation(model: DiffusionGemma, context: Sequence[int], continuati
     terms = (window_nelbo_continuous(posterior, x0, **common) if num_steps is None
              else window_nelbo(posterior, x0, num_steps=num_steps, **common))
     return terms.per_token[0, :n]
+
+
+@torch.no_grad()
+def greedy_continuation(model: DiffusionGemma, context: Sequence[int], continuation: Sequence[int], *, seed: int = 0,
+                        adapters: Callable[[int], AdapterRows | None] | None = None) -> Tensor:
+    """Whether each token of `continuation` is the argmax of the model's denoising posterior p(x0 | x_1) at its
+    position (N,) bool: every canvas of the continuation at pure noise (level 1, uniform tokens drawn from `seed`),
+    given `context` and the clean canvases of the continuation before it (the clean-context forward,
+    `clean_context_posterior`, cut as `score_continuation` cuts them). It is what a sampler's first denoising step
+    would commit at temperature 0 with the context and the earlier canvases committed: the diffusion model's
+    counterpart of an AR model's "each token is the argmax of its next-token distribution" (lm-eval's is_greedy).
+    A model with observed_likelihood sees its noise as noise (level 1); the draw of x_1 changes the posterior only
+    through the model's reading of uninformative tokens."""
+    cfg = model.config
+    L, V = cfg.canvas_length, cfg.vocab_size
+    n, P = len(continuation), len(context)
+    if n == 0:
+        raise ValueError("continuation: nothing to score (no tokens)")
+    S = -(-n // L) * L
+    if P + S > cfg.max_position_embeddings:
+        raise ValueError(f"context and continuation: {P} + {n} tokens (the continuation rounded up to whole canvases "
+                         f"of {L}: {S}) exceed the model's {cfg.max_position_embeddings} positions")
+    device = model.device
+    x0 = torch.zeros(1, S, dtype=torch.long, device=device)
+    x0[0, :n] = torch.as_tensor(list(continuation), dtype=torch.long, device=device)
+    ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)[None] if P else None
+    check_token_ids(x0[:, :n], V, "continuation")
+    if ctx is not None:
+        check_token_ids(ctx, V, "context")
+    g = torch.Generator(device=device).manual_seed(seed)
+    posterior = clean_context_posterior(model, ctx, num_scored=n, generator=g, adapters=adapters)
+    xt = torch.randint(0, V, (1, S), generator=g, device=device)
+    logits = posterior(x0, xt, torch.ones(1, S // L, device=device))
+    return (logits[0, :n].argmax(-1) == x0[0, :n]).cpu()
