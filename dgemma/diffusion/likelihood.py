@@ -471,6 +471,8 @@ def first_step_log_probs(model: DiffusionGemma, context: Sequence[int], tokens: 
     posterior = clean_context_posterior(model, ctx, adapters=adapters)
     logits = posterior(x0, xt, torch.ones(1, S // L, device=device))
     return torch.log_softmax(logits[0, :n].float(), dim=-1)
+
+
 @torch.no_grad()
 def greedy_continuation(model: DiffusionGemma, context: Sequence[int], continuation: Sequence[int], *, seed: int = 0,
                         adapters: Callable[[int], AdapterRows | None] | None = None) -> Tensor:
