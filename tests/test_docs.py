@@ -155,6 +155,7 @@ TINY_ARGS: dict[str, list[str]] = {
                                                                                     "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
     "bash runs/cpu_small_results.sh 4800": ["--smoke"],
+    "bash runs/distill_results.sh": ["--smoke"],
     "python runs/recipe_ablations.py": ["--smoke"],
     "python runs/sampler_levels.py": ["--smoke"],
     "python runs/demo_seeds.py --seeds 0,1,2 --out runs/out/demo-seeds": ["--smoke", "--seeds", "0", "--out", "out"],

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from dgemma.cli.flags import add_quantize_arg, nonnegative_int
-from dgemma.model import costs
+from dgemma.cli.flags import add_quantize_arg, nonnegative_int, positive_int
+from dgemma.model import costs, plan
 from dgemma.model.config import ModelConfig, preset, read_json
 from dgemma.model.costs import memory_needed
 from dgemma.weights.checkpoint import resolve_model_dir
@@ -27,8 +27,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--context", type=nonnegative_int, default=4096, metavar="N",
                    help="committed tokens in the cache, for FLOPs (default 4096)")
     add_quantize_arg(p, "also report the weights' memory with --quantize int8 / int4 (torchao's layouts)")
+    p.add_argument("--parallel", type=layout_arg, metavar="SPEC",
+                   help="print one device's memory under expert / tensor parallelism instead of the per-layer report: "
+                   "ep=K (each device holds 1/K of the experts), tp=K (attention, dense MLP, embedding and KV cache "
+                   "split K ways) or both, e.g. ep=4,tp=2 (8 devices); ep=1,tp=1 is one device")
+    p.add_argument("--batch", type=positive_int, default=1, metavar="B",
+                   help="rows denoised at once, for --parallel's KV cache and step memory (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+def layout_arg(text: str) -> plan.ParallelLayout:
+    try:
+        return plan.parse_layout(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def load_config(path: Path | None, preset_name: str | None) -> ModelConfig:
@@ -79,8 +92,17 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.path, args.preset)
     r = report(cfg, args.context, args.quantize)
+    if args.parallel is not None:
+        try:
+            plan.check_layout(cfg, args.parallel)
+        except ValueError as e:
+            raise ValueError(f"--parallel {args.parallel}: {e} ({args.preset or args.path})") from None
+        r["parallel"] = plan.plan(cfg, args.parallel, batch=args.batch, context=args.context, quantize=args.quantize)
     if args.json:
         print(json.dumps(r, indent=None))
+        return 0
+    if args.parallel is not None:
+        print_plan(cfg, r["parallel"], args.preset or args.path)
         return 0
     c, p, kv = cfg, r["parameters"], r["kv_cache_bytes_per_token_bf16"]
     moe = f"{c.num_experts} experts, top-{c.top_k_experts}, width {c.moe_intermediate_size}" if c.is_moe else "dense"
@@ -107,3 +129,31 @@ def run(args: argparse.Namespace) -> int:
     print(f"FLOPs per committed token at context {args.context:,}: {r['flops_per_committed_token']:,} "
           f"({human(r['flops_per_committed_token'], 'KMGTP')})")
     return 0
+
+
+def print_plan(cfg: ModelConfig, p: dict[str, Any], name: str | Path) -> None:
+    """The memory plan as a table: each part, how it splits, its bytes on one device alone and on one device of the
+    layout (GB, 10^9 bytes), then which common device sizes the per-device total fits."""
+    experts = f"{cfg.num_experts} experts (top-{cfg.top_k_experts})" if cfg.is_moe else "dense"
+    print(f"model {name}: {cfg.num_hidden_layers} layers, {experts}, {cfg.num_attention_heads} heads, KV heads "
+          f"{cfg.num_key_value_heads} sliding / {cfg.num_global_key_value_heads} full")
+    print(f"layout {p['layout']}: {p['devices']} device{'s' * (p['devices'] > 1)} (ep={p['ep']} x tp={p['tp']}); "
+          f"a denoising step of batch {p['batch']} at context {p['context']:,}; weights {p['weights_dtype']}, KV cache "
+          "bf16")
+    one, dev = p["single_device"], p["per_device"]
+    gb = lambda b: f"{b / 1e9:.2f} GB"
+    rows = [{"part": "", "split": "", "one device": "", "per device": ""}]
+    rows += [{"part": f"  {k}", "split": p["splits"][k], "one device": gb(v), "per device": gb(dev["weights"][k])}
+             for k, v in one["weights"].items() if k != "total"]
+    rows.insert(1, {"part": "weights", "split": "", "one device": gb(one["weights"]["total"]),
+                    "per device": gb(dev["weights"]["total"])})
+    rows += [{"part": k, "split": p["splits"][k], "one device": gb(v), "per device": gb(dev["memory"][k])}
+             for k, v in one["memory"].items() if k != "weights"]
+    rows.append({"part": "total", "split": "", "one device": gb(one["total"]), "per device": gb(dev["total"])})
+    rows[0] = {"part": "part", "split": "split", "one device": "one device",
+               "per device": f"per device ({p['layout']})"}
+    widths = {c: max(len(r[c]) for r in rows) for c in rows[0]}
+    for r in rows:
+        print("  ".join(r[c].ljust(widths[c]) if c in ("part", "split") else r[c].rjust(widths[c]) for c in r))
+    fits = [f"{size} GB {'yes' if ok else 'no'}" for size, ok in p["fits_gb"].items()]
+    print(f"fits per device (nominal GB, before the CUDA context): {', '.join(fits)}")

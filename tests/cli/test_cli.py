@@ -223,3 +223,26 @@ def test_inspect_accepts_a_training_run(capsys, tiny_run, tmp_path):
     assert code == 2 and len(err.splitlines()) == 1 and "a training run with no complete checkpoint yet" in err
     code, _, err = run(capsys, "inspect", str(tmp_path))
     assert code == 2 and len(err.splitlines()) == 1 and "no config.json" in err
+
+
+@pytest.mark.parametrize("spec,per_device", [("ep=8", "12.81 GB"), ("tp=2", "49.84 GB"), ("ep=4,tp=2", "15.58 GB")])
+def test_inspect_parallel_prints_one_devices_memory(capsys, spec, per_device):
+    """docs/parallel.md's figures for the 26B (bf16, batch 1, context 4096) against one device's 52.78 GB."""
+    code, text, err = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", spec)
+    assert code == 0, err
+    lines = text.splitlines()
+    assert lines[1].startswith(f"layout {spec}: ") and lines[2].endswith(f"one device  per device ({spec})")
+    total = next(line for line in lines if line.startswith("total")).split()
+    assert total[-4:] == ["52.78", "GB", *per_device.split()]
+    assert lines[-1].startswith("fits per device") and "24 GB" in lines[-1] and "141 GB" in lines[-1]
+    code, out, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", spec, "--json")
+    p = json.loads(out)["parallel"]
+    assert code == 0 and f"{p['per_device']['total'] / 1e9:.2f} GB" == per_device and p["layout"] == spec
+
+
+def test_inspect_parallel_refuses_a_layout_the_model_does_not_divide(capsys):
+    code, _, err = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", "tp=4")
+    assert code == 2 and err == ("dgemma inspect: error: --parallel tp=4: tp=4 does not divide "
+                                 "num_global_key_value_heads=2 (diffusiongemma-26b-a4b)\n")
+    code, _, err = run(capsys, "inspect", "--preset", "tiny", "--parallel", "ep=3", "--json")
+    assert code == 2 and "ep=3 does not divide num_experts=8" in err and len(err.splitlines()) == 1

@@ -1,0 +1,72 @@
+"""What each rank of a parallel test runs (spawned with torch.multiprocessing, a gloo process group on the CPU):
+the tiny MoE built from one seed, parallelized under a layout, its logits on a fixed prompt and canvas and the tokens
+`generate` draws on a few seeds, saved by rank 0 for the test to compare with one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dgemma.model.config import preset
+from dgemma.sampling.generate import generate
+from dgemma.weights.loading import build_model
+
+SEEDS = (0, 1, 2)
+PROMPT = [[5, 17, 301, 42, 7, 99, 250, 3, 11]]
+
+
+def tiny_config(heads: int | None = 2):
+    """The tiny preset (8 experts top-2; 4 query heads, 2 kv heads on sliding layers, 1 on full ones), or with
+    `heads` kv heads on every layer."""
+    if heads is None:
+        return preset("tiny")
+    return dataclasses.replace(preset("tiny"), num_key_value_heads=heads, num_global_key_value_heads=heads)
+
+
+def run_model(model, impl: str) -> dict:
+    """The logits of one commit + denoise and the tokens of generate on SEEDS, on `model` (parallel or not)."""
+    torch.manual_seed(1234)
+    ids = torch.tensor(PROMPT)
+    canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length))
+    cache = model.new_cache(1, 64)
+    model.commit(ids, cache, impl=impl)
+    logits = model.denoise(canvas, cache, impl=impl)
+    tokens = [generate(model, ids, seed=s, impl=impl, max_new_tokens=32).sequences.tolist() for s in SEEDS]
+    return {"logits": logits, "tokens": tokens}
+
+
+def single(config, impl: str) -> dict:
+    """One process: what the parallel ranks must reproduce."""
+    return run_model(build_model(config, impl=impl), impl)
+
+
+def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int | None]], out: str) -> None:
+    """Rank `rank` of `world`: for each (layout, impl, kv heads) in `jobs`, a fresh model (`tiny_config`) parallelized
+    under it and run; rank 0 saves {job: result} to `out`, each result saying whether every rank had the same logits
+    and tokens."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from dgemma.parallel import parallelize
+
+        results = {}
+        for layout, impl, heads in jobs:
+            model = build_model(tiny_config(heads), impl=impl)
+            parallelize(model, layout)
+            result = run_model(model, impl)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, result["tokens"])
+            logits = [torch.empty_like(result["logits"]) for _ in range(world)]
+            dist.all_gather(logits, result["logits"])
+            result["same_on_every_rank"] = all(g == result["tokens"] for g in gathered) and all(
+                torch.equal(x, result["logits"]) for x in logits)
+            results[(layout, impl, heads)] = result
+        if rank == 0:
+            torch.save(results, Path(out))
+    finally:
+        dist.destroy_process_group()
