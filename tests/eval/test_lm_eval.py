@@ -22,7 +22,7 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance
 
 from dgemma import cli
-from dgemma.diffusion.likelihood import clean_context_posterior, score_continuation
+from dgemma.diffusion.likelihood import clean_context_posterior, first_step_log_probs, score_continuation
 from dgemma.eval.continuations import request_seed
 from dgemma.eval.lm_eval_model import DgemmaLM
 
@@ -128,6 +128,21 @@ def test_diffusion_is_greedy_is_the_denoising_posteriors_argmax(diffusion_lm):
     assert best.is_greedy and not other.is_greedy
 
 
+def test_the_prompt_bound_is_what_the_server_answers(tiny_run):
+    """bound=prompt: context and continuation bounded as one prompt from its first token, the continuation's terms
+    summed (dgemma serve's scoring of lm-eval's local-completions request, seed 0); is_greedy from the first-step
+    posterior over the whole prompt."""
+    lm = DgemmaLM(pretrained=str(tiny_run), bound="prompt", nelbo_steps=16, t_samples=4, seed=0)
+    ((logprob, greedy),) = lm.loglikelihood([ll("the king said", " the cat sat")])
+    ctx, cont = lm._encode_pair("the king said", " the cat sat")
+    terms = score_continuation(lm.model, [], ctx + cont, num_steps=16, num_t_samples=4, seed=0)
+    assert logprob == pytest.approx(-float(terms[len(ctx):].sum()), rel=1e-9)
+    rows = first_step_log_probs(lm.model, [], ctx + cont, seed=0)[len(ctx):]
+    assert greedy == bool((rows.argmax(-1) == torch.tensor(cont)).all())
+    with pytest.raises(ValueError, match="bound='canvas'"):
+        DgemmaLM(pretrained=str(tiny_run), bound="canvas")
+
+
 def test_rolling_loglikelihood_sums_windows(ar_lm, diffusion_lm):
     text = "the king said the cat sat on the mat " * 12
     for lm in (ar_lm, diffusion_lm):
@@ -166,6 +181,15 @@ def test_generate_until_takes_sampler_settings_and_refuses_unknown_ones(diffusio
     (dict(dtype="float8"), "dtype='float8'"),
     (dict(nelbo_steps=2, t_samples=4), "t_samples=4 exceeds"),
 ])
+def test_registering_dgemma_keeps_lm_evals_own_models():
+    """lm-eval loads its built-in models only into an empty registry: dgemma's registration must not hide them (a
+    process that imported dgemma's model could no longer run `local-completions` against `dgemma serve`)."""
+    from lm_eval.api.registry import get_model
+
+    assert get_model("dgemma") is DgemmaLM
+    assert get_model("local-completions").__name__ == "LocalCompletionsAPI"
+
+
 def test_bad_model_args_name_the_argument(tiny_run, args, match):
     with pytest.raises(ValueError, match=match):
         DgemmaLM(pretrained=str(tiny_run), **args)
