@@ -175,12 +175,6 @@ def test_generate_until_takes_sampler_settings_and_refuses_unknown_ones(diffusio
         diffusion_lm.generate_until([gen("the king", until=[], no_such_setting=1)])
 
 
-@pytest.mark.parametrize(("args", "match"), [
-    (dict(foo=1), "unknown argument.*foo"),
-    (dict(mc_replicates=0), "mc_replicates=0"),
-    (dict(dtype="float8"), "dtype='float8'"),
-    (dict(nelbo_steps=2, t_samples=4), "t_samples=4 exceeds"),
-])
 def test_registering_dgemma_keeps_lm_evals_own_models():
     """lm-eval loads its built-in models only into an empty registry: dgemma's registration must not hide them (a
     process that imported dgemma's model could no longer run `local-completions` against `dgemma serve`)."""
@@ -190,6 +184,12 @@ def test_registering_dgemma_keeps_lm_evals_own_models():
     assert get_model("local-completions").__name__ == "LocalCompletionsAPI"
 
 
+@pytest.mark.parametrize(("args", "match"), [
+    (dict(foo=1), "unknown argument.*foo"),
+    (dict(mc_replicates=0), "mc_replicates=0"),
+    (dict(dtype="float8"), "dtype='float8'"),
+    (dict(nelbo_steps=2, t_samples=4), "t_samples=4 exceeds"),
+])
 def test_bad_model_args_name_the_argument(tiny_run, args, match):
     with pytest.raises(ValueError, match=match):
         DgemmaLM(pretrained=str(tiny_run), **args)
