@@ -14,7 +14,8 @@ in Python, importing this module registers it for `lm_eval.simple_evaluate(model
                            estimates); is_greedy: each token is the argmax of the denoising posterior at its position
                            with its canvas at pure noise (dgemma/eval/continuations.py). bound=prompt: the bound
                            `dgemma serve` answers lm-eval's local-completions with (context and continuation bounded
-                           as one prompt; with nelbo_steps=16, t_samples=4, seed=0: the server's numbers)
+                           as one prompt; with nelbo_steps=16, t_samples=4 and seed=1234, the seed local-completions
+                           sends: the server's numbers)
     loglikelihood_rolling  the same over windows of `max_length` tokens (default: the run's training seq_len)
     generate_until         dgemma's generation (the diffusion sampler; token by token for an AR run) with the
                            checkpoint's generation_config.json, then the request's gen_kwargs: `until`,
