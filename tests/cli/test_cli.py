@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,6 +240,29 @@ def test_inspect_parallel_prints_one_devices_memory(capsys, spec, per_device):
     code, out, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", spec, "--json")
     p = json.loads(out)["parallel"]
     assert code == 0 and f"{p['per_device']['total'] / 1e9:.2f} GB" == per_device and p["layout"] == spec
+
+
+def test_docs_parallel_tables_are_what_inspect_prints(capsys):
+    """docs/parallel.md: the block after "The first command prints:" is `--parallel ep=8`'s output, and each row of
+    the 26B table (weights bf16, totals bf16 / int8 / int4) is what --json says, to the hundredth of a GB."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text(encoding="utf-8")
+    shown = doc.split("The first command prints:\n\n```\n", 1)[1].split("```", 1)[0]
+    code, text, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", "ep=8")
+    assert code == 0 and text == shown
+    number = r" \| ([\d.]+)"
+    rows = re.findall(r"^\| [^|`]*`(ep=[\d,tp=]+|tp=\d)`.*?\| \d+" + number * 4 + r" \|", doc, re.MULTILINE)
+    assert len(rows) == 6, rows
+    for spec, *figures in rows:
+        got = []
+        for i, quantize in enumerate((None, "int8", "int4")):
+            extra = ["--quantize", quantize] if quantize else []
+            code, out, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", spec, "--json",
+                               *extra)
+            p = json.loads(out)["parallel"]["per_device"]
+            if i == 0:
+                got.append(f"{p['weights']['total'] / 1e9:.2f}")
+            got.append(f"{p['total'] / 1e9:.2f}")
+        assert got == figures, spec
 
 
 def test_inspect_parallel_refuses_a_layout_the_model_does_not_divide(capsys):
