@@ -265,6 +265,17 @@ def test_docs_parallel_tables_are_what_inspect_prints(capsys):
         assert got == figures, spec
 
 
+def test_inspect_batch_sizes_the_preflight_and_the_plan(capsys):
+    from dgemma.model import costs, plan
+
+    code, out, _ = run(capsys, "inspect", "--preset", "tiny", "--batch", "3", "--context", "100", "--parallel", "ep=2",
+                       "--json")
+    r, cfg = json.loads(out), dgemma.preset("tiny")
+    assert code == 0 and r["preflight_bytes"]["bf16"] == costs.memory_needed(cfg, torch.bfloat16, weights=True,
+                                                                              batch_size=3, cache_length=100)
+    assert r["parallel"] == plan.plan(cfg, plan.ParallelLayout(ep=2), batch=3, context=100)
+
+
 def test_inspect_parallel_refuses_a_layout_the_model_does_not_divide(capsys):
     code, _, err = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", "tp=4")
     assert code == 2 and err == ("dgemma inspect: error: --parallel tp=4: tp=4 does not divide "
