@@ -30,8 +30,9 @@ def register(subparsers: Any) -> None:
     add_quantize_arg(p, "also report the weights' memory with --quantize int8 / int4 (torchao's layouts)")
     p.add_argument("--parallel", type=layout_arg, metavar="SPEC",
                    help="print one device's memory under expert / tensor parallelism instead of the per-layer report: "
-                   "ep=K (each device holds 1/K of the experts), tp=K (attention, dense MLP, embedding and KV cache "
-                   "split K ways) or both, e.g. ep=4,tp=2 (8 devices); ep=1,tp=1 is one device")
+                   "ep=K (each device holds 1/K of the experts), tp=K (attention heads, dense MLP and KV cache split "
+                   "K ways), ep+tp=K (both over the same K devices), as `generate --parallel` runs them, or ep=A,tp=B "
+                   "(an A x B mesh, for planning); ep=1,tp=1 is one device")
     p.add_argument("--batch", type=positive_int, default=1, metavar="B",
                    help="prompts generated at once, for the memory pre-flight and --parallel's KV cache and step "
                    "memory (default 1)")
@@ -140,9 +141,10 @@ def print_plan(cfg: ModelConfig, p: dict[str, Any], name: str | Path) -> None:
     experts = f"{cfg.num_experts} experts (top-{cfg.top_k_experts})" if cfg.is_moe else "dense"
     print(f"model {name}: {cfg.num_hidden_layers} layers, {experts}, {cfg.num_attention_heads} heads, KV heads "
           f"{cfg.num_key_value_heads} sliding / {cfg.num_global_key_value_heads} full")
-    print(f"layout {p['layout']}: {p['devices']} device{'s' * (p['devices'] > 1)} (ep={p['ep']} x tp={p['tp']}); "
-          f"a denoising step of batch {p['batch']} at context {p['context']:,}; weights {p['weights_dtype']}, KV cache "
-          "bf16")
+    shape = f"ep={p['ep']} and tp={p['tp']} over the same ranks" if p["same_ranks"] else \
+        f"ep={p['ep']} x tp={p['tp']}"
+    print(f"layout {p['layout']}: {p['devices']} device{'s' * (p['devices'] > 1)} ({shape}); a denoising step of "
+          f"batch {p['batch']} at context {p['context']:,}; weights {p['weights_dtype']}, KV cache bf16")
     one, dev = p["single_device"], p["per_device"]
     gb = lambda b: f"{b / 1e9:.2f} GB"
     rows = [{"part": "", "split": "", "one device": "", "per device": ""}]
@@ -160,3 +162,5 @@ def print_plan(cfg: ModelConfig, p: dict[str, Any], name: str | Path) -> None:
         print("  ".join(r[c].ljust(widths[c]) if c in ("part", "split") else r[c].rjust(widths[c]) for c in r))
     fits = [f"{size} GB {'yes' if ok else 'no'}" for size, ok in p["fits_gb"].items()]
     print(f"fits per device (nominal GB, before the CUDA context): {', '.join(fits)}")
+    if not p["runs_in_dgemma"]:
+        print("planning only: dgemma generate --parallel runs ep, tp or ep+tp over the same ranks, with plain weights")
