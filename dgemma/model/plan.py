@@ -75,7 +75,7 @@ def parse_layout(spec: str) -> ParallelLayout:
                              "ep+tp")
         if key in sizes or (key == "ep+tp" and sizes) or "ep+tp" in sizes:
             raise ValueError(f"{spec!r}: {key} given twice" if key in sizes else
-                             f"{spec!r}: ep+tp=K goes alone (ep=A,tp=B is a mesh of A·B devices)")
+                             f"{spec!r}: ep+tp=K goes alone (ep=A,tp=B is a mesh of A x B devices)")
         if value < 1:
             raise ValueError(f"{spec!r}: {key} must be an integer >= 1, got {value}")
         sizes[key] = value
