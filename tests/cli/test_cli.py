@@ -247,9 +247,11 @@ def test_inspect_parallel_prints_one_devices_memory(capsys, spec, per_device):
 
 
 def test_docs_parallel_tables_are_what_inspect_prints(capsys):
-    """docs/parallel.md: the block after "The first command prints:" is `--parallel ep=8`'s output, and each row of
-    the 26B table (weights bf16, totals bf16 / int8 / int4) is what --json says, to the hundredth of a GB."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text(encoding="utf-8")
+    """docs/parallel.md, its Memory planning section: the block after "The first command prints:" is `--parallel
+    ep=8`'s output, and each row of the 26B table (weights bf16, totals bf16 / int8 / int4) is what --json says, to
+    the hundredth of a GB."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text(encoding="utf-8")
+    doc = text.split("\n## Memory planning\n", 1)[1].split("\n## ", 1)[0]
     shown = doc.split("The first command prints:\n\n```\n", 1)[1].split("```", 1)[0]
     code, text, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", "ep=8")
     assert code == 0 and text == shown
