@@ -51,6 +51,15 @@ class ParallelLayout:
     tp: int = 1
     same_ranks: bool = False
 
+    @classmethod
+    def over_ranks(cls, layout: str, world_size: int) -> ParallelLayout:
+        """`generate --parallel ep|tp|ep+tp` on `world_size` ranks as a layout (what check_layout and the plan take)."""
+        parts = layout.split("+")
+        if not parts or any(p not in ("ep", "tp") for p in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"{layout!r}: expected ep, tp or ep+tp")
+        return cls(world_size if "ep" in parts else 1, world_size if "tp" in parts else 1,
+                   same_ranks=len(parts) == 2)
+
     @property
     def devices(self) -> int:
         return self.ep if self.same_ranks else self.ep * self.tp

@@ -139,3 +139,12 @@ def test_plan_reports_both_sides_and_what_fits():
     assert p["runs_in_dgemma"] and plan.plan(BIG, ParallelLayout(ep=4, tp=4, same_ranks=True))["runs_in_dgemma"]
     assert not plan.plan(BIG, ParallelLayout(ep=4, tp=2))["runs_in_dgemma"]  # a 2-D mesh: planning only
     assert not plan.plan(BIG, ParallelLayout(ep=8), quantize="int4")["runs_in_dgemma"]
+
+
+def test_a_generate_layout_on_its_ranks():
+    assert ParallelLayout.over_ranks("ep", 4) == parse_layout("ep=4")
+    assert ParallelLayout.over_ranks("tp", 2) == parse_layout("tp=2")
+    assert ParallelLayout.over_ranks("ep+tp", 8) == parse_layout("ep+tp=8")
+    for bad in ("pp", "ep+ep", "", "ep+tp+ep"):
+        with pytest.raises(ValueError, match="expected ep, tp or ep\\+tp"):
+            ParallelLayout.over_ranks(bad, 2)
