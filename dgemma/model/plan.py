@@ -168,8 +168,10 @@ def plan(cfg: ModelConfig, layout: ParallelLayout, *, batch: int = 1, context: i
                            "devices": layout.devices, "batch": batch, "context": context,
                            "weights_dtype": quantize or "bf16", "splits": dict(SPLITS),
                            "runs_in_dgemma": not mesh and quantize is None}
-    if cfg.is_moe:
+    if cfg.is_moe and layout.ep > 1:
         out["splits"]["experts"] = f"ep: {cfg.num_experts // layout.ep} of {cfg.num_experts} experts each"
+    elif cfg.is_moe:
+        out["splits"]["experts"] = f"replicated: all {cfg.num_experts} experts (ep=1)"
     for name, lay in (("single_device", single), ("per_device", layout)):
         memory = device_memory(cfg, lay, batch=batch, context=context, quantize=quantize)
         weights = device_weight_bytes(cfg, lay, 2, quantize)
