@@ -146,20 +146,52 @@ def test_an_ar_run_is_decoded_token_by_token_as_eval_decodes_it(capsys, ar_run):
     assert code == 2 and len(err.splitlines()) == 1 and "--entropy-bound" in err and "autoregressive run" in err
 
 
-@pytest.mark.parametrize("command", ["chat", "serve"])
-def test_chat_and_serve_refuse_an_ar_run_in_one_line(ar_run, command):
-    """They run the diffusion sampler only: one line pointing at `dgemma generate` (a subprocess, so that a serve
-    that did start, as it once did, fails the test at its timeout instead of serving on)."""
+def test_chat_refuses_an_ar_run_in_one_line(ar_run):
+    """It runs the diffusion sampler only: one line pointing at `dgemma generate` (a subprocess)."""
     import os
     import subprocess
     from pathlib import Path
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    p = subprocess.run([sys.executable, "-m", "dgemma", command, "--model", str(ar_run), "--port", "0"][
-        :None if command == "serve" else -2], input="", capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "dgemma", "chat", "--model", str(ar_run)], input="",
+                       capture_output=True, text=True, env=env, timeout=120)
     err = p.stderr
-    assert p.returncode == 2 and err.startswith(f"dgemma {command}: error: ") and len(err.splitlines()) == 1, err
+    assert p.returncode == 2 and err.startswith("dgemma chat: error: ") and len(err.splitlines()) == 1, err
     assert "autoregressive run (objective 'ar')" in err and f"dgemma generate --model {ar_run}" in err
+
+
+def test_serve_serves_an_ar_run_for_scoring_only(ar_run, tmp_path):
+    """`dgemma serve --model AR_RUN` (which once refused it) scores with its exact log-probs (echo, as lm-eval's
+    loglikelihood asks) and refuses generation with a 400 naming `model`; --lora with it is one line."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    import httpx
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    argv = [sys.executable, "-m", "dgemma", "serve", "--model", str(ar_run), "--port", "0", "--max-batch", "2",
+            "--max-context", "64"]
+    p = subprocess.run([*argv, "--lora", f"x={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and "--lora" in p.stderr, p.stderr
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # the URL, once the port listens
+        assert "scoring (echo) only" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" at ")[1].split()[0]
+        r = httpx.post(url + "v1/completions", json={"prompt": [5, 9, 14, 20], "echo": True, "max_tokens": 1,
+                                                     "logprobs": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["scoring"]["bound"] == "exact", r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == 5
+        r = httpx.post(url + "v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.parametrize("argv, message", [
