@@ -9,7 +9,7 @@ which the demo's models never train on.
                                    length)
     dgemma_shakespeare_speaker     generate_until: the end of the last two speeches of a scene (each speaker's name,
                                    then up to three lines); the model writes the next speaker's name (one of those
-                                   who spoke in the scene's last three speeches), until "." or a line break
+                                   two speakers), until "." or a line break
 
     python runs/build_lm_eval_tasks.py            # writes dgemma/eval/lm_eval_tasks/*.jsonl (150 items each, seed 0)
     python runs/build_lm_eval_tasks.py --smoke    # a toy play into a temporary folder: seconds, no download
@@ -62,9 +62,9 @@ def next_line_items(scenes: list[list[tuple[str, list[str]]]], n: int, rng: rand
 
 
 def speaker_items(scenes: list[list[tuple[str, list[str]]]], n: int, rng: random.Random) -> list[dict]:
-    """generate_until: the ends of two speeches; the next speaker's name, one who spoke in the last three."""
-    spots = [(scene[i - 2:i], scene[i][0]) for scene in scenes for i in range(3, len(scene))
-             if scene[i][0] in {s for s, _ in scene[i - 3:i]}]
+    """generate_until: the ends of two speeches; the next speaker's name, one of those two speakers."""
+    spots = [(scene[i - 2:i], scene[i][0]) for scene in scenes for i in range(2, len(scene))
+             if scene[i][0] in {s for s, _ in scene[i - 2:i]}]
     items = []
     for before, name in sorted(rng.sample(spots, min(n, len(spots))), key=spots.index):
         prompt = "\n\n".join(f"{who}.\n" + "\n".join(verse[-3:]) for who, verse in before) + "\n\n"

@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("lm-eval is not installed: pip install 'dgemma[eval]'") from None
     import dgemma.eval.lm_eval_model  # noqa: F401  (registers the `dgemma` model)
+    from dgemma.cli.loading import set_threads
+
+    set_threads(None)  # torch's threads: the cores this process may use, unless OMP_NUM_THREADS says
 
     given = list(args.harness_args)
     if not given:
@@ -57,5 +60,14 @@ def run(args: argparse.Namespace) -> int:
     harness = HarnessCLI()
     for parser in (harness._parser, *harness._subparsers.choices.values()):  # a bad flag: one line, exit 2
         parser.error = _one_line  # type: ignore[method-assign]
-    harness.execute(harness._parser.parse_args(harness_argv(given)))
+    parsed = harness._parser.parse_args(harness_argv(given))
+    try:
+        harness.execute(parsed)
+    except (ValueError, OSError):
+        raise  # dgemma's own errors and lm-eval's (an unknown task, a bad argument): `dgemma` prints them on one line
+    except Exception as e:  # lm-eval's others, from inputs it does not check (a malformed --gen_kwargs, ...)
+        if args.debug:
+            raise
+        raise UsageError(f"lm-eval: {type(e).__name__}: {e} (`dgemma --debug lm-eval ...` shows the traceback)"
+                         ) from None
     return 0

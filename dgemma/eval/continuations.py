@@ -12,7 +12,9 @@ lm_eval_model.py, docs/evaluation.md "lm-evaluation-harness").
                      context and the clean canvases before (`likelihood.greedy_continuation`)
 
 Each request's Monte Carlo draws come from a seed that is a hash of (seed, replicate, context, continuation): a
-request scores the same whatever batch or order it comes in, and two replicates never share draws.
+request scores the same whatever batch or order it comes in, and two replicates never share draws. The pure noise
+behind is_greedy is drawn from (seed, context) alone: every choice of a multiple-choice question is judged against
+the same x_1.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dgemma.diffusion.likelihood import greedy_continuation, score_continuation
+from dgemma.diffusion.likelihood import first_step_log_probs, greedy_continuation, score_continuation
 from dgemma.train.heldout import ar_token_scores
 
 Request = tuple[Sequence[int], Sequence[int]]  # (context ids, continuation ids)
@@ -91,15 +93,29 @@ def score_ar(model: Any, requests: Sequence[Request], *, batch_size: int = 8) ->
     return out
 
 
+BOUNDS = ("continuation", "prompt")  # what score_diffusion bounds (see there)
+
+
 @torch.no_grad()
 def score_diffusion(model: Any, requests: Sequence[Request], *, num_steps: int | None, num_t_samples: int,
-                    mc_replicates: int = 1, seed: int = 0) -> list[ContinuationScore]:
-    """Bounds of a diffusion run, one request at a time: minus the NELBO of the continuation given the committed
-    context (`score_continuation`: T = `num_steps`, None for the continuous-time bound, `num_t_samples` stratified t
-    per canvas), averaged over `mc_replicates` independent estimates, with their standard error. A context too long
-    for the model's positions (beside the continuation rounded up to whole canvases) is cut from the left."""
+                    mc_replicates: int = 1, seed: int = 0, bound: str = "continuation") -> list[ContinuationScore]:
+    """Bounds of a diffusion run, one request at a time, averaged over `mc_replicates` independent estimates, with
+    their standard error (T = `num_steps`, None for the continuous-time bound, `num_t_samples` stratified t per
+    canvas). A context too long for the model's positions is cut from the left.
+
+    bound="continuation": minus the NELBO of the continuation given the committed context (`score_continuation`
+    with the context; canvases start right after it, as generation cuts them), draws seeded per request
+    (`request_seed`); is_greedy: `greedy_continuation` given the context.
+    bound="prompt": what `dgemma serve` answers lm-eval's `local-completions` (which sends context and continuation
+    as one prompt): context + continuation bounded canvas by canvas from its first token (`score_continuation` with
+    an empty context) and the continuation's terms summed, each replicate r drawing from seed + r, the same for
+    every request (r = 0: the server's `seed`); is_greedy: the argmax of `first_step_log_probs` over the whole
+    prompt at the continuation's positions (the server's top_logprobs). Also a lower bound on log p(continuation |
+    context), usually a looser one (the context's canvases are bounded rather than committed)."""
     if mc_replicates < 1:
         raise ValueError(f"mc_replicates must be >= 1, got {mc_replicates}")
+    if bound not in BOUNDS:
+        raise ValueError(f"bound must be one of {', '.join(BOUNDS)}, got {bound!r}")
     cfg = model.config
     L = cfg.canvas_length
     out = []
@@ -107,15 +123,24 @@ def score_diffusion(model: Any, requests: Sequence[Request], *, num_steps: int |
         n = len(continuation)
         if n == 0:
             raise ValueError("continuation: nothing to score (no tokens)")
-        ctx = fit_context(context, -(-n // L) * L, cfg.max_position_embeddings)
-        nats = [float(score_continuation(model, ctx, continuation, num_steps=num_steps, num_t_samples=num_t_samples,
-                                         seed=request_seed(seed, r, ctx, continuation)).sum())
-                for r in range(mc_replicates)]
-        greedy = greedy_continuation(model, ctx, continuation, seed=request_seed(seed, -1, ctx, continuation))
+        if bound == "prompt":
+            ctx = fit_context(context, n, cfg.max_position_embeddings // L * L)
+            whole = [*ctx, *continuation]
+            nats = [float(score_continuation(model, [], whole, num_steps=num_steps, num_t_samples=num_t_samples,
+                                             seed=seed + r)[len(ctx):].sum()) for r in range(mc_replicates)]
+            rows = first_step_log_probs(model, [], whole, seed=seed)[len(ctx):]
+            greedy = (rows.argmax(-1).cpu() == torch.as_tensor(list(continuation)))
+        else:
+            ctx = fit_context(context, -(-n // L) * L, cfg.max_position_embeddings)
+            nats = [float(score_continuation(model, ctx, continuation, num_steps=num_steps,
+                                             num_t_samples=num_t_samples,
+                                             seed=request_seed(seed, r, ctx, continuation)).sum())
+                    for r in range(mc_replicates)]
+            greedy = greedy_continuation(model, ctx, continuation, seed=request_seed(seed, -1, ctx, ()))
         mean = sum(nats) / len(nats)
         se = None if len(nats) < 2 else math.sqrt(sum((v - mean) ** 2 for v in nats) / (len(nats) - 1) / len(nats))
         out.append(ContinuationScore(-mean, bool(greedy.all()), n, exact=False, mc_se=se, replicates=len(nats)))
     return out
 
 
-__all__ = ["ContinuationScore", "Request", "fit_context", "request_seed", "score_ar", "score_diffusion"]
+__all__ = ["BOUNDS", "ContinuationScore", "Request", "fit_context", "request_seed", "score_ar", "score_diffusion"]

@@ -5,14 +5,16 @@ in Python, importing this module registers it for `lm_eval.simple_evaluate(model
 
     --model_args pretrained=RUN_OR_CHECKPOINT[,device=cpu|cuda|auto][,dtype=auto|float32|bfloat16|float64]
                  [,batch_size=N][,mc_replicates=R][,nelbo_steps=T|continuous][,t_samples=K][,seed=S]
-                 [,max_gen_toks=N][,max_length=N][,impl=reference|fast]
+                 [,max_gen_toks=N][,max_length=N][,impl=reference|fast][,bound=continuation|prompt]
 
     loglikelihood          AR run: the exact log p(continuation | context), is_greedy as lm-eval's HF model.
                            Diffusion run: minus the continuation's NELBO given the committed context, a LOWER bound
                            on the log-probability (the NELBO is an upper bound on the NLL), estimated by Monte Carlo
                            (`t_samples` stratified t per canvas; `mc_replicates` R > 1: the mean of R independent
                            estimates); is_greedy: each token is the argmax of the denoising posterior at its position
-                           with its canvas at pure noise (dgemma/eval/continuations.py)
+                           with its canvas at pure noise (dgemma/eval/continuations.py). bound=prompt: the bound
+                           `dgemma serve` answers lm-eval's local-completions with (context and continuation bounded
+                           as one prompt; with nelbo_steps=16, t_samples=4, seed=0: the server's numbers)
     loglikelihood_rolling  the same over windows of `max_length` tokens (default: the run's training seq_len)
     generate_until         dgemma's generation (the diffusion sampler; token by token for an AR run) with the
                            checkpoint's generation_config.json, then the request's gen_kwargs: `until`,
@@ -25,19 +27,22 @@ in Python, importing this module registers it for `lm_eval.simple_evaluate(model
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: its registry loads them only while it is empty)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from dgemma.data.tokenizer import left_pad, load_tokenizer
-from dgemma.eval.continuations import ContinuationScore, fit_context, score_ar, score_diffusion
+from dgemma.eval.continuations import BOUNDS, ContinuationScore, fit_context, score_ar, score_diffusion
 from dgemma.eval.evaluate import run_info
 from dgemma.sampling.generation_config import GenerationConfig, offset_seed
 from dgemma.weights.loading import DTYPES, load_generation_config, load_model
 
+LOG = logging.getLogger("lm_eval.dgemma")  # under lm-eval's logger: shown as its own lines are
 DEFAULT_MAX_LENGTH = 2048  # the window of a checkpoint without a training seq_len (capped by its positions)
 DTYPE_NAMES = {**DTYPES, "float64": torch.float64}
 
@@ -56,14 +61,17 @@ class DgemmaLM(TemplateLM):
                  batch_size: int | str | None = 1, max_batch_size: int | None = None, mc_replicates: int = 1,
                  nelbo_steps: int | str | None = None, t_samples: int | None = None, seed: int = 0,
                  max_gen_toks: int = 256, max_length: int | None = None, impl: str = "reference",
-                 **unknown: Any) -> None:
+                 bound: str = "continuation", **unknown: Any) -> None:
         super().__init__()
         if unknown:
             raise ValueError(f"--model_args: unknown argument(s) {', '.join(sorted(unknown))}; dgemma takes "
                              "pretrained, device, dtype, batch_size, mc_replicates, nelbo_steps, t_samples, seed, "
-                             "max_gen_toks, max_length, impl")
+                             "max_gen_toks, max_length, impl, bound")
         if not pretrained:
             raise ValueError("--model_args pretrained=RUN_OR_CHECKPOINT is required (a dgemma run or model directory)")
+        if bound not in BOUNDS:
+            raise ValueError(f"--model_args bound={bound!r}: expected {' or '.join(BOUNDS)}")
+        self.bound = bound
         if dtype not in (None, "auto", *DTYPE_NAMES):
             raise ValueError(f"--model_args dtype={dtype!r}: expected auto, {', '.join(DTYPE_NAMES)}")
         if device in (None, "auto"):
@@ -139,7 +147,7 @@ class DgemmaLM(TemplateLM):
             scored = score_ar(self.model, fitted, batch_size=self.batch_size)
         else:
             scored = score_diffusion(self.model, fitted, num_steps=self.num_steps, num_t_samples=self.t_samples,
-                                     mc_replicates=self.mc_replicates, seed=self.seed)
+                                     mc_replicates=self.mc_replicates, seed=self.seed, bound=self.bound)
         out = [ContinuationScore(0.0, True, 0, exact=self.autoregressive)] * len(pairs)
         for i, s in zip(which, scored, strict=True):
             out[i] = s
@@ -149,6 +157,12 @@ class DgemmaLM(TemplateLM):
                               ) -> list[tuple[float, bool]]:
         scores = self.score([(list(ctx), list(cont)) for _, ctx, cont in requests])
         self.last_scores = scores
+        ses = [s.mc_se for s in scores if s.mc_se is not None]
+        if not self.autoregressive:
+            LOG.info("dgemma: %d continuations scored by minus their NELBO (a lower bound on log p; bound=%s, T=%s, "
+                     "%d t-samples per canvas, %d replicate(s)%s)", len(scores), self.bound,
+                     self.num_steps or "continuous", self.t_samples, self.mc_replicates,
+                     f", mean Monte Carlo SE {sum(ses) / len(ses):.3f} nats" if ses else "")
         for (key, _, _), s in zip(requests, scores, strict=True):
             self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.is_greedy))
         return [(s.logprob, s.is_greedy) for s in scores]
