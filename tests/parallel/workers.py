@@ -15,7 +15,7 @@ from dgemma.model.config import preset
 from dgemma.sampling.generate import generate
 from dgemma.weights.loading import build_model
 
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1)
 PROMPT = [[5, 17, 301, 42, 7, 99, 250, 3, 11]]
 
 
@@ -35,7 +35,8 @@ def run_model(model, impl: str) -> dict:
     cache = model.new_cache(1, 64)
     model.commit(ids, cache, impl=impl)
     logits = model.denoise(canvas, cache, impl=impl)
-    tokens = [generate(model, ids, seed=s, impl=impl, max_new_tokens=32).sequences.tolist() for s in SEEDS]
+    tokens = [generate(model, ids, seed=s, impl=impl, max_new_tokens=32, max_denoising_steps=8).sequences.tolist()
+              for s in SEEDS]  # two canvases: the first is committed
     return {"logits": logits, "tokens": tokens}
 
 
