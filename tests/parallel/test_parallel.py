@@ -43,6 +43,7 @@ def test_expert_parallel_is_bit_identical_to_one_process(world2, impl):
     got, one = world2
     result = got[("ep", impl, None)]
     assert torch.equal(result["logits"], one[(impl, None)]["logits"])
+    assert torch.equal(result["row_logits"], one[(impl, None)]["row_logits"])  # one-row caches batched (per_row)
     assert result["tokens"] == one[(impl, None)]["tokens"]
     assert result["same_on_every_rank"]
 
@@ -53,6 +54,7 @@ def test_tensor_parallel_is_within_fp32_rounding_and_draws_the_same_tokens(world
     got, one = world2
     result, alone = got[(layout, impl, heads)], one[(impl, heads)]
     torch.testing.assert_close(result["logits"], alone["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result["row_logits"], alone["row_logits"], rtol=1e-5, atol=1e-5)
     assert not torch.equal(result["logits"], alone["logits"])  # a rank-order sum: rounding differs, as documented
     assert result["tokens"] == alone["tokens"]
     assert result["same_on_every_rank"]  # the rank-order sum: every rank's sampler sees the same bits
