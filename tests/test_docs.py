@@ -192,6 +192,11 @@ TINY_ARGS: dict[str, list[str]] = {
         ["--max-denoising-steps", "3"],
     "dgemma generate --preset tiny --random-init --prompt-ids 2,45,300 --seed 0 --max-new-tokens 32 "
     "--offload-experts": ["--max-denoising-steps", "3"],
+    # docs/parallel.md: torchrun generate --parallel on the tiny preset, 3 denoising steps; the bench in its tiny mode
+    **{f"torchrun --standalone --nproc-per-node {n} -m dgemma generate --preset tiny --random-init --prompt-ids "
+       f"2,45,300 --seed 0 --max-new-tokens 32 --parallel {layout}": ["--max-denoising-steps", "3"]
+       for n, layout in ((2, "ep"), (4, "tp"), (2, "ep+tp"))},
+    "python runs/bench_parallel.py": ["--smoke"],
     "python runs/bench_serve.py": ["--quick"],
     "python runs/bench_prefix_cache.py --threads 1 --repeats 3": ["--quick"],
     "python runs/bench_multi_lora.py --threads 1 --repeats 3": ["--quick"],

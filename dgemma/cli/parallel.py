@@ -49,12 +49,29 @@ def run_ranked(args: argparse.Namespace, run: Callable[[argparse.Namespace], int
                 stack.enter_context(contextlib.redirect_stderr(devnull))
             with job.peers_lost():
                 try:
+                    check_before_loading(args)
                     return run(args)
                 except ConfigError as e:  # a flag, a file, a shape: the same on every rank, rank 0's to show
                     shared(e)
                     raise
     finally:
         job.close()
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """The layout against the model's config.json (or preset) before any weight is read: a model the world size does
+    not split is refused at once, not after every rank has loaded it. A config that cannot be read is left to the
+    loader to name."""
+    from dgemma.model.config import preset
+    from dgemma.parallel import check_layout
+    from dgemma.weights import checkpoint
+
+    try:
+        config = preset(args.preset) if args.preset is not None else checkpoint.read_model_config(
+            checkpoint.resolve_model_dir(args.model))
+    except (ValueError, OSError):
+        return
+    check_layout(config, args.parallel, args.dist.world_size)
 
 
 def split(model: Any, args: argparse.Namespace) -> Any:

@@ -34,6 +34,8 @@ class Comm:
         return f"Comm(rank={self.rank}, world_size={self.world_size})"
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:
+        if self.world_size == 1:  # a group of one: nothing to exchange
+            return [t]
         started = time.perf_counter()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)

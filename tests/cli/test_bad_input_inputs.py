@@ -115,7 +115,7 @@ PARSE_CASES = [
     ("inspect --parallel ep=0", lambda t: ["inspect", "--preset", "tiny", "--parallel", "ep=0"],
      r"argument --parallel: 'ep=0': ep must be an integer >= 1, got 0"),
     ("inspect --parallel ep:4", lambda t: ["inspect", "--preset", "tiny", "--parallel", "ep:4"],
-     r"argument --parallel: 'ep:4': expected ep=K, tp=K or both"),
+     r"argument --parallel: 'ep:4': expected ep=K, tp=K, ep\+tp=K"),
     ("inspect --batch 0", lambda t: ["inspect", "--preset", "tiny", "--parallel", "ep=2", "--batch", "0"],
      r"argument --batch: must be a positive integer \(>= 1\), got '0'"),
 ]

@@ -20,8 +20,8 @@ from tests.parallel.workers import rank_main, single, tiny_config
 
 # (layout, kernels, kv heads: 2 on every layer, split one a rank; None: the tiny preset's 1 on full layers, which
 # both ranks hold)
-JOBS = [("ep", "fast", None), ("ep", "reference", None), ("tp", "fast", 2), ("ep+tp", "fast", 2), ("tp", "fast", None),
-        ("tp", "reference", 2)]
+JOBS = [("ep", "fast", None), ("ep", "reference", None), ("tp", "fast", 2), ("tp", "reference", 2),
+        ("ep+tp", "fast", None)]
 
 
 def free_port() -> int:
@@ -43,16 +43,18 @@ def test_expert_parallel_is_bit_identical_to_one_process(world2, impl):
     got, one = world2
     result = got[("ep", impl, None)]
     assert torch.equal(result["logits"], one[(impl, None)]["logits"])
+    assert torch.equal(result["row_logits"], one[(impl, None)]["row_logits"])  # one-row caches batched (per_row)
     assert result["tokens"] == one[(impl, None)]["tokens"]
     assert result["same_on_every_rank"]
 
 
 @pytest.mark.parametrize("layout, impl, heads", [job for job in JOBS if "tp" in job[0]])
 def test_tensor_parallel_is_within_fp32_rounding_and_draws_the_same_tokens(world2, layout, impl, heads):
-    """Split kv heads (2 on 2 ranks) and replicated ones (the tiny preset's 1 on full layers); both kernels."""
+    """Split kv heads (2 on 2 ranks) and replicated ones (ep+tp on the tiny preset: 1 on full layers); both kernels."""
     got, one = world2
     result, alone = got[(layout, impl, heads)], one[(impl, heads)]
     torch.testing.assert_close(result["logits"], alone["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result["row_logits"], alone["row_logits"], rtol=1e-5, atol=1e-5)
     assert not torch.equal(result["logits"], alone["logits"])  # a rank-order sum: rounding differs, as documented
     assert result["tokens"] == alone["tokens"]
     assert result["same_on_every_rank"]  # the rank-order sum: every rank's sampler sees the same bits

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from dgemma.model.config import preset
+from dgemma.model.kv_cache import RowCaches
 from dgemma.sampling.generate import generate
 from dgemma.weights.loading import build_model
 
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1)
 PROMPT = [[5, 17, 301, 42, 7, 99, 250, 3, 11]]
 
 
@@ -35,8 +36,16 @@ def run_model(model, impl: str) -> dict:
     cache = model.new_cache(1, 64)
     model.commit(ids, cache, impl=impl)
     logits = model.denoise(canvas, cache, impl=impl)
-    tokens = [generate(model, ids, seed=s, impl=impl, max_new_tokens=32).sequences.tolist() for s in SEEDS]
-    return {"logits": logits, "tokens": tokens}
+    # continuous batching's pass (the server's): two one-row caches at different lengths in one batch, each row
+    # computing what it would alone (RowCaches: attention row by row, the experts' `per_row`)
+    pool = model.new_cache(2, 64)
+    rows = [pool.rows(0, 1, 0), pool.rows(1, 2, 0)]
+    model.commit(ids, rows[0], impl=impl)
+    model.commit(ids[:, :4], rows[1], impl=impl)
+    row_logits = model.denoise(canvas.expand(2, -1), RowCaches(rows), impl=impl)
+    tokens = [generate(model, ids, seed=s, impl=impl, max_new_tokens=32, max_denoising_steps=8).sequences.tolist()
+              for s in SEEDS]  # two canvases: the first is committed
+    return {"logits": logits, "row_logits": row_logits, "tokens": tokens}
 
 
 def single(config, impl: str) -> dict:
@@ -61,10 +70,12 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int |
             result = run_model(model, impl)
             gathered = [None] * world
             dist.all_gather_object(gathered, result["tokens"])
-            logits = [torch.empty_like(result["logits"]) for _ in range(world)]
-            dist.all_gather(logits, result["logits"])
-            result["same_on_every_rank"] = all(g == result["tokens"] for g in gathered) and all(
-                torch.equal(x, result["logits"]) for x in logits)
+            same = all(g == result["tokens"] for g in gathered)
+            for key in ("logits", "row_logits"):
+                every = [torch.empty_like(result[key]) for _ in range(world)]
+                dist.all_gather(every, result[key])
+                same &= all(torch.equal(x, result[key]) for x in every)
+            result["same_on_every_rank"] = same
             results[(layout, impl, heads)] = result
         if rank == 0:
             torch.save(results, Path(out))

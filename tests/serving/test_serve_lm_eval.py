@@ -18,14 +18,16 @@ from dgemma.sampling.generation_config import GenerationConfig
 from dgemma.serving.app import create_app
 from dgemma.serving.choice import MAX_STOP
 from dgemma.serving.engine import Engine
+from dgemma.train.heldout import ar_token_nll
 from tests.helpers import random_init_model, running_server
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ITEMS = [("The cat sat on the", [" mat", " sky", " river"], 0), ("A dog likes the red", [" ball", " of", " the"], 0),
-         ("My friend finds an open", [" window", " and", " dinner"], 0),
-         ("The teacher opens the", [" the", " door", " a"], 1), ("Our team builds a", [" with", " house", " quiet"], 1),
-         ("The river follows the long road", [" home", " is", " a"], 0)]
+# context, choices (lm-eval joins them with its default target_delimiter, a space), the right one
+ITEMS = [("The cat sat on the", ["mat", "sky", "river"], 0), ("A dog likes the red", ["ball", "of", "the"], 0),
+         ("My friend finds an open", ["window", "and", "dinner"], 0),
+         ("The teacher opens the", ["the", "door", "a"], 1), ("Our team builds a", ["with", "house", "quiet"], 1),
+         ("The river follows the long road", ["home", "is", "a"], 0)]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +87,8 @@ def test_echo_max_tokens_1_answers_lm_evals_loglikelihood_request(served, model,
         with torch.no_grad():
             rows = torch.log_softmax(model.next_token_logits(torch.tensor([ids]), model.new_cache(1, len(ids)))[0]
                                      .float(), -1)
-        want = [float(rows[i - 1, t]) for i, t in enumerate(ids) if i]
-        assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-6)
+            want = -ar_token_nll(model, torch.tensor([ids]))[0]  # the training loss's next-token NLL
+        assert lp["token_logprobs"][1:-1] == pytest.approx(want.tolist(), abs=1e-5)
         top3 = torch.topk(rows[2], 3)  # ids that decode alike share a key: the largest of them is kept
         assert max(lp["top_logprobs"][3].values()) == pytest.approx(float(top3.values[0]), abs=1e-6)
         assert all(any(abs(v - w) < 1e-6 for w in top3.values.tolist()) for v in lp["top_logprobs"][3].values())
@@ -205,7 +207,6 @@ def test_tokenizer_routes_need_the_key_and_a_served_model(served):
     assert post(url, "/tokenize", {"model": "other", "prompt": "a"}).status_code == 404
 
 
-@pytest.mark.integration
 def write_task(root: Path) -> Path:
     """A 6-item multiple-choice task as lm-eval reads a local one: a YAML over a JSON-lines file (no download)."""
     import json
@@ -215,22 +216,52 @@ def write_task(root: Path) -> Path:
     (root / "dgemma_tiny_mc.yaml").write_text(
         "task: dgemma_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + str(data) +
         "\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{context}}\"\n"
-        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{label}}\"\nmetric_list:\n  - metric: acc\n")
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{label}}\"\nmetric_list:\n  - metric: acc\n"
+        "    aggregation: mean\n    higher_is_better: true\n")
     return root
 
 
-def test_stock_lm_eval_runs_a_multiple_choice_task_through_the_server(served, monkeypatch, tmp_path):
-    """lm-eval 0.4.13, unmodified: `local-completions` with the remote tokenizer, a 6-item local task."""
+def expected_logliks(model, tok, ar: bool) -> list[list[float]]:
+    """Each item's log-likelihood per choice as the server computes it, on the tokens lm-eval sends (context and
+    " " + choice encoded whole, the context's tokens first, as TemplateLM._encode_pair cuts them): the AR model's
+    exact sum, the diffusion model's minus the bound's terms over the continuation (seed 1234, lm-eval's)."""
+    out = []
+    for context, choices, _ in ITEMS:
+        ctx = tok.encode(context, add_special_tokens=False)
+        row = []
+        for choice in choices:
+            whole = tok.encode(f"{context} {choice}", add_special_tokens=False)
+            assert whole[:len(ctx)] == ctx
+            if ar:
+                with torch.no_grad():  # the training loss's next-token NLL (train/heldout.py)
+                    row.append(-float(ar_token_nll(model, torch.tensor([whole]))[0, len(ctx) - 1:].sum()))
+            else:
+                terms = score_continuation(model, [], whole, num_steps=16, num_t_samples=4, seed=1234)
+                row.append(-float(terms[len(ctx):].sum()))
+        out.append(row)
+    return out
+
+
+@pytest.mark.integration
+def test_stock_lm_eval_runs_a_multiple_choice_task_through_the_server(served, model, tok, monkeypatch, tmp_path):
+    """lm-eval 0.4.13, unmodified: `local-completions` with the remote tokenizer, a 6-item local task; each choice's
+    log-likelihood it reads is the server's score of it, and its accuracy is the one those scores give."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
-    url, _ = served
+    url, ar = served
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # local-completions sends it as its bearer key; the tokenizer auth_token
     args = (f"base_url={url}/v1/completions,model=tiny,tokenizer_backend=remote,tokenized_requests=True,"
             f"auth_token={KEY},max_length=512,num_concurrent=1,max_retries=1")
     results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["dgemma_tiny_mc"],
                                       task_manager=TaskManager(include_path=str(write_task(tmp_path))), limit=6,
-                                      log_samples=False, bootstrap_iters=0)
+                                      log_samples=True, bootstrap_iters=0)
     acc = results["results"]["dgemma_tiny_mc"]["acc,none"]
     assert isinstance(acc, float) and 0 <= acc <= 1
+    want = expected_logliks(model, tok, ar)
+    samples = sorted(results["samples"]["dgemma_tiny_mc"], key=lambda s: s["doc_id"])
+    got = [[float(r[0][0]) for r in s["resps"]] for s in samples]
+    assert got == [pytest.approx(row, abs=1e-4) for row in want]  # float32 sums over two forward paths (AR)
+    assert acc == pytest.approx(sum(max(range(3), key=row.__getitem__) == y for row, (_, _, y) in
+                                    zip(want, ITEMS, strict=True)) / len(ITEMS))
