@@ -88,11 +88,15 @@ class DgemmaLM(TemplateLM):
         self.gcfg = load_generation_config(info.model_dir)
         self.tokenizer = load_tokenizer(info.tokenizer_path)
         cfg = self.model.config
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 1
+        # lm-eval's --batch_size auto (or auto:N) asks it to find one: here requests go `batch_size` rows at a time
+        self.batch_size = 1 if batch_size is None or str(batch_size).startswith("auto") else \
+            _positive("batch_size", batch_size)
         self.mc_replicates = _positive("mc_replicates", mc_replicates)
-        self.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"--model_args seed={seed!r}: expected an integer >= 0")
+        self.seed = seed
         self.max_gen_toks = _positive("max_gen_toks", max_gen_toks)
-        length = max_length or info.get("seq_len") or DEFAULT_MAX_LENGTH
+        length = max_length if max_length is not None else info.get("seq_len") or DEFAULT_MAX_LENGTH
         self.max_length = min(_positive("max_length", length), cfg.max_position_embeddings)
         if nelbo_steps is None:
             self.num_steps = None if info.get("diffusion_time") == "continuous" else int(info.get("num_steps", 16))

@@ -189,6 +189,10 @@ def test_registering_dgemma_keeps_lm_evals_own_models():
     (dict(mc_replicates=0), "mc_replicates=0"),
     (dict(dtype="float8"), "dtype='float8'"),
     (dict(nelbo_steps=2, t_samples=4), "t_samples=4 exceeds"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(max_length=0), "max_length=0"),
+    (dict(batch_size="big"), "batch_size='big'"),
+    (dict(nelbo_steps="discrete"), "nelbo_steps='discrete'"),
 ])
 def test_bad_model_args_name_the_argument(tiny_run, args, match):
     with pytest.raises(ValueError, match=match):
