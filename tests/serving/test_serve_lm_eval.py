@@ -265,3 +265,35 @@ def test_stock_lm_eval_runs_a_multiple_choice_task_through_the_server(served, mo
     assert got == [pytest.approx(row, abs=1e-4) for row in want]  # float32 sums over two forward paths (AR)
     assert acc == pytest.approx(sum(max(range(3), key=row.__getitem__) == y for row, (_, _, y) in
                                     zip(want, ITEMS, strict=True)) / len(ITEMS))
+
+
+@pytest.mark.integration
+def test_stock_lm_eval_runs_a_generate_until_task_with_five_stop_strings(served, monkeypatch, tmp_path):
+    """A generate_until task whose `until` has 4 strings, to which lm-eval appends the EOS string it read from
+    /tokenizer_info (5 in all: OpenAI's cap is 4), through the diffusion model's server; each answer is cut at them."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    url, ar = served
+    if ar:
+        pytest.skip("an AR run generates nothing here")
+    import json
+
+    data = tmp_path / "items.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "answer": ch[y]}) + "\n" for c, ch, y in ITEMS[:3]))
+    (tmp_path / "dgemma_tiny_gen.yaml").write_text(
+        "task: dgemma_tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + str(data) +
+        "\ntest_split: test\noutput_type: generate_until\ndoc_to_text: \"{{context}}\"\n"
+        "doc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n  until: [\".\", \"\\n\", \"!\", \"?\"]\n"
+        "  max_gen_toks: 8\nmetric_list:\n  - metric: exact_match\n    aggregation: mean\n"
+        "    higher_is_better: true\n")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    args = (f"base_url={url}/v1/completions,model=tiny,tokenizer_backend=remote,tokenized_requests=True,"
+            f"auth_token={KEY},max_length=512,num_concurrent=1,max_retries=1")
+    results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["dgemma_tiny_gen"],
+                                      task_manager=TaskManager(include_path=str(tmp_path)), limit=3,
+                                      log_samples=True, bootstrap_iters=0)
+    assert 0 <= results["results"]["dgemma_tiny_gen"]["exact_match,none"] <= 1
+    answers = [r[0] for s in results["samples"]["dgemma_tiny_gen"] for r in s["resps"]]
+    assert len(answers) == 3 and not any(stop in a for a in answers for stop in (".", "\n", "!", "?", "<eos>"))
