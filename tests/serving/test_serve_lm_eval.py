@@ -148,6 +148,8 @@ def test_an_ar_run_is_served_for_scoring_only(served):
         assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "autoregressive" in r.text
         r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        r = post(url, "/v1/completions", lm_eval_request([5, 6, 7], nelbo_samples=2))  # not read: refused
+        assert r.status_code == 400 and r.json()["error"]["param"] == "nelbo_samples", r.text
     else:
         assert r.status_code == 200, r.text
 
