@@ -45,7 +45,6 @@ from dgemma.serving.adapter_routes import add_adapter_routes
 from dgemma.serving.api import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_HEADER_TIMEOUT,
-    SCORING_FIELDS,
     GenerationRequest,
     Limits,
     parse_chat_request,
@@ -238,10 +237,6 @@ class _State:
             if req.ignored:
                 log.warning("ignored request field(s) with no effect here: %s", ", ".join(req.ignored))
             adapter = self.adapter_of(body)
-            bound = next((f for f in SCORING_FIELDS if body.get(f) is not None), None)
-            if self.autoregressive and bound is not None:
-                raise APIError(f"{bound}: the NELBO's setting; an autoregressive run's scores are exact log-probs",
-                               param=bound)
             if self.autoregressive and req.scoring is None:
                 raise APIError(f"model: {self.model_name!r} is an autoregressive run (objective 'ar'), served here "
                                "for scoring only (echo: true with max_tokens 0 or 1); the engine generates with the "

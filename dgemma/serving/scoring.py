@@ -100,6 +100,10 @@ class ScoringRun:
             raise APIError("echo: scoring is not available on a server with offloaded experts (--offload-experts: "
                            "the engine's passes move the expert weights while a scoring pass would read them)",
                            param="echo")
+        if self.state.autoregressive and self.req.scoring.given:
+            name = self.req.scoring.given[0]
+            raise APIError(f"{name}: a setting of the diffusion bound; an autoregressive run's scores are exact "
+                           "log-probs", param=name)
         if self.state.autoregressive and self.adapter is not None:
             raise APIError(f"model: {self.adapter!r} is a LoRA adapter of an autoregressive run; scoring an AR run "
                            "takes the base model only", param="model")
