@@ -23,6 +23,7 @@ from dgemma.cli.flags import (
     overrides,
 )
 from dgemma.cli.loading import autoregressive, chat_template, constraint_from, load
+from dgemma.cli.parallel import add_parallel_arg, run_ranked
 from dgemma.data.tokenizer import Tokenizer, left_pad
 from dgemma.io import fsio
 from dgemma.io.console import Progress, Streamer
@@ -49,6 +50,7 @@ def register(subparsers: Any) -> None:
     add_constraint_args(p)
     p.add_argument("--trace", type=Path, metavar="FILE", help="save a per-step trace: FILE (.npz) and FILE with .json")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    add_parallel_arg(p)
     p.set_defaults(func=run)
 
 
@@ -116,6 +118,12 @@ def read_prompts(args: argparse.Namespace, tok: Tokenizer | None, vocab_size: in
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.parallel is not None:  # one rank of a torchrun job (dgemma/cli/parallel.py)
+        return run_ranked(args, generate_text)
+    return generate_text(args)
+
+
+def generate_text(args: argparse.Namespace) -> int:
     if args.trace is not None:
         check_trace_path(args.trace)  # before the model is loaded and anything generated
     model, gcfg, tok = load(args)

@@ -97,6 +97,10 @@ def load(args: argparse.Namespace) -> tuple[Any, GenerationConfig, Tokenizer | N
             raise UsageError("--random-init goes with --preset; --model loads the checkpoint's weights")
         model = loading.load_model(args.model, **weights)
         gcfg = loading.load_generation_config(args.model)
+    if getattr(args, "dist", None) is not None:  # --parallel under torchrun: this rank's shard (dgemma/parallel/)
+        from dgemma.cli.parallel import split
+
+        model = split(model, args)
     path = args.tokenizer or (args.model / "tokenizer.json" if args.model is not None else None)
     tok = None
     if path is not None and (args.tokenizer is not None or path.exists()):

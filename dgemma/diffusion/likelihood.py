@@ -471,3 +471,14 @@ def first_step_log_probs(model: DiffusionGemma, context: Sequence[int], tokens: 
     posterior = clean_context_posterior(model, ctx, adapters=adapters)
     logits = posterior(x0, xt, torch.ones(1, S // L, device=device))
     return torch.log_softmax(logits[0, :n].float(), dim=-1)
+
+
+@torch.no_grad()
+def greedy_continuation(model: DiffusionGemma, context: Sequence[int], continuation: Sequence[int], *, seed: int = 0,
+                        adapters: Callable[[int], AdapterRows | None] | None = None) -> Tensor:
+    """Whether each token of `continuation` is the argmax of the model's denoising posterior at its position, (N,)
+    bool (`first_step_log_probs`: the continuation's canvases at pure noise, given `context` and the clean canvases
+    before): what a sampler's first denoising step would commit at temperature 0. The diffusion model's counterpart
+    of an AR model's "each token is the argmax of its next-token distribution" (lm-eval's is_greedy)."""
+    rows = first_step_log_probs(model, context, continuation, seed=seed, adapters=adapters)
+    return (rows.argmax(-1) == torch.as_tensor(list(continuation), device=rows.device)).cpu()

@@ -3,6 +3,7 @@ what a readable twin computes, and tests/model/test_kernels.py pins the two toge
 
     kernel                            readable twin
     moe_experts                       model.Experts.forward (a torch.where per expert)
+      = sort_slots, expert_rows, combine_slots (also run apart by dgemma/parallel/experts.py)
     logits_into                       DiffusionGemma.logits
 
 The attention kernels and masks live in dgemma/model/attention.py; the sampling kernels (the head fused with
@@ -113,34 +114,55 @@ def moe_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up_proj: Tenso
                 backend: Literal["auto", "loop", "grouped", "padded"] = "auto") -> Tensor:
     """Twin of `model.Experts.forward`: x (N, D), weights, experts (N, k) -> (N, D).
 
-    Sorts the N*k token slots by expert once (a stable argsort plus a bincount) so each expert's tokens are one
-    contiguous block, then runs one matmul per expert on its block ("loop"), or all of them as one grouped matmul
-    ("grouped", no host sync, capturable by CUDA graphs). The weighted expert outputs are summed over the k slots in
-    fp32 (the reference rounds each slot to the model dtype before adding); "auto" picks grouped where it runs
-    (not for quantized or offloaded experts: dgemma/weights/quantize.py, dgemma/weights/offload.py).
-    "padded" (`_padded_expert_loop`) makes each token's result independent of the other tokens in the batch, which
-    continuous batching needs (a request's tokens must not depend on who else is served)."""
-    N, k = experts.shape
-    E = gate_up_proj.shape[0]
-    flat = experts.reshape(-1)  # slot s = token * k + j
-    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order kept inside a group
-    counts = flat.new_zeros(E).scatter_add_(0, flat, torch.ones_like(flat))  # a bincount of static length E
+    Sorts the N*k token slots by expert once (`sort_slots`: a stable argsort plus a bincount) so each expert's tokens
+    are one contiguous block, then runs one matmul per expert on its block ("loop"), or all of them as one grouped
+    matmul ("grouped", no host sync, capturable by CUDA graphs) (`expert_rows`). The weighted expert outputs are
+    summed over the k slots in fp32 (`combine_slots`; the reference rounds each slot to the model dtype before
+    adding); "auto" picks grouped where it runs (not for quantized or offloaded experts: dgemma/weights/quantize.py,
+    dgemma/weights/offload.py). "padded" (`_padded_expert_loop`) makes each token's result independent of the other
+    tokens in the batch, which continuous batching needs (a request's tokens must not depend on who else is served).
+    The three parts are separate so that expert parallelism (dgemma/parallel/experts.py) runs the same ones, each rank
+    the rows of its own experts, and combines them exactly as here."""
+    k = experts.shape[1]
+    order, counts = sort_slots(experts, gate_up_proj.shape[0])
     xs = x.index_select(0, order // k)  # (N*k, D) in expert order (faster than x[order // k], also backward)
-    if backend == "grouped" or (backend == "auto" and _grouped_mm_available(x, gate_up_proj, down_proj)):
+    y = expert_rows(xs, counts, gate_up_proj, down_proj, backend=backend)
+    return combine_slots(y, order, weights, x.dtype)
+
+
+def sort_slots(experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """The N*k token slots (slot s = token * k + j) in expert order: `order` (N*k,), a stable argsort (token order
+    kept inside an expert's block), and `counts` (E,), each expert's number of slots (a bincount of static length)."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+def expert_rows(xs: Tensor, counts: Tensor, gate_up_proj: Tensor, down_proj: Tensor, *,
+                backend: Literal["auto", "loop", "grouped", "padded"] = "auto") -> Tensor:
+    """Each expert's gated-GELU MLP on its contiguous block of rows: xs (R, D) sorted by expert, counts (E,) rows per
+    expert (`sort_slots`), the experts' weights (E, 2*Ie, D) and (E, D, Ie) -> (R, D), the same order."""
+    if backend == "grouped" or (backend == "auto" and _grouped_mm_available(xs, gate_up_proj, down_proj)):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         gate, up = _grouped_mm(xs, gate_up_proj, offsets).chunk(2, dim=-1)
-        y = _grouped_mm((F.gelu(gate, approximate="tanh") * up).contiguous(), down_proj, offsets)
-    elif backend == "padded":
-        y = _padded_expert_loop(xs, counts, gate_up_proj, down_proj)
+        return _grouped_mm((F.gelu(gate, approximate="tanh") * up).contiguous(), down_proj, offsets)
+    if backend == "padded":
+        return _padded_expert_loop(xs, counts, gate_up_proj, down_proj)
     # Traced without gradients (the compiled static step, a compiled block's self-conditioning pre-pass), the loop,
     # whose sizes are data, is one opaque op (register_expert_loop_op); traced for training, it breaks the graph.
-    elif torch.compiler.is_compiling() and not torch.is_grad_enabled():
-        y = torch.ops.dgemma.expert_loop(xs, counts, gate_up_proj, down_proj)
-    else:
-        y = _expert_loop(xs, counts, gate_up_proj, down_proj)
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        return torch.ops.dgemma.expert_loop(xs, counts, gate_up_proj, down_proj)
+    return _expert_loop(xs, counts, gate_up_proj, down_proj)
+
+
+def combine_slots(y: Tensor, order: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """The expert outputs y (N*k, D), in `order` (`sort_slots`), back in slot order (a gather: no scatter of rows),
+    each times its routing weight (N, k) and the k slots summed in fp32, then cast to `dtype`: (N, D)."""
+    N, k = weights.shape
     unsort = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    slots = y.index_select(0, unsort).view(N, k, -1)  # back to slot order (a gather: no scatter of rows)
-    return (slots.float() * weights[..., None]).sum(1).to(x.dtype)  # (N, D): the k weighted slots summed in fp32
+    slots = y.index_select(0, unsort).view(N, k, -1)
+    return (slots.float() * weights[..., None]).sum(1).to(dtype)
 
 
 # --- the head -------------------------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""Parallel generation on torch.distributed: expert parallelism (experts.py), tensor parallelism (tensor.py) and
+the collectives they run (comm.py). `parallelize(model, layout)` swaps a loaded model's modules for this rank's
+shards; the model itself knows nothing of ranks (dgemma/model/ stays a pure module). docs/parallel.md has the
+layouts, the commands and the guarantees.
+
+    layout   what is split over the W ranks                              what stays whole on every rank
+    ep       the routed experts (E / W each)                              attention, dense MLP, router, head
+    tp       attention heads and kv heads (and the KV cache), dense MLP   experts, router, embedding/head
+             (fewer kv heads than ranks: each replicated on W / K ranks)
+    ep+tp    both, over the same W ranks                                  router, embedding/head, norms
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from dgemma.model.config import ConfigError, ModelConfig
+from dgemma.parallel.comm import Comm
+
+LAYOUTS = ("ep", "tp", "ep+tp")
+
+
+class ParallelError(ConfigError):
+    """A layout this model's shapes or this job cannot run: one line, naming the value."""
+
+
+def check_layout(config: ModelConfig, layout: str, world_size: int) -> None:
+    """Refuse a layout that does not split this model over `world_size` ranks: experts, heads and kv heads must each
+    divide by the world size (one line naming the value)."""
+    if layout not in LAYOUTS:
+        raise ParallelError(f"--parallel must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    need: list[tuple[str, int]] = []  # (name, value): value must divide by the world size
+    if "ep" in layout.split("+"):
+        if not config.num_experts:
+            raise ParallelError(f"--parallel {layout}: this model has no routed experts (num_experts=0) to split; use "
+                                "--parallel tp")
+        need.append(("num_experts", config.num_experts))
+    if "tp" in layout.split("+"):
+        need += [("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size)]
+    for name, value in need:
+        if value % world_size:
+            raise ParallelError(f"--parallel {layout}: {name}={value} does not divide by the world size "
+                                f"{world_size}")
+    if "tp" in layout.split("+"):  # kv heads split, or (fewer than the ranks) each replicated on W / K ranks
+        for name in ("num_key_value_heads", "num_global_key_value_heads"):
+            kv = getattr(config, name) or config.num_key_value_heads
+            if kv % world_size and world_size % kv:
+                raise ParallelError(f"--parallel {layout}: {name}={kv} neither divides by the world size {world_size} "
+                                    f"nor divides it")
+
+
+def parallelize(model: nn.Module, layout: str, group: dist.ProcessGroup | None = None) -> Comm:
+    """Swap `model`'s modules for this rank's shards under `layout` over `group` (default: the whole job), after
+    `check_layout`. Returns the `Comm` its collectives run on (which times them)."""
+    comm = Comm(group)
+    check_layout(model.config, layout, comm.world_size)
+    parts = layout.split("+")
+    if "ep" in parts:
+        from dgemma.parallel.experts import shard_experts
+
+        shard_experts(model, comm)
+    if "tp" in parts:
+        from dgemma.parallel.tensor import shard_heads
+
+        shard_heads(model, comm)
+    return comm
