@@ -131,6 +131,7 @@ class Scoring:
     num_t_samples: int
     seed: int
     next_token: bool = False
+    given: tuple[str, ...] = ()  # the SCORING_FIELDS the request named (an AR run reads none of them)
 
 
 class _Refused:
@@ -349,7 +350,8 @@ def _scoring(body: dict[str, Any]) -> Scoring | None:
                        param="nelbo_samples")
     seed = body.get("seed")
     # a bad seed: refused by `_request`
-    return Scoring(steps, samples, seed if is_seed(seed) else 0, next_token=max_tokens == 1)
+    return Scoring(steps, samples, seed if is_seed(seed) else 0, next_token=max_tokens == 1,
+                   given=tuple(f for f in SCORING_FIELDS if body.get(f) is not None))
 
 
 def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: GenerationConfig, model_name: str,

@@ -100,6 +100,10 @@ class ScoringRun:
             raise APIError("echo: scoring is not available on a server with offloaded experts (--offload-experts: "
                            "the engine's passes move the expert weights while a scoring pass would read them)",
                            param="echo")
+        if self.state.autoregressive and self.req.scoring.given:
+            name = self.req.scoring.given[0]
+            raise APIError(f"{name}: a setting of the diffusion bound; an autoregressive run's scores are exact "
+                           "log-probs", param=name)
         if self.state.autoregressive and self.adapter is not None:
             raise APIError(f"model: {self.adapter!r} is a LoRA adapter of an autoregressive run; scoring an AR run "
                            "takes the base model only", param="model")
@@ -125,22 +129,29 @@ class ScoringRun:
             if k:
                 rows = first_step_log_probs(model, [], prompt, seed=s.seed, adapters=adapters)
                 top = [alternatives(rows[i], t, values[i], k) for i, t in enumerate(prompt)]
-            after = first_step_log_probs(model, prompt, [0], seed=s.seed, adapters=adapters)[0] \
-                if s.next_token else None
+            after = self._first_position(prompt) if s.next_token else None
         nxt = None
         if s.next_token:
             j = int(after.argmax())
             nxt = (j, float(after[j]), alternatives(after, j, float(after[j]), k) if k else None)
         return Scored(values, top, nxt, nelbo)
 
+    def _first_position(self, prompt: list[int]) -> Tensor:
+        """A diffusion model's first-step posterior at the first position of a noisy canvas after the prompt."""
+        engine, name = self.state.engine, self.adapter
+        adapters = None if name is None else lambda rows: engine.adapters.rows([name] * rows)
+        try:
+            return first_step_log_probs(engine.model, prompt, [0], seed=self.req.scoring.seed, adapters=adapters)[0]
+        except ValueError as e:
+            raise ValueError(f"{e}: max_tokens 1 draws its token from a canvas after the prompt, which must fit the "
+                             "model's positions too (send max_tokens 0 to score the prompt alone)") from None
+
     def _score(self) -> list[Scored]:
         with _ONE_AT_A_TIME, torch.no_grad():
             try:
                 scored = [self._score_one(p) for p in self.req.prompts]
             except ValueError as e:  # a prompt longer than the model's positions, ids outside the vocabulary
-                room = " and, with max_tokens 1, one canvas after it" if self.req.scoring.next_token else ""
-                raise APIError(f"prompt: {e} (scoring needs the prompt{room} within the model's positions)",
-                               param="prompt") from None
+                raise APIError(f"prompt: {e}", param="prompt") from None
         bad = [i for i, x in enumerate(scored) if not all(map(math.isfinite, _numbers(x)))]
         if bad:  # JSON has no inf or NaN: the one number the response would carry wrong is an error instead
             whose = "the model's" if self.adapter is None else f"adapter {self.adapter!r}'s"

@@ -160,6 +160,7 @@ def test_chat_refuses_an_ar_run_in_one_line(ar_run):
     assert "autoregressive run (objective 'ar')" in err and f"dgemma generate --model {ar_run}" in err
 
 
+@pytest.mark.integration
 def test_serve_serves_an_ar_run_for_scoring_only(ar_run, tmp_path):
     """`dgemma serve --model AR_RUN` (which once refused it) scores with its exact log-probs (echo, as lm-eval's
     loglikelihood asks) and refuses generation with a 400 naming `model`; --lora with it is one line."""

@@ -148,6 +148,8 @@ def test_an_ar_run_is_served_for_scoring_only(served):
         assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "autoregressive" in r.text
         r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        r = post(url, "/v1/completions", lm_eval_request([5, 6, 7], nelbo_samples=2))  # not read: refused
+        assert r.status_code == 400 and r.json()["error"]["param"] == "nelbo_samples", r.text
     else:
         assert r.status_code == 200, r.text
 
@@ -265,3 +267,100 @@ def test_stock_lm_eval_runs_a_multiple_choice_task_through_the_server(served, mo
     assert got == [pytest.approx(row, abs=1e-4) for row in want]  # float32 sums over two forward paths (AR)
     assert acc == pytest.approx(sum(max(range(3), key=row.__getitem__) == y for row, (_, _, y) in
                                     zip(want, ITEMS, strict=True)) / len(ITEMS))
+
+
+@pytest.mark.integration
+def test_stock_lm_eval_runs_a_generate_until_task_with_five_stop_strings(served, monkeypatch, tmp_path):
+    """A generate_until task whose `until` has 4 strings, to which lm-eval appends the EOS string it read from
+    /tokenizer_info (5 in all: OpenAI's cap is 4), through the diffusion model's server; each answer is cut at them."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    url, ar = served
+    if ar:
+        pytest.skip("an AR run generates nothing here")
+    import json
+
+    data = tmp_path / "items.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "answer": ch[y]}) + "\n" for c, ch, y in ITEMS[:3]))
+    (tmp_path / "dgemma_tiny_gen.yaml").write_text(
+        "task: dgemma_tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + str(data) +
+        "\ntest_split: test\noutput_type: generate_until\ndoc_to_text: \"{{context}}\"\n"
+        "doc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n  until: [\".\", \"\\n\", \"!\", \"?\"]\n"
+        "  max_gen_toks: 8\nmetric_list:\n  - metric: exact_match\n    aggregation: mean\n"
+        "    higher_is_better: true\n")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    args = (f"base_url={url}/v1/completions,model=tiny,tokenizer_backend=remote,tokenized_requests=True,"
+            f"auth_token={KEY},max_length=512,num_concurrent=1,max_retries=1")
+    results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["dgemma_tiny_gen"],
+                                      task_manager=TaskManager(include_path=str(tmp_path)), limit=3,
+                                      log_samples=True, bootstrap_iters=0)
+    assert 0 <= results["results"]["dgemma_tiny_gen"]["exact_match,none"] <= 1
+    answers = [r[0] for s in results["samples"]["dgemma_tiny_gen"] for r in s["resps"]]
+    assert len(answers) == 3 and not any(stop in a for a in answers for stop in (".", "\n", "!", "?", "<eos>"))
+
+
+@pytest.fixture(scope="module")
+def ar_run(tiny_data, tmp_path_factory) -> Path:
+    """The `tiny` preset trained as an AR run (objective 'ar') for 2 steps on `tiny_data`."""
+    import io
+
+    from dgemma.train.config import train_preset
+    from dgemma.train.loop import train
+
+    run = tmp_path_factory.mktemp("tiny-ar") / "run"
+    train(train_preset("tiny").replace(objective="ar", batch_size=2, max_steps=2, warmup_steps=1, eval_every=100,
+                                       eval_batches=1, save_every=100, log_every=100), tiny_data, run,
+          stream=io.StringIO())
+    return run
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("which", ["ar", "diffusion"])
+def test_lm_eval_through_the_server_gets_the_native_models_scores(which, ar_run, tiny_run, monkeypatch, tmp_path):
+    """Stock lm-eval's `local-completions` against `dgemma serve` of a real run, on dgemma's shipped multiple-choice
+    task: every choice's log-likelihood and is_greedy are what dgemma's native lm-eval model computes for the same
+    tokens (dgemma/eval/continuations.py: `score_ar`, exact; `score_diffusion` with bound="prompt" at the server's
+    settings, lm-eval's seed 1234), and so is the accuracy."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from dgemma.data.tokenizer import load_tokenizer
+    from dgemma.eval.continuations import score_ar, score_diffusion
+    from dgemma.weights.checkpoint import resolve_model_dir
+    from dgemma.weights.loading import load_generation_config, load_model
+
+    run = ar_run if which == "ar" else tiny_run
+    model = load_model(resolve_model_dir(run)).eval()
+    tok = load_tokenizer(resolve_model_dir(run) / "tokenizer.json")
+    tasks = Path(__file__).resolve().parents[2] / "dgemma" / "eval" / "lm_eval_tasks"
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    with Engine(model, max_batch=1, max_context=64, impl="reference") as engine, \
+            running_server(create_app(engine, tok, "m", api_key=KEY, autoregressive=which == "ar",
+                                      generation_config=load_generation_config(resolve_model_dir(run)))) as url:
+        args = (f"base_url={url}/v1/completions,model=m,tokenizer_backend=remote,auth_token={KEY},"
+                "max_length=1024,max_retries=1")
+        results = lm_eval.simple_evaluate(model="local-completions", model_args=args,
+                                          tasks=["dgemma_shakespeare_next_line"], limit=8, log_samples=True,
+                                          task_manager=TaskManager(include_path=str(tasks)), bootstrap_iters=0)
+    samples = sorted(results["samples"]["dgemma_shakespeare_next_line"], key=lambda s: s["doc_id"])
+    correct = []
+    for s in samples:
+        context = s["doc"]["context"]
+        pairs = []
+        for choice in s["doc"]["choices"]:  # lm-eval's TemplateLM._encode_pair, with the server's tokenizer
+            spaces = len(context) - len(context.rstrip())  # the context's trailing whitespace joins the choice
+            head, tail = (context[:-spaces], context[-spaces:] + choice) if spaces else (context, choice)
+            whole = tok.encode(head + tail, add_special_tokens=False)
+            ctx = tok.encode(head, add_special_tokens=False)
+            pairs.append((ctx, whole[len(ctx):]))
+        native = score_ar(model, pairs) if which == "ar" else \
+            score_diffusion(model, pairs, num_steps=16, num_t_samples=4, seed=1234, bound="prompt")
+        got = [(float(r[0][0]), bool(r[0][1])) for r in s["resps"]]
+        assert [g for _, g in got] == [n.is_greedy for n in native]
+        assert [v for v, _ in got] == pytest.approx([n.logprob for n in native], abs=1e-4)
+        correct.append(max(range(len(native)), key=lambda i: native[i].logprob) == s["doc"]["label"])
+    acc = results["results"]["dgemma_shakespeare_next_line"]["acc,none"]
+    assert len(samples) == 8 and acc == pytest.approx(sum(correct) / len(correct))
