@@ -16,7 +16,9 @@
 #                     Monte Carlo draws its own (docs/evaluation.md section 1.4)
 #   summary/          runs/distill_summary.py: each student against the teacher at full steps, paired over the same
 #                     prompts (judge NLL difference +- SE, per-sample distinct-2 ratio, tokens per forward), the
-#                     distillation's CPU-minutes, and seed 003's verdict with the students on the frontier
+#                     distillation's CPU-minutes, and seed 003's verdict with the students on the frontier;
+#                     runs/repetition.py: same-token pairs inside a canvas against pairs across a boundary
+#                     (summary/repetition.md)
 #
 #   bash runs/distill_results.sh             # ~1.5 h on 2 cores: demo ~10 min, judge ~5, two rounds ~15, three evals
 #   bash runs/distill_results.sh --smoke     # the same pipeline with the tiny preset on a toy corpus (a minute)
@@ -70,3 +72,5 @@ evaluate "student-$half" "student-$half"
 evaluate "student-$quarter" "student-$quarter"
 "$PY" "$ROOT/runs/distill_summary.py" --teacher report-teacher --teacher-steps "$TEACHER_STEPS" \
     --student "report-student-$half" --student "report-student-$quarter" --out summary
+"$PY" "$ROOT/runs/repetition.py" report-teacher "report-student-$half" "report-student-$quarter" --data demo/data \
+    --out summary/repetition.md

@@ -155,6 +155,7 @@ TINY_ARGS: dict[str, list[str]] = {
                                                                                     "--max-new-tokens", "16"],
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
     "bash runs/cpu_small_results.sh 4800": ["--smoke"],
+    "bash runs/distill_results.sh": ["--smoke"],
     "python runs/recipe_ablations.py": ["--smoke"],
     "python runs/sampler_levels.py": ["--smoke"],
     "python runs/demo_seeds.py --seeds 0,1,2 --out runs/out/demo-seeds": ["--smoke", "--seeds", "0", "--out", "out"],
@@ -181,6 +182,7 @@ TINY_ARGS: dict[str, list[str]] = {
     "python runs/train_memory.py data": ["--steps", "1", "--only", "1"],
     "python runs/profile_fast_step.py --preset bench-small": ["--preset", "tiny", "--repeats", "1"],
     "python runs/quant_quality.py": ["--smoke"],
+    "python runs/build_lm_eval_tasks.py": ["--smoke"],
     "python runs/exact_reference.py --data dgemma-demo/data --seq-len 128 --windows 128 --canvas 16": ["--smoke"],
     "python -m pytest tests/cli/test_fuzz_cli.py -m integration": ["-k", "inspect or export"],  # 9 of its 42 cases
     "bash runs/gpu_check.sh --dry-run": [],  # already the CPU smoke mode of the GPU script

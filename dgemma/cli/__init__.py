@@ -16,6 +16,7 @@ from dgemma.cli import export as export_cmd
 from dgemma.cli import finetune as finetune_cmd
 from dgemma.cli import generate as generate_cmd
 from dgemma.cli import inspect as inspect_cmd
+from dgemma.cli import lm_eval as lm_eval_cmd
 from dgemma.cli import serve as serve_cmd
 from dgemma.cli import train as train_cmd
 from dgemma.cli import viz as viz_cmd
@@ -23,7 +24,7 @@ from dgemma.cli.flags import Parser
 from dgemma.train.distributed import should_print
 
 COMMANDS = (generate_cmd, chat_cmd, inspect_cmd, data_cmd, train_cmd, finetune_cmd, distill_cmd, export_cmd,
-            eval_cmd, viz_cmd, bench_cmd, demo_cmd, serve_cmd)
+            eval_cmd, lm_eval_cmd, viz_cmd, bench_cmd, demo_cmd, serve_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Errors a user can fix (bad paths, configs, checkpoints, data, inputs, memory) print one line and
     exit 2; `dgemma --debug COMMAND` raises them with their traceback instead."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):  # `dgemma lm-eval`: every flag after it is lm-eval's
+        args.harness_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError, DataError, GenerationError, files: fixable

@@ -131,7 +131,7 @@ def autoregressive(args: argparse.Namespace) -> bool:
 
 
 def refuse_autoregressive(args: argparse.Namespace, command: str) -> None:
-    """The one line of a command that runs only the diffusion sampler (chat, serve), pointed at an AR run."""
+    """The one line of a command that runs only the diffusion sampler (chat), pointed at an AR run."""
     if autoregressive(args):
         raise UsageError(f"{args.model} is an autoregressive run (objective 'ar'); {command} runs the diffusion "
                          f"sampler, which does not decode it: use `dgemma generate --model {args.model}` (token by "

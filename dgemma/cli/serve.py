@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma.cli.flags import UsageError, add_model_args, add_runtime_args, add_sampler_args, overrides
-from dgemma.cli.loading import chat_template, device_of, load, refuse_autoregressive
+from dgemma.cli.loading import autoregressive, chat_template, device_of, load
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.io.threads import usable_cores
 from dgemma.sampling.request_rules import MAX_CANVAS_PASSES
@@ -103,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
     check_api_key(args.api_key)  # before the model loads: a key that protects nothing is refused at once
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    refuse_autoregressive(args, "dgemma serve")
+    ar = autoregressive(args)  # an AR run is served for scoring only (docs/serving.md)
+    if ar and args.lora:
+        raise UsageError(f"--lora: {args.model} is an autoregressive run (objective 'ar'), served for scoring only, "
+                         "with the base model")
     args.device = device_of(args.device)
     if args.threads is None and args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
         args.threads = max(1, usable_cores() - 1)
@@ -126,8 +129,9 @@ def run(args: argparse.Namespace) -> int:
                          max_request_bytes=args.max_request_bytes, max_concurrency=args.max_concurrency,
                          limits=limits, body_timeout=args.body_timeout,
                          allowed_hosts=allowed_hosts(args.host, args.api_key, args.allowed_hosts),
-                         allow_runtime_lora=args.allow_runtime_lora)
-        announce = lambda url: print(f"dgemma serve: {name} at {url} (OpenAI API at {url}v1; Ctrl-C stops)",
+                         allow_runtime_lora=args.allow_runtime_lora, autoregressive=ar)
+        what = "; an autoregressive run: scoring (echo) only" if ar else ""
+        announce = lambda url: print(f"dgemma serve: {name} at {url} (OpenAI API at {url}v1{what}; Ctrl-C stops)",
                                      flush=True)
         serve(app, args.host, args.port, announce=announce, header_timeout=args.header_timeout)
     except KeyboardInterrupt:  # uvicorn shut down on Ctrl-C and re-raised it

@@ -438,3 +438,47 @@ def score_continuation(model: DiffusionGemma, context: Sequence[int], continuati
     terms = (window_nelbo_continuous(posterior, x0, **common) if num_steps is None
              else window_nelbo(posterior, x0, num_steps=num_steps, **common))
     return terms.per_token[0, :n]
+
+
+@torch.no_grad()
+def first_step_log_probs(model: DiffusionGemma, context: Sequence[int], tokens: Sequence[int], *, seed: int = 0,
+                         adapters: Callable[[int], AdapterRows | None] | None = None) -> Tensor:
+    """The model's denoising posterior at full noise over the positions of `tokens`, (N, V) float32 log-probs:
+    `tokens` are cut into canvases right after the committed `context`, as generation cuts them, and position i's row
+    is log p(x0_i | the context and the clean canvases before i's canvas, i's canvas all uniform noise at level 1)
+    (`clean_context_posterior`), what the sampler's first denoising step of that canvas sees (no self-conditioning).
+    One forward. The server's ranking of alternatives when it scores a prompt, and its greedy next token
+    (dgemma/serving/scoring.py; docs/serving.md). `tokens` only fill the clean copy the later canvases see; the ids of
+    a last canvas's other positions do not matter (nothing sees them). Deterministic given `seed` (the noise)."""
+    cfg = model.config
+    L, V = cfg.canvas_length, cfg.vocab_size
+    n, P = len(tokens), len(context)
+    if n == 0:
+        raise ValueError("tokens: no positions to score")
+    S = -(-n // L) * L
+    if P + S > cfg.max_position_embeddings:
+        raise ValueError(f"context and tokens: {P} + {n} tokens (rounded up to whole canvases of {L}: {S}) exceed the "
+                         f"model's {cfg.max_position_embeddings} positions")
+    device = model.device
+    x0 = torch.zeros(1, S, dtype=torch.long, device=device)
+    x0[0, :n] = torch.as_tensor(list(tokens), dtype=torch.long, device=device)
+    check_token_ids(x0[:, :n], V, "tokens")
+    ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)[None] if P else None
+    if ctx is not None:
+        check_token_ids(ctx, V, "context")
+    g = torch.Generator(device=device).manual_seed(seed)
+    xt = torch.randint(0, V, (1, S), generator=g, device=device)
+    posterior = clean_context_posterior(model, ctx, adapters=adapters)
+    logits = posterior(x0, xt, torch.ones(1, S // L, device=device))
+    return torch.log_softmax(logits[0, :n].float(), dim=-1)
+
+
+@torch.no_grad()
+def greedy_continuation(model: DiffusionGemma, context: Sequence[int], continuation: Sequence[int], *, seed: int = 0,
+                        adapters: Callable[[int], AdapterRows | None] | None = None) -> Tensor:
+    """Whether each token of `continuation` is the argmax of the model's denoising posterior at its position, (N,)
+    bool (`first_step_log_probs`: the continuation's canvases at pure noise, given `context` and the clean canvases
+    before): what a sampler's first denoising step would commit at temperature 0. The diffusion model's counterpart
+    of an AR model's "each token is the argmax of its next-token distribution" (lm-eval's is_greedy)."""
+    rows = first_step_log_probs(model, context, continuation, seed=seed, adapters=adapters)
+    return (rows.argmax(-1) == torch.as_tensor(list(continuation), device=rows.device)).cpu()

@@ -233,6 +233,12 @@ class MemoryPreflightError(ValueError):
 RUNTIME_BYTES = 256 * 2**20  # allocator slack, the interpreter, small temporaries
 
 
+def attention_scores_bytes(config: ModelConfig, batch: int, queries: int, keys: int) -> int:
+    """The reference attention's live fp32 tensors for one layer: scores and probabilities, 2·B·H·queries·keys·4
+    (a prefill: the prompt over itself; a denoising step: the canvas over context + canvas)."""
+    return 2 * batch * config.num_attention_heads * queries * keys * 4
+
+
 def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = False, batch_size: int = 0,
                   cache_length: int = 0, prompt_length: int = 0, quantize: str | None = None,
                   offload_experts: bool = False, prefix_tokens: int = 0) -> dict[str, int]:
@@ -248,7 +254,7 @@ def memory_needed(config: ModelConfig, dtype: torch.dtype, *, weights: bool = Fa
              "kv_cache": B * cache_length * kv_cache_bytes_per_token(config, nbytes),
              "prefix_cache": prefix_tokens * kv_cache_bytes_per_token(config, nbytes),
              "sampler": B * L * V * (3 * 4 + nbytes),
-             "activations": 2 * B * config.num_attention_heads * prompt_length * max(prompt_length, L) * 4,
+             "activations": attention_scores_bytes(config, B, prompt_length, max(prompt_length, L)),
              "runtime": RUNTIME_BYTES}
     return {k: v for k, v in parts.items() if v}
 
@@ -313,6 +319,7 @@ def training_step_bytes(cfg: ModelConfig, *, batch_size: int, seq_len: int, pair
             "runtime": 500 * 2**20}
 
 
-__all__ = ["MemoryPreflightError", "check_memory", "flops_per_committed_token", "flops_per_denoise_step",
-           "kv_cache_bytes", "kv_cache_bytes_breakdown", "kv_cache_bytes_per_token", "memory_needed",
-           "parameter_counts", "per_layer_table", "quantized_matrices", "training_step_bytes", "weight_bytes"]
+__all__ = ["MemoryPreflightError", "attention_scores_bytes", "check_memory", "flops_per_committed_token",
+           "flops_per_denoise_step", "kv_cache_bytes", "kv_cache_bytes_breakdown", "kv_cache_bytes_per_token",
+           "memory_needed", "parameter_counts", "per_layer_table", "quantized_matrices", "training_step_bytes",
+           "weight_bytes"]

@@ -41,7 +41,7 @@ CHAT_NEUTRAL = {"functions": ((None,), "the deprecated functions API; send tools
                 "audio": ((None,), "audio output")}
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                "response_format", "chat_template_kwargs", "reasoning_effort", *CHAT_NEUTRAL)
-# echo: true with max_tokens: 0 scores the prompt (its NELBO per token, docs/serving.md) and reads these two
+# echo: true with max_tokens 0 or 1 scores the prompt (its NELBO per token, docs/serving.md) and reads these two
 SCORING_FIELDS = ("nelbo_steps", "nelbo_samples")
 COMPLETION_FIELDS = ("prompt", "echo", "best_of", "suffix", "response_format", *SCORING_FIELDS)
 DEFAULT_NELBO_STEPS = 16  # T of the scoring bound: training's default T (docs/training.md)
@@ -116,19 +116,21 @@ class GenerationRequest:
     ignored: tuple[str, ...] = ()  # fields given that change nothing here (IGNORED, an unread reasoning_effort)
     opened: Convention | None = None  # the thinking span the prompt leaves open: the output begins inside it
     logprobs: int | None = None  # None: no logprobs; k: each token's log-probability and k alternatives
-    scoring: Scoring | None = None  # echo + max_tokens 0: score the prompts, generate nothing
+    scoring: Scoring | None = None  # echo + max_tokens 0 or 1: score the prompts (and append a greedy next token)
     calls_only: bool = False  # a forced tool_choice: the output is its tool calls, never their markup as content
 
 
 @dataclass(frozen=True)
 class Scoring:
-    """What an echo + max_tokens 0 request asks: each prompt's NELBO per token (`likelihood.score_continuation` with
-    an empty context), at T = `num_steps` (None: the continuous-time bound), `num_t_samples` stratified t per canvas,
-    Monte Carlo seed `seed`."""
+    """What an echo + max_tokens 0 or 1 request asks: each prompt's score per token (a diffusion model's NELBO terms,
+    `likelihood.score_continuation` with an empty context, at T = `num_steps` (None: the continuous-time bound),
+    `num_t_samples` stratified t per canvas, Monte Carlo seed `seed`; an autoregressive model's exact log-probs), and
+    with `next_token` (max_tokens 1) the model's greedy next token after it (dgemma/serving/scoring.py)."""
 
     num_steps: int | None
     num_t_samples: int
     seed: int
+    next_token: bool = False
 
 
 class _Refused:
@@ -298,7 +300,7 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
     constraint = response_constraint(body.get("response_format"), tokenizer, base_config)  # as chat's (vLLM's)
     if scoring is not None:  # nothing is generated: the generation fields are checked, max_tokens is not a budget
         if constraint is not None:
-            raise APIError("response_format: scoring (echo with max_tokens 0) generates nothing to constrain",
+            raise APIError("response_format: scoring (echo with max_tokens 0 or 1) has no output to constrain",
                            param="response_format")
         body = {k: v for k, v in body.items() if k != "max_tokens"}
         canvas_length = None
@@ -307,28 +309,29 @@ def parse_completion_request(body: dict[str, Any], *, tokenizer: Tokenizer, base
 
 
 def _scoring(body: dict[str, Any]) -> Scoring | None:
-    """`echo`'s rule: true with max_tokens 0 scores the prompt (one response, n 1, one seed for every prompt); true
-    with anything else is refused (echoing the prompt before generated text is not supported); the scoring fields
-    only with it."""
+    """`echo`'s rule: true with max_tokens 0 scores the prompt, true with max_tokens 1 scores it and appends the
+    model's greedy next token (lm-eval's loglikelihood request; docs/serving.md "Scoring a prompt"): one response,
+    n 1, one seed for every prompt; true with anything else is refused (echoing the prompt before generated text is
+    not supported); the scoring fields only with it."""
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise APIError(f"echo: must be true or false, got {json.dumps(echo)}", param="echo")
     if not echo:
         for name in SCORING_FIELDS:
             if body.get(name) is not None:
-                raise APIError(f"{name}: only with echo: true and max_tokens: 0 (scoring the prompt)", param=name)
+                raise APIError(f"{name}: only with echo: true and max_tokens 0 or 1 (scoring the prompt)", param=name)
         return None
     max_tokens = body.get("max_tokens")
-    if not (is_int(max_tokens) and not isinstance(max_tokens, bool) and max_tokens == 0):
-        raise APIError("echo: true is supported only with max_tokens: 0, which scores the prompt (its NELBO per token; "
-                       "docs/serving.md); echoing the prompt before generated text is not (nor lm-eval's max_tokens "
-                       "1, whose greediness check needs alternatives a bound does not have), got max_tokens "
+    if not (is_int(max_tokens) and not isinstance(max_tokens, bool) and max_tokens in (0, 1)):
+        raise APIError("echo: true is supported only with max_tokens 0 (score the prompt) or 1 (score it and append "
+                       "the model's greedy next token, as lm-eval's loglikelihood requests ask; docs/serving.md); "
+                       "echoing the prompt before longer generated text is not, got max_tokens "
                        f"{json.dumps(max_tokens)}", param="echo")
     if body.get("stream"):
-        raise APIError("stream: scoring (echo with max_tokens 0) answers in one JSON response; send stream: false",
+        raise APIError("stream: scoring (echo with max_tokens 0 or 1) answers in one JSON response; send stream: false",
                        param="stream")
     if body.get("n") not in (None, 1):
-        raise APIError(f"n: scoring (echo with max_tokens 0) has one result per prompt; n must be 1, got "
+        raise APIError(f"n: scoring (echo with max_tokens 0 or 1) has one result per prompt; n must be 1, got "
                        f"{json.dumps(body.get('n'))}", param="n")
     steps = body.get("nelbo_steps")
     if steps is None:
@@ -345,7 +348,8 @@ def _scoring(body: dict[str, Any]) -> Scoring | None:
                        f"{'' if steps is None else ', at most nelbo_steps'}), got {json.dumps(samples)}",
                        param="nelbo_samples")
     seed = body.get("seed")
-    return Scoring(steps, samples, seed if is_seed(seed) else 0)  # a bad seed: refused by `_request`
+    # a bad seed: refused by `_request`
+    return Scoring(steps, samples, seed if is_seed(seed) else 0, next_token=max_tokens == 1)
 
 
 def _request(kind: str, body: dict[str, Any], prompts: list[list[int]], base: GenerationConfig, model_name: str,

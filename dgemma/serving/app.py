@@ -63,6 +63,7 @@ from dgemma.serving.guards import (
 )
 from dgemma.serving.metrics import CountRequests, Metrics
 from dgemma.serving.scoring import ScoringRun
+from dgemma.serving.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("dgemma.serve")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -80,7 +81,8 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
                generation_config: GenerationConfig | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
                limits: Limits | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-               allowed_hosts: Sequence[str] | None = None, allow_runtime_lora: bool = False) -> FastAPI:
+               allowed_hosts: Sequence[str] | None = None, allow_runtime_lora: bool = False,
+               autoregressive: bool = False) -> FastAPI:
     """The app over a started `engine`. `generation_config` holds the defaults a request overrides (the checkpoint's:
     `dgemma.load_generation_config`; default GenerationConfig's, transformers' defaults); `template` the chat
     template (default: dgemma's Gemma template); `api_key`, when given, is required as `Authorization: Bearer KEY` on
@@ -88,6 +90,7 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
     arrive; `allowed_hosts` (`guards.allowed_hosts`), when given, are the only Host names answered. The engine's LoRA
     adapters (`Engine(adapters=)`) are each served as a model of their own (a request names one in `model`);
     `allow_runtime_lora` adds the routes that load and unload them while serving (dgemma/serving/adapter_routes.py).
+    `autoregressive`: the model is an AR run (objective 'ar'), served for scoring (echo) and the tokenizer routes only.
     Raises ValueError for a setting that cannot work (an empty key, a default config over `limits`)."""
     check_api_key(api_key)
     if not body_timeout > 0:
@@ -99,7 +102,7 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
     except APIError as e:
         raise ValueError(f"the default sampler settings exceed the server's limits: {e}") from None
     state = _State(engine, tokenizer, model_name, template or ChatTemplate(None), config, api_key,
-                   max_request_bytes, max_concurrency, limits, body_timeout)
+                   max_request_bytes, max_concurrency, limits, body_timeout, autoregressive)
     app = FastAPI(title="dgemma serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dgemma = state
     if allowed_hosts is not None:
@@ -161,6 +164,7 @@ def create_app(engine: Any, tokenizer: Tokenizer, model_name: str, *, template: 
     async def chat_completions(request: Request) -> Response:
         return await state.respond(request, "chat")
 
+    add_tokenizer_routes(app, state)
     if allow_runtime_lora:
         add_adapter_routes(app, state)
     return app
@@ -171,7 +175,8 @@ class _State:
 
     def __init__(self, engine: Any, tokenizer: Tokenizer, model_name: str, template: ChatTemplate,
                  config: GenerationConfig, api_key: str | None, max_request_bytes: int, max_concurrency: int,
-                 limits: Limits, body_timeout: float):
+                 limits: Limits, body_timeout: float, autoregressive: bool = False):
+        self.autoregressive = autoregressive  # an AR run: scoring only (dgemma/serving/scoring.py)
         self.engine, self.tokenizer, self.model_name, self.template = engine, tokenizer, model_name, template
         self.config, self.api_key, self.limits, self.body_timeout = config, api_key, limits, body_timeout
         self.max_request_bytes, self.max_concurrency = max_request_bytes, max_concurrency
@@ -232,6 +237,10 @@ class _State:
             if req.ignored:
                 log.warning("ignored request field(s) with no effect here: %s", ", ".join(req.ignored))
             adapter = self.adapter_of(body)
+            if self.autoregressive and req.scoring is None:
+                raise APIError(f"model: {self.model_name!r} is an autoregressive run (objective 'ar'), served here "
+                               "for scoring only (echo: true with max_tokens 0 or 1); the engine generates with the "
+                               "diffusion sampler, which does not decode it (docs/serving.md)", param="model")
             run = (_Run if req.scoring is None else ScoringRun)(self, req, request, adapter)
             run.submit()
             self.metrics.admitted(adapter)

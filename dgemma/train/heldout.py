@@ -97,13 +97,23 @@ def ar_token_nll(model: DiffusionGemma, x: Tensor) -> Tensor:
     at a time (at most (S, V) logits); fp32, or float64 for a float64 model. The one next-token cross-entropy of
     an AR run's learning curve (`train.heldout_metrics`), `dgemma eval` (`evaluate.heldout_ar_ce`) and the judge's
     generative perplexity."""
+    return ar_token_scores(model, x)[0]
+
+
+def ar_token_scores(model: DiffusionGemma, x: Tensor) -> tuple[Tensor, Tensor]:
+    """`ar_token_nll` of x (B, S), and whether each x_{i+1} is the argmax of p(. | x_{<=i}) (B, S - 1) bool: lm-eval's
+    is_greedy (dgemma/eval/continuations.py)."""
     inputs = x[:, :-1]
     T = inputs.shape[1]
     hidden = model.sequence_hidden(inputs, torch.arange(T, device=x.device)[None],
                                    causal_masks(T, model.config.sliding_window, x.device), num_clean=T)
     dtype = torch.promote_types(hidden.dtype, torch.float32)  # a float64 judge scores in float64
-    return torch.stack([F.cross_entropy(model.logits(hidden[b], dtype), x[b, 1:], reduction="none")
-                        for b in range(x.shape[0])])
+    nll, greedy = [], []
+    for b in range(x.shape[0]):
+        logits = model.logits(hidden[b], dtype)
+        nll.append(F.cross_entropy(logits, x[b, 1:], reduction="none"))
+        greedy.append(logits.argmax(-1) == x[b, 1:])
+    return torch.stack(nll), torch.stack(greedy)
 
 
 def window_cross_entropy(model: DiffusionGemma, x: Tensor, *, objective: str, num_steps: int, time: str = "discrete",

@@ -110,6 +110,14 @@ PARSE_CASES = [
      r"argument --shard-tokens: must be a positive integer"),
     ("viz --row -1", lambda t: ["viz", str(t / "trace"), "--out", str(t / "pics"), "--row", "-1"],
      r"argument --row: must be an integer >= 0"),
+    ("inspect --parallel pp=2", lambda t: ["inspect", "--preset", "tiny", "--parallel", "pp=2"],
+     r"argument --parallel: 'pp=2': unknown key 'pp'"),
+    ("inspect --parallel ep=0", lambda t: ["inspect", "--preset", "tiny", "--parallel", "ep=0"],
+     r"argument --parallel: 'ep=0': ep must be an integer >= 1, got 0"),
+    ("inspect --parallel ep:4", lambda t: ["inspect", "--preset", "tiny", "--parallel", "ep:4"],
+     r"argument --parallel: 'ep:4': expected ep=K, tp=K, ep\+tp=K"),
+    ("inspect --batch 0", lambda t: ["inspect", "--preset", "tiny", "--parallel", "ep=2", "--batch", "0"],
+     r"argument --batch: must be a positive integer \(>= 1\), got '0'"),
 ]
 
 

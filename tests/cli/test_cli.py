@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,20 +146,52 @@ def test_an_ar_run_is_decoded_token_by_token_as_eval_decodes_it(capsys, ar_run):
     assert code == 2 and len(err.splitlines()) == 1 and "--entropy-bound" in err and "autoregressive run" in err
 
 
-@pytest.mark.parametrize("command", ["chat", "serve"])
-def test_chat_and_serve_refuse_an_ar_run_in_one_line(ar_run, command):
-    """They run the diffusion sampler only: one line pointing at `dgemma generate` (a subprocess, so that a serve
-    that did start, as it once did, fails the test at its timeout instead of serving on)."""
+def test_chat_refuses_an_ar_run_in_one_line(ar_run):
+    """It runs the diffusion sampler only: one line pointing at `dgemma generate` (a subprocess)."""
     import os
     import subprocess
     from pathlib import Path
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    p = subprocess.run([sys.executable, "-m", "dgemma", command, "--model", str(ar_run), "--port", "0"][
-        :None if command == "serve" else -2], input="", capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "dgemma", "chat", "--model", str(ar_run)], input="",
+                       capture_output=True, text=True, env=env, timeout=120)
     err = p.stderr
-    assert p.returncode == 2 and err.startswith(f"dgemma {command}: error: ") and len(err.splitlines()) == 1, err
+    assert p.returncode == 2 and err.startswith("dgemma chat: error: ") and len(err.splitlines()) == 1, err
     assert "autoregressive run (objective 'ar')" in err and f"dgemma generate --model {ar_run}" in err
+
+
+def test_serve_serves_an_ar_run_for_scoring_only(ar_run, tmp_path):
+    """`dgemma serve --model AR_RUN` (which once refused it) scores with its exact log-probs (echo, as lm-eval's
+    loglikelihood asks) and refuses generation with a 400 naming `model`; --lora with it is one line."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    import httpx
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    argv = [sys.executable, "-m", "dgemma", "serve", "--model", str(ar_run), "--port", "0", "--max-batch", "2",
+            "--max-context", "64"]
+    p = subprocess.run([*argv, "--lora", f"x={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and "--lora" in p.stderr, p.stderr
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # the URL, once the port listens
+        assert "scoring (echo) only" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split(" at ")[1].split()[0]
+        r = httpx.post(url + "v1/completions", json={"prompt": [5, 9, 14, 20], "echo": True, "max_tokens": 1,
+                                                     "logprobs": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["scoring"]["bound"] == "exact", r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == 5
+        r = httpx.post(url + "v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -223,3 +257,66 @@ def test_inspect_accepts_a_training_run(capsys, tiny_run, tmp_path):
     assert code == 2 and len(err.splitlines()) == 1 and "a training run with no complete checkpoint yet" in err
     code, _, err = run(capsys, "inspect", str(tmp_path))
     assert code == 2 and len(err.splitlines()) == 1 and "no config.json" in err
+
+
+@pytest.mark.parametrize("spec,per_device", [("ep=8", "12.81 GB"), ("tp=2", "50.60 GB"), ("ep+tp=4", "15.28 GB"),
+                                              ("ep=4,tp=2", "16.34 GB")])
+def test_inspect_parallel_prints_one_devices_memory(capsys, spec, per_device):
+    """docs/parallel.md's figures for the 26B (bf16, batch 1, context 4096) against one device's 52.78 GB."""
+    code, text, err = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", spec)
+    assert code == 0, err
+    lines = text.splitlines()
+    assert lines[1].startswith(f"layout {spec}: ") and lines[2].endswith(f"one device  per device ({spec})")
+    total = next(line for line in lines if line.startswith("total")).split()
+    assert total[-4:] == ["52.78", "GB", *per_device.split()]
+    fits = lines[-2] if spec == "ep=4,tp=2" else lines[-1]  # a 2-D mesh: one more line, planning only
+    assert fits.startswith("fits per device") and "24 GB" in fits and "141 GB" in fits
+    assert (lines[-1] == "planning only: dgemma generate --parallel runs ep, tp or ep+tp over the same ranks, with "
+            "plain weights") == (spec == "ep=4,tp=2")
+    code, out, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", spec, "--json")
+    p = json.loads(out)["parallel"]
+    assert code == 0 and f"{p['per_device']['total'] / 1e9:.2f} GB" == per_device and p["layout"] == spec
+
+
+def test_docs_parallel_tables_are_what_inspect_prints(capsys):
+    """docs/parallel.md, its Memory planning section: the block after "The first command prints:" is `--parallel
+    ep=8`'s output, and each row of the 26B table (weights bf16, totals bf16 / int8 / int4) is what --json says, to
+    the hundredth of a GB."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text(encoding="utf-8")
+    doc = text.split("\n## Memory planning\n", 1)[1].split("\n## ", 1)[0]
+    shown = doc.split("The first command prints:\n\n```\n", 1)[1].split("```", 1)[0]
+    code, text, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", "ep=8")
+    assert code == 0 and text == shown
+    number = r" \| ([\d.]+)"
+    rows = re.findall(r"^\| [^|`]*`([^`]+)`[^|]*\| \d+" + number * 4 + r" \|", doc, re.MULTILINE)
+    assert len(rows) == 10, rows
+    for spec, *figures in rows:
+        got = []
+        for i, quantize in enumerate((None, "int8", "int4")):
+            extra = ["--quantize", quantize] if quantize else []
+            code, out, _ = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", spec, "--json",
+                               *extra)
+            p = json.loads(out)["parallel"]["per_device"]
+            if i == 0:
+                got.append(f"{p['weights']['total'] / 1e9:.2f}")
+            got.append(f"{p['total'] / 1e9:.2f}")
+        assert got == figures, spec
+
+
+def test_inspect_batch_sizes_the_preflight_and_the_plan(capsys):
+    from dgemma.model import costs, plan
+
+    code, out, _ = run(capsys, "inspect", "--preset", "tiny", "--batch", "3", "--context", "100", "--parallel", "ep=2",
+                       "--json")
+    r, cfg = json.loads(out), dgemma.preset("tiny")
+    assert code == 0 and r["preflight_bytes"]["bf16"] == costs.memory_needed(cfg, torch.bfloat16, weights=True,
+                                                                              batch_size=3, cache_length=100)
+    assert r["parallel"] == plan.plan(cfg, plan.ParallelLayout(ep=2), batch=3, context=100)
+
+
+def test_inspect_parallel_refuses_a_layout_the_model_does_not_divide(capsys):
+    code, _, err = run(capsys, "inspect", "--preset", "diffusiongemma-26b-a4b", "--parallel", "tp=3")
+    assert code == 2 and err == ("dgemma inspect: error: --parallel tp=3: tp=3 does not divide "
+                                 "num_attention_heads=16 (diffusiongemma-26b-a4b)\n")
+    code, _, err = run(capsys, "inspect", "--preset", "tiny", "--parallel", "ep=3", "--json")
+    assert code == 2 and "ep=3 does not divide num_experts=8" in err and len(err.splitlines()) == 1

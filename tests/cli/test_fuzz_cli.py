@@ -206,13 +206,24 @@ def base_commands(w: World, out: Path) -> dict[str, list[str]]:
         "bench": ["bench", "--preset", "tiny", "--denoising-steps", "1", "--canvases", "1", "--repeats", "1",
                   "--no-train"],
         "demo": ["demo", "--out", str(out), "--minutes", "0.05"],
+        # every flag is lm-eval's (the parser has none to mutate): its own command line refuses bad ones in one line
+        "lm-eval": ["lm-eval", "--model_args", f"pretrained={w.run},max_gen_toks=4", "--tasks",
+                    "dgemma_shakespeare_speaker", "--limit", "1", "--gen_kwargs", "max_denoising_steps=2"],
     }
+
+
+# `dgemma lm-eval` passes every flag to lm-eval's command line: the ones the fuzz mutates there
+LM_EVAL_FLAGS = {"--model_args": "text", "--tasks": "text", "--limit": "number", "--gen_kwargs": "text",
+                 "--num_fewshot": "number", "--batch_size": "text", "--include_path": "path"}
 
 
 @functools.cache
 def flags(command: str) -> dict[str, str]:
     """The subcommand's options and what kind of value each takes: number, path, text or switch."""
     from dgemma.cli import build_parser
+
+    if command == "lm-eval":
+        return LM_EVAL_FLAGS
 
     parser = build_parser()
     for name in command.split():
@@ -325,7 +336,7 @@ def world(tmp_path_factory) -> World:
 
 
 COMMANDS = ("bench", "chat", "data inspect", "data prepare", "demo", "distill", "eval", "export", "finetune",
-            "generate", "generate chat", "generate grammar", "inspect", "train", "viz")
+            "generate", "generate chat", "generate grammar", "inspect", "lm-eval", "train", "viz")
 
 
 def check_fuzzed(command: str, cases: range, w: World) -> None:

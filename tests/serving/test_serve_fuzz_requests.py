@@ -164,6 +164,12 @@ def problems_of(response: httpx.Response, path: str, body: dict, schema) -> list
                 assert isinstance(json.loads(content), dict)
             except (ValueError, AssertionError):
                 found.append(f"a stop answer that is not one JSON object: {content[:120]!r}")
+        lp = choice.get("logprobs") if body.get("echo") else None
+        if lp is not None:  # scoring (echo + max_tokens 0 or 1): one entry per prompt token, and the appended one
+            lengths = {len(lp["tokens"]), len(lp["token_logprobs"]), len(lp["text_offset"]),
+                       len(lp["top_logprobs"] if lp["top_logprobs"] is not None else lp["tokens"])}
+            if len(lengths) != 1:
+                found.append(f"scoring logprobs of unequal lengths {sorted(lengths)}")
         forced = isinstance(body.get("tool_choice"), dict) or body.get("tool_choice") == "required"
         if forced and body["max_tokens"] > 0 and not message.get("tool_calls") and choice["finish_reason"] != "length":
             found.append(f"a forced call answered without one: {choice}")

@@ -159,10 +159,12 @@ def test_scoring_a_model_with_infinite_weights_is_an_error_not_an_invalid_number
     with Engine(model, max_batch=1, max_context=256, impl="reference") as engine, \
             running_server(create_app(engine, tok, "tiny", generation_config=GenerationConfig.for_model(model.config))
                            ) as url:
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 7, 8, 9, 10], "echo": True,
-                                                      "max_tokens": 0, "logprobs": 0}, timeout=120)
-    error = _strict(r.text)["error"]
-    assert "non-finite NELBO terms" in error["message"] and "NaN or inf" in error["message"], error
+        answers = [httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 7, 8, 9, 10],
+                                                             "echo": True, "max_tokens": m, "logprobs": m},
+                              timeout=120) for m in (0, 1)]  # max_tokens 1, logprobs 1: lm-eval's request
+    for r in answers:
+        error = _strict(r.text)["error"]
+        assert "non-finite scores" in error["message"] and "NaN or inf" in error["message"], error
 
 
 def test_usage_counts_the_returned_tokens_when_a_grammar_closes_at_the_budget(tok_path, tok):

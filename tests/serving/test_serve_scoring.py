@@ -1,4 +1,5 @@
-"""Scoring on /v1/completions (`echo: true`, `max_tokens: 0`): a real server and the real `openai` client against
+"""Scoring on /v1/completions (`echo: true`, `max_tokens: 0`; max_tokens 1, lm-eval's request:
+tests/serving/test_serve_lm_eval.py): a real server and the real `openai` client against
 `likelihood.score_continuation`, which is pinned to the NELBO `dgemma eval` and training's curves compute
 (`likelihood.window_nelbo` of the clean-context posterior); refusals name
 their field; docs/serving.md's example runs."""
@@ -81,6 +82,7 @@ def test_echo_with_max_tokens_0_returns_the_bound_per_prompt_token(client, model
 
 @pytest.mark.parametrize("kwargs, param", [
     ({"echo": True, "max_tokens": 4}, "echo"), ({"echo": True}, "echo"), ({"echo": "yes"}, "echo"),
+    ({"echo": True, "max_tokens": 2}, "echo"),
     ({"echo": True, "max_tokens": 0, "stream": True}, "stream"), ({"echo": True, "max_tokens": 0, "n": 2}, "n"),
     ({"echo": True, "max_tokens": 0, "extra_body": {"nelbo_samples": 9, "nelbo_steps": 8}}, "nelbo_samples"),
     ({"echo": True, "max_tokens": 0, "extra_body": {"nelbo_steps": 0}}, "nelbo_steps"),
@@ -93,7 +95,7 @@ def test_refusals_name_the_field(client, kwargs, param):
 
 def test_serving_doc_scoring_example_runs(server):
     doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
-    section = doc.split("## Scoring a continuation (echo + max_tokens 0)", 1)[1]
+    section = doc.split("## Scoring a prompt (echo + max_tokens 0 or 1)", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     code = code.replace("http://127.0.0.1:8000", server).replace('api_key="none"', f'api_key="{KEY}"')
     out: list[str] = []
