@@ -93,6 +93,8 @@ class Leader:
     def _describe(self, value: Any) -> Any:
         if isinstance(value, RowCaches):
             return _Rows([self._describe(c) for c in value.rows])
+        if isinstance(value, torch.Tensor):  # sent from the host: a follower's device is its own (cuda:LOCAL_RANK)
+            return value.cpu()
         if not isinstance(value, KVCache):
             return value
         k = value.keys[0]
@@ -122,6 +124,8 @@ def follow(model: Any) -> None:
     def resolve(value: Any) -> Any:
         if isinstance(value, _Rows):
             return RowCaches([resolve(c) for c in value.rows])
+        if isinstance(value, torch.Tensor):
+            return value.to(model.device)
         if not isinstance(value, _Cache):
             return value
         pool = pools[value.key]
