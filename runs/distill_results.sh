@@ -36,7 +36,7 @@ dgemma() { nice -n "${NICE:-0}" "$PY" -m dgemma "$@"; }
 JUDGE=(--preset cpu-tiny --warmup-steps 20 --max-steps 1920 --eval-every 10000 --eval-batches 16)
 DISTILL=()
 TEMPS=0.6,0.7,0.8,0.9,1.0
-EVAL=(--prompts 256 --sample-seeds 2 --prompt-tokens 32 --max-denoising-steps-grid 16,8,4 --entropy-bounds 0.1
+EVAL=(--prompts 256 --sample-seeds 2 --prompt-tokens 32 --entropy-bounds 0.1
       --sampler-grid ancestral --ar-temperatures "$TEMPS" --max-windows 128 --threads 2)
 if [[ "$SMOKE" == --smoke ]]; then  # toy corpus, tiny models, a few steps, a small evaluation
   "$PY" -c "from dgemma.data.tokenizer import write_toy_corpus; write_toy_corpus('toy')"
@@ -47,12 +47,15 @@ if [[ "$SMOKE" == --smoke ]]; then  # toy corpus, tiny models, a few steps, a sm
       --data demo/data --out demo/diffusion --resume
   JUDGE=(--preset tiny --vocab-size 1024 --max-steps 4 --batch-size 2 --eval-batches 1)
   DISTILL=(--max-steps 2 --eval-batches 1 --warmup-steps 1)
-  EVAL=(--prompts 4 --sample-seeds 1 --max-denoising-steps-grid 16,8,4 --entropy-bounds 0.1 --sampler-grid ancestral
+  EVAL=(--prompts 4 --sample-seeds 1 --entropy-bounds 0.1 --sampler-grid ancestral
         --ar-temperatures 0.8,1.0 --max-windows 2 --t-samples 1 --iw-windows 0 --quiet)
 else
   [[ -f demo/demo.json ]] || dgemma demo --out demo
 fi
-TEACHER_STEPS=$("$PY" -c "import json; print(json.load(open('demo/diffusion/checkpoints/' + sorted(__import__('os').listdir('demo/diffusion/checkpoints'))[-1] + '/generation_config.json'))['max_denoising_steps'])" 2>/dev/null || echo 16)
+# The teacher at N = L (one token per forward: the demo samples its canvas of 16 so, and the frontier's best quality
+# is there); each round halves it: a student at N/2 takes one step where its teacher takes two.
+TEACHER_STEPS=$("$PY" -c "from dgemma.weights.checkpoint import read_model_config as r, resolve_model_dir as d
+print(r(d('demo/diffusion')).canvas_length)")
 
 export OMP_NUM_THREADS=2
 dgemma train "${JUDGE[@]}" --objective ar --seed 100 --data demo/data --out judge --resume
@@ -65,11 +68,12 @@ unset OMP_NUM_THREADS
 
 evaluate() {  # evaluate NAME RUN
   [[ -f "report-$1/report.json" ]] || dgemma eval --model "$2" --baseline demo/ar --judge judge --data demo/data \
-      --out "report-$1" --seed 0 "${EVAL[@]}"
+      --out "report-$1" --seed 0 \
+      --max-denoising-steps-grid "$TEACHER_STEPS,$half,$quarter" "${EVAL[@]}"
 }
-evaluate teacher demo/diffusion
-evaluate "student-$half" "student-$half"
+evaluate teacher demo/diffusion  # the issue's comparison first: the teacher and the student at a quarter of its steps
 evaluate "student-$quarter" "student-$quarter"
+evaluate "student-$half" "student-$half"
 "$PY" "$ROOT/runs/distill_summary.py" --teacher report-teacher --teacher-steps "$TEACHER_STEPS" \
     --student "report-student-$half" --student "report-student-$quarter" --out summary
 "$PY" "$ROOT/runs/repetition.py" report-teacher "report-student-$half" "report-student-$quarter" --data demo/data \

@@ -14,7 +14,8 @@ in Python, importing this module registers it for `lm_eval.simple_evaluate(model
                            estimates); is_greedy: each token is the argmax of the denoising posterior at its position
                            with its canvas at pure noise (dgemma/eval/continuations.py). bound=prompt: the bound
                            `dgemma serve` answers lm-eval's local-completions with (context and continuation bounded
-                           as one prompt; with nelbo_steps=16, t_samples=4, seed=0: the server's numbers)
+                           as one prompt; with nelbo_steps=16, t_samples=4 and seed=1234, the seed local-completions
+                           sends: the server's numbers)
     loglikelihood_rolling  the same over windows of `max_length` tokens (default: the run's training seq_len)
     generate_until         dgemma's generation (the diffusion sampler; token by token for an AR run) with the
                            checkpoint's generation_config.json, then the request's gen_kwargs: `until`,
@@ -87,11 +88,15 @@ class DgemmaLM(TemplateLM):
         self.gcfg = load_generation_config(info.model_dir)
         self.tokenizer = load_tokenizer(info.tokenizer_path)
         cfg = self.model.config
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 1
+        # lm-eval's --batch_size auto (or auto:N) asks it to find one: here requests go `batch_size` rows at a time
+        self.batch_size = 1 if batch_size is None or str(batch_size).startswith("auto") else \
+            _positive("batch_size", batch_size)
         self.mc_replicates = _positive("mc_replicates", mc_replicates)
-        self.seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"--model_args seed={seed!r}: expected an integer >= 0")
+        self.seed = seed
         self.max_gen_toks = _positive("max_gen_toks", max_gen_toks)
-        length = max_length or info.get("seq_len") or DEFAULT_MAX_LENGTH
+        length = max_length if max_length is not None else info.get("seq_len") or DEFAULT_MAX_LENGTH
         self.max_length = min(_positive("max_length", length), cfg.max_position_embeddings)
         if nelbo_steps is None:
             self.num_steps = None if info.get("diffusion_time") == "continuous" else int(info.get("num_steps", 16))

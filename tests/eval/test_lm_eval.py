@@ -189,6 +189,10 @@ def test_registering_dgemma_keeps_lm_evals_own_models():
     (dict(mc_replicates=0), "mc_replicates=0"),
     (dict(dtype="float8"), "dtype='float8'"),
     (dict(nelbo_steps=2, t_samples=4), "t_samples=4 exceeds"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(max_length=0), "max_length=0"),
+    (dict(batch_size="big"), "batch_size='big'"),
+    (dict(nelbo_steps="discrete"), "nelbo_steps='discrete'"),
 ])
 def test_bad_model_args_name_the_argument(tiny_run, args, match):
     with pytest.raises(ValueError, match=match):
@@ -233,3 +237,43 @@ def test_dgemma_lm_eval_runs_both_tasks_offline(which, ar_run, tiny_run, tmp_pat
     acc = results["dgemma_shakespeare_next_line"]["acc,none"]
     match = results["dgemma_shakespeare_speaker"]["exact_match,strip"]
     assert 0 <= acc <= 1 and 0 <= match <= 1
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("which", ["ar", "diffusion"])
+def test_the_server_and_the_native_model_give_the_same_numbers(which, ar_run, tiny_run, tmp_path, monkeypatch):
+    """Stock lm-eval `local-completions` against `dgemma serve` (echo + max_tokens 1 + logprobs, the remote
+    tokenizer) and the native model on the same multiple-choice items: the same log-likelihoods (an AR run's exact
+    ones; a diffusion run's bound=prompt, which is what the server computes, at its T = 16 and 4 t-samples, with
+    the seed 1234 local-completions sends) and the same accuracy."""
+    pytest.importorskip("fastapi")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from dgemma.serving.app import create_app
+    from dgemma.serving.engine import Engine
+    from tests.helpers import running_server
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    run = ar_run if which == "ar" else tiny_run
+    native = f"pretrained={run},bound=prompt,nelbo_steps=16,t_samples=4,seed=1234,max_length=4096"
+    lm = DgemmaLM.create_from_arg_string(native)
+    tasks = TaskManager(include_path=str(TASKS))
+    common = dict(tasks=["dgemma_shakespeare_next_line"], task_manager=tasks, limit=4, log_samples=True,
+                  bootstrap_iters=0)
+    with Engine(lm.model, max_batch=2, max_context=512, impl="reference") as engine, \
+            running_server(create_app(engine, lm.tokenizer, "m", api_key="sk-test", generation_config=lm.gcfg,
+                                      autoregressive=lm.autoregressive)) as url:
+        args = (f"base_url={url}/v1/completions,model=m,tokenizer_backend=remote,tokenized_requests=True,"
+                "auth_token=sk-test,max_length=4096,num_concurrent=1,max_retries=1")
+        served = lm_eval.simple_evaluate(model="local-completions", model_args=args, **common)
+    here = lm_eval.simple_evaluate(model=lm, **common)
+
+    def numbers(results: dict) -> list[tuple[float, bool]]:
+        return [r[0] for s in results["samples"]["dgemma_shakespeare_next_line"] for r in s["resps"]]
+
+    for (a, ga), (b, gb) in zip(numbers(served), numbers(here), strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-4) and ga == gb
+    task = "dgemma_shakespeare_next_line"
+    assert served["results"][task]["acc,none"] == here["results"][task]["acc,none"]
