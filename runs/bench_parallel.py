@@ -5,7 +5,7 @@ For each (layout, world) one `torchrun --standalone --nproc-per-node W` runs thi
 (one thread a rank): the model (--preset, random weights, fp32, fast kernels) is split under the layout, then
 
     tokens     `generate` on a fixed prompt and seed, compared with one process without torchrun (this script's own
-               process): "same" when every token is
+               process): "yes" when every token is the same, else the first generated token that differs
     step       one decoder pass over a canvas after a committed prompt (`model.denoise`), after --warmup passes;
                the median over --repeats of rank 0's wall time
     comm       rank 0's time inside the collectives of that pass (dgemma/parallel/comm.py times them: the
@@ -79,6 +79,11 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def first_difference(a: list[list[int]], b: list[list[int]]) -> int:
+    """The index of the first generated token where two runs differ (one prompt)."""
+    return next((i for i, (x, y) in enumerate(zip(a[0], b[0], strict=False)) if x != y), min(len(a[0]), len(b[0])))
+
+
 def launch(layout: str, world: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
@@ -125,7 +130,7 @@ def main() -> None:
     for layout in args.layouts.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             r = launch(layout, world, args)
-            same = "yes" if r["tokens"] == alone else "no"
+            same = "yes" if r["tokens"] == alone else f"no: from token {first_difference(r['tokens'], alone)}"
             print(f"| {layout} | {world} | {same} | {r['step_ms']:.2f} | {r['comm_ms']:.2f} | {100 * r['share']:.0f}% "
                   f"| {r['calls']} |", flush=True)
 

@@ -1,6 +1,7 @@
-"""`--parallel ep|tp|ep+tp` of `dgemma generate`: one process per rank under torchrun (a gloo process group on the
-CPU, NCCL on CUDA), each holding its shard of the model (dgemma/parallel/); every rank runs the same generation on
-identical logits, rank 0's seed (drawn there when --seed is not given), and only rank 0 prints."""
+"""`--parallel ep|tp|ep+tp` of `dgemma generate` and `dgemma serve`: one process per rank under torchrun (a gloo
+process group on the CPU, NCCL on CUDA), each holding its shard of the model (dgemma/parallel/); every rank runs the
+same generation on identical logits, rank 0's seed (drawn there when --seed is not given), and only rank 0 prints.
+(serve: rank 0 answers HTTP, the other ranks replay its model calls: dgemma/serving/ranks.py.)"""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def run_ranked(args: argparse.Namespace, run: Callable[[argparse.Namespace], int
     job = Dist.from_env(args.device)
     try:
         args.device, args.dist = str(job.device), job
-        if job.world_size > 1:
+        if job.world_size > 1 and hasattr(args, "seed"):  # serve has none: each request brings its own
             seed: list[Any] = [args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)]
             dist.broadcast_object_list(seed, src=0)  # every rank draws what rank 0 draws
             args.seed = seed[0]

@@ -10,6 +10,7 @@ from typing import Any
 
 from dgemma.cli.flags import UsageError, add_model_args, add_runtime_args, add_sampler_args, overrides
 from dgemma.cli.loading import autoregressive, chat_template, device_of, load
+from dgemma.cli.parallel import add_parallel_arg, run_ranked
 from dgemma.data.tokenizer import TURN_END, build_test_tokenizer
 from dgemma.io.threads import usable_cores
 from dgemma.sampling.request_rules import MAX_CANVAS_PASSES
@@ -73,20 +74,30 @@ def register(subparsers: Any) -> None:
     p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
                    help="seconds a request's line and headers may take to arrive, else 408 and the connection closes "
                         f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    add_parallel_arg(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.parallel is not None:  # rank 0 serves, the other ranks replay its model calls (dgemma/serving/ranks.py)
+        for flag, given in (("--lora", args.lora), ("--allow-runtime-lora", args.allow_runtime_lora),
+                            ("--prefix-cache", args.prefix_cache)):
+            if given:
+                raise UsageError(f"{flag} is not supported with --parallel yet (docs/parallel.md)")
+        args.prefix_cache = 0
+        return run_ranked(args, serve_http)
+    return serve_http(args)
+
+
+def serve_http(args: argparse.Namespace) -> int:
     try:
-        from dgemma.serving.app import create_app, serve
+        import dgemma.serving.app  # noqa: F401
     except ImportError as e:
         if e.name in ("fastapi", "uvicorn", "prometheus_client", "jinja2", "starlette"):
             print(INSTALL_HINT, file=sys.stderr)
             return 2
         raise
-    from dgemma.serving.api import Limits
-    from dgemma.serving.engine import Engine
-    from dgemma.serving.guards import allowed_hosts, check_api_key
+    from dgemma.serving.guards import check_api_key
 
     for name in ("max_batch", "max_context", "max_queue", "max_concurrency", "max_request_bytes", "max_n",
                  "limit_denoising_steps", "max_request_steps", "prefix_block"):
@@ -111,6 +122,28 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is None and args.device == "cpu":  # a spinning torch thread on every core starves the HTTP loop
         args.threads = max(1, usable_cores() - 1)
     model, gcfg, tok = load(args)
+    leader = None
+    if getattr(args, "dist", None) is not None:
+        from dgemma.serving.ranks import Leader, follow
+
+        if not args.dist.is_main:
+            follow(model)
+            return 0
+        model = leader = Leader(model)
+    try:
+        return _serve(args, model, gcfg, tok, ar)
+    finally:
+        if leader is not None:
+            leader.stop()
+
+
+def _serve(args: argparse.Namespace, model: Any, gcfg: Any, tok: Any, ar: bool) -> int:
+    """The engine and the HTTP server over `model` until Ctrl-C."""
+    from dgemma.serving.api import Limits
+    from dgemma.serving.app import create_app, serve
+    from dgemma.serving.engine import Engine
+    from dgemma.serving.guards import allowed_hosts
+
     if tok is None:
         tok = _toy_tokenizer(args, model)
         gcfg = gcfg.stopping_at(tok.token_to_id(TURN_END))

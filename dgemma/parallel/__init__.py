@@ -26,8 +26,9 @@ class ParallelError(ConfigError):
 
 
 def check_layout(config: ModelConfig, layout: str, world_size: int) -> None:
-    """Refuse a layout that does not split this model over `world_size` ranks: experts, heads and kv heads must each
-    divide by the world size (one line naming the value)."""
+    """Refuse a layout that does not split this model over `world_size` ranks (one line naming the value): the
+    experts (ep), the query heads and the dense MLP's width (tp) must divide by the world size, and each layer type's
+    kv heads must divide by it or divide it (tp)."""
     if layout not in LAYOUTS:
         raise ParallelError(f"--parallel must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     need: list[tuple[str, int]] = []  # (name, value): value must divide by the world size

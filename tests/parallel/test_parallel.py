@@ -19,9 +19,9 @@ from dgemma.parallel import ParallelError, check_layout
 from tests.parallel.workers import rank_main, single, tiny_config
 
 # (layout, kernels, kv heads: 2 on every layer, split one a rank; None: the tiny preset's 1 on full layers, which
-# both ranks hold)
-JOBS = [("ep", "fast", None), ("ep", "reference", None), ("tp", "fast", 2), ("tp", "reference", 2),
-        ("ep+tp", "fast", None)]
+# both ranks hold; dtype)
+JOBS = [("ep", "fast", None, "float32"), ("ep", "reference", None, "float32"), ("ep", "fast", None, "bfloat16"),
+        ("tp", "fast", 2, "float32"), ("tp", "reference", 2, "float32"), ("ep+tp", "fast", None, "float32")]
 
 
 def free_port() -> int:
@@ -35,24 +35,24 @@ def world2(tmp_path_factory):
     """Each job's result on rank 0 of a world of 2, and one process's result for each kernel choice."""
     out = tmp_path_factory.mktemp("parallel") / "results.pt"
     mp.spawn(rank_main, args=(2, free_port(), JOBS, str(out)), nprocs=2)
-    return torch.load(out), {(impl, heads): single(tiny_config(heads), impl) for _, impl, heads in JOBS}
+    return torch.load(out), {job[1:]: single(tiny_config(job[2]), job[1], job[3]) for job in JOBS}
 
 
-@pytest.mark.parametrize("impl", ["fast", "reference"])
-def test_expert_parallel_is_bit_identical_to_one_process(world2, impl):
+@pytest.mark.parametrize("impl, dtype", [job[1::2] for job in JOBS if job[0] == "ep"])
+def test_expert_parallel_is_bit_identical_to_one_process(world2, impl, dtype):
     got, one = world2
-    result = got[("ep", impl, None)]
-    assert torch.equal(result["logits"], one[(impl, None)]["logits"])
-    assert torch.equal(result["row_logits"], one[(impl, None)]["row_logits"])  # one-row caches batched (per_row)
-    assert result["tokens"] == one[(impl, None)]["tokens"]
+    result, alone = got[("ep", impl, None, dtype)], one[(impl, None, dtype)]
+    assert torch.equal(result["logits"], alone["logits"])
+    assert torch.equal(result["row_logits"], alone["row_logits"])  # one-row caches batched (per_row)
+    assert result["tokens"] == alone["tokens"]
     assert result["same_on_every_rank"]
 
 
-@pytest.mark.parametrize("layout, impl, heads", [job for job in JOBS if "tp" in job[0]])
+@pytest.mark.parametrize("layout, impl, heads", [job[:3] for job in JOBS if "tp" in job[0]])
 def test_tensor_parallel_is_within_fp32_rounding_and_draws_the_same_tokens(world2, layout, impl, heads):
     """Split kv heads (2 on 2 ranks) and replicated ones (ep+tp on the tiny preset: 1 on full layers); both kernels."""
     got, one = world2
-    result, alone = got[(layout, impl, heads)], one[(impl, heads)]
+    result, alone = got[(layout, impl, heads, "float32")], one[(impl, heads, "float32")]
     torch.testing.assert_close(result["logits"], alone["logits"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(result["row_logits"], alone["row_logits"], rtol=1e-5, atol=1e-5)
     assert not torch.equal(result["logits"], alone["logits"])  # a rank-order sum: rounding differs, as documented

@@ -74,3 +74,13 @@ def test_parallel_without_torchrun_is_refused_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == (
         "dgemma generate: error: --parallel tp runs one process per rank under torchrun (WORLD_SIZE is not set): "
         "torchrun --nproc-per-node K -m dgemma generate --parallel tp ...")
+
+
+@pytest.mark.parametrize("flag", [["--quantize", "int8"], ["--offload-experts"]])
+def test_parallel_refuses_quantized_or_offloaded_weights(monkeypatch, capsys, flag):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: the refusal comes before the process group
+    code = cli.main(["generate", "--preset", "tiny", "--random-init", "--prompt-ids", "2,45", "--parallel", "ep",
+                     *flag])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dgemma generate: error: {flag[0]} does not combine with --parallel (each rank holds a plain shard)")

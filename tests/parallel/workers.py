@@ -48,15 +48,15 @@ def run_model(model, impl: str) -> dict:
     return {"logits": logits, "row_logits": row_logits, "tokens": tokens}
 
 
-def single(config, impl: str) -> dict:
+def single(config, impl: str, dtype: str = "float32") -> dict:
     """One process: what the parallel ranks must reproduce."""
-    return run_model(build_model(config, impl=impl), impl)
+    return run_model(build_model(config, impl=impl, dtype=getattr(torch, dtype)), impl)
 
 
-def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int | None]], out: str) -> None:
-    """Rank `rank` of `world`: for each (layout, impl, kv heads) in `jobs`, a fresh model (`tiny_config`) parallelized
-    under it and run; rank 0 saves {job: result} to `out`, each result saying whether every rank had the same logits
-    and tokens."""
+def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int | None, str]], out: str) -> None:
+    """Rank `rank` of `world`: for each (layout, impl, kv heads, dtype) in `jobs`, a fresh model (`tiny_config`)
+    parallelized under it and run; rank 0 saves {job: result} to `out`, each result saying whether every rank had the
+    same logits and tokens."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -64,8 +64,8 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int |
         from dgemma.parallel import parallelize
 
         results = {}
-        for layout, impl, heads in jobs:
-            model = build_model(tiny_config(heads), impl=impl)
+        for layout, impl, heads, dtype in jobs:
+            model = build_model(tiny_config(heads), impl=impl, dtype=getattr(torch, dtype))
             parallelize(model, layout)
             result = run_model(model, impl)
             gathered = [None] * world
@@ -76,7 +76,7 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int |
                 dist.all_gather(every, result[key])
                 same &= all(torch.equal(x, result[key]) for x in every)
             result["same_on_every_rank"] = same
-            results[(layout, impl, heads)] = result
+            results[(layout, impl, heads, dtype)] = result
         if rank == 0:
             torch.save(results, Path(out))
     finally:
