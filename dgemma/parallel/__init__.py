@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from dgemma.model import plan
 from dgemma.model.config import ConfigError, ModelConfig
 from dgemma.parallel.comm import Comm
 
@@ -26,29 +27,15 @@ class ParallelError(ConfigError):
 
 
 def check_layout(config: ModelConfig, layout: str, world_size: int) -> None:
-    """Refuse a layout that does not split this model over `world_size` ranks (one line naming the value): the
-    experts (ep), the query heads and the dense MLP's width (tp) must divide by the world size, and each layer type's
-    kv heads must divide by it or divide it (tp)."""
+    """Refuse a layout that does not split this model over `world_size` ranks (one line naming the value). The rules
+    have one home, `dgemma.model.plan.check_layout` (ep divides the experts; tp divides the query heads and the dense
+    MLP's width, and each layer type's kv heads divide by tp or divide it); this adds the flag."""
     if layout not in LAYOUTS:
         raise ParallelError(f"--parallel must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    need: list[tuple[str, int]] = []  # (name, value): value must divide by the world size
-    if "ep" in layout.split("+"):
-        if not config.num_experts:
-            raise ParallelError(f"--parallel {layout}: this model has no routed experts (num_experts=0) to split; use "
-                                "--parallel tp")
-        need.append(("num_experts", config.num_experts))
-    if "tp" in layout.split("+"):
-        need += [("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size)]
-    for name, value in need:
-        if value % world_size:
-            raise ParallelError(f"--parallel {layout}: {name}={value} does not divide by the world size "
-                                f"{world_size}")
-    if "tp" in layout.split("+"):  # kv heads split, or (fewer than the ranks) each replicated on W / K ranks
-        for name in ("num_key_value_heads", "num_global_key_value_heads"):
-            kv = getattr(config, name) or config.num_key_value_heads
-            if kv % world_size and world_size % kv:
-                raise ParallelError(f"--parallel {layout}: {name}={kv} neither divides by the world size {world_size} "
-                                    f"nor divides it")
+    try:
+        plan.check_layout(config, plan.ParallelLayout.over_ranks(layout, world_size))
+    except ValueError as e:
+        raise ParallelError(f"--parallel {layout}: {e}") from None
 
 
 def parallelize(model: nn.Module, layout: str, group: dist.ProcessGroup | None = None) -> Comm:

@@ -24,27 +24,14 @@ After `shard_heads`, `model.config` is this rank's share of the geometry (heads 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor, nn
 
+from dgemma.model import plan
 from dgemma.model.config import ModelConfig
 from dgemma.model.layers import MLP, Attention
+from dgemma.model.plan import tp_shard_config
 from dgemma.parallel.comm import Comm
-
-
-def local_kv_heads(num_kv_heads: int, world_size: int) -> int:
-    """A rank's kv heads: K / W, or one (replicated on W / K ranks) where there are fewer kv heads than ranks."""
-    return max(num_kv_heads // world_size, 1)
-
-
-def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """One rank's share of `config` under tensor parallelism (`parallel.check_layout` checked that it divides)."""
-    return dataclasses.replace(
-        config, num_attention_heads=config.num_attention_heads // world_size,
-        num_key_value_heads=local_kv_heads(config.num_key_value_heads, world_size),
-        num_global_key_value_heads=local_kv_heads(config.num_global_key_value_heads, world_size))  # type: ignore
 
 
 def _rows(w: Tensor, rank: int, world: int) -> Tensor:
@@ -56,7 +43,7 @@ def _kv_rows(w: Tensor, num_kv_heads: int, rank: int, world: int) -> Tensor:
     """Rank r's kv heads' rows of k_proj / v_proj: heads [r K/W, (r+1) K/W), or, with fewer kv heads than ranks,
     the one kv head its query heads read (r K // W; W / K ranks hold each)."""
     head_rows = w.shape[0] // num_kv_heads
-    first, n = rank * num_kv_heads // world, local_kv_heads(num_kv_heads, world)
+    first, n = rank * num_kv_heads // world, plan.local_kv_heads(num_kv_heads, world)
     return w.detach()[first * head_rows:(first + n) * head_rows].clone()
 
 
@@ -69,7 +56,7 @@ class ShardedAttention(Attention):
     """`layers.Attention` over this rank's heads; its output is the whole layer's, summed over the ranks."""
 
     def __init__(self, whole: Attention, config: ModelConfig, layer_idx: int, comm: Comm):
-        super().__init__(local_config(config, comm.world_size), layer_idx)
+        super().__init__(tp_shard_config(config, comm.world_size), layer_idx)
         self.comm = comm
         r, W = comm.rank, comm.world_size
         with torch.no_grad():
@@ -112,4 +99,4 @@ def shard_heads(model: nn.Module, comm: Comm) -> None:
     for i, block in enumerate(model.layers):
         block.self_attn = ShardedAttention(block.self_attn, config, i, comm)
         block.mlp = ShardedMLP(block.mlp, comm)
-    model.config = local_config(config, comm.world_size)
+    model.config = tp_shard_config(config, comm.world_size)

@@ -81,12 +81,12 @@ def test_the_split_kernel_is_the_single_process_kernel():
 
 
 @pytest.mark.parametrize("layout, world, changes, message", [
-    ("ep", 3, {}, "num_experts=8 does not divide by the world size 3"),
-    ("tp", 8, {}, "num_attention_heads=4 does not divide by the world size 8"),
-    ("ep+tp", 3, {"num_experts": 6}, "num_attention_heads=4 does not divide by the world size 3"),
-    ("tp", 4, {"intermediate_size": 90}, "intermediate_size=90 does not divide by the world size 4"),
+    ("ep", 3, {}, "ep=3 does not divide num_experts=8"),
+    ("tp", 8, {}, "tp=8 does not divide num_attention_heads=4"),
+    ("ep+tp", 3, {"num_experts": 6}, "tp=3 does not divide num_attention_heads=4"),
+    ("tp", 4, {"intermediate_size": 90}, "tp=4 does not divide intermediate_size=90"),
     ("tp", 4, {"num_attention_heads": 12, "num_key_value_heads": 6},
-     "num_key_value_heads=6 neither divides by the world size 4 nor divides it"),
+     "tp=4 neither divides num_key_value_heads=6 nor is a multiple of it"),
 ])
 def test_shapes_that_do_not_divide_are_refused_naming_the_value(layout, world, changes, message):
     with pytest.raises(ParallelError) as e:

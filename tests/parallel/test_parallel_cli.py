@@ -64,7 +64,7 @@ def test_a_layout_the_shapes_do_not_divide_is_refused_in_one_line(saved):
     done = torchrun(3, *GENERATE, "--model", str(saved), "--seed", "0", "--parallel", "ep")
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("dgemma generate: error:")]
-    assert lines == ["dgemma generate: error: --parallel ep: num_experts=8 does not divide by the world size 3"]
+    assert lines == ["dgemma generate: error: --parallel ep: ep=3 does not divide num_experts=8"]
 
 
 def test_parallel_without_torchrun_is_refused_in_one_line(monkeypatch, capsys):
