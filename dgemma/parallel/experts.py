@@ -13,11 +13,19 @@ combine is the single-process kernel's, so the output is bit-identical to one pr
 its experts' weighted outputs in the model dtype, and every rank adds all of them in ascending expert id, as
 `layers.Experts.forward` does. Dispatch is a gather, not an all-to-all: every rank already holds every token (the
 attention before it is replicated or tensor-parallel), so only the experts' outputs travel.
+
+Training (`dgemma train --parallel ep`, `ShardedExperts(..., trainable=True)`): every rank of the group computes the
+same loss from the same batch, so the gradient of the gathered rows is the same on every rank and the backward of
+the gather is this rank's slice of it (`GatherRows`: no communication); each rank's expert gradients are then
+exactly its experts' share of one process's. The experts' input gets from each rank only its own experts' share of
+its gradient: `SumGradients` (identity forward) sums those shares over the ranks in backward, so everything before
+the experts gets one process's gradient on every rank (to the order of that sum).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -27,10 +35,40 @@ from dgemma.model.layers import Experts
 from dgemma.parallel.comm import Comm
 
 
+class GatherRows(torch.autograd.Function):
+    """`Comm.gather_rows` with a backward: this rank's slice of the gathered rows' gradient (every rank of the group
+    runs the same computation downstream, so that gradient is the same on every rank; nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, comm: Comm, sizes: list[int]) -> Tensor:  # type: ignore[override]
+        ctx.lo, ctx.n = sum(sizes[:comm.rank]), sizes[comm.rank]
+        return comm.gather_rows(rows, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return grad[ctx.lo:ctx.lo + ctx.n], None, None
+
+
+class SumGradients(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over the ranks (each holds its own experts' share of it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, comm: Comm) -> Tensor:  # type: ignore[override]
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        if ctx.comm.world_size > 1:
+            dist.all_reduce(grad, group=ctx.comm.group)
+        return grad, None
+
+
 class ShardedExperts(nn.Module):
     """`layers.Experts` holding experts [first, last) of `num_experts`, with the same forward and per_row."""
 
-    def __init__(self, experts: Experts, comm: Comm):
+    def __init__(self, experts: Experts, comm: Comm, trainable: bool = False):
         super().__init__()
         E, W = experts.gate_up_proj.shape[0], comm.world_size
         self.comm, self.num_experts = comm, E
@@ -38,8 +76,9 @@ class ShardedExperts(nn.Module):
         self.first, self.last = self.bounds[comm.rank], self.bounds[comm.rank + 1]
         # fresh storage (aligned: CPU matmuls can round differently on unaligned slices, dgemma/testing/hf.py)
         self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[self.first:self.last].clone(),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[self.first:self.last].clone(), requires_grad=False)
+                                         requires_grad=trainable)
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[self.first:self.last].clone(),
+                                      requires_grad=trainable)
 
     def extra_repr(self) -> str:
         return f"experts [{self.first}, {self.last}) of {self.num_experts}"
@@ -49,6 +88,8 @@ class ShardedExperts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor, impl: Impl = "reference") -> Tensor:
         """As `layers.Experts.forward`: x (N, D); weights, experts (N, k) -> (N, D), bit-identical to one process."""
+        if torch.is_grad_enabled() and x.requires_grad:  # training: the input's gradient summed over the ranks
+            x = SumGradients.apply(x, self.comm)
         if impl == "fast":
             return self._sorted(x, weights, experts, "auto")
         return self._reference(x, weights, experts)
@@ -71,7 +112,7 @@ class ShardedExperts(nn.Module):
         xs = x.index_select(0, order[lo:lo + rows[self.comm.rank]] // k)  # this rank's experts' rows
         y = kernels.expert_rows(xs, counts[self.first:self.last], self.gate_up_proj, self.down_proj,
                                 backend=backend)  # type: ignore[arg-type]
-        return kernels.combine_slots(self.comm.gather_rows(y, rows), order, weights, x.dtype)
+        return kernels.combine_slots(GatherRows.apply(y, self.comm, rows), order, weights, x.dtype)
 
     def _reference(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """`layers.Experts.forward` split: this rank's experts' weighted outputs, then all of them added in ascending
@@ -86,17 +127,23 @@ class ShardedExperts(nn.Module):
             y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e - self.first])
             mine.append((y * weights[token, slot, None]).to(x.dtype))
         local = torch.cat(mine) if mine else x.new_zeros(0, x.shape[1])
-        rows = self.comm.gather_rows(local, self._rows_per_rank([t.numel() for _, t in picked]))
+        rows = GatherRows.apply(local, self.comm, self._rows_per_rank([t.numel() for _, t in picked]))
         out, lo = torch.zeros_like(x), 0
         for _, token in picked:
             if token.numel():
-                out.index_add_(0, token, rows[lo:lo + token.numel()])
+                out = out.index_add(0, token, rows[lo:lo + token.numel()])
                 lo += token.numel()
         return out
 
 
-def shard_experts(model: nn.Module, comm: Comm) -> None:
+def shard_experts(model: nn.Module, comm: Comm, trainable: bool = False) -> None:
     """Swap every layer's `experts` for this rank's `ShardedExperts` (the router stays whole on every rank)."""
     for block in model.layers:
         if getattr(block, "is_moe", False):
-            block.experts = ShardedExperts(block.experts, comm)
+            block.experts = ShardedExperts(block.experts, comm, trainable)
+
+
+def expert_names(model: nn.Module) -> dict[str, ShardedExperts]:
+    """The parameter names (as `model.named_parameters` gives them) of its sharded experts -> their module."""
+    return {f"{name}.{p}": m for name, m in model.named_modules() if isinstance(m, ShardedExperts)
+            for p in ("gate_up_proj", "down_proj")}

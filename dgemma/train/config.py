@@ -117,8 +117,9 @@ class TrainConfig:
                          choices=("auto", "float32", "bfloat16"))
     compile: bool = setting("torch.compile each block (CUDA only; never on CPU)", default=True)
     device: str = setting("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
-    parallel: str = setting("under torchrun: ddp (a replica per rank) or fsdp (FSDP2: parameters, gradients and AdamW "
-                            "state sharded per block)", default="ddp", choices=PARALLEL)
+    parallel: str = setting("under torchrun: ddp (a replica per rank), fsdp (FSDP2: parameters, gradients and AdamW "
+                            "state sharded per block) or ep (each rank holds 1/W of the routed experts; every rank "
+                            "reads the same batch: one data replica)", default="ddp", choices=PARALLEL)
     activation_checkpointing: bool = setting("recompute each block's activations in backward (less memory, about a "
                                              "third more compute)", default=False)
 

@@ -7,7 +7,8 @@ is `Dist()`: no process group, no wrapping, the single-file checkpoints of dgemm
                                  NCCL on CUDA) and this rank's device; WORLD_SIZE unset or 1: a single process
     dist.wrap(model, ...)        LossModule(model) (its forward is the training loss), under DDP or FSDP2 (fully_shard
                                  per block, then the root; bf16 mixed precision on CUDA; optional activation
-                                 checkpointing per block)
+                                 checkpointing per block), or with the routed experts split over the ranks (ep:
+                                 dgemma/parallel/experts.py; every rank reads the same batch, one data replica)
     dist.agree(fn)               run fn on every rank; a failure anywhere becomes a failure everywhere, shown once
     save_sharded / load_into     checkpoints: world size > 1 writes torch.distributed.checkpoint shards (any world
                                  size reads them back, resharded); the last one also gets the consolidated weights
@@ -57,7 +58,7 @@ from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretr
 from dgemma.weights.loading import load_generation_config, load_model
 
 T = TypeVar("T")
-PARALLEL = ("ddp", "fsdp")
+PARALLEL = ("ddp", "fsdp", "ep")
 SHARED = "dgemma_shared_by_all_ranks"  # set on an exception every rank raises alike: only rank 0 prints it
 DEFAULT_TIMEOUT_MIN = 30.0  # minutes a collective may wait for the other ranks (DGEMMA_DIST_TIMEOUT_MIN overrides)
 
@@ -151,6 +152,15 @@ class Dist:
         return cls(rank, world, local, dev)
 
     @property
+    def data_world(self) -> int:
+        """Data replicas: the ranks that each read their own rows of a micro-batch (ep: one; its ranks share them)."""
+        return data_world(self.parallel, self.world_size)
+
+    @property
+    def data_rank(self) -> int:
+        return 0 if self.parallel == "ep" else self.rank
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -228,6 +238,8 @@ class Dist:
 
             for block in model.layers:
                 checkpoint(block)
+        if self.world_size > 1 and parallel == "ep":
+            shard_experts_for_training(model, self.world_size)
         if self.world_size > 1 and parallel == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -266,7 +278,7 @@ class Dist:
     @contextlib.contextmanager
     def accumulating(self, net: nn.Module, sync: bool) -> Iterator[None]:
         """A micro-batch's backward: gradients are reduced across ranks only when `sync` (the step's last)."""
-        if self.world_size == 1:
+        if self.world_size == 1 or self.parallel == "ep":
             yield
         elif self.parallel == "ddp":
             with contextlib.nullcontext() if sync else net.no_sync():
@@ -277,6 +289,8 @@ class Dist:
 
     def clip_grad_norm(self, model: nn.Module, clip: float) -> float:
         """The global gradient norm (before clipping), the same on every rank; clipped to `clip` (0: not)."""
+        if self.world_size > 1 and self.parallel == "ep":
+            return _ep_clip_grad_norm(model, clip, self.world_size)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
             norm = norm.full_tensor()
@@ -284,7 +298,7 @@ class Dist:
 
     def rows(self, batch_size: int) -> tuple[int, int] | None:
         """(first row, rows in all) of this rank's share of a global micro-batch; None for a single process."""
-        return None if self.world_size == 1 else (self.rank * batch_size, self.world_size * batch_size)
+        return None if self.data_world == 1 else (self.data_rank * batch_size, self.data_world * batch_size)
 
     def symmetric(self, fn: Callable[[], T]) -> T:
         """fn(), which every rank runs alike on agreed values: an error it raises is rank 0's to show."""
@@ -326,6 +340,50 @@ class Dist:
         return self.world_size > 1 and self.parallel == "fsdp"
 
 
+def shard_experts_for_training(model: DiffusionGemma, world_size: int) -> None:
+    """--parallel ep: each rank keeps E / W of every layer's routed experts (trainable); one line if it cannot."""
+    from dgemma.model import plan
+    from dgemma.parallel.comm import Comm
+    from dgemma.parallel.experts import shard_experts
+
+    try:
+        plan.check_layout(model.config, plan.ParallelLayout(ep=world_size))
+    except ValueError as e:
+        raise shared(ConfigError(f"--parallel ep on {world_size} ranks: {e}")) from None
+    shard_experts(model, Comm(), trainable=True)
+
+
+def _ep_clip_grad_norm(model: nn.Module, clip: float, world: int) -> float:
+    """--parallel ep: the replicated parameters' gradients averaged over the ranks (equal up to the order of
+    floating-point sums, which nondeterministic GPU kernels may change: averaging keeps the replicas equal), then the
+    norm over every parameter (the experts' squares summed over the ranks), clipped as clip_grad_norm_ clips."""
+    from dgemma.parallel.experts import expert_names
+
+    experts = expert_names(model)
+    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    replicated = [p.grad for n, p in params if n not in experts]
+    device = next(model.parameters()).device
+    if replicated:
+        flat = torch.cat([g.reshape(-1) for g in replicated])
+        dist.all_reduce(flat)
+        flat /= world
+        lo = 0
+        for g in replicated:
+            g.copy_(flat[lo:lo + g.numel()].view_as(g))
+            lo += g.numel()
+    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (replicated, this rank's experts)
+    for n, p in params:
+        squares[int(n in experts)] += p.grad.double().square().sum()
+    own = squares[1:].clone()
+    dist.all_reduce(own)
+    norm = float(squares[0] + own[0]) ** 0.5
+    if clip:
+        coef = min(clip / (norm + 1e-6), 1.0)
+        for _, p in params:
+            p.grad.mul_(coef)
+    return norm
+
+
 def windows_per_step(cfg: Any, world: int) -> int:
     """Training windows an optimizer step reads, over all ranks."""
     return cfg.batch_size * cfg.grad_accum * world
@@ -361,9 +419,19 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
+def data_world(parallel: str, world_size: int) -> int:
+    """Data replicas of a job of `world_size` ranks under `parallel` (ep: one, every rank reads the same rows)."""
+    return 1 if parallel == "ep" else world_size
+
+
+def recorded_data_world(record: dict[str, Any]) -> int:
+    """The data replicas a run.json / trainer state records (`data_world`; before ep, `world_size` was that)."""
+    return int(record.get("data_world", record.get("world_size", 1)))
+
+
 def checkpoint_world_size(ckpt: Path) -> int:
     """How many ranks wrote checkpoint `ckpt` (1 for a single process's)."""
-    return int(read_json(Path(ckpt) / SHARDED_STATE).get("world_size", 1)) if is_sharded_checkpoint(ckpt) else 1
+    return recorded_data_world(read_json(Path(ckpt) / SHARDED_STATE)) if is_sharded_checkpoint(ckpt) else 1
 
 
 def _nonfinite(sd: dict[str, Any]) -> str | None:
@@ -388,13 +456,17 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = _ep_dtensors(d, model, *get_state_dict(model, optimizer))
     d.agree(lambda: _refuse_nonfinite(state["step"], {"model": msd, "optimizer": osd}))
     final, tmp = run_dir.checkpoint_paths(run, state["step"], "sharded")
     d.on_main(lambda: run_dir.fresh_dir(tmp))
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)) \
-        if consolidate else None
+    if not consolidate:
+        full = None
+    elif d.parallel == "ep":  # every rank gathers the experts (rank 0 writes them)
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in msd.items()}
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def fill() -> None:
         if full is not None:
@@ -405,7 +477,8 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
         else:  # the configs, so that `dgemma export` knows the model (and load_model names the way out)
             fsio.write_text(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
             fsio.write_text(tmp / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2) + "\n")
-        fsio.write_text(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size}) + "\n")
+        fsio.write_text(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size,
+                                                         "data_world": d.data_world}) + "\n")
 
     publish = lambda: run_dir.publish_checkpoint(run, tmp, final, train_config, keep_last, fill,
                                                  needed=run_dir.tensor_bytes(full or {}))
@@ -431,7 +504,8 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         import torch.distributed.checkpoint as dcp
 
         state = read_json(ckpt / SHARDED_STATE)
-        msd, osd = get_state_dict(model, optimizer)  # on a fresh optimizer: a stand-in state for every parameter
+        # on a fresh optimizer: a stand-in state for every parameter (ep: the experts as DTensor shards)
+        msd, osd = _ep_dtensors(d, model, *get_state_dict(model, optimizer))
         # AdamW makes a parameter's state at its first gradient: a parameter with none yet (the self-conditioning
         # MLP before the first pre-pass) has no state in the checkpoint. Those are not asked for, and load_state_dict
         # drops their stand-ins, so the resumed optimizer is the one that was saved.
@@ -441,6 +515,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         sd = {"model": msd, "optimizer": osd}
         with _single_process_quiet():
             dcp.load(sd, checkpoint_id=ckpt)  # every model key is asked for: a missing one is an error here
+        sd = _ep_locals(sd)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
                        options=StateDictOptions(strict=False))  # not strict: the parameters without state
     else:
@@ -455,6 +530,9 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
             weights = {**model.state_dict(), **read_weights(ckpt)}
         else:
             weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
+        if d.parallel == "ep" and d.world_size > 1:
+            raise ValueError(f"{ckpt}: a single process's checkpoint; resume it with one process or --parallel "
+                             "ddp|fsdp (--parallel ep resumes the sharded checkpoints of several ranks)")
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
             set_state_dict(model, optimizer, model_state_dict=weights,
                            optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),
@@ -473,6 +551,36 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
     if bad:
         raise run_dir.NonFiniteError(f"{ckpt}: {bad} has non-finite values")
     return state
+
+
+def _ep_dtensors(d: Dist, model: nn.Module, msd: dict[str, Any], osd: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """--parallel ep: the state dicts with each rank's experts (and their AdamW moments) as DTensor shards of the
+    whole (E, ...) tensors, split on the expert dimension, so that DCP writes and reads them by name as a whole,
+    resharded for any world size and layout; otherwise unchanged."""
+    if d.parallel != "ep" or d.world_size == 1:
+        return msd, osd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from dgemma.parallel.experts import expert_names
+
+    mesh = init_device_mesh(d.device.type, (d.world_size,))
+    names = expert_names(model)
+    whole = lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+    msd = {k: whole(v) if k in names else v for k, v in msd.items()}
+    osd = {**osd, "state": {k: {m: whole(t) if k in names and torch.is_tensor(t) and t.dim() else t
+                                for m, t in v.items()} for k, v in osd["state"].items()}}
+    return msd, osd
+
+
+def _ep_locals(sd: Any) -> Any:
+    """`_ep_dtensors` undone: each DTensor's local shard (the tensor the model and AdamW hold)."""
+    if isinstance(sd, dict):
+        return {k: _ep_locals(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_ep_locals(v) for v in sd]
+    return sd.to_local() if hasattr(sd, "to_local") and hasattr(sd, "placements") else sd
 
 
 @contextlib.contextmanager

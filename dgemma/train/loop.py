@@ -155,14 +155,14 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
     # sums over micro-batches of (loss, loss^2, count, loss x tokens, tokens); per bound, over windows of
     # (nelbo/token, its square, count)
     sums = [0.0] * (5 + 3 * len(bounds))
-    for i, x0 in enumerate(val.heldout_batches(cfg.batch_size * d.world_size, cfg.seq_len, shift=shift)):
+    for i, x0 in enumerate(val.heldout_batches(cfg.batch_size * d.data_world, cfg.seq_len, shift=shift)):
         if i == cfg.eval_batches:
             break
         rows = x0.shape[0]
-        lo, hi = d.rank * rows // d.world_size, (d.rank + 1) * rows // d.world_size
+        lo, hi = d.data_rank * rows // d.data_world, (d.data_rank + 1) * rows // d.data_world
         empty = lo == hi  # a last batch with fewer rows than ranks: every rank still runs the forward (FSDP gathers
         lo, hi = (rows - 1, rows) if empty else (lo, hi)  # in it) on a stand-in row that is not counted
-        rows_kw = {"batch_rows": None if d.world_size == 1 else (lo, rows)}
+        rows_kw = {"batch_rows": None if d.data_world == 1 else (lo, rows)}
         per_window = []
         with torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
             g = torch.Generator(device=device).manual_seed(EVAL_SEED + i)
@@ -259,6 +259,7 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     runs this function; rank 0 alone checks and writes the run directory (lock, run.json, metrics, console) and every
     check is agreed on, so a failure on any rank stops them all. None: a single process."""
     d = dist or Dist(device=resolve_device(cfg.device))
+    d.parallel = cfg.parallel  # ep: every rank reads the same rows (d.data_world)
     if cfg.lora_rank and d.world_size > 1:
         raise ConfigError(f"TrainConfig.lora_rank: LoRA trains in one process ({d.world_size} ranks here); several "
                           "ranks are not supported yet")
@@ -290,14 +291,15 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
 
     def check_config(saved: dict[str, Any], source: Path) -> None:
         record = run_dir.read_record(run) or {}
-        check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run, record.get("world_size", 1), d.world_size)
+        check_resumable(TrainConfig.from_json(saved, str(source)), cfg, run, distributed.recorded_data_world(record),
+                        d.data_world)
 
     d.on_main(lambda: run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config))
     shards = d.world_size if cfg.parallel == "fsdp" else 1
     console.print(d.agree(lambda: preflight(cfg, device, use_bf16, shards)))
     if d.world_size > 1:
         console.print(f"{d.world_size} ranks ({cfg.parallel}, {'nccl' if device.type == 'cuda' else 'gloo'}): "
-                      f"{cfg.batch_size} windows a rank x {d.world_size} x {cfg.grad_accum} micro-batches a step")
+                      f"{cfg.batch_size} windows a rank x {d.data_world} x {cfg.grad_accum} micro-batches a step")
 
     # Nothing above wrote anything; from here on the run directory is ours, and the checks are redone under its lock.
     with contextlib.ExitStack() as held:
@@ -318,7 +320,8 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
                                   f"{teacher['teacher_checkpoint']} as when this run started: the resume is not "
                                   "bit-exact (give --teacher a checkpoint directory to pin it)")
             run_dir.write_record(run, {"train_config": cfg.to_json(), "data": fingerprint, "data_dir": str(data_dir),
-                                       "world_size": d.world_size} | ({"inherited": start} if start else {}) | teacher)
+                                       "world_size": d.world_size, "data_world": d.data_world}
+                                | ({"inherited": start} if start else {}) | teacher)
             run_dir.clean_temporaries(run)
 
         d.on_main(take_run)
@@ -330,7 +333,7 @@ def _load_checkpoint(ckpt: Path, cfg: TrainConfig, model: DiffusionGemma, optimi
     """Load a checkpoint into `model` and `optimizer` and return its trainer state, or raise if any part is damaged
     or its config is not this run's (run_dir.newest_intact tries the next older one)."""
     check_resumable(TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON)),
-                    cfg, ckpt, checkpoint_world_size(ckpt), d.world_size)
+                    cfg, ckpt, checkpoint_world_size(ckpt), d.data_world)
     return load_into(d, ckpt, model, optimizer,
                      read_weights=(lambda p: lora.read_weights(model, p)) if cfg.lora_rank else None)
 
@@ -427,8 +430,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     step = start_step = state["step"]
     end = cfg.max_steps if until_step is None else min(until_step, cfg.max_steps)
     batches = train_set.batches(cfg.batch_size, cfg.seq_len, cfg.seed, start_batch=step * cfg.grad_accum,
-                                shift=1 if cfg.objective == "ar" else 0, rank=d.rank, world_size=d.world_size)
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * d.world_size
+                                shift=1 if cfg.objective == "ar" else 0, rank=d.data_rank, world_size=d.data_world)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * d.data_world
     deadline = time.monotonic() + 60 * max_minutes if max_minutes is not None else None
     t_start, elapsed_before = time.monotonic(), state["elapsed_s"]
     cpu_start, cpu_before = time.process_time(), state.get("cpu_s", 0.0)  # this process's CPU time, all threads

@@ -81,3 +81,42 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int |
             torch.save(results, Path(out))
     finally:
         dist.destroy_process_group()
+
+
+def train_grads(rank: int = 0, world: int = 1) -> dict:
+    """One training loss and its gradients on the tiny MoE (fp32, fast kernels) from a fixed seed and batch; under
+    `--parallel ep` when `world` > 1 (the experts' gradients gathered whole). What test_parallel_train.py compares."""
+    from dgemma.train.diffusion import training_loss
+    from dgemma.train.distributed import _ep_clip_grad_norm, shard_experts_for_training
+
+    model = build_model(preset("tiny"), impl="fast", dtype=torch.float32).train()
+    x0 = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(3))
+    if world > 1:
+        shard_experts_for_training(model, world)
+    out = training_loss(model, x0, self_conditioning_prob=1.0, generator=torch.Generator().manual_seed(4))
+    out.loss.backward()
+    if world > 1:
+        norm = _ep_clip_grad_norm(model, 0.0, world)
+    else:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if world > 1 and name.split(".")[-2] == "experts":
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g.contiguous())
+            g = torch.cat(parts)
+        grads[name] = g.clone()
+    return {"loss": float(out.loss.detach()), "norm": norm, "grads": grads}
+
+
+def train_rank_main(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = train_grads(rank, world)
+        if rank == 0:
+            torch.save(result, Path(out))
+    finally:
+        dist.destroy_process_group()

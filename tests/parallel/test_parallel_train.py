@@ -1,0 +1,131 @@
+"""Training with the routed experts split over the ranks (`torchrun ... dgemma train --parallel ep`): 2 CPU ranks
+(gloo) against one process on the same batch, and its DCP checkpoints resumed on another world size and layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dgemma import cli
+from dgemma.weights.checkpoint import list_checkpoints
+from tests.train.test_distributed import final_weights, free_port, losses, metrics, torchrun
+
+STEPS = 4
+FLAGS = ["--preset", "tiny", "--vocab-size", "512", "--seq-len", "32", "--max-steps", str(STEPS),
+         "--warmup-steps", "1", "--eval-every", "2", "--eval-batches", "1", "--save-every", "2", "--keep-last", "5",
+         "--log-every", "100", "--device", "cpu", "--batch-size", "4"]
+
+
+def assert_close(a: Path, b: Path, atol: float = 5e-3) -> None:
+    """Losses to fp32 rounding; weights within about one step of the learning rate (3e-3): AdamW's first steps are
+    sign-like, so a near-zero gradient whose rounding differs moves a weight by up to lr either way (measured 2.6e-3,
+    in the self-conditioning MLP; test_ep_gradients_on_two_ranks_are_one_processs checks the gradients themselves)."""
+    (la, va), (lb, vb) = losses(a), losses(b)
+    assert len(la) == len(lb) == STEPS
+    assert la == pytest.approx(lb, rel=1e-5) and va == pytest.approx(vb, rel=1e-5), (la, lb, va, vb)
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst < atol, worst
+
+
+@pytest.fixture(scope="module")
+def ep_run(tiny_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ep") / "run"
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), *FLAGS, "--parallel", "ep"])
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def single_run(tiny_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("single") / "run"
+    assert cli.main(["train", "--data", str(tiny_data), "--out", str(run), *FLAGS]) == 0
+    return run
+
+
+@pytest.mark.integration
+def test_ep_on_two_ranks_trains_as_one_process_on_the_same_batch(ep_run, single_run):
+    # each rank holds 4 of the tiny preset's 8 experts and reads the whole batch: one process's steps, to fp32
+    # rounding (the gradient norm sums the experts' squares over the ranks in another order)
+    assert_close(ep_run, single_run)
+    record = json.loads((ep_run / "run.json").read_text())
+    assert record["world_size"] == 2 and record["data_world"] == 1
+    assert [m["tokens"] for m in metrics(ep_run) if "loss" in m][-1] == STEPS * 4 * 32
+    last = list_checkpoints(ep_run)[-1]
+    assert (last / ".metadata").is_file()
+    whole = [v for k, v in final_weights(ep_run).items() if k.endswith("experts.gate_up_proj")]
+    assert whole and all(v.shape[0] == 8 for v in whole)  # consolidated: every expert, gathered
+
+
+def cut_at_step_2(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "checkpoints" / f"step-{STEPS:07d}")
+    (dst / "checkpoints" / "latest").write_text("step-0000002\n")
+    return dst
+
+
+@pytest.mark.integration
+def test_an_ep_checkpoint_resumes_on_one_process(tiny_data, ep_run, single_run, tmp_path, capsys):
+    run = cut_at_step_2(ep_run, tmp_path / "run")
+    assert cli.main(["train", "--data", str(tiny_data), "--out", str(run), "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
+def test_an_ep_checkpoint_resumes_under_ddp(tiny_data, ep_run, single_run, tmp_path):
+    run = cut_at_step_2(ep_run, tmp_path / "run")
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume", "--parallel", "ddp"])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads((run / "run.json").read_text())["train_config"]["batch_size"] == 2  # 2 ranks x 2 rows
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
+def test_ep_refuses_a_dense_model_and_experts_that_do_not_divide(tiny_data, tmp_path):
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "dense"), *FLAGS,
+                     "--preset", "lite-tiny", "--parallel", "ep"])
+    assert done.returncode != 0
+    assert "--parallel ep on 2 ranks: ep=2 needs a mixture-of-experts model" in done.stdout + done.stderr
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "three"), *FLAGS, "--parallel", "ep"],
+                    nproc=3)
+    assert done.returncode != 0
+    assert "--parallel ep on 3 ranks: ep=3 does not divide num_experts=8" in done.stdout + done.stderr
+
+
+def test_ep_gradients_on_two_ranks_are_one_processs(tmp_path):
+    """The loss and every parameter's gradient (the experts' gathered whole) of one step under ep on 2 ranks are one
+    process's on the same batch, to fp32 rounding (the experts' input gradient is summed over the ranks)."""
+    import torch.multiprocessing as mp
+
+    from tests.parallel.workers import train_grads, train_rank_main
+
+    out = tmp_path / "grads.pt"
+    mp.spawn(train_rank_main, args=(2, free_port(), str(out)), nprocs=2)
+    got, alone = torch.load(out), train_grads()
+    assert got["loss"] == alone["loss"]  # the forward is bit-identical (dgemma/parallel/experts.py)
+    assert got["norm"] == pytest.approx(alone["norm"], rel=1e-5)
+    assert got["grads"].keys() == alone["grads"].keys()
+    for name, g in alone["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_expert_gather_has_this_ranks_slice_as_its_backward():
+    from dgemma.parallel.experts import GatherRows
+
+    class One:  # a group of one: the gather is the identity, the backward the whole gradient
+        rank, world_size = 0, 1
+
+        @staticmethod
+        def gather_rows(rows, sizes):
+            return rows
+
+    x = torch.randn(3, 2, requires_grad=True)
+    GatherRows.apply(x, One, [3]).sum().backward()
+    assert torch.equal(x.grad, torch.ones(3, 2))
