@@ -53,7 +53,7 @@ from dgemma.model import kernels
 from dgemma.model.config import ConfigError, ModelConfig, read_json
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
-from dgemma.train import run_dir
+from dgemma.train import expert_parallel, run_dir
 from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretrained
 from dgemma.weights.loading import load_generation_config, load_model
 
@@ -239,7 +239,10 @@ class Dist:
             for block in model.layers:
                 checkpoint(block)
         if self.world_size > 1 and parallel == "ep":
-            shard_experts_for_training(model, self.world_size)
+            try:
+                expert_parallel.shard_experts(model, self.world_size)
+            except ConfigError as e:
+                raise shared(e) from None
         if self.world_size > 1 and parallel == "fsdp":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -290,7 +293,7 @@ class Dist:
     def clip_grad_norm(self, model: nn.Module, clip: float) -> float:
         """The global gradient norm (before clipping), the same on every rank; clipped to `clip` (0: not)."""
         if self.world_size > 1 and self.parallel == "ep":
-            return _ep_clip_grad_norm(model, clip, self.world_size)
+            return expert_parallel.clip_grad_norm(model, clip, self.world_size)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
             norm = norm.full_tensor()
@@ -338,50 +341,6 @@ class Dist:
     @property
     def sharded(self) -> bool:
         return self.world_size > 1 and self.parallel == "fsdp"
-
-
-def shard_experts_for_training(model: DiffusionGemma, world_size: int) -> None:
-    """--parallel ep: each rank keeps E / W of every layer's routed experts (trainable); one line if it cannot."""
-    from dgemma.model import plan
-    from dgemma.parallel.comm import Comm
-    from dgemma.parallel.experts import shard_experts
-
-    try:
-        plan.check_layout(model.config, plan.ParallelLayout(ep=world_size))
-    except ValueError as e:
-        raise shared(ConfigError(f"--parallel ep on {world_size} ranks: {e}")) from None
-    shard_experts(model, Comm(), trainable=True)
-
-
-def _ep_clip_grad_norm(model: nn.Module, clip: float, world: int) -> float:
-    """--parallel ep: the replicated parameters' gradients averaged over the ranks (equal up to the order of
-    floating-point sums, which nondeterministic GPU kernels may change: averaging keeps the replicas equal), then the
-    norm over every parameter (the experts' squares summed over the ranks), clipped as clip_grad_norm_ clips."""
-    from dgemma.parallel.experts import expert_names
-
-    experts = expert_names(model)
-    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-    replicated = [p.grad for n, p in params if n not in experts]
-    device = next(model.parameters()).device
-    if replicated:
-        flat = torch.cat([g.reshape(-1) for g in replicated])
-        dist.all_reduce(flat)
-        flat /= world
-        lo = 0
-        for g in replicated:
-            g.copy_(flat[lo:lo + g.numel()].view_as(g))
-            lo += g.numel()
-    squares = torch.zeros(2, dtype=torch.float64, device=device)  # (replicated, this rank's experts)
-    for n, p in params:
-        squares[int(n in experts)] += p.grad.double().square().sum()
-    own = squares[1:].clone()
-    dist.all_reduce(own)
-    norm = float(squares[0] + own[0]) ** 0.5
-    if clip:
-        coef = min(clip / (norm + 1e-6), 1.0)
-        for _, p in params:
-            p.grad.mul_(coef)
-    return norm
 
 
 def windows_per_step(cfg: Any, world: int) -> int:
@@ -456,7 +415,7 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    msd, osd = _ep_dtensors(d, model, *get_state_dict(model, optimizer))
+    msd, osd = expert_parallel.as_dtensors(d, model, *get_state_dict(model, optimizer))
     d.agree(lambda: _refuse_nonfinite(state["step"], {"model": msd, "optimizer": osd}))
     final, tmp = run_dir.checkpoint_paths(run, state["step"], "sharded")
     d.on_main(lambda: run_dir.fresh_dir(tmp))
@@ -505,7 +464,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
 
         state = read_json(ckpt / SHARDED_STATE)
         # on a fresh optimizer: a stand-in state for every parameter (ep: the experts as DTensor shards)
-        msd, osd = _ep_dtensors(d, model, *get_state_dict(model, optimizer))
+        msd, osd = expert_parallel.as_dtensors(d, model, *get_state_dict(model, optimizer))
         # AdamW makes a parameter's state at its first gradient: a parameter with none yet (the self-conditioning
         # MLP before the first pre-pass) has no state in the checkpoint. Those are not asked for, and load_state_dict
         # drops their stand-ins, so the resumed optimizer is the one that was saved.
@@ -515,7 +474,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         sd = {"model": msd, "optimizer": osd}
         with _single_process_quiet():
             dcp.load(sd, checkpoint_id=ckpt)  # every model key is asked for: a missing one is an error here
-        sd = _ep_locals(sd)
+        sd = expert_parallel.locals_of(sd)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
                        options=StateDictOptions(strict=False))  # not strict: the parameters without state
     else:
@@ -551,36 +510,6 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
     if bad:
         raise run_dir.NonFiniteError(f"{ckpt}: {bad} has non-finite values")
     return state
-
-
-def _ep_dtensors(d: Dist, model: nn.Module, msd: dict[str, Any], osd: dict[str, Any]
-                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """--parallel ep: the state dicts with each rank's experts (and their AdamW moments) as DTensor shards of the
-    whole (E, ...) tensors, split on the expert dimension, so that DCP writes and reads them by name as a whole,
-    resharded for any world size and layout; otherwise unchanged."""
-    if d.parallel != "ep" or d.world_size == 1:
-        return msd, osd
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    from dgemma.parallel.experts import expert_names
-
-    mesh = init_device_mesh(d.device.type, (d.world_size,))
-    names = expert_names(model)
-    whole = lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
-    msd = {k: whole(v) if k in names else v for k, v in msd.items()}
-    osd = {**osd, "state": {k: {m: whole(t) if k in names and torch.is_tensor(t) and t.dim() else t
-                                for m, t in v.items()} for k, v in osd["state"].items()}}
-    return msd, osd
-
-
-def _ep_locals(sd: Any) -> Any:
-    """`_ep_dtensors` undone: each DTensor's local shard (the tensor the model and AdamW hold)."""
-    if isinstance(sd, dict):
-        return {k: _ep_locals(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [_ep_locals(v) for v in sd]
-    return sd.to_local() if hasattr(sd, "to_local") and hasattr(sd, "placements") else sd
 
 
 @contextlib.contextmanager

@@ -87,16 +87,16 @@ def train_grads(rank: int = 0, world: int = 1) -> dict:
     """One training loss and its gradients on the tiny MoE (fp32, fast kernels) from a fixed seed and batch; under
     `--parallel ep` when `world` > 1 (the experts' gradients gathered whole). What test_parallel_train.py compares."""
     from dgemma.train.diffusion import training_loss
-    from dgemma.train.distributed import _ep_clip_grad_norm, shard_experts_for_training
+    from dgemma.train.expert_parallel import clip_grad_norm, shard_experts
 
     model = build_model(preset("tiny"), impl="fast", dtype=torch.float32).train()
     x0 = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(3))
     if world > 1:
-        shard_experts_for_training(model, world)
+        shard_experts(model, world)
     out = training_loss(model, x0, self_conditioning_prob=1.0, generator=torch.Generator().manual_seed(4))
     out.loss.backward()
     if world > 1:
-        norm = _ep_clip_grad_norm(model, 0.0, world)
+        norm = clip_grad_norm(model, 0.0, world)
     else:
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
     grads = {}
