@@ -197,8 +197,9 @@ TINY_ARGS: dict[str, list[str]] = {
        f"2,45,300 --seed 0 --max-new-tokens 32 --parallel {layout}": ["--max-denoising-steps", "3"]
        for n, layout in ((2, "ep"), (4, "tp"), (2, "ep+tp"))},
     # docs/parallel.md, Training: ep on 2 CPU ranks stopped after a step, then resumed in one process
-    "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/ep --preset tiny --vocab-size 8192 "
-    "--device cpu --parallel ep": ["--until-step", "1", "--eval-batches", "1", "--batch-size", "2", "--save-every", "1"],
+    "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/ep --preset tiny "
+    "--vocab-size 8192 --device cpu --parallel ep": ["--until-step", "1", "--eval-batches", "1", "--batch-size", "2",
+                                                     "--save-every", "1"],
     "dgemma train --data data --out runs/ep --resume": ["--until-step", "2", "--eval-batches", "1"],
     "python runs/bench_parallel.py": ["--smoke"],
     "python runs/bench_serve.py": ["--quick"],
