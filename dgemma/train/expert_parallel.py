@@ -18,19 +18,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dgemma.model.config import ConfigError
+from dgemma.model.config import ConfigError, ModelConfig
+
+
+def check(config: ModelConfig, world_size: int) -> None:
+    """ConfigError in one line unless `world_size` ranks split this model's experts (model/plan.py's rules)."""
+    from dgemma.model import plan
+
+    try:
+        plan.check_layout(config, plan.ParallelLayout(ep=world_size))
+    except ValueError as e:
+        raise ConfigError(f"--parallel ep on {world_size} ranks: {e}") from None
 
 
 def shard_experts(model: nn.Module, world_size: int) -> None:
-    """--parallel ep: each rank keeps E / W of every layer's routed experts (trainable); one line if it cannot."""
-    from dgemma.model import plan
+    """--parallel ep: each rank keeps E / W of every layer's routed experts (trainable), after `check`."""
     from dgemma.parallel.comm import Comm
     from dgemma.parallel.experts import shard_experts as shard
 
-    try:
-        plan.check_layout(model.config, plan.ParallelLayout(ep=world_size))
-    except ValueError as e:
-        raise ConfigError(f"--parallel ep on {world_size} ranks: {e}") from None
+    check(model.config, world_size)
     shard(model, Comm(), trainable=True)
 
 

@@ -63,7 +63,7 @@ from dgemma.io.console import Console, Eta, duration
 from dgemma.model.config import ConfigError, ModelConfig
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
-from dgemma.train import distributed, run_dir
+from dgemma.train import distributed, expert_parallel, run_dir
 from dgemma.train.config import (
     CONFIG_JSON,
     EVAL_SEED,
@@ -267,6 +267,8 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     run, data_dir, device = Path(out_dir), Path(data_dir), d.device
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     mc = cfg.model_config
+    if cfg.parallel == "ep" and d.world_size > 1:  # before anything is written (the same error on every rank)
+        d.symmetric(lambda: expert_parallel.check(mc, d.world_size))
 
     def check_data() -> tuple[Any, Any, dict[str, Any]]:
         if use_bf16 and device.type != "cuda":

@@ -92,7 +92,10 @@ def test_ep_refuses_a_dense_model_and_experts_that_do_not_divide(tiny_data, tmp_
     done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "dense"), *FLAGS,
                      "--preset", "lite-tiny", "--parallel", "ep"])
     assert done.returncode != 0
-    assert "--parallel ep on 2 ranks: ep=2 needs a mixture-of-experts model" in done.stdout + done.stderr
+    line = ("dgemma train: error: --parallel ep on 2 ranks: ep=2 needs a mixture-of-experts model; this one is dense "
+            "(num_experts=0)")
+    assert (done.stdout + done.stderr).count(line) == 1  # shown once, by rank 0
+    assert not (tmp_path / "dense").exists()  # refused before the run directory is written
     done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "three"), *FLAGS, "--parallel", "ep"],
                     nproc=3)
     assert done.returncode != 0
