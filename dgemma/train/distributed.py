@@ -427,6 +427,9 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
     else:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    # a single process's checkpoint resumed here brought its optimizer and RNG states: DCP holds the optimizer's
+    trainer_state = {k: v for k, v in state.items() if k not in ("optimizer", "rng_cpu", "rng_cuda")}
+
     def fill() -> None:
         if full is not None:
             with torch.device("meta"):
@@ -436,7 +439,7 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
         else:  # the configs, so that `dgemma export` knows the model (and load_model names the way out)
             fsio.write_text(tmp / "config.json", json.dumps(model.config.to_hf(), indent=2) + "\n")
             fsio.write_text(tmp / "generation_config.json", json.dumps(generation_config.to_hf(), indent=2) + "\n")
-        fsio.write_text(tmp / SHARDED_STATE, json.dumps({**state, "world_size": d.world_size,
+        fsio.write_text(tmp / SHARDED_STATE, json.dumps({**trainer_state, "world_size": d.world_size,
                                                          "data_world": d.data_world}) + "\n")
 
     publish = lambda: run_dir.publish_checkpoint(run, tmp, final, train_config, keep_last, fill,
@@ -489,9 +492,8 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
             weights = {**model.state_dict(), **read_weights(ckpt)}
         else:
             weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
-        if d.parallel == "ep" and d.world_size > 1:
-            raise ValueError(f"{ckpt}: a single process's checkpoint; resume it with one process or --parallel "
-                             "ddp|fsdp (--parallel ep resumes the sharded checkpoints of several ranks)")
+        if d.parallel == "ep" and d.world_size > 1:  # each rank keeps its experts of the whole tensors
+            weights, state["optimizer"] = expert_parallel.own_share(model, optimizer, weights, state["optimizer"])
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
             set_state_dict(model, optimizer, model_state_dict=weights,
                            optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),

@@ -99,3 +99,20 @@ def locals_of(sd: Any) -> Any:
     if isinstance(sd, list):
         return [locals_of(v) for v in sd]
     return sd.to_local() if hasattr(sd, "to_local") and hasattr(sd, "placements") else sd
+
+
+def own_share(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, Any], saved: dict[str, Any]
+              ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A single process's checkpoint (whole weights by name, a torch optimizer state dict by index) cut to this
+    rank's experts, for `load_state_dict`."""
+    from dgemma.parallel.experts import expert_names
+
+    experts = expert_names(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    cut = lambda name, t: t[experts[name].first:experts[name].last] if name in experts and t.dim() else t
+    weights = {k: cut(k, v) for k, v in weights.items()}
+    state = {i: {m: cut(order[i], t) if torch.is_tensor(t) else t for m, t in s.items()}
+             for i, s in saved["state"].items()}
+    return weights, {**saved, "state": state}
+

@@ -88,6 +88,15 @@ def test_an_ep_checkpoint_resumes_under_ddp(tiny_data, ep_run, single_run, tmp_p
 
 
 @pytest.mark.integration
+def test_a_single_process_checkpoint_resumes_under_ep(tiny_data, single_run, tmp_path):
+    run = cut_at_step_2(single_run, tmp_path / "run")
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume", "--parallel", "ep"])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "resuming" in done.stdout
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
 def test_ep_refuses_a_dense_model_and_experts_that_do_not_divide(tiny_data, tmp_path):
     done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "dense"), *FLAGS,
                      "--preset", "lite-tiny", "--parallel", "ep"])
