@@ -88,6 +88,14 @@ def test_an_ep_checkpoint_resumes_under_ddp(tiny_data, ep_run, single_run, tmp_p
 
 
 @pytest.mark.integration
+def test_an_ep_checkpoint_resumes_under_ep_on_4_ranks(tiny_data, ep_run, single_run, tmp_path):
+    run = cut_at_step_2(ep_run, tmp_path / "run")  # 4 experts a rank -> 2: DCP reshards the experts and AdamW
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume"], nproc=4)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
 def test_a_single_process_checkpoint_resumes_under_ep(tiny_data, single_run, tmp_path):
     run = cut_at_step_2(single_run, tmp_path / "run")
     done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume", "--parallel", "ep"])
