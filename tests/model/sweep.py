@@ -8,7 +8,7 @@ every generation-config field in its valid range, a batch of 1-3 rows, and left 
 `run_case(case)` builds the randomised transformers model, saves it, loads it in both libraries, and checks:
   - forward: first denoising step, a step with self-conditioning, a second canvas after a commit: bit-exact (fp32,
     transformers with eager attention and eager experts); in bf16 too when `case.bf16`;
-  - `impl="fast"` logits within max(1e-4, 2 x transformers' own default-vs-eager distance) of the reference, fp32;
+  - `impl="fast"` logits within max(FAST_FLOOR, 2 x transformers' own default-vs-eager distance) of the reference, fp32;
   - `generate`: sequences, tokens_per_forward, and the number of denoising steps of every canvas identical, under
     the same seed (fp32; bf16 when `case.bf16`).
 On a mismatch it raises `Mismatch` with the case, the seed, and the first divergent canvas and step.
@@ -34,6 +34,10 @@ from dgemma.testing.hf import EntropyBoundSamplerConfig, build_hf_model, load_hf
 from dgemma.weights.loading import load_generation_config, load_model
 
 S, F = "sliding_attention", "full_attention"
+
+# fp32 rounding of the fast kernels' reordered sums on a small random model: the error no case may pass against the
+# float64 logits, whatever the reference's (measured up to 1.1e-4 on AMD EPYC AVX-512, under 1e-4 on Intel Xeon)
+FAST_FLOOR = 2e-4
 
 
 class Mismatch(AssertionError):
@@ -204,13 +208,16 @@ def _check_forward(case: Case, hf: Any, hf_default: Any, model: Any, dtype: torc
         # error against the float64 logits is bounded by 1e-4, or twice the reference path's error, or twice
         # transformers' own default-vs-eager distance, whichever is largest (case 258: the fast path is 2.9e-3 from
         # the truth, the reference 3.3e-3, while the two are 9.3e-4 apart).
+        # The floor is the CPU's: on an AVX-512 AMD EPYC case 7 is 1.1e-4 from the truth (the reference 3.5e-5,
+        # transformers' two kernels 4.0e-5 apart), past the 1e-4 that held on an Intel Xeon (FAST_FLOOR).
         want_default, _ = hf_logits(hf_default, prompt, canvas)
         noise = (want_default - want).abs().max().item()
         reference_error = (want.double() - truth).abs().max().item()
         error = (fast_first.double() - truth).abs().max().item()
-        if not error <= max(1e-4, 2 * reference_error, 2 * noise):
-            raise Mismatch(f"{where}: impl='fast' logits are {error:.3g} from the float64 logits > max(1e-4, 2 x "
-                           f"{reference_error:.3g} (the reference's), 2 x {noise:.3g} (transformers' default vs "
+        if not error <= max(FAST_FLOOR, 2 * reference_error, 2 * noise):
+            raise Mismatch(f"{where}: impl='fast' logits are {error:.3g} from the float64 logits > "
+                           f"max({FAST_FLOOR:g}, 2 x {reference_error:.3g} (the reference's), 2 x {noise:.3g} "
+                           f"(transformers' default vs "
                            f"eager))\ncase: {case.describe()}")
 
 
