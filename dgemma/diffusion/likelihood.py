@@ -396,6 +396,28 @@ def nelbo_per_window(model: DiffusionGemma, x0: Tensor, *, objective: str, num_s
 
 # --- scoring a continuation (the server's echo + max_tokens 0, docs/serving.md) --------------------------------------
 
+def _scored_window(model: DiffusionGemma, context: Sequence[int], tokens: Sequence[int], name: str
+                   ) -> tuple[Tensor | None, Tensor]:
+    """The committed context (1, P) (None when empty) and the scored `tokens` (named `name` in errors) cut into whole
+    canvases right after it, (1, S) with S the tokens rounded up to canvases of L (zeros after them), on the model's
+    device: ValueError when they pass the model's positions or hold ids outside its vocabulary."""
+    cfg = model.config
+    L, V = cfg.canvas_length, cfg.vocab_size
+    n, P = len(tokens), len(context)
+    S = -(-n // L) * L
+    if P + S > cfg.max_position_embeddings:
+        raise ValueError(f"context and {name}: {P} + {n} tokens (rounded up to whole canvases of {L}: {S}) exceed "
+                         f"the model's {cfg.max_position_embeddings} positions")
+    device = model.device
+    x0 = torch.zeros(1, S, dtype=torch.long, device=device)
+    x0[0, :n] = torch.as_tensor(list(tokens), dtype=torch.long, device=device)
+    check_token_ids(x0[:, :n], V, name)
+    ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)[None] if P else None
+    if ctx is not None:
+        check_token_ids(ctx, V, "context")
+    return ctx, x0
+
+
 @torch.no_grad()
 def score_continuation(model: DiffusionGemma, context: Sequence[int], continuation: Sequence[int], *,
                        num_steps: int | None, num_t_samples: int, seed: int = 0,
@@ -416,23 +438,12 @@ def score_continuation(model: DiffusionGemma, context: Sequence[int], continuati
     Monte Carlo error is over t and x_t only: see docs/serving.md for its size. A pure function of the model's
     weights: no KV cache, no state written. `adapters(B)`: a LoRA adapter for the B rows of each pass (None: the base
     model; dgemma/weights/adapters.py)."""
-    cfg = model.config
-    L, V = cfg.canvas_length, cfg.vocab_size
-    n, P = len(continuation), len(context)
+    L, V = model.config.canvas_length, model.config.vocab_size
+    n = len(continuation)
     if n == 0:
         raise ValueError("continuation: nothing to score (no tokens)")
-    S = -(-n // L) * L
-    if P + S > cfg.max_position_embeddings:
-        raise ValueError(f"context and continuation: {P} + {n} tokens (the continuation rounded up to whole canvases "
-                         f"of {L}: {S}) exceed the model's {cfg.max_position_embeddings} positions")
-    device = model.device
-    x0 = torch.zeros(1, S, dtype=torch.long, device=device)
-    x0[0, :n] = torch.as_tensor(list(continuation), dtype=torch.long, device=device)
-    ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)[None] if P else None
-    check_token_ids(x0[:, :n], V, "continuation")
-    if ctx is not None:
-        check_token_ids(ctx, V, "context")
-    g = torch.Generator(device=device).manual_seed(seed)
+    ctx, x0 = _scored_window(model, context, continuation, "continuation")
+    g = torch.Generator(device=model.device).manual_seed(seed)
     posterior = clean_context_posterior(model, ctx, num_scored=n, generator=g, adapters=adapters)
     common = dict(canvas_length=L, vocab_size=V, num_t_samples=num_t_samples, generator=g)
     terms = (window_nelbo_continuous(posterior, x0, **common) if num_steps is None
@@ -450,22 +461,12 @@ def first_step_log_probs(model: DiffusionGemma, context: Sequence[int], tokens: 
     One forward. The server's ranking of alternatives when it scores a prompt, and its greedy next token
     (dgemma/serving/scoring.py; docs/serving.md). `tokens` only fill the clean copy the later canvases see; the ids of
     a last canvas's other positions do not matter (nothing sees them). Deterministic given `seed` (the noise)."""
-    cfg = model.config
-    L, V = cfg.canvas_length, cfg.vocab_size
-    n, P = len(tokens), len(context)
+    L, V = model.config.canvas_length, model.config.vocab_size
+    n, device = len(tokens), model.device
     if n == 0:
         raise ValueError("tokens: no positions to score")
-    S = -(-n // L) * L
-    if P + S > cfg.max_position_embeddings:
-        raise ValueError(f"context and tokens: {P} + {n} tokens (rounded up to whole canvases of {L}: {S}) exceed the "
-                         f"model's {cfg.max_position_embeddings} positions")
-    device = model.device
-    x0 = torch.zeros(1, S, dtype=torch.long, device=device)
-    x0[0, :n] = torch.as_tensor(list(tokens), dtype=torch.long, device=device)
-    check_token_ids(x0[:, :n], V, "tokens")
-    ctx = torch.as_tensor(list(context), dtype=torch.long, device=device)[None] if P else None
-    if ctx is not None:
-        check_token_ids(ctx, V, "context")
+    ctx, x0 = _scored_window(model, context, tokens, "tokens")
+    S = x0.shape[1]
     g = torch.Generator(device=device).manual_seed(seed)
     xt = torch.randint(0, V, (1, S), generator=g, device=device)
     posterior = clean_context_posterior(model, ctx, adapters=adapters)
