@@ -14,6 +14,8 @@
 #                     prompts x 2 sampling seeds, the ancestral chain (what the students were distilled for) and
 #                     entropy-bound at N = 16, 8, 4, the AR baseline at temperatures 0.6, 0.7, .., 1.0; every model's
 #                     Monte Carlo draws its own (docs/evaluation.md section 1.4)
+#   summary/floor-*   runs/distill_floor.py: each round's KL split into its floor (the spread of the teacher's
+#                     two-step outcomes) and the part a student can learn, at initialisation and after, paired
 #   summary/          runs/distill_summary.py: each student against the teacher at full steps, paired over the same
 #                     prompts (judge NLL difference +- SE, per-sample distinct-2 ratio, tokens per forward), the
 #                     distillation's CPU-minutes, and seed 003's verdict with the students on the frontier;
@@ -23,6 +25,7 @@
 #   bash runs/distill_results.sh             # ~1.5 h on 2 cores: demo ~10 min, judge ~5, two rounds ~15, three evals
 #   bash runs/distill_results.sh --smoke     # the same pipeline with the tiny preset on a toy corpus (a minute)
 #
+# DISTILL_ARGS adds flags to both rounds (e.g. DISTILL_ARGS="--teacher-draws 4").
 # Every step resumes (--resume; a finished report is kept), so the same command continues after a stop. Everything
 # runs inside OUT (default runs/out/distill-demo) with relative paths.
 set -euo pipefail
@@ -34,7 +37,8 @@ mkdir -p "$OUT" && cd "$OUT"
 dgemma() { nice -n "${NICE:-0}" "$PY" -m dgemma "$@"; }
 
 JUDGE=(--preset cpu-tiny --warmup-steps 20 --max-steps 1920 --eval-every 10000 --eval-batches 16)
-DISTILL=()
+DISTILL=(${DISTILL_ARGS:-})
+FLOOR=()
 TEMPS=0.6,0.7,0.8,0.9,1.0
 EVAL=(--prompts 256 --sample-seeds 2 --prompt-tokens 32 --entropy-bounds 0.1
       --sampler-grid ancestral --ar-temperatures "$TEMPS" --max-windows 128 --threads 2)
@@ -46,7 +50,8 @@ if [[ "$SMOKE" == --smoke ]]; then  # toy corpus, tiny models, a few steps, a sm
   dgemma train --preset tiny --max-steps 4 --batch-size 2 --eval-batches 1 --init-from demo/ar \
       --data demo/data --out demo/diffusion --resume
   JUDGE=(--preset tiny --vocab-size 1024 --max-steps 4 --batch-size 2 --eval-batches 1)
-  DISTILL=(--max-steps 2 --eval-batches 1 --warmup-steps 1)
+  DISTILL=(--max-steps 2 --eval-batches 1 --warmup-steps 1 ${DISTILL_ARGS:-})
+  FLOOR=(--windows 2 --seq-len 32 --draws 2)
   EVAL=(--prompts 4 --sample-seeds 1 --entropy-bounds 0.1 --sampler-grid ancestral
         --ar-temperatures 0.8,1.0 --max-windows 2 --t-samples 1 --iw-windows 0 --quiet)
 else
@@ -64,6 +69,13 @@ dgemma distill "${DISTILL[@]}" --data demo/data --out "student-$half" --teacher 
     --student-steps "$half" --resume
 dgemma distill "${DISTILL[@]}" --data demo/data --out "student-$quarter" --teacher "student-$half" \
     --student-steps "$quarter" --resume
+# How much of each round's KL its student removed: the floor, and the learnable part at initialisation (the student's
+# teacher) and after, paired on the same held-out windows and teacher draws (runs/distill_floor.py).
+mkdir -p summary
+"$PY" "$ROOT/runs/distill_floor.py" --teacher demo/diffusion --student demo/diffusion --student "student-$half" \
+    --student-steps "$half" --data demo/data --out "summary/floor-$half.json" "${FLOOR[@]}"
+"$PY" "$ROOT/runs/distill_floor.py" --teacher "student-$half" --student "student-$half" --student "student-$quarter" \
+    --student-steps "$quarter" --data demo/data --out "summary/floor-$quarter.json" "${FLOOR[@]}"
 unset OMP_NUM_THREADS
 
 evaluate() {  # evaluate NAME RUN

@@ -63,6 +63,9 @@ class TrainConfig:
     student_steps: int | None = setting("--objective distill: the student's denoising steps N (its "
                                         "generation_config's max_denoising_steps); each training step matches two "
                                         "teacher steps of 1/(2N), so N is fewer than the teacher's steps", default=None)
+    teacher_draws: int = setting("--objective distill: independent teacher two-step outcomes per noisy canvas; the "
+                                 "target is the mean of their posteriors (the same minimiser as one draw, a K times "
+                                 "smaller draw variance, K - 1 more teacher forwards a step)", default=1)
     init_from: str | None = setting("start from this checkpoint (HF layout, or a run) instead of random weights; its "
                                     "geometry replaces the preset's", default=None, metavar="DIR")
     lora_rank: int = setting("LoRA rank: train adapters on the init_from weights, frozen (0: train every weight)",
@@ -164,6 +167,9 @@ class TrainConfig:
         check(self.student_steps is None if not distill else (isinstance(self.student_steps, int) and not
               isinstance(self.student_steps, bool) and self.student_steps >= 1), "student_steps",
               "must be an int >= 1 with --objective distill, and None without")
+        check(isinstance(self.teacher_draws, int) and not isinstance(self.teacher_draws, bool)
+              and self.teacher_draws >= 1 and (distill or self.teacher_draws == 1), "teacher_draws",
+              "must be an int >= 1, and 1 without --objective distill")
         check(not distill or Path(self.teacher).exists(), "teacher",  # type: ignore[arg-type]
               "no such checkpoint or run directory")
         check(not (distill and self.lora_rank), "lora_rank", "must be 0 with --objective distill (the student "

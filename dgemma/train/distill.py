@@ -22,11 +22,18 @@ never does (the first denoising step's situation, as the NELBO's posterior).
 Soft targets: the KL against the teacher's whole distribution carries more than a sampled token (SDTT's finding that
 KL targets beat hard ones), and it is zero exactly when the student reproduces the two-step teacher. Progressive
 rounds are repeated runs: teacher 2N -> student N, that student as the next teacher -> N/2 (docs/training.md).
+
+Lower-variance targets (`teacher_draws` K): the expected loss over the teacher's draw is
+E_k KL(p_k || p_S) = E_k KL(p_k || m) + KL(m || p_S), m = E_k p_k the mean target: a floor no student removes (the
+spread of the teacher's two-step outcomes) plus the part a student can learn, minimised by p_S = m. With K draws per
+x_s and their mean as the target, the minimiser is the same m and the target's draw noise K times smaller, for K - 1
+more teacher forwards (runs/distill_floor.py measures the floor and the learnable part of a student).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +87,28 @@ def teacher_step(teacher: DiffusionGemma, hidden: Tensor, xs: Tensor, level: Ten
     return out
 
 
+def mean_posterior(teacher: DiffusionGemma, hidden: Tensor, xs: Tensor, level: Tensor) -> Tensor:
+    """The log of the mean of K teacher posteriors per row, (M, V) float32, from the teacher's hidden states (M, K, D)
+    at K canvases xs (M, K) of one level (M,): the target of `teacher_draws` K (for K = 1, the one posterior's
+    logits, as they are)."""
+    K = xs.shape[1]
+    logits = [posterior_logits(teacher, hidden[:, k], xs[:, k], level) for k in range(K)]
+    if K == 1:
+        return logits[0]
+    logp = torch.stack([torch.log_softmax(z.float(), -1) for z in logits])
+    return torch.logsumexp(logp, 0) - math.log(K)
+
+
 def distill_loss(student: DiffusionGemma, x0: Tensor, *, teacher: DiffusionGemma, num_steps: int,
                  self_conditioning_prob: float = 0.5, chunk_rows: int | None = 1024, t_sampling: str = "uniform",
-                 generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None) -> LossOutput:
+                 generator: torch.Generator | None = None, batch_rows: tuple[int, int] | None = None,
+                 teacher_draws: int = 1) -> LossOutput:
     """The distillation loss on clean windows x0 (B, S) with the student's N = `num_steps` (module docstring).
     `loss`: the mean per-token KL(target || student); `cross_entropy`: the student's x0 cross-entropy on the same
     pass (detached, for the log). Random draws in order (levels, corruption, the self-conditioning coin, the
-    teacher's step), each made for the whole micro-batch with `batch_rows` as `training_loss` makes them."""
+    teacher's steps), each made for the whole micro-batch with `batch_rows` as `training_loss` makes them.
+    `teacher_draws` K > 1: K independent teacher half-steps from the same x_s, the target the mean of their K
+    posteriors (module docstring, "Lower-variance targets"); K = 1 is the single-draw loss, draw for draw."""
     cfg = student.config
     L, W, V = cfg.canvas_length, cfg.sliding_window, cfg.vocab_size
     B, S = x0.shape
@@ -97,7 +119,7 @@ def distill_loss(student: DiffusionGemma, x0: Tensor, *, teacher: DiffusionGemma
                                                      **k), (B, S // L), batch_rows, generator, device)
     xs = q_sample(x0, t, N, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
-    u = draw_rows(torch.rand, (B, S), batch_rows, generator, device)
+    us = [draw_rows(torch.rand, (B, S), batch_rows, generator, device) for _ in range(teacher_draws)]
     level = (t.double() / N).repeat_interleave(L, dim=1)  # (B, S): each token's canvas level, a multiple of 1/N
     half = level - 1.0 / (2 * N)
     pos = torch.arange(S, device=device)
@@ -113,16 +135,18 @@ def distill_loss(student: DiffusionGemma, x0: Tensor, *, teacher: DiffusionGemma
     rows = chunk_rows or B * S
     with torch.no_grad():
         h1 = hidden(teacher, xs, level, False)
-        xs2 = teacher_step(teacher, h1, xs.reshape(-1), level.reshape(-1), N, u.reshape(-1), rows).view(B, S)
+        xs2 = [teacher_step(teacher, h1, xs.reshape(-1), level.reshape(-1), N, u.reshape(-1), rows).view(B, S)
+               for u in us]
         del h1
-        h2 = hidden(teacher, xs2, half, False)
+        h2 = torch.stack([hidden(teacher, x2, half, False) for x2 in xs2], 1)  # (B * S, K, D)
     final = hidden(student, xs, level, use_sc)
-    flat = (xs.reshape(-1), level.reshape(-1).float(), xs2.reshape(-1), half.reshape(-1).float(), x0.reshape(-1))
+    flat = (xs.reshape(-1), level.reshape(-1).float(), torch.stack(xs2, -1).reshape(B * S, -1),
+            half.reshape(-1).float(), x0.reshape(-1))
 
     def chunk(h: Tensor, ht: Tensor, x: Tensor, lv: Tensor, x2: Tensor, lv2: Tensor, y: Tensor
               ) -> tuple[Tensor, Tensor]:
         with torch.no_grad():
-            target = posterior_logits(teacher, ht, x2, lv2)
+            target = mean_posterior(teacher, ht, x2, lv2)
         logits = posterior_logits(student, h, x, lv)
         ce = torch.nn.functional.cross_entropy(logits.detach().float(), y, reduction="sum")
         return soft_kl(target, logits).sum(), ce

@@ -445,6 +445,8 @@ def _train_locked(cfg: TrainConfig, run: Path, train_set: TokenDataset, val_set:
     recipe = {} if cfg.objective in ("ar", "sft") else {"t_sampling": cfg.t_sampling,
                                                         "loss_weighting": cfg.loss_weighting,
                                                         "time": cfg.diffusion_time}
+    if cfg.objective == "distill":  # held-out KLs keep one draw (the same measure whatever the recipe's K)
+        recipe["teacher_draws"] = cfg.teacher_draws
     loss_steps = cfg.student_steps if cfg.objective == "distill" else cfg.num_steps
     eta = Eta(end)  # the ETA of the steps to `end`, from this invocation's measured step rate
     with metrics.open("a") if d.is_main else contextlib.nullcontext() as log:

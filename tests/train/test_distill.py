@@ -22,8 +22,10 @@ import torch
 import dgemma.train.config as C
 from dgemma import cli
 from dgemma.cli.loading import load
+from dgemma.diffusion.likelihood import posterior_logits
+from dgemma.model.config import ConfigError
 from dgemma.sampling.rules import ancestral_step
-from dgemma.train.distill import distill_loss, inverse_cdf_draw, soft_kl
+from dgemma.train.distill import distill_loss, inverse_cdf_draw, mean_posterior, soft_kl
 from dgemma.train.loop import train
 from dgemma.weights.checkpoint import latest_checkpoint
 from dgemma.weights.loading import load_generation_config, load_model
@@ -124,6 +126,45 @@ def test_the_loss_is_a_kl_and_the_student_learns_its_target(teacher):
         opt.step()
         losses.append(float(out.loss.detach()))
     assert losses[0] > 0 and all(v >= 0 for v in losses)
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_the_k_draw_target_is_the_mean_of_the_teachers_posteriors(models):
+    """mean_posterior: exp of the target is the average of the K posteriors' softmaxes (each read at its own canvas),
+    and K copies of one canvas give that canvas's posterior."""
+    teacher, _ = models
+    g = torch.Generator().manual_seed(4)
+    M, K, D, V = 6, 3, teacher.config.hidden_size, teacher.config.vocab_size
+    h = torch.randn(M, K, D, generator=g)
+    x = torch.randint(0, V, (M, K), generator=g)
+    level = torch.full((M,), 0.375)
+    with torch.no_grad():
+        target = mean_posterior(teacher, h, x, level)
+        each = [torch.softmax(posterior_logits(teacher, h[:, k], x[:, k], level).float(), -1) for k in range(K)]
+        copies = mean_posterior(teacher, h[:, :1].expand(M, K, D), x[:, :1].expand(M, K), level)
+    assert torch.allclose(target.exp(), sum(each) / K, atol=1e-6)
+    assert torch.allclose(copies.exp(), each[0], atol=1e-6)
+    assert not torch.allclose(each[0], each[1], atol=1e-3)  # the draws differ: the mean is not any one of them
+
+
+def test_the_student_learns_a_k_draw_target_and_k_1_is_the_one_draw_loss(teacher):
+    tch = load_model(teacher, dtype=torch.float32).eval().requires_grad_(False)
+    student = load_model(teacher, dtype=torch.float32)
+    x0 = windows(6)
+    kw = dict(teacher=tch, num_steps=N, self_conditioning_prob=0.0, chunk_rows=64)
+    with torch.no_grad():
+        one = distill_loss(student, x0, generator=torch.Generator().manual_seed(2), **kw)
+        same = distill_loss(student, x0, generator=torch.Generator().manual_seed(2), teacher_draws=1, **kw)
+    assert torch.equal(one.loss, same.loss)
+    opt = torch.optim.Adam(student.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        out = distill_loss(student, x0, generator=torch.Generator().manual_seed(5), teacher_draws=3, **kw)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    assert losses[0] > 0
     assert losses[-1] < 0.7 * losses[0], losses
 
 
@@ -237,6 +278,7 @@ def ar_and_other(tiny_data, tmp_path_factory) -> tuple[Path, Path]:
     ("architecture", r"TrainConfig\.teacher: its architecture differs from the student's in canvas_length: "
                      r"teacher 16, student 8"),
     ("zero steps", r"TrainConfig\.student_steps: must be an int >= 1"),
+    ("zero draws", r"TrainConfig\.teacher_draws: must be an int >= 1"),
     ("not fewer", r"TrainConfig\.student_steps: must be fewer than the teacher's max_denoising_steps=48, got 48"),
     ("missing", r"TrainConfig\.teacher: no such checkpoint or run directory, got '.*nowhere'"),
 ])
@@ -246,6 +288,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, message, teacher, ar_an
     argv = {"ar teacher": ["--teacher", str(ar), "--student-steps", "4"],
             "architecture": ["--teacher", str(teacher), "--student-steps", "4", "--init-from", str(other)],
             "zero steps": ["--teacher", str(teacher), "--student-steps", "0"],
+            "zero draws": ["--teacher", str(teacher), "--student-steps", "4", "--teacher-draws", "0"],
             "not fewer": ["--teacher", str(teacher), "--student-steps", "48"],
             "missing": ["--teacher", str(tmp_path / "nowhere"), "--student-steps", "4"]}[case]
     run = tmp_path / "run"
@@ -299,3 +342,9 @@ def test_serve_runs_the_student(teacher, tiny_data, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_teacher_draws_belongs_to_distillation():
+    with pytest.raises(ConfigError, match=r"TrainConfig\.teacher_draws: must be an int >= 1, and 1 without "
+                                          r"--objective distill, got 2"):
+        C.TrainConfig(preset="tiny", teacher_draws=2)
