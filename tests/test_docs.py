@@ -156,6 +156,7 @@ TINY_ARGS: dict[str, list[str]] = {
     # runs/: each measurement script in its tiny mode (seconds), so every script a doc names runs in the default suite
     "bash runs/cpu_small_results.sh 4800": ["--smoke"],
     "bash runs/distill_results.sh": ["--smoke"],
+    "bash runs/distill_draws.sh": ["--smoke"],
     "python runs/recipe_ablations.py": ["--smoke"],
     "python runs/sampler_levels.py": ["--smoke"],
     "python runs/demo_seeds.py --seeds 0,1,2 --out runs/out/demo-seeds": ["--smoke", "--seeds", "0", "--out", "out"],
