@@ -11,6 +11,7 @@ import torch
 
 from dgemma import cli
 from dgemma.weights.checkpoint import list_checkpoints
+from tests.parallel.workers import train_grads
 from tests.train.test_distributed import final_weights, free_port, losses, metrics, torchrun
 
 STEPS = 4
@@ -122,14 +123,31 @@ def test_ep_refuses_a_dense_model_and_experts_that_do_not_divide(tiny_data, tmp_
 def test_ep_gradients_on_two_ranks_are_one_processs(tmp_path):
     """The loss and every parameter's gradient (the experts' gathered whole) of one step under ep on 2 ranks are one
     process's on the same batch, to fp32 rounding (the experts' input gradient is summed over the ranks)."""
+    got, alone = spawned_grads(tmp_path, 2, "ep"), train_grads()
+    assert got["loss"] == alone["loss"]  # the forward is bit-identical (dgemma/parallel/experts.py)
+    assert_same_gradients(got, alone)
+
+
+def test_fsdp_ep_gradients_on_a_2x2_mesh_are_one_processs(tmp_path):
+    """fsdp+ep on 4 ranks, --ep-size 2: two data replicas, each an expert-parallel pair reading its half of the
+    batch; the rest of the model FSDP-sharded over all 4. The loss (the mean over the replicas) and every gradient
+    (experts averaged over the replicas, FSDP's reduce-scatter over the world) are one process's on the whole batch."""
+    got, alone = spawned_grads(tmp_path, 4, "fsdp+ep", 2), train_grads()
+    assert got["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+    assert_same_gradients(got, alone)
+
+
+def spawned_grads(tmp_path: Path, world: int, parallel: str, ep_size: int | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from tests.parallel.workers import train_grads, train_rank_main
+    from tests.parallel.workers import train_rank_main
 
     out = tmp_path / "grads.pt"
-    mp.spawn(train_rank_main, args=(2, free_port(), str(out)), nprocs=2)
-    got, alone = torch.load(out), train_grads()
-    assert got["loss"] == alone["loss"]  # the forward is bit-identical (dgemma/parallel/experts.py)
+    mp.spawn(train_rank_main, args=(world, free_port(), str(out), parallel, ep_size), nprocs=world)
+    return torch.load(out)
+
+
+def assert_same_gradients(got: dict, alone: dict) -> None:
     assert got["norm"] == pytest.approx(alone["norm"], rel=1e-5)
     assert got["grads"].keys() == alone["grads"].keys()
     for name, g in alone["grads"].items():
