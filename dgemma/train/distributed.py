@@ -518,7 +518,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         sd = {"model": msd, "optimizer": osd}
         with _single_process_quiet():
             dcp.load(sd, checkpoint_id=ckpt)  # every model key is asked for: a missing one is an error here
-        sd = expert_parallel.locals_of(sd)
+        sd = expert_parallel.locals_of(d, model, sd)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
                        options=StateDictOptions(strict=False))  # not strict: the parameters without state
     else:

@@ -121,13 +121,19 @@ def as_dtensors(d: Any, model: nn.Module, msd: dict[str, Any], osd: dict[str, An
     return msd, osd
 
 
-def locals_of(sd: Any) -> Any:
-    """`as_dtensors` undone: each DTensor's local shard (the tensor the model and AdamW hold)."""
-    if isinstance(sd, dict):
-        return {k: locals_of(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [locals_of(v) for v in sd]
-    return sd.to_local() if hasattr(sd, "to_local") and hasattr(sd, "placements") else sd
+def locals_of(d: Any, model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """`as_dtensors` undone on {"model": ..., "optimizer": ...}: each split expert's local shard (the tensor the model
+    and AdamW hold); FSDP's DTensors are left as they are."""
+    if not d.splits_experts:
+        return sd
+    from dgemma.parallel.experts import expert_names
+
+    names = expert_names(model)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    osd = sd["optimizer"]
+    return {"model": {k: local(v) if k in names else v for k, v in sd["model"].items()},
+            "optimizer": {**osd, "state": {k: {m: local(t) if k in names else t for m, t in v.items()}
+                                           for k, v in osd["state"].items()}}}
 
 
 def own_share(model: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, Any], saved: dict[str, Any]

@@ -167,3 +167,61 @@ def test_the_expert_gather_has_this_ranks_slice_as_its_backward():
     x = torch.randn(3, 2, requires_grad=True)
     GatherRows.apply(x, One, [3]).sum().backward()
     assert torch.equal(x.grad, torch.ones(3, 2))
+
+
+# --- fsdp+ep: a (data, ep) mesh -----------------------------------------------------------------------------------
+
+# 4 ranks: 2 data replicas of an expert-parallel pair, 2 windows a rank: the 4 windows a step of `single_run`
+MESH_FLAGS = [*FLAGS, "--batch-size", "2", "--parallel", "fsdp+ep", "--ep-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tiny_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("fsdp-ep") / "run"
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), *MESH_FLAGS], nproc=4)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run
+
+
+@pytest.mark.integration
+def test_fsdp_ep_on_a_2x2_mesh_trains_as_one_process_on_the_same_batch(mesh_run, single_run):
+    assert_close(mesh_run, single_run)
+    record = json.loads((mesh_run / "run.json").read_text())
+    assert record["world_size"] == 4 and record["data_world"] == 2
+    assert record["train_config"]["parallel"] == "fsdp+ep" and record["train_config"]["ep_size"] == 2
+    whole = [v for k, v in final_weights(mesh_run).items() if k.endswith("experts.gate_up_proj")]
+    assert whole and all(v.shape[0] == 8 for v in whole)  # consolidated: every expert, gathered
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", [[], ["--parallel", "ep"], ["--parallel", "fsdp"]],
+                         ids=["fsdp+ep-1x2", "ep", "fsdp"])
+def test_a_fsdp_ep_checkpoint_of_4_ranks_resumes_on_2(tiny_data, mesh_run, single_run, tmp_path, layout):
+    # no --parallel: the run's fsdp+ep with its ep size 2, one data replica now (4 windows a rank); ep: every rank
+    # splits the experts; fsdp: the experts whole again, FSDP-sharded (DCP reshards each from the 2x2 mesh's shards)
+    run = cut_at_step_2(mesh_run, tmp_path / "run")
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume", *layout])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "resuming" in done.stdout
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
+def test_a_fsdp_ep_checkpoint_of_4_ranks_resumes_on_one_process(tiny_data, mesh_run, single_run, tmp_path):
+    run = cut_at_step_2(mesh_run, tmp_path / "run")
+    assert cli.main(["train", "--data", str(tiny_data), "--out", str(run), "--resume"]) == 0
+    assert json.loads((run / "run.json").read_text())["train_config"]["batch_size"] == 4
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
+def test_fsdp_ep_refuses_a_mesh_that_does_not_split(tiny_data, tmp_path):
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "three"), *FLAGS,
+                     "--parallel", "fsdp+ep", "--ep-size", "3"], nproc=3)
+    assert done.returncode != 0
+    line = "--parallel fsdp+ep on 3 ranks: ep=3 does not divide num_experts=8"
+    assert (done.stdout + done.stderr).count(line) == 1  # shown once, by rank 0
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "odd"), *FLAGS,
+                     "--parallel", "ddp+ep", "--ep-size", "2"], nproc=3)
+    assert "--parallel ddp+ep on 3 ranks: --ep-size 2 does not divide the world size 3" in done.stdout + done.stderr
+    assert not (tmp_path / "three").exists() and not (tmp_path / "odd").exists()
