@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -128,11 +130,13 @@ def test_ep_gradients_on_two_ranks_are_one_processs(tmp_path):
     assert_same_gradients(got, alone)
 
 
-def test_fsdp_ep_gradients_on_a_2x2_mesh_are_one_processs(tmp_path):
-    """fsdp+ep on 4 ranks, --ep-size 2: two data replicas, each an expert-parallel pair reading its half of the
-    batch; the rest of the model FSDP-sharded over all 4. The loss (the mean over the replicas) and every gradient
-    (experts averaged over the replicas, FSDP's reduce-scatter over the world) are one process's on the whole batch."""
-    got, alone = spawned_grads(tmp_path, 4, "fsdp+ep", 2), train_grads()
+@pytest.mark.parametrize("parallel", ["fsdp+ep", "ddp+ep"])
+def test_gradients_on_a_2x2_mesh_are_one_processs(tmp_path, parallel):
+    """fsdp+ep (ddp+ep) on 4 ranks, --ep-size 2: two data replicas, each an expert-parallel pair reading its half of
+    the batch; the rest of the model FSDP-sharded over all 4 (whole on every rank). The loss (the mean over the
+    replicas) and every gradient (experts averaged over the replicas, the rest over the world) are one process's on
+    the whole batch."""
+    got, alone = spawned_grads(tmp_path, 4, parallel, 2), train_grads()
     assert got["loss"] == pytest.approx(alone["loss"], rel=1e-5)
     assert_same_gradients(got, alone)
 
@@ -225,3 +229,22 @@ def test_fsdp_ep_refuses_a_mesh_that_does_not_split(tiny_data, tmp_path):
                      "--parallel", "ddp+ep", "--ep-size", "2"], nproc=3)
     assert "--parallel ddp+ep on 3 ranks: --ep-size 2 does not divide the world size 3" in done.stdout + done.stderr
     assert not (tmp_path / "three").exists() and not (tmp_path / "odd").exists()
+
+
+def test_the_training_mesh_and_its_refusals():
+    from dgemma.model.config import ConfigError, preset
+    from dgemma.model.plan import TrainMesh, check_train_mesh, train_mesh
+    from dgemma.train.config import TrainConfig
+
+    assert train_mesh("fsdp+ep", 4, 2) == TrainMesh(data=2, ep=2) and train_mesh("ep", 4, None) == TrainMesh(ep=4)
+    assert train_mesh("ddp", 4, None) == TrainMesh(data=4) and train_mesh("fsdp+ep", 1, 2) == TrainMesh()
+    assert [train_mesh("ddp+ep", 6, 2).data_rank(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    for args, message in [(("fsdp+ep", 4, None), "--parallel fsdp+ep needs --ep-size K"),
+                          (("ddp+ep", 3, 2), "--ep-size 2 does not divide the world size 3"),
+                          (("ep", 4, 2), "--ep-size 2: --parallel ep splits the experts over every rank (4)")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train_mesh(*args)
+    with pytest.raises(ValueError, match="ep=4 does not divide num_experts=6"):
+        check_train_mesh(dataclasses.replace(preset("tiny"), num_experts=6), "fsdp+ep", 8, 4)
+    with pytest.raises(ConfigError, match=re.escape("TrainConfig.ep_size: goes with parallel ep, ddp+ep or fsdp+ep")):
+        TrainConfig(parallel="fsdp", ep_size=2)
