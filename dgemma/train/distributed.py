@@ -178,8 +178,8 @@ class Dist:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = self.layout
-            self._mesh = init_device_mesh(self.device.type, (mesh.data, mesh.ep), mesh_dim_names=("data", "ep"))
+            shape = (self.layout.data, self.layout.ep)
+            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("data", "ep"))
         return self._mesh
 
     @property
@@ -406,8 +406,7 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def data_world(parallel: str, world_size: int, ep_size: int | None = None) -> int:
-    """Data replicas of a job of `world_size` ranks under `parallel` (ep: one, every rank reads the same rows;
-    ddp+ep, fsdp+ep: world_size / ep_size)."""
+    """Data replicas of `world_size` ranks under `parallel` (ep: one; ddp+ep, fsdp+ep: world_size / ep_size)."""
     return plan.train_mesh(parallel, world_size, ep_size).data
 
 
@@ -419,9 +418,8 @@ def resumed_config(base: Any, record: dict[str, Any], given: dict[str, Any]) -> 
         base = base.replace(ep_size=None)
     if "batch_size" in given or "grad_accum" in given:
         return base
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    now = base.replace(**{k: given[k] for k in ("parallel", "ep_size") if k in given})
-    return rescale_for_world(base, recorded_data_world(record), data_world(now.parallel, world, now.ep_size))
+    world, now = int(os.environ.get("WORLD_SIZE", "1")), {"parallel": base.parallel, "ep_size": base.ep_size} | given
+    return rescale_for_world(base, recorded_data_world(record), data_world(now["parallel"], world, now["ep_size"]))
 
 
 def recorded_data_world(record: dict[str, Any]) -> int:
@@ -536,9 +534,12 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         if d.splits_experts:  # each rank keeps its experts of the whole tensors
             weights, state["optimizer"] = expert_parallel.own_share(model, optimizer, weights, state["optimizer"])
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
-            set_state_dict(model, optimizer, model_state_dict=weights,
-                           optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),
-                           options=StateDictOptions(full_state_dict=True))
+            named = _named_optimizer_state(model, optimizer, state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=named,
+                           options=StateDictOptions(full_state_dict=True, strict=False))  # (as above)
+            for name, p in model.named_parameters():  # no stand-in state (a zero step) where the saved has none
+                if name not in named["state"]:
+                    optimizer.state.pop(p, None)
         else:
             with torch.no_grad():
                 model.load_state_dict(weights)

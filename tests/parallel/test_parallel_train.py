@@ -248,3 +248,13 @@ def test_the_training_mesh_and_its_refusals():
         check_train_mesh(dataclasses.replace(preset("tiny"), num_experts=6), "fsdp+ep", 8, 4)
     with pytest.raises(ConfigError, match=re.escape("TrainConfig.ep_size: goes with parallel ep, ddp+ep or fsdp+ep")):
         TrainConfig(parallel="fsdp", ep_size=2)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", [["fsdp+ep", "--ep-size", "2"], ["fsdp"]], ids=["fsdp+ep", "fsdp"])
+def test_a_single_process_checkpoint_resumes_under_fsdp_ep(tiny_data, single_run, tmp_path, layout):
+    run = cut_at_step_2(single_run, tmp_path / "run")  # each rank keeps its experts; FSDP scatters the rest
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume", "--parallel", *layout])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "resuming" in done.stdout
+    assert_close(run, single_run)
