@@ -202,6 +202,13 @@ TINY_ARGS: dict[str, list[str]] = {
     "--vocab-size 8192 --device cpu --parallel ep": ["--until-step", "1", "--eval-batches", "1", "--batch-size", "2",
                                                      "--save-every", "1"],
     "dgemma train --data data --out runs/ep --resume": ["--until-step", "2", "--eval-batches", "1"],
+    # docs/parallel.md, the (data, ep) mesh: fsdp+ep on 4 CPU ranks (2 x 2) for a step, then on 2 ranks, then 1 process
+    "torchrun --standalone --nproc-per-node 4 -m dgemma train --data data --out runs/fsdp-ep --preset tiny "
+    "--vocab-size 8192 --device cpu --batch-size 2 --parallel fsdp+ep --ep-size 2":
+        ["--until-step", "1", "--eval-batches", "1", "--save-every", "1"],
+    "torchrun --standalone --nproc-per-node 2 -m dgemma train --data data --out runs/fsdp-ep --resume":
+        ["--until-step", "2", "--eval-batches", "1", "--save-every", "1"],
+    "dgemma train --data data --out runs/fsdp-ep --resume": ["--until-step", "3", "--eval-batches", "1"],
     "python runs/bench_parallel.py": ["--smoke"],
     "python runs/bench_serve.py": ["--quick"],
     "python runs/bench_prefix_cache.py --threads 1 --repeats 3": ["--quick"],

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from typing import Any
 
 from dgemma.cli.flags import add_config_args, add_field_arg
 from dgemma.cli.train import add_run_args, run_training
 from dgemma.train.config import TrainConfig
 from dgemma.train.distill import teacher_recipe
-from dgemma.train.distributed import data_world, recorded_data_world, rescale_for_world
+from dgemma.train.distributed import resumed_config
 from dgemma.train.run_dir import read_record
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -69,9 +68,7 @@ def distill_config(args: argparse.Namespace) -> TrainConfig:
     record = read_record(args.out) if args.resume else None
     if record is not None:
         base = TrainConfig.from_json(record["train_config"], str(args.out / "run.json"))
-        if "batch_size" not in given and "grad_accum" not in given:  # as `dgemma train`: the same windows per step
-            base = rescale_for_world(base, recorded_data_world(record), data_world(
-                given.get("parallel", base.parallel), int(os.environ.get("WORLD_SIZE", "1"))))
+        base = resumed_config(base, record, given)  # as `dgemma train`: the same windows per step
         return base.replace(**given, **own)
     return TrainConfig(**(recipe(own["teacher"]) | given | own))
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from dgemma.cli.flags import add_config_args, positive_float, positive_int
 from dgemma.model.config import ConfigError
 from dgemma.train.config import CONFIG_JSON, DEFAULT_PRESET, TrainConfig, train_preset
-from dgemma.train.distributed import data_world, recorded_data_world, rescale_for_world
+from dgemma.train.distributed import resumed_config
 from dgemma.train.run_dir import read_record
 from dgemma.weights.checkpoint import latest_checkpoint
 
@@ -51,10 +50,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     ckpt = latest_checkpoint(args.out) if args.resume and record is None else None
     if record is not None:
         base = TrainConfig.from_json(record["train_config"], str(args.out / "run.json"))
-        world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; a run resumed on another number of ranks
-        if "batch_size" not in given and "grad_accum" not in given:  # keeps its windows per step
-            base = rescale_for_world(base, recorded_data_world(record),
-                                     data_world(given.get("parallel", base.parallel), world))
+        base = resumed_config(base, record, given)  # on another number of ranks: its windows per step
     elif ckpt is not None:  # a run from before run.json
         base = TrainConfig.from_json(json.loads((ckpt / CONFIG_JSON).read_text()), str(ckpt / CONFIG_JSON))
     else:  # a new run, or one killed before it recorded anything: --resume starts it

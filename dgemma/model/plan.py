@@ -16,6 +16,8 @@ experts across TP.
 
 Layouts: `ep=K`, `tp=K` and `ep+tp=K` (both over the same K ranks) are what `generate --parallel ep|tp|ep+tp` runs on K
 ranks; `ep=A,tp=B` is a 2-D mesh of A·B devices (EP across, TP within), for planning only: dgemma runs no such mesh.
+Training (`dgemma train --parallel`) runs a 2-D mesh of its own: `ddp+ep` / `fsdp+ep` with `ep_size` K put W = D x K
+ranks in D data replicas of K expert-parallel ranks (`train_mesh`; `ep` is D = 1, ddp and fsdp K = 1).
 Quantized weights are counted shard by shard (int4 pads each shard's widths, int8 keeps a scale per output row), for
 planning too: `generate --parallel` loads plain weights."""
 
@@ -117,6 +119,52 @@ def check_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
             raise ValueError(f"tp={tp} neither divides {name}={kv} nor is a multiple of it")
 
 
+TRAIN_LAYOUTS = ("ddp", "fsdp", "ep", "ddp+ep", "fsdp+ep")
+
+
+@dataclass(frozen=True)
+class TrainMesh:
+    """`dgemma train`'s ranks as a (data, ep) mesh: rank r is data replica r // ep and holds expert slice r % ep
+    (the ranks of one replica are neighbours, a node's when ep divides its GPUs)."""
+
+    data: int = 1
+    ep: int = 1
+
+    def data_rank(self, rank: int) -> int:
+        return rank // self.ep
+
+
+def train_mesh(parallel: str, world_size: int, ep_size: int | None) -> TrainMesh:
+    """The mesh of `dgemma train --parallel PARALLEL [--ep-size K]` on `world_size` ranks; ValueError in one line
+    (naming the flag and the value) unless it splits: ep is every rank (ep_size absent or the world), ddp+ep and
+    fsdp+ep need ep_size, which divides the world. One process (world 1) is a mesh of one whatever the flags."""
+    if parallel not in TRAIN_LAYOUTS:
+        raise ValueError(f"--parallel: must be one of {', '.join(TRAIN_LAYOUTS)}, got {parallel!r}")
+    if "ep" not in parallel.split("+"):  # (TrainConfig refuses an ep_size here)
+        return TrainMesh(data=world_size)
+    if world_size == 1:
+        return TrainMesh()
+    if parallel == "ep":
+        if ep_size not in (None, world_size):
+            raise ValueError(f"--ep-size {ep_size}: --parallel ep splits the experts over every rank ({world_size}); "
+                             "with fewer, the others data replicas: --parallel ddp+ep or fsdp+ep")
+        return TrainMesh(ep=world_size)
+    if ep_size is None:
+        raise ValueError(f"--parallel {parallel} needs --ep-size K: the ranks that split the experts (the world's "
+                         f"{world_size} ranks are {world_size} / K data replicas of K)")
+    if ep_size < 1 or world_size % ep_size:
+        raise ValueError(f"--ep-size {ep_size} does not divide the world size {world_size} (torchrun's ranks)")
+    return TrainMesh(data=world_size // ep_size, ep=ep_size)
+
+
+def check_train_mesh(cfg: ModelConfig, parallel: str, world_size: int, ep_size: int | None) -> TrainMesh:
+    """`train_mesh`, whose ep also splits `cfg`'s experts (`check_layout`)."""
+    mesh = train_mesh(parallel, world_size, ep_size)
+    if mesh.ep > 1:
+        check_layout(cfg, ParallelLayout(ep=mesh.ep))
+    return mesh
+
+
 def tp_shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """One TP rank's share of the geometry: heads / tp, KV heads `local_kv_heads`, the dense MLP's width / tp (its
     attention, dense-MLP, KV-cache and score sizes are the rank's; the other parts are read from `cfg`)."""
@@ -181,5 +229,6 @@ def plan(cfg: ModelConfig, layout: ParallelLayout, *, batch: int = 1, context: i
     return out
 
 
-__all__ = ["DEVICE_SIZES_GB", "SPLITS", "ParallelLayout", "check_layout", "device_memory", "device_weight_bytes",
-           "local_kv_heads", "parse_layout", "plan", "tp_shard_config"]
+__all__ = ["DEVICE_SIZES_GB", "SPLITS", "TRAIN_LAYOUTS", "ParallelLayout", "TrainMesh", "check_layout",
+           "check_train_mesh", "device_memory", "device_weight_bytes",
+           "local_kv_heads", "parse_layout", "plan", "tp_shard_config", "train_mesh"]

@@ -31,7 +31,8 @@ DEFAULT_PRESET = "cpu-small"
 EVAL_SEED = 20_240_601  # held-out noise is the same for every run and every evaluation, so val losses compare
 # Fields a resumed run may change: they decide how long and how observably it trains, not what a step computes.
 RESUMABLE = ("max_steps", "eval_every", "eval_batches", "eval_nelbo_steps", "eval_t_samples", "save_every",
-             "keep_last", "log_every", "compile", "device", "parallel", "activation_checkpointing")
+             "keep_last", "log_every", "compile", "device", "parallel", "ep_size",
+             "activation_checkpointing")
 # recipe switches of the diffusion objectives
 DIFFUSION_ONLY = ("diffusion_time", "t_sampling", "loss_weighting", "time_embedding", "observed_likelihood")
 
@@ -121,8 +122,12 @@ class TrainConfig:
     compile: bool = setting("torch.compile each block (CUDA only; never on CPU)", default=True)
     device: str = setting("auto: CUDA when available", default="auto", choices=("auto", "cpu", "cuda"))
     parallel: str = setting("under torchrun: ddp (a replica per rank), fsdp (FSDP2: parameters, gradients and AdamW "
-                            "state sharded per block) or ep (each rank holds 1/W of the routed experts; every rank "
-                            "reads the same batch: one data replica)", default="ddp", choices=PARALLEL)
+                            "state sharded per block), ep (each rank holds 1/W of the routed experts; every rank "
+                            "reads the same batch: one data replica), or ddp+ep / fsdp+ep (W / ep_size data replicas "
+                            "of ep_size ranks that split the experts; docs/parallel.md)", default="ddp",
+                            choices=PARALLEL)
+    ep_size: int | None = setting("--parallel ddp+ep / fsdp+ep: the ranks that split the routed experts (it divides "
+                                  "the world size; ep: every rank)", default=None)
     activation_checkpointing: bool = setting("recompute each block's activations in backward (less memory, about a "
                                              "third more compute)", default=False)
 
@@ -148,6 +153,10 @@ class TrainConfig:
             check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0), name,
                   "must be a positive int or None")
             check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
+        check(self.ep_size is None or (isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
+                                       and self.ep_size > 0), "ep_size", "must be a positive int or None")
+        check(self.ep_size is None or "ep" in self.parallel.split("+"), "ep_size",
+              f"goes with parallel ep, ddp+ep or fsdp+ep, not {self.parallel}")
         check(is_seed(self.seed), "seed", f"must be {SEED_RANGE}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
         check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)

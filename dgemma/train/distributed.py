@@ -8,7 +8,8 @@ is `Dist()`: no process group, no wrapping, the single-file checkpoints of dgemm
     dist.wrap(model, ...)        LossModule(model) (its forward is the training loss), under DDP or FSDP2 (fully_shard
                                  per block, then the root; bf16 mixed precision on CUDA; optional activation
                                  checkpointing per block), or with the routed experts split over the ranks (ep:
-                                 dgemma/parallel/experts.py; every rank reads the same batch, one data replica)
+                                 dgemma/parallel/experts.py; every rank reads the same batch, one data replica), or
+                                 both on a (data, ep) mesh (ddp+ep, fsdp+ep: dgemma/train/expert_parallel.py)
     dist.agree(fn)               run fn on every rank; a failure anywhere becomes a failure everywhere, shown once
     save_sharded / load_into     checkpoints: world size > 1 writes torch.distributed.checkpoint shards (any world
                                  size reads them back, resharded); the last one also gets the consolidated weights
@@ -49,7 +50,7 @@ from torch import nn
 
 from dgemma.io import fsio, quiet
 from dgemma.io.dirkind import SHARDED_STATE, STATE
-from dgemma.model import kernels
+from dgemma.model import kernels, plan
 from dgemma.model.config import ConfigError, ModelConfig, read_json
 from dgemma.model.diffusiongemma import DiffusionGemma
 from dgemma.sampling.generation_config import GenerationConfig
@@ -58,7 +59,7 @@ from dgemma.weights.checkpoint import MODEL_FILES, resolve_model_dir, save_pretr
 from dgemma.weights.loading import load_generation_config, load_model
 
 T = TypeVar("T")
-PARALLEL = ("ddp", "fsdp", "ep")
+PARALLEL = plan.TRAIN_LAYOUTS
 SHARED = "dgemma_shared_by_all_ranks"  # set on an exception every rank raises alike: only rank 0 prints it
 DEFAULT_TIMEOUT_MIN = 30.0  # minutes a collective may wait for the other ranks (DGEMMA_DIST_TIMEOUT_MIN overrides)
 
@@ -137,6 +138,8 @@ class Dist:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     parallel: str = "ddp"
+    ep_size: int | None = None  # ddp+ep, fsdp+ep: the ranks that split the experts (plan.train_mesh)
+    _mesh: Any = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, device: str = "auto") -> Dist:
@@ -152,13 +155,32 @@ class Dist:
         return cls(rank, world, local, dev)
 
     @property
+    def layout(self) -> plan.TrainMesh:
+        """This job's (data, ep) mesh: `data` replicas of `ep` ranks that split the experts."""
+        return plan.train_mesh(self.parallel, self.world_size, self.ep_size)
+
+    @property
     def data_world(self) -> int:
         """Data replicas: the ranks that each read their own rows of a micro-batch (ep: one; its ranks share them)."""
-        return data_world(self.parallel, self.world_size)
+        return self.layout.data
 
     @property
     def data_rank(self) -> int:
-        return 0 if self.parallel == "ep" else self.rank
+        return self.layout.data_rank(self.rank)
+
+    @property
+    def splits_experts(self) -> bool:
+        """Whether each rank holds only its share of the routed experts (ep, ddp+ep, fsdp+ep on ep > 1 ranks)."""
+        return self.layout.ep > 1
+
+    def expert_mesh(self) -> Any:
+        """The (data, ep) DeviceMesh, made once (every rank makes it at the same point: `wrap`)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (self.layout.data, self.layout.ep)
+            self._mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("data", "ep"))
+        return self._mesh
 
     @property
     def is_main(self) -> bool:
@@ -238,16 +260,20 @@ class Dist:
 
             for block in model.layers:
                 checkpoint(block)
-        if self.world_size > 1 and parallel == "ep":
+        if self.world_size > 1 and "ep" in parallel.split("+"):
             try:
-                expert_parallel.shard_experts(model, self.world_size)
+                expert_parallel.shard_experts(model, self)
             except ConfigError as e:
                 raise shared(e) from None
-        if self.world_size > 1 and parallel == "fsdp":
+        if self.sharded:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_bf16 else None
-            kw = {"mp_policy": mp} if mp is not None else {}
+            kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
+            # fsdp+ep: the split experts stay this rank's own (their gradients averaged over the data replicas in
+            # clip_grad_norm); FSDP shards the rest over every rank, whose reduce-scatter averages over the world:
+            # over the data replicas, since an expert-parallel group's ranks hold the same gradients
+            kw["ignored_params"] = set(expert_parallel.expert_params(model)) or None
             for block in model.layers:
                 fully_shard(block, **kw)
             fully_shard(net, **kw)  # the root: embedding (tied head), final norm, self-conditioning
@@ -265,7 +291,7 @@ class Dist:
             kernels.register_expert_loop_op()  # the self-conditioning pre-pass's experts (no gradients): one op
             for block in model.layers:  # per block; corruption, masks and the loss stay eager (seed 003, section 5)
                 block.compile()
-        if self.world_size > 1 and parallel == "ddp":
+        if self.world_size > 1 and parallel.startswith("ddp") and not self.splits_experts:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -281,7 +307,7 @@ class Dist:
     @contextlib.contextmanager
     def accumulating(self, net: nn.Module, sync: bool) -> Iterator[None]:
         """A micro-batch's backward: gradients are reduced across ranks only when `sync` (the step's last)."""
-        if self.world_size == 1 or self.parallel == "ep":
+        if self.world_size == 1 or (self.splits_experts and not self.sharded):  # ep, ddp+ep: reduced when clipped
             yield
         elif self.parallel == "ddp":
             with contextlib.nullcontext() if sync else net.no_sync():
@@ -292,8 +318,8 @@ class Dist:
 
     def clip_grad_norm(self, model: nn.Module, clip: float) -> float:
         """The global gradient norm (before clipping), the same on every rank; clipped to `clip` (0: not)."""
-        if self.world_size > 1 and self.parallel == "ep":
-            return expert_parallel.clip_grad_norm(model, clip, self.world_size)
+        if self.splits_experts:
+            return expert_parallel.clip_grad_norm(model, clip, self)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
             norm = norm.full_tensor()
@@ -340,7 +366,8 @@ class Dist:
 
     @property
     def sharded(self) -> bool:
-        return self.world_size > 1 and self.parallel == "fsdp"
+        """FSDP2 shards the parameters (fsdp, fsdp+ep: all but the split experts)."""
+        return self.world_size > 1 and self.parallel.startswith("fsdp")
 
 
 def windows_per_step(cfg: Any, world: int) -> int:
@@ -378,9 +405,21 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return (Path(path) / ".metadata").is_file()
 
 
-def data_world(parallel: str, world_size: int) -> int:
-    """Data replicas of a job of `world_size` ranks under `parallel` (ep: one, every rank reads the same rows)."""
-    return 1 if parallel == "ep" else world_size
+def data_world(parallel: str, world_size: int, ep_size: int | None = None) -> int:
+    """Data replicas of `world_size` ranks under `parallel` (ep: one; ddp+ep, fsdp+ep: world_size / ep_size)."""
+    return plan.train_mesh(parallel, world_size, ep_size).data
+
+
+def resumed_config(base: Any, record: dict[str, Any], given: dict[str, Any]) -> Any:
+    """A recorded run's TrainConfig `base` for this torchrun job (WORLD_SIZE) and the flags `given`: a --parallel
+    given without --ep-size brings its own (the recorded one is dropped); the same windows per step on another
+    number of data replicas unless --batch-size or --grad-accum is given (`rescale_for_world`)."""
+    if "parallel" in given and "ep_size" not in given:
+        base = base.replace(ep_size=None)
+    if "batch_size" in given or "grad_accum" in given:
+        return base
+    world, now = int(os.environ.get("WORLD_SIZE", "1")), {"parallel": base.parallel, "ep_size": base.ep_size} | given
+    return rescale_for_world(base, recorded_data_world(record), data_world(now["parallel"], world, now["ep_size"]))
 
 
 def recorded_data_world(record: dict[str, Any]) -> int:
@@ -422,7 +461,7 @@ def save_sharded(d: Dist, run: Path, model: DiffusionGemma, optimizer: torch.opt
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp)
     if not consolidate:
         full = None
-    elif d.parallel == "ep":  # every rank gathers the experts (rank 0 writes them)
+    elif d.splits_experts:  # every rank gathers the experts (rank 0 writes them)
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in msd.items()}
     else:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -477,7 +516,7 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
         sd = {"model": msd, "optimizer": osd}
         with _single_process_quiet():
             dcp.load(sd, checkpoint_id=ckpt)  # every model key is asked for: a missing one is an error here
-        sd = expert_parallel.locals_of(sd)
+        sd = expert_parallel.locals_of(d, model, sd)
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
                        options=StateDictOptions(strict=False))  # not strict: the parameters without state
     else:
@@ -492,12 +531,15 @@ def load_into(d: Dist, ckpt: Path, model: DiffusionGemma, optimizer: torch.optim
             weights = {**model.state_dict(), **read_weights(ckpt)}
         else:
             weights = load_model(ckpt, dtype=torch.float32, device="cpu").state_dict()
-        if d.parallel == "ep" and d.world_size > 1:  # each rank keeps its experts of the whole tensors
+        if d.splits_experts:  # each rank keeps its experts of the whole tensors
             weights, state["optimizer"] = expert_parallel.own_share(model, optimizer, weights, state["optimizer"])
         if d.sharded:  # FSDP: the full tensors, named, are scattered into this rank's shards
-            set_state_dict(model, optimizer, model_state_dict=weights,
-                           optim_state_dict=_named_optimizer_state(model, optimizer, state["optimizer"]),
-                           options=StateDictOptions(full_state_dict=True))
+            named = _named_optimizer_state(model, optimizer, state["optimizer"])
+            set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=named,
+                           options=StateDictOptions(full_state_dict=True, strict=False))  # (as above)
+            for name, p in model.named_parameters():  # no stand-in state (a zero step) where the saved has none
+                if name not in named["state"]:
+                    optimizer.state.pop(p, None)
         else:
             with torch.no_grad():
                 model.load_state_dict(weights)

@@ -194,7 +194,8 @@ def heldout_metrics(net: torch.nn.Module, val: Any, cfg: TrainConfig, device: to
                 k = 5 + 3 * b
                 sums[k:k + 3] = (sums[k] + float(per_token.sum()), sums[k + 1] + float((per_token ** 2).sum()),
                                  sums[k + 2] + per_token.numel())
-    sums = d.sum(sums)
+    # the ranks of an expert-parallel group measured the same rows: each counts for 1/ep of them
+    sums = d.sum([s / d.layout.ep for s in sums])
     if sums[4] == 0:
         raise ValueError("the validation split has no complete window of seq_len tokens")
     result = {"val_loss": sums[3] / sums[4], "val_loss_se": _se(*sums[0:3])}
@@ -259,7 +260,7 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     runs this function; rank 0 alone checks and writes the run directory (lock, run.json, metrics, console) and every
     check is agreed on, so a failure on any rank stops them all. None: a single process."""
     d = dist or Dist(device=resolve_device(cfg.device))
-    d.parallel = cfg.parallel  # ep: every rank reads the same rows (d.data_world)
+    d.parallel, d.ep_size = cfg.parallel, cfg.ep_size  # ep: the ranks of a group read the same rows (d.data_world)
     if cfg.lora_rank and d.world_size > 1:
         raise ConfigError(f"TrainConfig.lora_rank: LoRA trains in one process ({d.world_size} ranks here); several "
                           "ranks are not supported yet")
@@ -267,8 +268,8 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
     run, data_dir, device = Path(out_dir), Path(data_dir), d.device
     use_bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda")
     mc = cfg.model_config
-    if cfg.parallel == "ep" and d.world_size > 1:  # before anything is written (the same error on every rank)
-        d.symmetric(lambda: expert_parallel.check(mc, d.world_size))
+    if d.world_size > 1:  # the (data, ep) mesh, before anything is written (the same error on every rank)
+        d.symmetric(lambda: expert_parallel.check(mc, cfg.parallel, d.world_size, cfg.ep_size))
 
     def check_data() -> tuple[Any, Any, dict[str, Any]]:
         if use_bf16 and device.type != "cuda":

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from dgemma import cli
 from dgemma.weights.checkpoint import list_checkpoints
+from tests.parallel.workers import train_grads
 from tests.train.test_distributed import final_weights, free_port, losses, metrics, torchrun
 
 STEPS = 4
@@ -122,14 +125,33 @@ def test_ep_refuses_a_dense_model_and_experts_that_do_not_divide(tiny_data, tmp_
 def test_ep_gradients_on_two_ranks_are_one_processs(tmp_path):
     """The loss and every parameter's gradient (the experts' gathered whole) of one step under ep on 2 ranks are one
     process's on the same batch, to fp32 rounding (the experts' input gradient is summed over the ranks)."""
+    got, alone = spawned_grads(tmp_path, 2, "ep"), train_grads()
+    assert got["loss"] == alone["loss"]  # the forward is bit-identical (dgemma/parallel/experts.py)
+    assert_same_gradients(got, alone)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp+ep", "ddp+ep"])
+def test_gradients_on_a_2x2_mesh_are_one_processs(tmp_path, parallel):
+    """fsdp+ep (ddp+ep) on 4 ranks, --ep-size 2: two data replicas, each an expert-parallel pair reading its half of
+    the batch; the rest of the model FSDP-sharded over all 4 (whole on every rank). The loss (the mean over the
+    replicas) and every gradient (experts averaged over the replicas, the rest over the world) are one process's on
+    the whole batch."""
+    got, alone = spawned_grads(tmp_path, 4, parallel, 2), train_grads()
+    assert got["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+    assert_same_gradients(got, alone)
+
+
+def spawned_grads(tmp_path: Path, world: int, parallel: str, ep_size: int | None = None) -> dict:
     import torch.multiprocessing as mp
 
-    from tests.parallel.workers import train_grads, train_rank_main
+    from tests.parallel.workers import train_rank_main
 
     out = tmp_path / "grads.pt"
-    mp.spawn(train_rank_main, args=(2, free_port(), str(out)), nprocs=2)
-    got, alone = torch.load(out), train_grads()
-    assert got["loss"] == alone["loss"]  # the forward is bit-identical (dgemma/parallel/experts.py)
+    mp.spawn(train_rank_main, args=(world, free_port(), str(out), parallel, ep_size), nprocs=world)
+    return torch.load(out)
+
+
+def assert_same_gradients(got: dict, alone: dict) -> None:
     assert got["norm"] == pytest.approx(alone["norm"], rel=1e-5)
     assert got["grads"].keys() == alone["grads"].keys()
     for name, g in alone["grads"].items():
@@ -149,3 +171,90 @@ def test_the_expert_gather_has_this_ranks_slice_as_its_backward():
     x = torch.randn(3, 2, requires_grad=True)
     GatherRows.apply(x, One, [3]).sum().backward()
     assert torch.equal(x.grad, torch.ones(3, 2))
+
+
+# --- fsdp+ep: a (data, ep) mesh -----------------------------------------------------------------------------------
+
+# 4 ranks: 2 data replicas of an expert-parallel pair, 2 windows a rank: the 4 windows a step of `single_run`
+MESH_FLAGS = [*FLAGS, "--batch-size", "2", "--parallel", "fsdp+ep", "--ep-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tiny_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("fsdp-ep") / "run"
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), *MESH_FLAGS], nproc=4)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run
+
+
+@pytest.mark.integration
+def test_fsdp_ep_on_a_2x2_mesh_trains_as_one_process_on_the_same_batch(mesh_run, single_run):
+    assert_close(mesh_run, single_run)
+    record = json.loads((mesh_run / "run.json").read_text())
+    assert record["world_size"] == 4 and record["data_world"] == 2
+    assert record["train_config"]["parallel"] == "fsdp+ep" and record["train_config"]["ep_size"] == 2
+    whole = [v for k, v in final_weights(mesh_run).items() if k.endswith("experts.gate_up_proj")]
+    assert whole and all(v.shape[0] == 8 for v in whole)  # consolidated: every expert, gathered
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", [[], ["--parallel", "ep"], ["--parallel", "fsdp"]],
+                         ids=["fsdp+ep-1x2", "ep", "fsdp"])
+def test_a_fsdp_ep_checkpoint_of_4_ranks_resumes_on_2(tiny_data, mesh_run, single_run, tmp_path, layout):
+    # no --parallel: the run's fsdp+ep with its ep size 2, one data replica now (4 windows a rank); ep: every rank
+    # splits the experts; fsdp: the experts whole again, FSDP-sharded (DCP reshards each from the 2x2 mesh's shards)
+    run = cut_at_step_2(mesh_run, tmp_path / "run")
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume", *layout])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "resuming" in done.stdout
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
+def test_a_fsdp_ep_checkpoint_of_4_ranks_resumes_on_one_process(tiny_data, mesh_run, single_run, tmp_path):
+    run = cut_at_step_2(mesh_run, tmp_path / "run")
+    assert cli.main(["train", "--data", str(tiny_data), "--out", str(run), "--resume"]) == 0
+    assert json.loads((run / "run.json").read_text())["train_config"]["batch_size"] == 4
+    assert_close(run, single_run)
+
+
+@pytest.mark.integration
+def test_fsdp_ep_refuses_a_mesh_that_does_not_split(tiny_data, tmp_path):
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "three"), *FLAGS,
+                     "--parallel", "fsdp+ep", "--ep-size", "3"], nproc=3)
+    assert done.returncode != 0
+    line = "--parallel fsdp+ep on 3 ranks: ep=3 does not divide num_experts=8"
+    assert (done.stdout + done.stderr).count(line) == 1  # shown once, by rank 0
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(tmp_path / "odd"), *FLAGS,
+                     "--parallel", "ddp+ep", "--ep-size", "2"], nproc=3)
+    assert "--parallel ddp+ep on 3 ranks: --ep-size 2 does not divide the world size 3" in done.stdout + done.stderr
+    assert not (tmp_path / "three").exists() and not (tmp_path / "odd").exists()
+
+
+def test_the_training_mesh_and_its_refusals():
+    from dgemma.model.config import ConfigError, preset
+    from dgemma.model.plan import TrainMesh, check_train_mesh, train_mesh
+    from dgemma.train.config import TrainConfig
+
+    assert train_mesh("fsdp+ep", 4, 2) == TrainMesh(data=2, ep=2) and train_mesh("ep", 4, None) == TrainMesh(ep=4)
+    assert train_mesh("ddp", 4, None) == TrainMesh(data=4) and train_mesh("fsdp+ep", 1, 2) == TrainMesh()
+    assert [train_mesh("ddp+ep", 6, 2).data_rank(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    for args, message in [(("fsdp+ep", 4, None), "--parallel fsdp+ep needs --ep-size K"),
+                          (("ddp+ep", 3, 2), "--ep-size 2 does not divide the world size 3"),
+                          (("ep", 4, 2), "--ep-size 2: --parallel ep splits the experts over every rank (4)")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train_mesh(*args)
+    with pytest.raises(ValueError, match="ep=4 does not divide num_experts=6"):
+        check_train_mesh(dataclasses.replace(preset("tiny"), num_experts=6), "fsdp+ep", 8, 4)
+    with pytest.raises(ConfigError, match=re.escape("TrainConfig.ep_size: goes with parallel ep, ddp+ep or fsdp+ep")):
+        TrainConfig(parallel="fsdp", ep_size=2)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", [["fsdp+ep", "--ep-size", "2"], ["fsdp"]], ids=["fsdp+ep", "fsdp"])
+def test_a_single_process_checkpoint_resumes_under_fsdp_ep(tiny_data, single_run, tmp_path, layout):
+    run = cut_at_step_2(single_run, tmp_path / "run")  # each rank keeps its experts; FSDP scatters the rest
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), "--resume", "--parallel", *layout])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "resuming" in done.stdout
+    assert_close(run, single_run)

@@ -83,39 +83,46 @@ def rank_main(rank: int, world: int, port: int, jobs: list[tuple[str, str, int |
         dist.destroy_process_group()
 
 
-def train_grads(rank: int = 0, world: int = 1) -> dict:
-    """One training loss and its gradients on the tiny MoE (fp32, fast kernels) from a fixed seed and batch; under
-    `--parallel ep` when `world` > 1 (the experts' gradients gathered whole). What test_parallel_train.py compares."""
+def train_grads(rank: int = 0, world: int = 1, parallel: str = "ep", ep_size: int | None = None) -> dict:
+    """One training loss and its gradients on the tiny MoE (fp32, fast kernels) from a fixed seed and a global batch
+    of 4 rows; on `world` > 1 ranks under `Dist.wrap(parallel)` as `dgemma train` wraps it, each data replica on its
+    rows (the loss: the mean over the replicas; the gradients after `clip_grad_norm`'s reduction, FSDP shards and the
+    experts gathered whole). What test_parallel_train.py compares."""
+    from dgemma.parallel.experts import expert_names
     from dgemma.train.diffusion import training_loss
-    from dgemma.train.expert_parallel import clip_grad_norm, shard_experts
+    from dgemma.train.distributed import Dist
 
     model = build_model(preset("tiny"), impl="fast", dtype=torch.float32).train()
     x0 = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(3))
-    if world > 1:
-        shard_experts(model, world)
-    out = training_loss(model, x0, self_conditioning_prob=1.0, generator=torch.Generator().manual_seed(4))
-    out.loss.backward()
-    if world > 1:
-        norm = clip_grad_norm(model, 0.0, world)
-    else:
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    d = Dist(rank, world, parallel=parallel, ep_size=ep_size) if world > 1 else Dist()
+    net = d.wrap(model, training_loss, parallel=d.parallel)
+    rows = 4 // d.data_world
+    lo = d.data_rank * rows
+    loss, _ = net(x0[lo:lo + rows], self_conditioning_prob=1.0, generator=torch.Generator().manual_seed(4),
+                  batch_rows=d.rows(rows))
+    loss.backward()
+    norm = d.clip_grad_norm(model, 0.0)
+    experts = expert_names(model)
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad if p.grad is not None else torch.zeros_like(p)
-        if world > 1 and name.split(".")[-2] == "experts":
-            parts = [torch.empty_like(g) for _ in range(world)]
-            dist.all_gather(parts, g.contiguous())
+        if hasattr(g, "full_tensor"):  # an FSDP shard
+            g = g.full_tensor()
+        if name in experts:  # this rank's experts: the whole from its expert-parallel group
+            parts = [torch.empty_like(g) for _ in range(d.layout.ep)]
+            dist.all_gather(parts, g.contiguous(), group=d.expert_mesh().get_group("ep"))
             g = torch.cat(parts)
         grads[name] = g.clone()
-    return {"loss": float(out.loss.detach()), "norm": norm, "grads": grads}
+    return {"loss": d.sum([float(loss.detach())])[0] / world, "norm": norm, "grads": grads}
 
 
-def train_rank_main(rank: int, world: int, port: int, out: str) -> None:
+def train_rank_main(rank: int, world: int, port: int, out: str, parallel: str = "ep",
+                    ep_size: int | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = train_grads(rank, world)
+        result = train_grads(rank, world, parallel, ep_size)
         if rank == 0:
             torch.save(result, Path(out))
     finally:
