@@ -124,7 +124,7 @@ class TrainConfig:
                             "of ep_size ranks that split the experts; docs/parallel.md)", default="ddp",
                             choices=PARALLEL)
     ep_size: int | None = setting("--parallel ddp+ep / fsdp+ep: the ranks that split the routed experts (it divides "
-                                  "the world size; ep: every rank)", default=None)
+                                  "the world size; --parallel ep: every rank)", default=None)
     activation_checkpointing: bool = setting("recompute each block's activations in backward (less memory, about a "
                                              "third more compute)", default=False)
 
@@ -152,8 +152,8 @@ class TrainConfig:
             check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
         check(self.ep_size is None or (isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
                                        and self.ep_size > 0), "ep_size", "must be a positive int or None")
-        check(self.ep_size is None or "ep" in self.parallel.split("+"), "ep_size",
-              f"goes with parallel ep, ddp+ep or fsdp+ep, not {self.parallel}")
+        check(self.ep_size is None or self.parallel in ("ddp+ep", "fsdp+ep"), "ep_size",
+              f"goes with parallel ddp+ep or fsdp+ep (ep: every rank), not {self.parallel}")
         check(is_seed(self.seed), "seed", f"must be {SEED_RANGE}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
         check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)
