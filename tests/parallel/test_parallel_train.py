@@ -22,13 +22,13 @@ FLAGS = ["--preset", "tiny", "--vocab-size", "512", "--seq-len", "32", "--max-st
          "--log-every", "100", "--device", "cpu", "--batch-size", "4"]
 
 
-def assert_close(a: Path, b: Path, atol: float = 5e-3) -> None:
+def assert_close(a: Path, b: Path, atol: float = 5e-3, val_rel: float = 1e-5) -> None:
     """Losses to fp32 rounding; weights within about one step of the learning rate (3e-3): AdamW's first steps are
     sign-like, so a near-zero gradient whose rounding differs moves a weight by up to lr either way (measured 2.6e-3,
     in the self-conditioning MLP; test_ep_gradients_on_two_ranks_are_one_processs checks the gradients themselves)."""
     (la, va), (lb, vb) = losses(a), losses(b)
     assert len(la) == len(lb) == STEPS
-    assert la == pytest.approx(lb, rel=1e-5) and va == pytest.approx(vb, rel=1e-5), (la, lb, va, vb)
+    assert la == pytest.approx(lb, rel=1e-5) and va == pytest.approx(vb, rel=val_rel), (la, lb, va, vb)
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys()
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
@@ -195,6 +195,32 @@ def test_fsdp_ep_on_a_2x2_mesh_trains_as_one_process_on_the_same_batch(mesh_run,
     assert record["train_config"]["parallel"] == "fsdp+ep" and record["train_config"]["ep_size"] == 2
     whole = [v for k, v in final_weights(mesh_run).items() if k.endswith("experts.gate_up_proj")]
     assert whole and all(v.shape[0] == 8 for v in whole)  # consolidated: every expert, gathered
+
+
+@pytest.fixture(scope="module")
+def single_accumulating_run(tiny_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("single-accumulating") / "run"
+    assert cli.main(["train", "--data", str(tiny_data), "--out", str(run), *FLAGS, "--batch-size", "2",
+                     "--grad-accum", "2"]) == 0
+    return run
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("parallel", ["ddp+ep", "fsdp+ep"])
+def test_a_2x2_mesh_accumulating_micro_batches_trains_as_one_process(tiny_data, single_accumulating_run, tmp_path,
+                                                                     parallel):
+    # 1 window a rank x 2 replicas x 2 micro-batches = one process's 2 windows x 2 micro-batches: the experts'
+    # gradients (and ddp+ep's replicated ones) are reduced once, after the step's last micro-batch; FSDP's
+    # reduce-scatter waits for it too
+    run = tmp_path / "run"
+    done = torchrun(["train", "--data", str(tiny_data), "--out", str(run), *FLAGS, "--batch-size", "1",
+                     "--grad-accum", "2", "--parallel", parallel, "--ep-size", "2"], nproc=4)
+    assert done.returncode == 0, done.stderr[-4000:]
+    # the training losses to 1e-5; the held-out loss after the last step to 1e-3 (measured 4.5e-4 fsdp+ep, 7.9e-5
+    # ddp+ep): the micro-batches' gradients are summed in another order, and AdamW's sign-like first steps turn that
+    # rounding into moves of up to 1.1e-3 (the tied embedding's near-zero rows), within `atol`; plain ddp on 2 ranks
+    # with the same micro-batches is as far (5.94580 against 5.94309)
+    assert_close(run, single_accumulating_run, val_rel=1e-3)
 
 
 @pytest.mark.integration
