@@ -284,3 +284,22 @@ def test_a_single_process_checkpoint_resumes_under_fsdp_ep(tiny_data, single_run
     assert done.returncode == 0, done.stderr[-4000:]
     assert "resuming" in done.stdout
     assert_close(run, single_run)
+
+
+@pytest.mark.parametrize("shards, ep, held, gathered, total", [
+    (8, 1, 47.0, 8.8, 62.7), (8, 8, 47.0, 3.2, 57.0), (16, 1, 23.5, 8.8, 39.2), (16, 8, 44.8, 3.2, 54.8),
+    (16, 16, 23.5, 3.2, 33.5)])
+def test_the_pre_flight_counts_a_ranks_experts(shards, ep, held, gathered, total):
+    """docs/parallel.md's memory table (the 26B-A4B fine-tuning rows of docs/training.md under fsdp+ep): a rank holds
+    E / ep experts with their gradients and AdamW state, FSDP shards the rest over every rank and gathers no expert."""
+    from dgemma.model import costs
+    from dgemma.model.config import preset
+
+    parts = costs.training_step_bytes(preset("diffusiongemma-26b-a4b"), batch_size=1, seq_len=2048, paired=True,
+                                      chunk_rows=1024, use_bf16=True, compiled=True, activation_checkpointing=True,
+                                      shards=shards, ep=ep)
+    gib = lambda b: round(b / 2**30, 1)
+    assert gib(parts["parameters"] + parts["gradients"] + parts["adamw"]) == held
+    assert (gib(parts["gathered"]), gib(sum(parts.values()))) == (gathered, total)
+    row = f"| {held} GiB | {gathered} GiB | {total} GiB |"
+    assert row in (Path(__file__).resolve().parents[2] / "docs" / "parallel.md").read_text()
