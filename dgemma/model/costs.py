@@ -283,8 +283,8 @@ def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device |
 
 def training_step_bytes(cfg: ModelConfig, *, batch_size: int, seq_len: int, paired: bool, chunk_rows: int,
                         use_bf16: bool = False, compiled: bool = False, eager_scores: bool = False,
-                        activation_checkpointing: bool = False, lora: bool = False, shards: int = 1
-                        ) -> dict[str, int]:
+                        activation_checkpointing: bool = False, lora: bool = False, shards: int = 1,
+                        ep: int = 1) -> dict[str, int]:
     """Peak bytes of one training step of one rank, by part (train/config.py:estimate_memory says it of a
     TrainConfig). `paired`: each window is fed as [x0 ; x_t] (clean-context and sft objectives). Activations: values
     autograd keeps per token and layer, fitted to measured eager fp32 CPU peaks (runs/train_memory.py: ~68 D-wide
@@ -293,10 +293,14 @@ def training_step_bytes(cfg: ModelConfig, *, batch_size: int, seq_len: int, pair
     layer's saved attention mask (and its scores with `eager_scores`: the reference attention keeps them), the
     (chunk_rows, V) loss logits, and the runtime itself. `batch_size` is a rank's micro-batch; with FSDP over `shards`
     ranks parameters, gradients and AdamW state are divided by `shards`, plus the blocks gathered whole at once (the
-    root's embedding and two blocks, with their gradients). Activation checkpointing keeps one block's activations
-    and each block's input; `lora`: gradients and AdamW state of the adapters only (negligible)."""
+    root's embedding and two blocks, with their gradients); with the routed experts split over `ep` ranks (dgemma
+    train --parallel ep|ddp+ep|fsdp+ep) a rank holds E / ep of them (and FSDP neither shards nor gathers them).
+    Activation checkpointing keeps one block's activations and each block's input; `lora`: gradients and AdamW state
+    of the adapters only (negligible)."""
     L = cfg.num_hidden_layers
-    P = parameter_counts(cfg)["total"]
+    counts = parameter_counts(cfg)
+    experts = counts["breakdown"]["experts"] if ep > 1 else 0  # split, not FSDP-sharded
+    P = counts["total"]
     S = seq_len * (2 if paired else 1)
     N, act = batch_size * S, 2 if use_bf16 else 4
     D, H, Dh = cfg.hidden_size, cfg.num_attention_heads, max(cfg.head_dim, cfg.global_head_dim)
@@ -307,10 +311,11 @@ def training_step_bytes(cfg: ModelConfig, *, batch_size: int, seq_len: int, pair
         per_token //= 3
     scores = 2 * batch_size * H * S * S * 4 if eager_scores else 0
     kept = 1 if activation_checkpointing else L  # layers whose activations are alive at once
-    trained = 0 if lora else P
-    parts = {"parameters": 4 * P // shards, "gradients": 4 * trained // shards, "adamw": 8 * trained // shards}
+    held = (P - experts) // shards + experts // ep  # this rank's parameters
+    trained = 0 if lora else held
+    parts = {"parameters": 4 * held, "gradients": 4 * trained, "adamw": 8 * trained}
     if shards > 1:
-        per_layer = (P - cfg.vocab_size * D) // L
+        per_layer = (P - experts - cfg.vocab_size * D) // L
         parts["gathered"] = 2 * (cfg.vocab_size * D + 2 * per_layer) * (2 if use_bf16 else 4)
     return {**parts,
             "activations": N * kept * per_token * act + L * (S * S * act + scores)

@@ -137,17 +137,15 @@ class TrainMesh:
 def train_mesh(parallel: str, world_size: int, ep_size: int | None) -> TrainMesh:
     """The mesh of `dgemma train --parallel PARALLEL [--ep-size K]` on `world_size` ranks; ValueError in one line
     (naming the flag and the value) unless it splits: ep is every rank (ep_size absent or the world), ddp+ep and
-    fsdp+ep need ep_size, which divides the world. One process (world 1) is a mesh of one whatever the flags."""
+    fsdp+ep need ep_size, which divides the world (TrainConfig refuses an ep_size with the other layouts). One
+    process (world 1) is a mesh of one whatever the flags."""
     if parallel not in TRAIN_LAYOUTS:
         raise ValueError(f"--parallel: must be one of {', '.join(TRAIN_LAYOUTS)}, got {parallel!r}")
-    if "ep" not in parallel.split("+"):  # (TrainConfig refuses an ep_size here)
+    if "ep" not in parallel.split("+"):
         return TrainMesh(data=world_size)
     if world_size == 1:
         return TrainMesh()
     if parallel == "ep":
-        if ep_size not in (None, world_size):
-            raise ValueError(f"--ep-size {ep_size}: --parallel ep splits the experts over every rank ({world_size}); "
-                             "with fewer, the others data replicas: --parallel ddp+ep or fsdp+ep")
         return TrainMesh(ep=world_size)
     if ep_size is None:
         raise ValueError(f"--parallel {parallel} needs --ep-size K: the ranks that split the experts (the world's "

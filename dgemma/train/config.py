@@ -127,7 +127,7 @@ class TrainConfig:
                             "of ep_size ranks that split the experts; docs/parallel.md)", default="ddp",
                             choices=PARALLEL)
     ep_size: int | None = setting("--parallel ddp+ep / fsdp+ep: the ranks that split the routed experts (it divides "
-                                  "the world size; ep: every rank)", default=None)
+                                  "the world size; --parallel ep: every rank)", default=None)
     activation_checkpointing: bool = setting("recompute each block's activations in backward (less memory, about a "
                                              "third more compute)", default=False)
 
@@ -155,8 +155,8 @@ class TrainConfig:
             check(self.init_from is None or v is None, name, "must be None with init_from (the checkpoint decides)")
         check(self.ep_size is None or (isinstance(self.ep_size, int) and not isinstance(self.ep_size, bool)
                                        and self.ep_size > 0), "ep_size", "must be a positive int or None")
-        check(self.ep_size is None or "ep" in self.parallel.split("+"), "ep_size",
-              f"goes with parallel ep, ddp+ep or fsdp+ep, not {self.parallel}")
+        check(self.ep_size is None or self.parallel in ("ddp+ep", "fsdp+ep"), "ep_size",
+              f"goes with parallel ddp+ep or fsdp+ep (ep: every rank), not {self.parallel}")
         check(is_seed(self.seed), "seed", f"must be {SEED_RANGE}")
         check(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
         check(self.eval_nelbo_steps is None or (isinstance(self.eval_nelbo_steps, int)
@@ -312,25 +312,26 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 # --- the memory pre-flight of a training step -------------------------------------------------------------------------
 
-def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False, shards: int = 1
-                    ) -> dict[str, int]:
+def estimate_memory(cfg: TrainConfig, device_type: str = "cpu", use_bf16: bool = False, shards: int = 1,
+                    ep: int = 1) -> dict[str, int]:
     """Peak bytes of one training step of `cfg` on one rank, by part (`costs.training_step_bytes`: parameters,
     gradients, AdamW state, activations, the saved attention masks, the loss logits). Blocks are compiled on CUDA when
-    `cfg.compile`; the reference attention keeps its scores; `shards`: the ranks FSDP shards over."""
+    `cfg.compile`; the reference attention keeps its scores; `shards`: the ranks FSDP shards over; `ep`: the ranks
+    that split the routed experts."""
     parts = costs.training_step_bytes(
         cfg.model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
         paired=cfg.objective in ("clean-context", "sft", "distill"), chunk_rows=cfg.chunk_rows, use_bf16=use_bf16,
         compiled=cfg.compile and device_type == "cuda", eager_scores=cfg.impl == "reference",
-        activation_checkpointing=cfg.activation_checkpointing, lora=bool(cfg.lora_rank), shards=shards)
+        activation_checkpointing=cfg.activation_checkpointing, lora=bool(cfg.lora_rank), shards=shards, ep=ep)
     if cfg.objective == "distill":  # the frozen teacher: the student's architecture, whole on every rank, fp32
-        parts["teacher"] = parts["parameters"] * shards
+        parts["teacher"] = 4 * costs.parameter_counts(cfg.model_config)["total"]
     return parts
 
 
-def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool, shards: int = 1) -> str:
+def preflight(cfg: TrainConfig, device: torch.device, use_bf16: bool, shards: int = 1, ep: int = 1) -> str:
     """Refuse (ValueError) a configuration whose estimated peak memory exceeds what is free, naming the flags that
     lower it; else a summary line."""
-    parts = estimate_memory(cfg, device.type, use_bf16, shards)
+    parts = estimate_memory(cfg, device.type, use_bf16, shards, ep)
     need, free = sum(parts.values()), available_memory(device)
     gib = lambda b: f"{b / 2**30:.2f} GiB"
     detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())

@@ -309,7 +309,7 @@ class Dist:
         """A micro-batch's backward: gradients are reduced across ranks only when `sync` (the step's last)."""
         if self.world_size == 1 or (self.splits_experts and not self.sharded):  # ep, ddp+ep: reduced when clipped
             yield
-        elif self.parallel == "ddp":
+        elif self.parallel.startswith("ddp"):  # (ddp+ep with an ep size of 1: plain DDP)
             with contextlib.nullcontext() if sync else net.no_sync():
                 yield
         else:

@@ -298,8 +298,8 @@ def train(cfg: TrainConfig, data_dir: str | os.PathLike[str], out_dir: str | os.
                         d.data_world)
 
     d.on_main(lambda: run_dir.check_writable(run, resume, fingerprint, allow_new_data, data_dir, check_config))
-    shards = d.world_size if cfg.parallel == "fsdp" else 1
-    console.print(d.agree(lambda: preflight(cfg, device, use_bf16, shards)))
+    shards = d.world_size if d.sharded else 1  # fsdp, fsdp+ep (the split experts aside)
+    console.print(d.agree(lambda: preflight(cfg, device, use_bf16, shards, d.layout.ep)))
     if d.world_size > 1:
         console.print(f"{d.world_size} ranks ({cfg.parallel}, {'nccl' if device.type == 'cuda' else 'gloo'}): "
                       f"{cfg.batch_size} windows a rank x {d.data_world} x {cfg.grad_accum} micro-batches a step")
