@@ -34,9 +34,8 @@ from dgemma.diffusion.likelihood import posterior_logits
 from dgemma.diffusion.noise import q_sample
 from dgemma.io import fsio
 from dgemma.model.attention import clean_context_masks
-from dgemma.sampling.rules import ancestral_step
 from dgemma.train.diffusion import sample_canvas_t, self_conditioned_hidden
-from dgemma.train.distill import inverse_cdf_draw
+from dgemma.train.distill import teacher_step
 from dgemma.weights.checkpoint import resolve_model_dir
 from dgemma.weights.loading import load_model
 
@@ -93,13 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return torch.log_softmax(z.double(), -1)
 
     with torch.no_grad():
-        z = posterior_logits(teacher, hidden(teacher, xs, level), xs.reshape(-1), lvf.float()).float()
-        probs = torch.empty_like(z)
-        for s in lvf.unique().tolist():
-            rows = lvf == s
-            probs[rows] = ancestral_step(z[rows][None], xs.reshape(-1)[rows][None], s, s - 1.0 / (2 * N))[0]
-        targets = torch.stack([log_posterior(teacher, inverse_cdf_draw(probs, torch.rand(B * S, generator=g))
-                                             .view(B, S), half) for _ in range(K)])  # (K, M, V)
+        u = torch.stack([torch.rand(B * S, generator=g) for _ in range(K)], -1)  # (M, K)
+        draws = teacher_step(teacher, hidden(teacher, xs, level), xs.reshape(-1), lvf, N, u, B * S)
+        targets = torch.stack([log_posterior(teacher, x2.view(B, S), half) for x2 in draws.unbind(-1)])  # (K, M, V)
         mean = torch.logsumexp(targets, 0) - math.log(K)
         floor = torch.stack([kl(targets[k], mean) for k in range(K)]).mean(0) * K / (K - 1)
         rows = {}

@@ -61,20 +61,22 @@ def soft_kl(target_logits: Tensor, logits: Tensor) -> Tensor:
 
 
 def inverse_cdf_draw(probs: Tensor, u: Tensor) -> Tensor:
-    """One categorical draw per row of `probs` (M, V) from a uniform `u` (M,) in [0, 1): the first index whose
-    cumulative probability exceeds u. The uniforms are drawn beforehand with `draw_rows`, so the draw of a row does
-    not depend on how the batch is split across ranks (torch.multinomial's would)."""
+    """Categorical draws per row of `probs` (M, V) from uniforms `u` (M,) or (M, K) in [0, 1), shaped as `u`: the
+    first index whose cumulative probability exceeds u. The uniforms are drawn beforehand with `draw_rows`, so the
+    draw of a row does not depend on how the batch is split across ranks (torch.multinomial's would)."""
     cdf = probs.double().cumsum(-1)
-    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None].contiguous(), right=True)[:, 0]
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    values = u.double().reshape(u.shape[0], -1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, values.contiguous(), right=True)
+    return idx.clamp_(max=probs.shape[-1] - 1).view(u.shape)
 
 
 def teacher_step(teacher: DiffusionGemma, hidden: Tensor, xs: Tensor, level: Tensor, num_steps: int, u: Tensor,
                  chunk_rows: int) -> Tensor:
-    """x_{s'} (M,) drawn from the teacher's ancestral step s -> s' = s - 1/(2N), from its final hidden states (M, D)
-    at the canvases x_s (M,) of levels `level` (M,) (each a multiple of 1/N), with uniforms `u` (M,). Row chunks; the
-    sampler's `ancestral_step` takes one level at a time, so the rows of a chunk go level by level (at most N)."""
-    out = torch.empty_like(xs)
+    """x_{s'} drawn from the teacher's ancestral step s -> s' = s - 1/(2N), from its final hidden states (M, D) at
+    the canvases x_s (M,) of levels `level` (M,) (each a multiple of 1/N), with uniforms `u` (M,) or (M, K): one draw
+    per uniform, shaped as `u`, all K from the one step's probabilities. Row chunks; the sampler's `ancestral_step`
+    takes one level at a time, so the rows of a chunk go level by level (at most N)."""
+    out = torch.empty(u.shape, dtype=xs.dtype, device=xs.device)
     half = 1.0 / (2 * num_steps)
     for lo in range(0, xs.shape[0], chunk_rows):
         sl = slice(lo, lo + chunk_rows)
@@ -119,7 +121,7 @@ def distill_loss(student: DiffusionGemma, x0: Tensor, *, teacher: DiffusionGemma
                                                      **k), (B, S // L), batch_rows, generator, device)
     xs = q_sample(x0, t, N, L, V, generator, batch_rows)
     use_sc = bool(torch.rand((), generator=generator, device=device) < self_conditioning_prob)
-    us = [draw_rows(torch.rand, (B, S), batch_rows, generator, device) for _ in range(teacher_draws)]
+    u = torch.stack([draw_rows(torch.rand, (B, S), batch_rows, generator, device) for _ in range(teacher_draws)], -1)
     level = (t.double() / N).repeat_interleave(L, dim=1)  # (B, S): each token's canvas level, a multiple of 1/N
     half = level - 1.0 / (2 * N)
     pos = torch.arange(S, device=device)
@@ -135,13 +137,11 @@ def distill_loss(student: DiffusionGemma, x0: Tensor, *, teacher: DiffusionGemma
     rows = chunk_rows or B * S
     with torch.no_grad():
         h1 = hidden(teacher, xs, level, False)
-        xs2 = [teacher_step(teacher, h1, xs.reshape(-1), level.reshape(-1), N, u.reshape(-1), rows).view(B, S)
-               for u in us]
+        xs2 = teacher_step(teacher, h1, xs.reshape(-1), level.reshape(-1), N, u.reshape(B * S, -1), rows)  # (B S, K)
         del h1
-        h2 = torch.stack([hidden(teacher, x2, half, False) for x2 in xs2], 1)  # (B * S, K, D)
+        h2 = torch.stack([hidden(teacher, x2.view(B, S), half, False) for x2 in xs2.unbind(-1)], 1)  # (B S, K, D)
     final = hidden(student, xs, level, use_sc)
-    flat = (xs.reshape(-1), level.reshape(-1).float(), torch.stack(xs2, -1).reshape(B * S, -1),
-            half.reshape(-1).float(), x0.reshape(-1))
+    flat = (xs.reshape(-1), level.reshape(-1).float(), xs2, half.reshape(-1).float(), x0.reshape(-1))
 
     def chunk(h: Tensor, ht: Tensor, x: Tensor, lv: Tensor, x2: Tensor, lv2: Tensor, y: Tensor
               ) -> tuple[Tensor, Tensor]:
