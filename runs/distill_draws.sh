@@ -2,11 +2,12 @@
 # Does a lower-variance target help a distillation learn? (issue 40; docs/training.md, "Few-step samplers by
 # distillation"). Round 1 of runs/distill_results.sh (the demo's diffusion model, 16 steps -> a student at 8) with one
 # teacher draw per x_s (the recipe) and with the mean of K = 4 draws (--teacher-draws 4), each at two training seeds,
-# STEPS steps; then runs/distill_floor.py puts the initialisation and the four students on the same held-out windows,
+# STEPS steps; and one draw at the teacher's own peak rate (10x the recipe's: is the slow learning the rate?), both
+# seeds; then runs/distill_floor.py puts the initialisation and the six students on the same held-out windows,
 # levels, corruption and teacher draws: each one's learnable KL (the part of its KL above the floor) and its
 # difference from the initialisation's, paired, with SEs over windows.
 #
-#   bash runs/distill_draws.sh           # ~30 min on 2 cores after runs/distill_results.sh's demo/ (which it makes)
+#   bash runs/distill_draws.sh           # ~40 min on 2 cores after runs/distill_results.sh's demo/ (which it makes)
 #   bash runs/distill_draws.sh --smoke   # tiny models on a toy corpus, a minute
 #
 # Runs inside OUT (default runs/out/distill-demo, shared with distill_results.sh); every step resumes.
@@ -39,6 +40,13 @@ for K in 1 4; do
         --teacher-draws "$K" --seed "$SEED" --max-steps "$STEPS" "${RUN[@]}" --resume
     students+=(--student "draws/k$K-seed$SEED")
   done
+done
+# Is the students' slow learning the rate? One draw at the teacher's own peak rate (10x the recipe's), both seeds.
+RATE=$("$PY" -c "from dgemma.train.distill import teacher_recipe as r; print(r('demo/diffusion')['lr'])")
+for SEED in 0 1; do
+  dgemma distill --data demo/data --out "draws/k1-teacher-rate-seed$SEED" --teacher demo/diffusion \
+      --student-steps "$N" --lr "$RATE" --seed "$SEED" --max-steps "$STEPS" "${RUN[@]}" --resume
+  students+=(--student "draws/k1-teacher-rate-seed$SEED")
 done
 "$PY" "$ROOT/runs/distill_floor.py" --teacher demo/diffusion --student demo/diffusion "${students[@]}" \
     --student-steps "$N" --data demo/data --out draws/floor.json "${FLOOR[@]}"

@@ -40,6 +40,8 @@ JUDGE=(--preset cpu-tiny --warmup-steps 20 --max-steps 1920 --eval-every 10000 -
 DISTILL=(${DISTILL_ARGS:-})
 FLOOR=()
 TEMPS=0.6,0.7,0.8,0.9,1.0
+TEMPERED=(--sampler-grid "entropy-bound:entropy_bound=0.1,t_min=0.8,t_max=0.8"
+          --sampler-grid "entropy-bound:entropy_bound=0.1,t_min=1,t_max=1")
 EVAL=(--prompts 256 --sample-seeds 2 --prompt-tokens 32 --entropy-bounds 0.1
       --sampler-grid ancestral --ar-temperatures "$TEMPS" --max-windows 128 --threads 2)
 if [[ "$SMOKE" == --smoke ]]; then  # toy corpus, tiny models, a few steps, a small evaluation
@@ -78,12 +80,15 @@ mkdir -p summary
     --student-steps "$quarter" --data demo/data --out "summary/floor-$quarter.json" "${FLOOR[@]}"
 unset OMP_NUM_THREADS
 
-evaluate() {  # evaluate NAME RUN
+evaluate() {  # evaluate NAME RUN [MORE EVAL FLAGS]
   [[ -f "report-$1/report.json" ]] || dgemma eval --model "$2" --baseline demo/ar --judge judge --data demo/data \
       --out "report-$1" --seed 0 \
-      --max-denoising-steps-grid "$TEACHER_STEPS,$half,$quarter" "${EVAL[@]}"
+      --max-denoising-steps-grid "$TEACHER_STEPS,$half,$quarter" "${EVAL[@]}" "${@:3}"
 }
-evaluate teacher demo/diffusion  # the comparison first: the teacher and the student at a quarter of its steps
+# The teacher also at constant temperatures 0.8 and 1 (the AR baseline's frontier is a temperature sweep; the
+# sampler's default falls from 0.8 to 0.4): whether a warmer, more varied entropy-bound reaches the AR's frontier.
+evaluate teacher demo/diffusion "${TEMPERED[@]}"  # the comparison first: the teacher and the student at a
+# quarter of its steps
 evaluate "student-$quarter" "student-$quarter"
 evaluate "student-$half" "student-$half"
 "$PY" "$ROOT/runs/distill_summary.py" --teacher report-teacher --teacher-steps "$TEACHER_STEPS" \
