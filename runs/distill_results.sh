@@ -85,10 +85,10 @@ evaluate() {  # evaluate NAME RUN [MORE EVAL FLAGS]
       --out "report-$1" --seed 0 \
       --max-denoising-steps-grid "$TEACHER_STEPS,$half,$quarter" "${EVAL[@]}" "${@:3}"
 }
-# The teacher also at constant temperatures 0.8 and 1 (the AR baseline's frontier is a temperature sweep; the
-# sampler's default falls from 0.8 to 0.4): whether a warmer, more varied entropy-bound reaches the AR's frontier.
-evaluate teacher demo/diffusion "${TEMPERED[@]}"  # the comparison first: the teacher and the student at a
-# quarter of its steps
+# The comparison first: the teacher, and the student at a quarter of its steps. The teacher also at constant
+# temperatures 0.8 and 1 (the AR baseline's frontier is a temperature sweep; the sampler's default falls from 0.8 to
+# 0.4): whether a warmer entropy-bound reaches the AR's frontier.
+evaluate teacher demo/diffusion "${TEMPERED[@]}"
 evaluate "student-$quarter" "student-$quarter"
 evaluate "student-$half" "student-$half"
 "$PY" "$ROOT/runs/distill_summary.py" --teacher report-teacher --teacher-steps "$TEACHER_STEPS" \
